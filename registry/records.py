@@ -1,0 +1,138 @@
+"""Plain records the store reads and writes: sites, capacity, links, keys, audit entries.
+
+They know nothing of SQL or HTTP; `to_json` gives the wire shape the service and client share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Generic, TypeVar
+
+SITE_STATES = ("active", "cordoned", "draining")
+SITE_ROLES = ("prefill", "decode")
+MODEL_ROLES = ("prefill", "decode", "both")
+DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+TTL_HEARTBEATS = 3  # a site is down after this many heartbeat intervals without one
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ModelServed:
+    model: str
+    role: str = "both"
+
+
+@dataclass(slots=True)
+class SiteSpec:
+    """The descriptive fields of a site, as an operator or the site's agent supplies them."""
+
+    region: str | None = None
+    country: str | None = None
+    lat: float | None = None
+    lon: float | None = None
+    grpc_address: str | None = None
+    roles: list[str] = field(default_factory=lambda: list(SITE_ROLES))
+    models: list[ModelServed] = field(default_factory=list)
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+
+
+@dataclass(slots=True)
+class Site:
+    id: int
+    name: str
+    region: str | None
+    country: str | None
+    lat: float | None
+    lon: float | None
+    grpc_address: str | None
+    state: str
+    drain_deadline: float | None
+    roles: list[str]
+    models: list[ModelServed]
+    heartbeat_interval_s: float
+    created_at: float
+    updated_at: float
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        del out["id"]
+        return out
+
+
+@dataclass(slots=True)
+class Capacity:
+    """One heartbeat: how busy a site is right now."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    num_running: int = 0
+    num_waiting: int = 0
+    inflight_prefill_tokens: int = 0
+    inflight_decode_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    prefix_cache_summary: dict | None = None  # {"block_size": int, "hashes": [hex, ...]}; opaque here
+    draining: bool = False
+
+
+@dataclass(slots=True)
+class SiteStatus:
+    """What an agent learns back from a heartbeat: the operator's intent for its site."""
+
+    state: str
+    drain_deadline: float | None
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "drain_deadline": self.drain_deadline}
+
+
+@dataclass(slots=True)
+class LinkMeasurement:
+    peer: str
+    rtt_ms: float
+    bandwidth_mbps: float
+
+
+@dataclass(slots=True)
+class ApiKeySpec:
+    name: str
+    allowed_regions: list[str] = field(default_factory=list)  # empty: every region
+    requests_per_minute: int | None = None  # None: unlimited
+    tokens_per_minute: int | None = None
+
+
+@dataclass(slots=True)
+class ApiKey:
+    id: int
+    name: str
+    key_prefix: str
+    allowed_regions: list[str]
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    revoked: bool
+    created_at: float
+    revoked_at: float | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class AuditEntry:
+    id: int
+    at: float
+    actor: str
+    action: str
+    target: str
+    detail: dict
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Page(Generic[T]):
+    items: list[T]
+    next_cursor: str | None

@@ -1,0 +1,153 @@
+"""Sites and the models they serve: the operator's and the agents' writes to `sites`/`site_models`.
+
+Every change runs in one transaction with its audit entry and a snapshot-version bump, so a
+failure leaves nothing half-written. Heartbeats never touch these rows (they live in `capacity`),
+so an agent's heartbeat can never undo an operator's cordon.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import fields
+
+from sqlalchemy import Connection, Engine, delete, insert, update
+from sqlalchemy.exc import IntegrityError
+
+from registry import audit, validate
+from registry.db import writer
+from registry.errors import Conflict, InvalidInput
+from registry.records import ModelServed, Page, Site, SiteSpec
+from registry.sql import SITE_MODELS, SITES, bump_version, load_site, load_sites, site_id
+
+SPEC_FIELDS = frozenset(f.name for f in fields(SiteSpec))
+
+
+class SiteStore:
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
+        self._read = engine
+        self._write = writer(engine)
+        self._clock = clock
+
+    def create(self, name: str, spec: SiteSpec, actor: str) -> Site:
+        validate.site_name(name)
+        validate.site_spec(spec)
+        try:
+            with self._write.begin() as conn:
+                return self._insert(conn, name, spec, actor)
+        except IntegrityError as exc:
+            # Two creates racing past each other; the unique index settles it.
+            raise Conflict(f"a site named {name!r} already exists", "duplicate_site") from exc
+
+    def put(self, name: str, spec: SiteSpec, actor: str) -> tuple[Site, bool]:
+        """Creates the site or replaces its descriptive fields; returns (site, created). Idempotent."""
+        validate.site_name(name)
+        validate.site_spec(spec)
+        with self._write.begin() as conn:
+            existing = conn.execute(SITES.select().where(SITES.c.name == name).with_for_update()).first()
+            if existing is None:
+                return self._insert(conn, name, spec, actor), True
+            self._write_spec(conn, existing.id, spec)
+            audit.record(conn, self._clock(), actor, "site.put", name, _spec_json(spec))
+            bump_version(conn)
+            return load_site(conn, existing.id), False
+
+    def update(self, name: str, changes: dict, actor: str, action: str = "site.update") -> Site:
+        """Changes only the given SiteSpec fields, validated together with the ones kept."""
+        unknown = set(changes) - SPEC_FIELDS
+        if unknown:
+            raise InvalidInput(f"unknown site fields {sorted(unknown)}; allowed: {sorted(SPEC_FIELDS)}")
+        with self._write.begin() as conn:
+            current = load_site(conn, site_id(conn, name, lock=True))
+            spec = SiteSpec(**{f: getattr(current, f) for f in SPEC_FIELDS})
+            for key, value in changes.items():
+                setattr(spec, key, value)
+            validate.site_spec(spec)
+            self._write_spec(conn, current.id, spec)
+            audit.record(conn, self._clock(), actor, action, name, _spec_json(spec, only=changes))
+            bump_version(conn)
+            return load_site(conn, current.id)
+
+    def get(self, name: str) -> Site:
+        with self._read.connect() as conn:
+            return load_site(conn, site_id(conn, name))
+
+    def list(self, limit: int = 100, cursor: str | None = None) -> Page[Site]:
+        """Sites by name; `cursor` is the next_cursor of the previous page."""
+        validate.page_limit(limit)
+        where = SITES.c.name > cursor if cursor is not None else None
+        with self._read.connect() as conn:
+            sites = load_sites(conn, where, limit=limit + 1)
+        next_cursor = sites[limit - 1].name if len(sites) > limit else None
+        return Page(sites[:limit], next_cursor)
+
+    def delete(self, name: str, actor: str) -> None:
+        with self._write.begin() as conn:
+            found = site_id(conn, name, lock=True)
+            conn.execute(delete(SITES).where(SITES.c.id == found))  # cascades to models, capacity, links, tokens
+            audit.record(conn, self._clock(), actor, "site.delete", name)
+            bump_version(conn)
+
+    def cordon(self, name: str, actor: str) -> Site:
+        return self._set_state(name, "cordoned", None, actor, "site.cordon")
+
+    def uncordon(self, name: str, actor: str) -> Site:
+        return self._set_state(name, "active", None, actor, "site.uncordon")
+
+    def drain(self, name: str, deadline_s: float, actor: str) -> Site:
+        validate.drain_deadline(deadline_s)
+        return self._set_state(name, "draining", self._clock() + deadline_s, actor, "site.drain")
+
+    def set_roles(self, name: str, roles: list[str], actor: str) -> Site:
+        return self.update(name, {"roles": roles}, actor, "site.set_roles")
+
+    def set_models(self, name: str, models: list[ModelServed], actor: str) -> Site:
+        return self.update(name, {"models": models}, actor, "site.set_models")
+
+    def _set_state(self, name: str, state: str, deadline: float | None, actor: str, action: str) -> Site:
+        with self._write.begin() as conn:
+            found = site_id(conn, name, lock=True)
+            conn.execute(update(SITES).where(SITES.c.id == found).values(
+                state=state, drain_deadline=deadline, updated_at=self._clock(),
+            ))
+            audit.record(conn, self._clock(), actor, action, name, {"state": state, "drain_deadline": deadline})
+            bump_version(conn)
+            return load_site(conn, found)
+
+    def _insert(self, conn: Connection, name: str, spec: SiteSpec, actor: str) -> Site:
+        if conn.execute(SITES.select().where(SITES.c.name == name)).first() is not None:
+            raise Conflict(f"a site named {name!r} already exists", "duplicate_site")
+        now = self._clock()
+        new_id = conn.execute(insert(SITES).values(
+            name=name, state="active", created_at=now, **_spec_columns(spec, now),
+        )).inserted_primary_key[0]
+        _write_models(conn, new_id, spec.models)
+        audit.record(conn, now, actor, "site.create", name, _spec_json(spec))
+        bump_version(conn)
+        return load_site(conn, new_id)
+
+    def _write_spec(self, conn: Connection, found: int, spec: SiteSpec) -> None:
+        conn.execute(update(SITES).where(SITES.c.id == found).values(**_spec_columns(spec, self._clock())))
+        _write_models(conn, found, spec.models)
+
+
+def _write_models(conn: Connection, found: int, models: list[ModelServed]) -> None:
+    conn.execute(delete(SITE_MODELS).where(SITE_MODELS.c.site_id == found))
+    if models:
+        conn.execute(insert(SITE_MODELS), [{"site_id": found, "model": m.model, "role": m.role} for m in models])
+
+
+def _spec_columns(spec: SiteSpec, now: float) -> dict:
+    return {
+        "region": spec.region, "country": spec.country, "lat": spec.lat, "lon": spec.lon,
+        "grpc_address": spec.grpc_address, "roles": json.dumps(spec.roles),
+        "heartbeat_interval_s": spec.heartbeat_interval_s, "updated_at": now,
+    }
+
+
+def _spec_json(spec: SiteSpec, only: dict | None = None) -> dict:
+    out = {f: getattr(spec, f) for f in (only or SPEC_FIELDS)}
+    if "models" in out:
+        out["models"] = [{"model": m.model, "role": m.role} for m in out["models"]]
+    return out

@@ -1,0 +1,120 @@
+"""The registry's SQL schema as SQLAlchemy 2.x declarative models.
+
+Times are epoch seconds in double-precision columns: identical on SQLite and PostgreSQL, and
+liveness checks are a float comparison. JSON-valued fields (roles, allowed regions, prefix-cache
+summaries, audit details) are stored as JSON text so both dialects treat them the same and the
+snapshot can splice the stored text verbatim instead of re-encoding it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Boolean, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SiteRow(Base):
+    __tablename__ = "sites"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    region: Mapped[str | None] = mapped_column(String(63))
+    country: Mapped[str | None] = mapped_column(String(2))
+    lat: Mapped[float | None] = mapped_column(Float)
+    lon: Mapped[float | None] = mapped_column(Float)
+    grpc_address: Mapped[str | None] = mapped_column(String(300))
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    drain_deadline: Mapped[float | None] = mapped_column(Float)
+    roles: Mapped[str] = mapped_column(Text)  # JSON list of "prefill" / "decode"
+    heartbeat_interval_s: Mapped[float] = mapped_column(Float, default=2.0)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class SiteModelRow(Base):
+    __tablename__ = "site_models"
+
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))  # prefill | decode | both
+
+
+class CapacityRow(Base):
+    """The latest heartbeat of each site; one row per site, overwritten in place."""
+
+    __tablename__ = "capacity"
+
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
+    kv_blocks_total: Mapped[int] = mapped_column(BigInteger)
+    kv_blocks_free: Mapped[int] = mapped_column(BigInteger)
+    block_size: Mapped[int] = mapped_column(Integer)
+    num_running: Mapped[int] = mapped_column(Integer)
+    num_waiting: Mapped[int] = mapped_column(Integer)
+    inflight_prefill_tokens: Mapped[int] = mapped_column(BigInteger)
+    inflight_decode_tokens: Mapped[int] = mapped_column(BigInteger)
+    prefill_tokens_per_s: Mapped[float] = mapped_column(Float)
+    decode_tokens_per_s: Mapped[float] = mapped_column(Float)
+    prefix_cache_summary: Mapped[str | None] = mapped_column(Text)  # opaque JSON text
+    draining: Mapped[bool] = mapped_column(Boolean)
+    reported_at: Mapped[float] = mapped_column(Float)
+
+
+class LinkRow(Base):
+    __tablename__ = "links"
+
+    src_site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
+    dst_site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
+    rtt_ms: Mapped[float] = mapped_column(Float)
+    bandwidth_mbps: Mapped[float] = mapped_column(Float)
+    measured_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(16))  # lets operators recognise a key
+    allowed_regions: Mapped[str] = mapped_column(Text)  # JSON list; empty means every region
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float)
+
+
+class SiteTokenRow(Base):
+    __tablename__ = "site_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class AuditLogRow(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(200))
+    detail: Mapped[str] = mapped_column(Text)  # JSON object
+
+
+class RegistryVersionRow(Base):
+    """One row whose counter moves on every change a router would see in the snapshot.
+
+    Writers bump it as the last statement of their transaction, so whoever holds its row lock
+    never waits on another lock (no deadlock through this hot row on PostgreSQL).
+    """
+
+    __tablename__ = "registry_version"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger)

@@ -1,0 +1,116 @@
+"""What agents report: capacity heartbeats (one upsert per site) and measured site-to-site links.
+
+`record_heartbeats` takes a whole batch in one transaction: the service's group-commit loop
+hands it every heartbeat that arrived while the previous commit ran, which is what lets one
+process keep up with thousands of sites.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, delete, select
+
+from registry import validate
+from registry.db import writer
+from registry.errors import InvalidInput, NotFound
+from registry.records import Capacity, LinkMeasurement, SiteStatus
+from registry.sql import SITES, bump_version, upsert
+from registry.tables import CapacityRow, LinkRow
+
+CAPACITY = CapacityRow.__table__
+LINKS = LinkRow.__table__
+CAPACITY_FIELDS = [c.name for c in CAPACITY.columns if c.name != "site_id"]
+
+
+@dataclass(slots=True)
+class HeartbeatWrite:
+    site_id: int
+    capacity: Capacity
+    reported_at: float  # the registry's clock, not the agent's: liveness must not depend on clock skew
+
+
+class TelemetryStore:
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
+        self._write = writer(engine)
+        self._clock = clock
+        insert = upsert(engine, CAPACITY)
+        self._upsert_capacity = insert.on_conflict_do_update(
+            index_elements=[CAPACITY.c.site_id], set_={name: insert.excluded[name] for name in CAPACITY_FIELDS},
+        )
+        insert = upsert(engine, LINKS)
+        self._upsert_link = insert.on_conflict_do_update(
+            index_elements=[LINKS.c.src_site_id, LINKS.c.dst_site_id],
+            set_={name: insert.excluded[name] for name in ("rtt_ms", "bandwidth_mbps", "measured_at")},
+        )
+
+    def record_heartbeat(self, site_id: int, capacity: Capacity) -> SiteStatus:
+        statuses = self.record_heartbeats([HeartbeatWrite(site_id, capacity, self._clock())])
+        if site_id not in statuses:
+            raise NotFound("this site no longer exists", "site_not_found")
+        return statuses[site_id]
+
+    def record_heartbeats(self, writes: list[HeartbeatWrite]) -> dict[int, SiteStatus]:
+        """Stores the latest heartbeat per site; returns the status of every site that still exists.
+
+        Heartbeats of deleted sites are dropped (absent from the result), not an error for the batch.
+        """
+        return self.write_capacity_rows([capacity_row(write) for write in writes])
+
+    def write_capacity_rows(self, rows: list[dict]) -> dict[int, SiteStatus]:
+        """record_heartbeats for rows already checked by capacity_row (the group-commit path)."""
+        latest = {row["site_id"]: row for row in rows}  # the last heartbeat of a site wins
+        site_ids = sorted(latest)  # one lock order for every batch
+        with self._write.begin() as conn:
+            query = select(SITES.c.id, SITES.c.state, SITES.c.drain_deadline).where(SITES.c.id.in_(site_ids))
+            statuses = {r.id: SiteStatus(r.state, r.drain_deadline) for r in conn.execute(query)}
+            rows = [latest[i] for i in site_ids if i in statuses]
+            if rows:
+                conn.execute(self._upsert_capacity, rows)
+                bump_version(conn)
+        return statuses
+
+    def clear_capacity(self, site_id: int) -> None:
+        """The agent is leaving: with no capacity row the snapshot reports the site down at once."""
+        with self._write.begin() as conn:
+            conn.execute(delete(CAPACITY).where(CAPACITY.c.site_id == site_id))
+            bump_version(conn)
+
+    def record_links(self, site_id: int, links: list[LinkMeasurement]) -> int:
+        """Stores this site's measurements to its peers; all or nothing. Returns how many were stored."""
+        for measurement in links:
+            validate.link(measurement)
+        if not links:
+            return 0
+        now = self._clock()
+        with self._write.begin() as conn:
+            peers = {r.name: r.id for r in conn.execute(
+                select(SITES.c.name, SITES.c.id).where(SITES.c.name.in_({m.peer for m in links}))
+            )}
+            unknown = sorted({m.peer for m in links} - set(peers))
+            if unknown:
+                raise InvalidInput(f"unknown peer sites {unknown}", "unknown_peer")
+            if site_id in {peers[m.peer] for m in links}:
+                raise InvalidInput("a site cannot measure a link to itself", "invalid_peer")
+            rows = {peers[m.peer]: {
+                "src_site_id": site_id, "dst_site_id": peers[m.peer], "rtt_ms": m.rtt_ms,
+                "bandwidth_mbps": m.bandwidth_mbps, "measured_at": now,
+            } for m in links}
+            conn.execute(self._upsert_link, [rows[k] for k in sorted(rows)])
+            bump_version(conn)
+        return len(rows)
+
+
+def capacity_row(write: HeartbeatWrite) -> dict:
+    """Validates a heartbeat and gives the row to upsert; raises InvalidInput."""
+    cap = write.capacity
+    summary = validate.capacity(cap)
+    return {
+        "site_id": write.site_id, "kv_blocks_total": cap.kv_blocks_total, "kv_blocks_free": cap.kv_blocks_free,
+        "block_size": cap.block_size, "num_running": cap.num_running, "num_waiting": cap.num_waiting,
+        "inflight_prefill_tokens": cap.inflight_prefill_tokens, "inflight_decode_tokens": cap.inflight_decode_tokens,
+        "prefill_tokens_per_s": cap.prefill_tokens_per_s, "decode_tokens_per_s": cap.decode_tokens_per_s,
+        "prefix_cache_summary": summary, "draining": cap.draining, "reported_at": write.reported_at,
+    }
