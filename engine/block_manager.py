@@ -1,0 +1,152 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, and the prefix cache.
+
+A full block is hashed (engine.prefix_hash, parent chained in) once its tokens are computed and
+registered, so a later request with the same prefix reuses it. Blocks are ref-counted; a cached
+block whose last user leaves stays in the cache, evictable, and is evicted least recently used
+first when the pool needs room. A hash hit also compares token ids, so a collision cannot serve
+the wrong keys.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from engine.prefix_hash import ROOT_HASH, block_hash
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Leading cached blocks of seq; the last token is always left to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], ROOT_HASH
+        bs = self.block_size
+        for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
+            tokens = tuple(seq.token_ids[start:start + bs])
+            parent = block_hash(parent, tokens)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        hits = self._cache_hits(seq)
+        revived = sum(1 for b in hits if b in self.evictable)
+        num_new = self.blocks_needed(seq.num_tokens) - len(hits)
+        return num_new + reserve <= self.num_free_blocks - revived
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its tokens, reusing cached prefix blocks; sets its computed count."""
+        hits = self._cache_hits(seq)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = list(hits)
+        for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
+            seq.block_table.append(self._allocate_fresh())
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.evictable.pop(block_id)
+        block.ref_count += 1
+
+    def _allocate_fresh(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    # -- growth during decode ----------------------------------------------------------------
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
+            seq.block_table.append(self._allocate_fresh())
+
+    # -- prefix cache registration -----------------------------------------------------------
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash and publish every block of seq whose tokens are now all computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else ROOT_HASH
+        for index in range(seq.num_hashed_blocks, num_full):
+            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            parent = block_hash(parent, tokens)
+            block = self.blocks[seq.block_table[index]]
+            block.hash, block.token_ids = parent, tokens
+            # If another block already holds this prefix, keep that one published.
+            self.hash_to_block.setdefault(parent, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+
+    # -- release -----------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks go into the LRU first so a prefix's later blocks are evicted before its head.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                self.evictable[block_id] = None
+            else:
+                block.hash, block.token_ids = None, ()
+                self.free_ids.append(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    # -- summary for routers -----------------------------------------------------------------
+
+    def cached_hashes(self, limit: int | None = None) -> list[int]:
+        """Hashes of published blocks, most recently used first (in-use blocks, then evictable newest first)."""
+        in_use = [b.hash for b in self.blocks if b.ref_count and b.hash is not None
+                  and self.hash_to_block.get(b.hash) == b.block_id]
+        idle = [self.blocks[i].hash for i in reversed(self.evictable)]
+        hashes = in_use + idle
+        return hashes if limit is None else hashes[:limit]

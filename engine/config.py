@@ -1,0 +1,155 @@
+"""Model configuration: the subset of a Hugging Face `config.json` the engine needs, validated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import CheckpointError, UnsupportedModelError
+
+# model_type -> whether q/k/v projections carry a bias regardless of `attention_bias`
+SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False}
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    # Per layer: attention window in tokens, or None for full attention.
+    sliding_windows: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers, in float32 (scale for other dtypes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+def _require(raw: dict, key: str, path: Path):
+    if key not in raw or raw[key] is None:
+        raise CheckpointError(f"{path}: missing required field {key!r}")
+    return raw[key]
+
+
+def _parse_rope(raw: dict, path: Path) -> RopeConfig:
+    # Newer checkpoints nest everything under rope_parameters; older ones use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ("default", "llama3"):
+        raise UnsupportedModelError(f"{path}: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    rope = RopeConfig(theta=float(theta), rope_type=rope_type)
+    if rope_type == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in merged:
+                raise CheckpointError(f"{path}: llama3 rope scaling lacks {key!r}")
+        rope.factor = float(merged["factor"])
+        rope.low_freq_factor = float(merged["low_freq_factor"])
+        rope.high_freq_factor = float(merged["high_freq_factor"])
+        rope.original_max_position_embeddings = int(merged["original_max_position_embeddings"])
+    return rope
+
+
+def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int) -> list[int | None]:
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        return [window] * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types and window:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if raw.get("use_sliding_window") and window:
+        first_full = raw.get("max_window_layers", num_layers)
+        return [window if i >= first_full else None for i in range(num_layers)]
+    return [None] * num_layers
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def parse_config(raw: dict, path: Path) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = raw.get("architectures")
+        raise UnsupportedModelError(
+            f"{path}: model_type {model_type!r} (architectures {archs}) is not supported; "
+            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    hidden = int(_require(raw, "hidden_size", path))
+    num_heads = int(_require(raw, "num_attention_heads", path))
+    num_layers = int(_require(raw, "num_hidden_layers", path))
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    if num_heads % num_kv_heads:
+        raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(_require(raw, "vocab_size", path)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(raw, "intermediate_size", path)),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(raw, path),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=SUPPORTED_MODEL_TYPES[model_type] or bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        sliding_windows=_parse_sliding_windows(raw, model_type, num_layers),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json; is this a Hugging Face checkpoint directory?")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return parse_config(raw, path)

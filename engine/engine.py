@@ -1,0 +1,386 @@
+"""The synchronous engine core: requests in, one `step()` at a time, tokens out.
+
+Owns the model, the KV pool, the block manager and the scheduler. Also the disaggregation
+primitives: a prefill-only request ends with its blocks pinned under a KV handle, `export_kv`
+reads them into a payload, `import_kv` on another engine writes them and decoding continues.
+Not thread-safe: engine.async_engine drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig, load_config
+from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.kv_transfer import KVChunk, KVLayout, KVPayload
+from engine.loader import load_model, resolve_dtype
+from engine.runner import prepare_step
+from engine.sampling import SampledToken, SamplingParams, sample
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import read_json
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    device: str = "auto"                 # auto: cuda if available, else cpu
+    dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU
+    block_size: int = 16
+    kv_cache_bytes: int | None = None    # explicit KV budget; default 256 MiB on CPU
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of free memory (after weights) for KV
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    kv_handle_ttl_s: float = 30.0
+    kv_chunk_bytes: int = 4 << 20        # target size of one exported KV chunk
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one request produced in one step (at most one token)."""
+
+    request_id: str
+    token: SampledToken | None
+    finished: bool = False
+    finish_reason: str | None = None     # stop | length | abort
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_handle: str | None = None         # set when a prefill-only request finishes
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_blocks_total: int
+    num_blocks_free: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_pinned_handles: int
+    inflight_prefill_tokens: int
+    inflight_decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    num_preemptions: int
+    prefix_cache_hit_tokens: int
+
+
+@dataclass(slots=True)
+class _Rate:
+    """Exponentially averaged tokens per second of busy time."""
+
+    value: float = 0.0
+    alpha: float = 0.2
+
+    def update(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            rate = tokens / seconds
+            self.value = rate if not self.value else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Same checkpoint files => same fingerprint; KV moves only between engines that agree on it."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.model_dir = Path(model_dir)
+        self.model_config: ModelConfig = load_config(self.model_dir)
+        self.device = _pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(self.model_dir, self.model_config, self.device, self.dtype, config.show_progress)
+        self.eos_token_ids = self._eos_token_ids()
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.kv_cache = self._allocate_kv_cache()
+        num_blocks = self.kv_cache.shape[2]
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.block_manager)
+        limit = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(limit, self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        self.sequences: dict[str, Sequence] = {}
+        self.pinned: dict[str, tuple[Sequence, float]] = {}  # kv_handle -> (sequence, expiry monotonic time)
+        self.prefill_rate = _Rate()
+        self.decode_rate = _Rate()
+        self.num_prefix_hit_tokens = 0
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks, config.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len)
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _eos_token_ids(self) -> set[int]:
+        generation = read_json(self.model_dir / "generation_config.json", required=False) or {}
+        eos = generation.get("eos_token_id", self.model_config.eos_token_ids)
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        cfg, mc = self.config, self.model_config
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * element
+        if cfg.kv_cache_bytes is not None:
+            budget = cfg.kv_cache_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization)
+        else:
+            budget = 256 << 20
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks; at least 2 needed "
+                             f"({bytes_per_block} bytes per block)")
+        shape = (mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      generated_ids: list[int], prefill_only: bool) -> Sequence:
+        if request_id in self.sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty; send at least one token")
+        params.validate(self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in [*prompt_ids, *generated_ids] if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary (size {vocab})")
+        total = len(prompt_ids) + len(generated_ids)
+        if total >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {total} tokens; this model's context holds {self.max_model_len} "
+                                      f"including at least one generated token")
+        if len(generated_ids) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(generated_ids)} tokens already generated reach max_tokens {params.max_tokens}")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        seq = Sequence(request_id, prompt_ids, params, seed, max_total, prefill_only)
+        seq.token_ids.extend(generated_ids)
+        return seq
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    generated_ids: list[int] | None = None, prefill_only: bool = False) -> None:
+        """Queue a request. generated_ids resumes a request whose first tokens were produced elsewhere."""
+        seq = self._new_sequence(request_id, list(prompt_ids), params, list(generated_ids or []), prefill_only)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        self.expire_handles()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        started = time.perf_counter()
+        inputs = prepare_step(scheduled, self.config.block_size, self.device)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        sampled: list[SampledToken] = []
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            seqs = [item.seq for item in inputs.sample_seqs]
+            sampled = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                             [s.num_output_tokens for s in seqs])
+        elapsed = time.perf_counter() - started
+        num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
+        num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
+        self.prefill_rate.update(num_prefill, elapsed * num_prefill / max(1, num_prefill + num_decode))
+        self.decode_rate.update(num_decode, elapsed * num_decode / max(1, num_prefill + num_decode))
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(item.seq)
+        return [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)]
+
+    def _append_token(self, seq: Sequence, token: SampledToken) -> StepOutput:
+        if seq.num_output_tokens == 0 and not seq.prefill_only:
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+        seq.token_ids.append(token.token_id)
+        out = StepOutput(seq.request_id, token, num_prompt_tokens=seq.num_prompt_tokens,
+                         num_cached_tokens=seq.num_cached_tokens)
+        stops = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stops |= self.eos_token_ids
+        if token.token_id in stops:
+            out.finish_reason = "stop"
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+            out.finish_reason = "length"
+        if seq.prefill_only:
+            # finish_reason stays None when decoding should continue elsewhere from this handle
+            out.kv_handle = self._pin(seq)
+            out.finished = True
+            return out
+        if out.finish_reason:
+            out.finished = True
+            self._finish(seq, out.finish_reason)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.sequences.pop(seq.request_id, None)
+
+    # -- disaggregation ----------------------------------------------------------------------
+
+    def _pin(self, seq: Sequence) -> str:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.PINNED
+        self.sequences.pop(seq.request_id, None)
+        handle = secrets.token_hex(16)
+        self.pinned[handle] = (seq, time.monotonic() + self.config.kv_handle_ttl_s)
+        return handle
+
+    def release_kv(self, handle: str) -> None:
+        entry = self.pinned.pop(handle, None)
+        if entry is None:
+            raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
+        self.block_manager.free(entry[0])
+        entry[0].status = SequenceStatus.FINISHED
+
+    def expire_handles(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        expired = [h for h, (_, deadline) in self.pinned.items() if deadline <= now]
+        for handle in expired:
+            log.info("KV handle %s expired unfetched; freeing its blocks", handle[:8])
+            self.release_kv(handle)
+        return len(expired)
+
+    def kv_layout(self, num_tokens: int) -> KVLayout:
+        mc = self.model_config
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name, self.config.block_size,
+                        num_tokens, self.fingerprint)
+
+    def export_kv(self, handle: str) -> KVPayload:
+        """Copy a pinned prompt's K/V out of the pool; the handle stays pinned until released."""
+        entry = self.pinned.get(handle)
+        if entry is None:
+            raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
+        seq = entry[0]
+        num_tokens = seq.num_prompt_tokens
+        layout = self.kv_layout(num_tokens)
+        bs = self.config.block_size
+        tokens_per_chunk = max(bs, (self.config.kv_chunk_bytes // layout.bytes_per_token_per_layer) // bs * bs)
+        table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
+        payload = KVPayload(layout, seq.token_ids[:num_tokens])
+        for layer in range(layout.num_layers):
+            for first in range(0, num_tokens, tokens_per_chunk):
+                count = min(tokens_per_chunk, num_tokens - first)
+                blocks = table[first // bs: -(-(first + count) // bs)]
+                kv = self.kv_cache[layer, :, blocks].flatten(1, 2)[:, : count]
+                data = kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                payload.chunks.append(KVChunk.build(layer, first, count, data))
+        return payload
+
+    def import_kv(self, request_id: str, payload: KVPayload, params: SamplingParams,
+                  generated_ids: list[int]) -> None:
+        """Continue a request prefilled elsewhere: write its prompt K/V here and queue it for decode.
+
+        Raises KVTransferError (nothing changed) when the payload is corrupt or does not fit this
+        model; when the pool has no room right now the request is queued to recompute instead.
+        """
+        if not generated_ids:
+            raise InvalidRequestError("import_kv needs the token sampled by the prefill (generated_ids)")
+        payload.validate(self.kv_layout(payload.layout.num_tokens))
+        seq = self._new_sequence(request_id, payload.token_ids, params, list(generated_ids), prefill_only=False)
+        self.sequences[request_id] = seq
+        if not self.block_manager.can_allocate(seq, reserve=1):
+            log.info("request %s: no room to import KV now; it will recompute its prefill", request_id)
+            self.scheduler.add(seq)
+            return
+        self.block_manager.allocate(seq)
+        seq.num_cached_tokens = seq.num_computed_tokens
+        seq.admitted_once = True
+        self._write_payload(seq, payload)
+        seq.num_computed_tokens = payload.layout.num_tokens
+        self.block_manager.register_full_blocks(seq)
+        self.scheduler.add_running(seq)
+
+    def _write_payload(self, seq: Sequence, payload: KVPayload) -> None:
+        mc, bs = self.model_config, self.config.block_size
+        already = seq.num_computed_tokens  # prefix-cache hits already hold these tokens' K/V
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        for chunk in payload.chunks:
+            first, count = max(chunk.first_token, already), chunk.first_token + chunk.num_tokens
+            if first >= count:
+                continue
+            kv = torch.frombuffer(bytearray(chunk.data), dtype=self.dtype)
+            kv = kv.view(2, chunk.num_tokens, mc.num_kv_heads, mc.head_dim)[:, first - chunk.first_token:]
+            positions = torch.arange(first, count)
+            slots = (table[positions // bs] * bs + positions % bs).to(self.device)
+            layer_cache = self.kv_cache[chunk.layer]
+            layer_cache[0].view(-1, mc.num_kv_heads, mc.head_dim)[slots] = kv[0].to(self.device)
+            layer_cache[1].view(-1, mc.num_kv_heads, mc.head_dim)[slots] = kv[1].to(self.device)
+
+    # -- state for routers and operators -----------------------------------------------------
+
+    def cache_summary(self, max_hashes: int = 4096) -> dict:
+        """Compact prefix-cache summary: block size and the most recently used block hashes (hex)."""
+        hashes = self.block_manager.cached_hashes(max_hashes)
+        return {"block_size": self.config.block_size, "hashes": [f"{h:016x}" for h in hashes]}
+
+    def stats(self) -> EngineStats:
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        return EngineStats(
+            num_blocks_total=self.block_manager.num_blocks,
+            num_blocks_free=self.block_manager.num_free_blocks,
+            block_size=self.config.block_size,
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_pinned_handles=len(self.pinned),
+            inflight_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in [*running, *waiting]
+                                        if s.num_tokens - s.num_computed_tokens > 1),
+            inflight_decode_tokens=sum(s.max_total_tokens - s.num_tokens for s in running),
+            prefill_tokens_per_s=self.prefill_rate.value,
+            decode_tokens_per_s=self.decode_rate.value,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
+        )

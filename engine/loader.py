@@ -1,0 +1,144 @@
+"""Checkpoint loading: safetensors (single file or sharded with an index) straight to device and dtype.
+
+Files are memory-mapped by safetensors; each tensor is read once, cast, and fused into the
+engine's layout (q/k/v and gate/up concatenated). A progress bar shows the tensors loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError
+from engine.model import CausalLM, LayerWeights, ModelWeights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`auto` means bfloat16 on GPU and float32 on CPU (CPU matmuls in bf16 are slow and inexact)."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the file that holds it."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"{index_path} names shard {shard.name}, which is missing")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weight files")
+    files = {}
+    for shard in shards:
+        for name in _open(shard).keys():
+            files[name] = shard
+    return files
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+
+
+class _TensorReader:
+    """Reads named tensors from their shards, checking shapes, with one open handle per shard."""
+
+    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype, progress: tqdm):
+        self.files = files
+        self.device = device
+        self.dtype = dtype
+        self.progress = progress
+        self.handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        path = self.files[name]
+        handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
+        try:
+            tensor = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {shape}")
+        self.progress.update(1)
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+
+def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+    qkv = torch.cat([
+        reader.read(p + "self_attn.q_proj.weight", (q_rows, hidden)),
+        reader.read(p + "self_attn.k_proj.weight", (kv_rows, hidden)),
+        reader.read(p + "self_attn.v_proj.weight", (kv_rows, hidden)),
+    ])
+    qkv_bias = None
+    if cfg.qkv_bias:
+        qkv_bias = torch.cat([
+            reader.read(p + "self_attn.q_proj.bias", (q_rows,)),
+            reader.read(p + "self_attn.k_proj.bias", (kv_rows,)),
+            reader.read(p + "self_attn.v_proj.bias", (kv_rows,)),
+        ])
+    if cfg.mlp_bias:
+        raise CheckpointError("checkpoints with mlp_bias=true are not supported")
+    inter = cfg.intermediate_size
+    return LayerWeights(
+        input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        q_norm=reader.read(p + "self_attn.q_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+        k_norm=reader.read(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+        o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows)),
+        post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
+        gate_up=torch.cat([
+            reader.read(p + "mlp.gate_proj.weight", (inter, hidden)),
+            reader.read(p + "mlp.up_proj.weight", (inter, hidden)),
+        ]),
+        down=reader.read(p + "mlp.down_proj.weight", (hidden, inter)),
+    )
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               show_progress: bool = True) -> CausalLM:
+    model_dir = Path(model_dir)
+    files = _checkpoint_files(model_dir)
+    with tqdm(total=len(files), desc=f"loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
+        reader = _TensorReader(files, device, dtype, bar)
+        embed = reader.read("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        layers = [_read_layer(reader, cfg, i) for i in range(cfg.num_layers)]
+        norm = reader.read("model.norm.weight", (cfg.hidden_size,))
+        if reader.has("lm_head.weight") and not cfg.tie_word_embeddings:
+            lm_head = reader.read("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        elif cfg.tie_word_embeddings:
+            lm_head = embed
+        else:
+            raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+    log.info("loaded %s: %d layers, %s on %s", model_dir, cfg.num_layers, dtype, device)
+    return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype)

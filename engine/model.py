@@ -1,0 +1,90 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+
+Weights are plain tensors; q/k/v and gate/up projections are fused at load time so a layer is
+four matmuls. Every op goes through engine.ops so kernels can replace them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import ops
+from engine.config import ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor             # [(H + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None   # Qwen3: RMSNorm over head_dim before rotary
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor         # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed_tokens: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor         # the embedding itself when tied
+
+
+class CausalLM:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.scale = config.head_dim ** -0.5
+        max_positions = config.max_position_embeddings
+        self.cos_table, self.sin_table = ops.rope_cos_sin(config.head_dim, config.rope, max_positions, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ops.AttentionBatch,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, blocks, block_size, Hkv, D]."""
+        cfg = self.config
+        hidden = self.weights.embed_tokens[input_ids]
+        residual = None
+        for index, layer in enumerate(self.weights.layers):
+            if residual is None:
+                residual = hidden
+                normed = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                normed, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
+            normed, residual = ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = ops.silu_and_mul(normed @ layer.gate_up.T) @ layer.down.T
+        normed, _ = ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
+        return normed
+
+    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+                   batch: ops.AttentionBatch, layer_cache: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        qkv = x @ layer.qkv.T
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = ops.apply_rotary(q, k, positions, self.cos_table, self.sin_table)
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
+        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale, cfg.sliding_windows[index])
+        return out.reshape(num_tokens, q_size) @ layer.o_proj.T
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.weights.lm_head.T).float()

@@ -1,0 +1,151 @@
+"""The model's hot ops in plain torch: RMSNorm, rotary embedding, KV-cache write, paged attention.
+
+Each op is one function with a fixed signature so a faster kernel (engine/kernels) can replace it
+on CUDA while this version stays the reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import RopeConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, returned in x's dtype (as the reference implementations do)."""
+    orig_dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(orig_dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type != "llama3":
+        return inv_freq
+    old_ctx = rope.original_max_position_embeddings
+    low_freq_wavelen = old_ctx / rope.low_freq_factor
+    high_freq_wavelen = old_ctx / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(head_dim: int, rope: RopeConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_positions, head_dim] in float32 (halves duplicated, rotate-half layout)."""
+    inv_freq = rope_inv_freq(head_dim, rope)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hkv, D] by their token positions [T]."""
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        half = x32.shape[-1] // 2
+        rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+        return (x32 * cos + rotated * sin).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [T, Hkv, D] at flat cache slots [T] (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each sequence's queries sit in the flat token batch and where its keys sit in the cache.
+
+    Decode sequences (one query each) come first and are attended in one batched call; each
+    prefill chunk after them is attended on its own.
+    """
+
+    num_decode: int                  # the first num_decode sequences have exactly one query
+    query_start: list[int]           # per sequence, its first row in the flat batch (+ total at the end)
+    context_lens: list[int]          # per sequence, tokens in cache after this step (cached + new)
+    block_tables: torch.Tensor       # [num_seqs, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor  # [num_decode] int64 on the model's device
+    slot_mapping: torch.Tensor       # [num_tokens] int64: cache slot of each new token
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B, 1, Q, L] bool (True = attend)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                    scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Causal attention of q [T, H, D] over each sequence's cached keys; returns [T, H, D].
+
+    k_cache/v_cache are one layer's pool [num_blocks, block_size, Hkv, D]; the new tokens' keys
+    must already be written (write_kv) so a sequence's keys are exactly its cache prefix.
+    """
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    if batch.num_decode:
+        out[: batch.num_decode] = _decode_attention(q[: batch.num_decode], k_cache, v_cache, batch, scale, sliding_window)
+    for i in range(batch.num_decode, len(batch.context_lens)):
+        start, end = batch.query_start[i], batch.query_start[i + 1]
+        context_len = batch.context_lens[i]
+        num_blocks = -(-context_len // block_size)
+        table = batch.block_tables[i, :num_blocks]
+        k = k_cache[table].flatten(0, 1)[:context_len]
+        v = v_cache[table].flatten(0, 1)[:context_len]
+        num_queries = end - start
+        query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
+        key_pos = torch.arange(context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        if sliding_window:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        out[start:end] = _attend(
+            q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), mask[None, None], scale,
+        )[0].transpose(0, 1)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                      scale: float, sliding_window: int | None) -> torch.Tensor:
+    block_size = k_cache.shape[1]
+    context_lens = batch.decode_context_lens
+    max_len = max(batch.context_lens[: batch.num_decode])
+    num_blocks = -(-max_len // block_size)
+    tables = batch.block_tables[: batch.num_decode, :num_blocks]
+    k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    mask = key_pos[None, :] < context_lens[:, None]
+    if sliding_window:
+        mask &= key_pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
+    out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
+    return out.squeeze(2)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x, then RMSNorm of the sum; returns (normed, new residual)."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual

@@ -1,0 +1,105 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every step has a token budget. Running sequences go first in arrival order (a decode costs one
+token, an unfinished prefill continues with as many tokens as the budget allows), then waiting
+sequences are admitted first come, first served. So a long prompt is cut into chunks and never
+holds decoding up for more than one budget. When a running sequence needs a block and none is
+free, the most recently admitted sequence is preempted: its blocks are freed and it goes back
+to the front of the queue to be recomputed (its cached prefix blocks usually make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    # Blocks kept free when admitting, so running sequences can grow without immediate preemption.
+    watermark_blocks: int = 1
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose blocks the caller already allocated (a KV import)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.arrival)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new):
+                break  # seq itself was preempted; everything after it already was
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            reserve = self.config.watermark_blocks if self.running else 0
+            if not self.block_manager.can_allocate(seq, reserve):
+                break
+            self.block_manager.allocate(seq)
+            if not seq.admitted_once:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.admitted_once = True
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Ensure seq has blocks for num_tokens, preempting the newest others; False if seq itself went."""
+        bm = self.block_manager
+        while not bm.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        bm.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,138 @@
+"""Tokenizer and chat template of a checkpoint: `tokenizer.json` via `tokenizers`, templates via jinja2.
+
+No torch here: routers use this module to tokenize and detokenize with assets an agent sends them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from engine.errors import CheckpointError, InvalidRequestError
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config stores special tokens as strings or as {"content": ...} objects
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class TemplateError(InvalidRequestError):
+    """The chat template rejected the messages (it called raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTokenizer:
+    def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None, chat_template: str | None = None):
+        try:
+            self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
+            raise CheckpointError(f"tokenizer.json is not a valid tokenizer ({exc})") from exc
+        self.config = tokenizer_config or {}
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.chat_template = chat_template or self._template_from_config()
+        self._template = None
+        if self.chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise CheckpointError(f"chat template does not parse: {exc}") from exc
+
+    def _template_from_config(self) -> str | None:
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates; "default" is the chat one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self._template is None:
+            raise TemplateError("this model has no chat template; use the completions endpoint with a plain prompt")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed on these messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        # The template already places BOS; encoding must not add a second one.
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatTokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no tokenizer.json")
+        config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else None
+        return cls(path.read_text(), config, template)
+
+
+def read_json(path: Path, required: bool = True) -> dict | None:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path} is missing")
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.emitted = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (may be empty while a character is partial)."""
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        # Decoding more tokens never changes text already complete, so the new text is the suffix.
+        delta = text[len(self.emitted):]
+        self.emitted = text
+        return delta
