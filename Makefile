@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test install clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,8 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Regenerate the agent gRPC stubs after editing node_agent/proto/agent.proto.
+proto: $(STAMP)
+	cd node_agent/proto && ../../$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. agent.proto
+	sed -i 's/^import agent_pb2 as agent__pb2/from node_agent.proto import agent_pb2 as agent__pb2/' node_agent/proto/agent_pb2_grpc.py

@@ -1,0 +1,193 @@
+"""The asyncio front of the engine: the step loop on its own thread, results streamed to coroutines.
+
+Callers never touch LLMEngine directly; every mutation is handed to the engine thread as a
+command, so the engine stays single-threaded. `generate` is an async iterator of TokenEvent;
+leaving it early (break, cancellation, a client that went away) aborts the request and frees
+its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.engine import EngineStats, LLMEngine, StepOutput
+from engine.errors import EngineError
+from engine.kv_transfer import KVPayload
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# How often an idle engine thread wakes to expire KV handles.
+IDLE_WAKE_S = 0.5
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None     # set on the last event: stop | length
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_handle: str | None = None  # prefill-only requests: the handle of the pinned KV
+
+
+class EngineDeadError(EngineError):
+    """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: list[Callable[[], None]] = []
+        self._cond = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped and not self._commands and not self.engine.has_work():
+                        self._cond.wait(IDLE_WAKE_S)
+                        self.engine.expire_handles()
+                    if self._stopped:
+                        return
+                    commands, self._commands = self._commands, []
+                for command in commands:
+                    command()
+                if self.engine.has_work():
+                    self._dispatch(self.engine.step())
+        except BaseException as exc:  # the thread must report any crash to every waiter
+            log.exception("engine step loop crashed")
+            self._error = exc
+            for loop, queue in list(self._streams.values()):
+                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"engine crashed: {exc!r}"))
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            loop, queue = target
+            event = TokenEvent(out.token.token_id, out.token.logprob, out.token.top_logprobs, out.finish_reason,
+                               out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle)
+            loop.call_soon_threadsafe(queue.put_nowait, (event, out.finished))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("engine is not running")
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run fn(engine) on the engine thread and return its result (exceptions propagate)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._submit(command)
+        return await future
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
+        request_id = request_id or uuid.uuid4().hex
+        await self._start(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids, prefill_only))
+        async for event in self._stream(request_id):
+            yield event
+
+    async def generate_from_kv(self, payload: KVPayload, params: SamplingParams, generated_ids: list[int],
+                               request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Decode a request whose prompt was prefilled elsewhere (payload from export_kv)."""
+        request_id = request_id or uuid.uuid4().hex
+        await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids))
+        async for event in self._stream(request_id):
+            yield event
+
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> TokenEvent:
+        """Prefill only: the first token, with kv_handle naming the pinned KV (release or let it expire)."""
+        event = None
+        async for event in self.generate(prompt_ids, params, request_id, prefill_only=True):
+            pass
+        return event
+
+    async def _start(self, request_id: str, add: Callable[[LLMEngine], None]) -> None:
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = (loop, asyncio.Queue())
+        try:
+            await self.call(add)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+
+    async def _stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        queue = self._streams[request_id][1]
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                event, finished = item
+                yield event
+        finally:
+            if not finished:
+                self._streams.pop(request_id, None)
+                if self._error is None and not self._stopped:
+                    self._submit(lambda: self.engine.abort(request_id))
+
+    async def export_kv(self, handle: str) -> KVPayload:
+        return await self.call(lambda e: e.export_kv(handle))
+
+    async def release_kv(self, handle: str) -> None:
+        await self.call(lambda e: e.release_kv(handle))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(lambda e: e.abort(request_id))
+
+    async def stats(self) -> EngineStats:
+        return await self.call(lambda e: e.stats())
+
+    async def cache_summary(self, max_hashes: int = 4096) -> dict:
+        return await self.call(lambda e: e.cache_summary(max_hashes))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

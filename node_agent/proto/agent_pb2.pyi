@@ -1,0 +1,242 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_ids", "generated_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class Token(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("tokens", "finish_reason", "num_prompt_tokens", "num_cached_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("first_token", "kv_handle", "num_prompt_tokens", "num_cached_tokens", "kv_layout", "kv_bytes", "finish_reason", "lease_ttl_s")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    first_token: Token
+    kv_handle: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_layout: str
+    kv_bytes: int
+    finish_reason: str
+    lease_ttl_s: float
+    def __init__(self, first_token: _Optional[_Union[Token, _Mapping]] = ..., kv_handle: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("kv_handle",)
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("layer", "first_token", "num_tokens", "data", "crc32", "kv_layout", "token_ids", "num_chunks")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    first_token: int
+    num_tokens: int
+    data: bytes
+    crc32: int
+    kv_layout: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_chunks: int
+    def __init__(self, layer: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., kv_layout: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class ReleaseKVRequest(_message.Message):
+    __slots__ = ("kv_handle",)
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+
+class ReleaseKVResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("address", "kv_handle")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    kv_handle: str
+    def __init__(self, address: _Optional[str] = ..., kv_handle: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_ids", "generated_ids", "sampling", "kv_source")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "tokenizer_json", "tokenizer_config_json", "chat_template", "generation_config_json", "context_length", "vocab_size", "block_size", "kv_bytes_per_token", "eos_token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer_json: str
+    tokenizer_config_json: str
+    chat_template: str
+    generation_config_json: str
+    context_length: int
+    vocab_size: int
+    block_size: int
+    kv_bytes_per_token: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_config_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., generation_config_json: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "site", "models", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "num_kv_leases")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SERVING: _ClassVar[HealthResponse.Status]
+        DRAINING: _ClassVar[HealthResponse.Status]
+        NOT_SERVING: _ClassVar[HealthResponse.Status]
+    SERVING: HealthResponse.Status
+    DRAINING: HealthResponse.Status
+    NOT_SERVING: HealthResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
+    status: HealthResponse.Status
+    site: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_kv_leases: int
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., site: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_leases: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("deadline_s",)
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    deadline_s: float
+    def __init__(self, deadline_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining", "num_inflight")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    num_inflight: int
+    def __init__(self, draining: _Optional[bool] = ..., num_inflight: _Optional[int] = ...) -> None: ...
