@@ -1,0 +1,131 @@
+"""A small random-weight Llama checkpoint with a trained byte-level BPE tokenizer.
+
+It lets everything run with no download. Its weights are random, so its output is meaningless
+text: it exercises the machinery (loading, batching, caching, transfer), not language.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+log = logging.getLogger(__name__)
+
+BOS, EOS, START_HEADER, END_HEADER = "<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"
+SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, "<|pad|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# Training text for the tokenizer: varied English so merges look like real subwords.
+CORPUS = """
+The edge network serves requests from the site nearest to each user. A router picks where the
+prompt is processed and where the answer is generated, and moves the key-value cache between them
+when they differ. When a site fails in the middle of an answer, another site resumes the stream.
+Large language models predict the next token from the tokens before it. Attention reads the keys
+and values of every earlier token; a paged cache stores them in fixed-size blocks so memory is not
+wasted, and a prefix cache lets requests that share a system prompt reuse its blocks.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.
+Weather today: sunny in Lisbon, rain in London, snow in Oslo, fog in San Francisco, heat in Singapore.
+Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828; dates 2026-11-21; times 18:38:00.
+def add(a, b): return a + b  # code appears in prompts too { "json": [1, 2, 3], "ok": true }
+"""
+
+
+@dataclass(slots=True)
+class DemoSize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+SIZES = {
+    "tiny": DemoSize(64, 2, 4, 2, 128, 512, 2048),    # tests
+    "small": DemoSize(256, 4, 8, 4, 688, 2048, 4096),  # `make run` and demos
+}
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    tokenizer.train_from_iterator(lines * 20, trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    return tokenizer
+
+
+def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> Path:
+    """Write a complete checkpoint directory (config, weights, tokenizer, chat template)."""
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
+    shape = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(shape.vocab_size)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+    head_dim = shape.hidden_size // shape.num_heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": head_dim, "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": bos_id,
+        "eos_token_id": eos_id, "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": [eos_id]}, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": shape.max_position_embeddings,
+    }, indent=2))
+    save_file(_random_weights(shape, vocab_size, head_dim, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    log.info("wrote demo model (%s, random weights) to %s", size, out)
+    return out
+
+
+def _random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*dims: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*dims, generator=generator) * std
+
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q_rows, kv_rows = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
+    weights = {"model.embed_tokens.weight": normal(vocab_size, h, std=1.0), "model.norm.weight": torch.ones(h),
+               "lm_head.weight": normal(vocab_size, h, std=0.5)}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": normal(q_rows, h, std=0.2),
+            p + "self_attn.k_proj.weight": normal(kv_rows, h, std=0.2),
+            p + "self_attn.v_proj.weight": normal(kv_rows, h, std=0.2),
+            p + "self_attn.o_proj.weight": normal(h, q_rows, std=0.05),
+            p + "mlp.gate_proj.weight": normal(inter, h, std=0.1), p + "mlp.up_proj.weight": normal(inter, h, std=0.1),
+            p + "mlp.down_proj.weight": normal(h, inter, std=0.05),
+        }
+    return weights
