@@ -46,6 +46,9 @@ class TelemetryStore:
             set_={name: insert.excluded[name] for name in ("rtt_ms", "bandwidth_mbps", "measured_at")},
         )
 
+    def now(self) -> float:
+        return self._clock()
+
     def record_heartbeat(self, site_id: int, capacity: Capacity) -> SiteStatus:
         statuses = self.record_heartbeats([HeartbeatWrite(site_id, capacity, self._clock())])
         if site_id not in statuses:

@@ -1,0 +1,146 @@
+"""Request bodies of the registry HTTP API (types only; domain rules live in registry.validate).
+
+Unknown fields are refused, so a misspelt field is a 422 that names it rather than a silent no-op.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from registry.records import (DEFAULT_HEARTBEAT_INTERVAL_S, SITE_ROLES, ApiKeySpec, Capacity, LinkMeasurement,
+                              ModelServed, SiteSpec)
+
+MAX_LIST = 10_000
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelServedBody(Body):
+    model: str
+    role: str = "both"
+
+    def record(self) -> ModelServed:
+        return ModelServed(self.model, self.role)
+
+
+class SiteBody(Body):
+    region: str | None = None
+    country: str | None = None
+    lat: float | None = None
+    lon: float | None = None
+    grpc_address: str | None = None
+    roles: list[str] = Field(default_factory=lambda: list(SITE_ROLES))
+    models: list[ModelServedBody] = Field(default_factory=list, max_length=MAX_LIST)
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+
+    def spec(self) -> SiteSpec:
+        fields = self.model_dump(exclude={"models", "name"})
+        return SiteSpec(**fields, models=[m.record() for m in self.models])
+
+
+class SiteCreateBody(SiteBody):
+    name: str
+
+
+class SitePatchBody(Body):
+    region: str | None = None
+    country: str | None = None
+    lat: float | None = None
+    lon: float | None = None
+    grpc_address: str | None = None
+    roles: list[str] | None = None
+    models: list[ModelServedBody] | None = Field(default=None, max_length=MAX_LIST)
+    heartbeat_interval_s: float | None = None
+
+    def changes(self) -> dict:
+        """Only the fields the caller sent; an explicit null clears a nullable field."""
+        out = {name: getattr(self, name) for name in self.model_fields_set}
+        if "models" in out:
+            out["models"] = [m.record() for m in out["models"] or []]
+        for required in ("roles", "heartbeat_interval_s"):
+            if required in out and out[required] is None:
+                del out[required]
+        return out
+
+
+class DrainBody(Body):
+    deadline_s: float
+
+
+class RolesBody(Body):
+    roles: list[str]
+
+
+class ModelsBody(Body):
+    models: list[ModelServedBody] = Field(max_length=MAX_LIST)
+
+
+class SiteTokenBody(Body):
+    revoke_previous: bool = False
+
+
+class ApiKeyBody(Body):
+    name: str
+    allowed_regions: list[str] = Field(default_factory=list)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def spec(self) -> ApiKeySpec:
+        return ApiKeySpec(self.name, list(self.allowed_regions), self.requests_per_minute, self.tokens_per_minute)
+
+
+class ApiKeyLookupBody(Body):
+    key: str
+
+
+class RegistrationBody(Body):
+    """An agent (re)announcing its site. Location fields left out keep their current values."""
+
+    name: str | None = None  # when given, must be the site the token is bound to
+    grpc_address: str
+    models: list[ModelServedBody] = Field(max_length=MAX_LIST)
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    region: str | None = None
+    country: str | None = None
+    lat: float | None = None
+    lon: float | None = None
+
+    def changes(self) -> dict:
+        out = {"grpc_address": self.grpc_address, "models": [m.record() for m in self.models],
+               "heartbeat_interval_s": self.heartbeat_interval_s}
+        for name in ("region", "country", "lat", "lon"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+class HeartbeatBody(Body):
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    num_running: int = 0
+    num_waiting: int = 0
+    inflight_prefill_tokens: int = 0
+    inflight_decode_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    prefix_cache_summary: dict | None = None
+    draining: bool = False
+
+    def record(self) -> Capacity:
+        return Capacity(**{name: getattr(self, name) for name in HeartbeatBody.model_fields})
+
+
+class LinkBody(Body):
+    peer: str
+    rtt_ms: float
+    bandwidth_mbps: float
+
+
+class LinksBody(Body):
+    links: list[LinkBody] = Field(max_length=MAX_LIST)
+
+    def records(self) -> list[LinkMeasurement]:
+        return [LinkMeasurement(link.peer, link.rtt_ms, link.bandwidth_mbps) for link in self.links]

@@ -1,0 +1,39 @@
+"""What the HTTP handlers share (store, auth, heartbeat batcher, snapshot cache) and the FastAPI
+dependencies that hand it to them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from registry.access import SiteIdentity
+from registry.auth import Authenticator
+from registry.heartbeat_batcher import HeartbeatBatcher
+from registry.snapshot_cache import SnapshotCache
+from registry.store import RegistryStore
+
+
+@dataclass(slots=True)
+class RegistryService:
+    store: RegistryStore
+    auth: Authenticator
+    batcher: HeartbeatBatcher
+    snapshots: SnapshotCache
+
+
+async def registry(request: Request) -> RegistryService:
+    # async: a plain def dependency would cost a thread-pool hop on every heartbeat
+    return request.app.state.registry
+
+
+async def admin_actor(request: Request) -> str:
+    return await request.app.state.registry.auth.admin(request)
+
+
+async def router_caller(request: Request) -> None:
+    await request.app.state.registry.auth.router(request)
+
+
+async def site_caller(request: Request) -> SiteIdentity:
+    return await request.app.state.registry.auth.site(request)

@@ -1,0 +1,54 @@
+"""ASGI middleware that refuses request bodies over a size limit with a 413, whether the client
+declares the size (Content-Length) or streams it (chunked); the app never sees an oversize body.
+"""
+
+from __future__ import annotations
+
+import json
+
+from registry.http_errors import error_body
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+class BodySizeLimit:
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(send)
+            return
+        messages, total = [], 0
+        while True:  # buffered so an oversize stream is refused before the app acts on any of it
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            total += len(message.get("body", b""))
+            if total > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        buffered = iter(messages)
+
+        async def replay():
+            for message in buffered:
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", "request_too_large",
+                                     "body_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,64 @@
+"""`edgefire registry migrate|serve`: create or upgrade the registry schema, and run the service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+DEFAULT_DB_URL = "sqlite:///.edgefire/registry.db"
+DEFAULT_PORT = 8500
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("registry", help="the central site registry: migrate the database, serve the API")
+    commands = parser.add_subparsers(dest="registry_command", metavar="COMMAND", required=True)
+
+    migrate = commands.add_parser("migrate", help="create or upgrade the registry schema to the latest revision")
+    migrate.add_argument("--db", default=DEFAULT_DB_URL, help=f"database URL (default {DEFAULT_DB_URL})")
+    migrate.set_defaults(func=run_migrate)
+
+    serve = commands.add_parser("serve", help="run the registry HTTP service (agents, routers, operators)")
+    serve.add_argument("--db", default=DEFAULT_DB_URL, help=f"database URL (default {DEFAULT_DB_URL})")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"listen port (default {DEFAULT_PORT})")
+    serve.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
+                       help="operator token (default $EDGEFIRE_ADMIN_TOKEN)")
+    serve.add_argument("--router-token", default=os.environ.get("EDGEFIRE_ROUTER_TOKEN"),
+                       help="routers' token (default $EDGEFIRE_ROUTER_TOKEN)")
+    serve.add_argument("--no-migrate", action="store_true", help="do not upgrade the schema before serving")
+    serve.set_defaults(func=run_serve)
+
+
+def run_migrate(args: argparse.Namespace) -> int:
+    from registry.migrate import upgrade_to_head
+
+    upgrade_to_head(args.db)
+    log.info("registry schema at head on %s", _redacted(args.db))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from registry.migrate import upgrade_to_head
+    from registry.service import create_app
+
+    missing = [flag for flag, value in (("--admin-token", args.admin_token), ("--router-token", args.router_token))
+               if not value]
+    if missing:
+        log.error("missing %s (or EDGEFIRE_ADMIN_TOKEN / EDGEFIRE_ROUTER_TOKEN)", " and ".join(missing))
+        return 2
+    if not args.no_migrate:
+        upgrade_to_head(args.db)
+    app = create_app(args.db, args.admin_token, args.router_token)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def _redacted(db_url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(db_url).render_as_string(hide_password=True)

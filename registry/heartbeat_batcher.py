@@ -1,0 +1,84 @@
+"""Group commit for heartbeats: every heartbeat that arrives while one commit runs goes into the
+next, so the database sees one multi-row upsert per commit rather than one transaction per site.
+
+Each caller still waits for its own commit, so a 200 means the heartbeat is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from sqlalchemy.exc import IntegrityError
+
+from registry.records import SiteStatus
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 2000
+
+
+class HeartbeatBatcher:
+    def __init__(self, write_rows: Callable[[list[dict]], dict[int, SiteStatus]], max_batch: int = MAX_BATCH) -> None:
+        self._write_rows = write_rows
+        self._max_batch = max_batch
+        self._pending: list[tuple[dict, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task | None = None
+        self.num_commits = 0
+        self.num_heartbeats = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat-batcher")
+
+    async def stop(self) -> None:
+        """Commits what is queued, then ends the loop."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    async def submit(self, row: dict) -> SiteStatus | None:
+        """Stores one checked capacity row; None when the site no longer exists."""
+        if self._closing or self._task is None:
+            raise RuntimeError("the heartbeat batcher is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((row, future))
+        self._wakeup.set()
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
+                await self._commit(batch)
+            if self._closing:
+                return
+
+    async def _commit(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+        rows = [row for row, _ in batch]
+        try:
+            statuses = await asyncio.to_thread(self._write_with_retry, rows)
+        except Exception as exc:  # the loop must survive a database outage; every waiter gets the error
+            log.error("heartbeat commit of %d rows failed: %s", len(rows), exc)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        self.num_commits += 1
+        self.num_heartbeats += len(rows)
+        for row, future in batch:
+            if not future.done():  # the caller may have gone away
+                future.set_result(statuses.get(row["site_id"]))
+
+    def _write_with_retry(self, rows: list[dict]) -> dict[int, SiteStatus]:
+        try:
+            return self._write_rows(rows)
+        except IntegrityError:
+            # A site was deleted between its existence check and the upsert (PostgreSQL, READ
+            # COMMITTED); the retry's check sees the deletion and leaves that row out.
+            return self._write_rows(rows)

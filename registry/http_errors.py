@@ -1,0 +1,81 @@
+"""The one place that turns failures into HTTP error bodies:
+{"error": {"message": str, "type": str, "code": str}} with a fitting 4xx (or 5xx) status.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from registry.errors import Conflict, InvalidInput, NotFound, RegistryStoreError
+
+log = logging.getLogger(__name__)
+
+_STORE_STATUS = {InvalidInput: (422, "invalid_request_error"), NotFound: (404, "not_found_error"),
+                 Conflict: (409, "conflict_error")}
+_HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+               413: "request_too_large", 422: "invalid_request_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers
+
+
+def error_body(message: str, type_: str, code: str) -> dict:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def error_response(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = error_body(message, _HTTP_TYPES.get(status, "api_error"), code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RegistryStoreError, _store_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _database_down)
+
+
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.code, exc.headers)
+
+
+async def _store_error(_request: Request, exc: RegistryStoreError) -> JSONResponse:
+    status, type_ = _STORE_STATUS.get(type(exc), (400, "invalid_request_error"))
+    return JSONResponse(error_body(exc.message, type_, exc.code), status_code=status)
+
+
+async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(400, "the request body is not valid JSON", "invalid_json")
+    first = errors[0] if errors else {}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return error_response(422, message, "invalid_field")
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "no_such_endpoint", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, str(exc.detail), code, getattr(exc, "headers", None))
+
+
+async def _database_down(request: Request, exc: OperationalError) -> JSONResponse:
+    log.error("registry database error on %s %s: %s", request.method, request.url.path, exc.orig)
+    return JSONResponse(error_body("the registry database is unavailable; retry shortly", "api_error", "database_unavailable"),
+                        status_code=503, headers={"Retry-After": "1"})

@@ -1,0 +1,127 @@
+"""The operator's admin API (admin token): sites, their state, roles and models, site tokens,
+API keys, and the audit log. Every change is audited by the store in the same transaction.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query, Response
+
+from registry.api_models import (ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
+                                 SitePatchBody, SiteTokenBody)
+from registry.app_state import RegistryService, admin_actor, registry
+from registry.records import Page
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+Limit = Query(100, ge=1, le=1000, description="page size")
+Cursor = Query(None, description="next_cursor from the previous page")
+
+
+def _page(page: Page) -> dict:
+    return {"items": [item.to_json() for item in page.items], "next_cursor": page.next_cursor}
+
+
+@router.post("/sites", status_code=201)
+def create_site(body: SiteCreateBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.sites.create(body.name, body.spec(), actor).to_json()
+
+
+@router.get("/sites")
+def list_sites(limit: int = Limit, cursor: str | None = Cursor, _: str = Depends(admin_actor),
+               svc: RegistryService = Depends(registry)) -> dict:
+    return _page(svc.store.sites.list(limit, cursor))
+
+
+@router.get("/sites/{name}")
+def get_site(name: str, _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.sites.get(name).to_json()
+
+
+@router.put("/sites/{name}")
+def put_site(name: str, body: SiteBody, response: Response, actor: str = Depends(admin_actor),
+             svc: RegistryService = Depends(registry)) -> dict:
+    """Creates the site or replaces its descriptive fields (not its state); repeating it changes nothing."""
+    site, created = svc.store.sites.put(name, body.spec(), actor)
+    response.status_code = 201 if created else 200
+    return site.to_json()
+
+
+@router.patch("/sites/{name}")
+def update_site(name: str, body: SitePatchBody, actor: str = Depends(admin_actor),
+                svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.sites.update(name, body.changes(), actor).to_json()
+
+
+@router.delete("/sites/{name}", status_code=204)
+def delete_site(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> Response:
+    svc.store.sites.delete(name, actor)
+    svc.auth.forget_site_tokens()
+    return Response(status_code=204)
+
+
+@router.post("/sites/{name}/cordon")
+def cordon(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """No new requests go to the site; requests in flight finish."""
+    return svc.store.sites.cordon(name, actor).to_json()
+
+
+@router.post("/sites/{name}/uncordon")
+def uncordon(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.sites.uncordon(name, actor).to_json()
+
+
+@router.post("/sites/{name}/drain")
+def drain(name: str, body: DrainBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """Like cordon, and the agent is told to finish its requests within deadline_s seconds."""
+    return svc.store.sites.drain(name, body.deadline_s, actor).to_json()
+
+
+@router.put("/sites/{name}/roles")
+def set_roles(name: str, body: RolesBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.sites.set_roles(name, body.roles, actor).to_json()
+
+
+@router.put("/sites/{name}/models")
+def set_models(name: str, body: ModelsBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.sites.set_models(name, [m.record() for m in body.models], actor).to_json()
+
+
+@router.post("/sites/{name}/tokens", status_code=201)
+def issue_site_token(name: str, body: SiteTokenBody | None = None, actor: str = Depends(admin_actor),
+                     svc: RegistryService = Depends(registry)) -> dict:
+    """A new agent token for the site, shown only in this response. revoke_previous=true rotates."""
+    revoke_previous = body.revoke_previous if body is not None else False
+    token = svc.store.access.issue_site_token(name, actor, revoke_previous)
+    if revoke_previous:
+        svc.auth.forget_site_tokens()
+    return {"site": name, "token": token, "revoked_previous": revoke_previous}
+
+
+@router.post("/api-keys", status_code=201)
+def create_api_key(body: ApiKeyBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """The new key's secret is in `key`, shown only in this response."""
+    key, secret = svc.store.access.create_api_key(body.spec(), actor)
+    return {**key.to_json(), "key": secret}
+
+
+@router.get("/api-keys")
+def list_api_keys(limit: int = Limit, cursor: str | None = Cursor, _: str = Depends(admin_actor),
+                  svc: RegistryService = Depends(registry)) -> dict:
+    return _page(svc.store.access.list_api_keys(limit, cursor))
+
+
+@router.get("/api-keys/{key_id}")
+def get_api_key(key_id: int, _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.access.get_api_key(key_id).to_json()
+
+
+@router.post("/api-keys/{key_id}/revoke")
+def revoke_api_key(key_id: int, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    return svc.store.access.revoke_api_key(key_id, actor).to_json()
+
+
+@router.get("/audit-log")
+def audit_log(limit: int = Limit, cursor: str | None = Cursor, _: str = Depends(admin_actor),
+              svc: RegistryService = Depends(registry)) -> dict:
+    """Newest first."""
+    return _page(svc.store.audit.list(limit, cursor))

@@ -1,0 +1,31 @@
+"""The routers' API (router token): the site snapshot with ETag revalidation, and API-key lookup."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from registry.api_models import ApiKeyLookupBody
+from registry.app_state import RegistryService, registry, router_caller
+from registry.http_errors import ApiError
+
+router = APIRouter(prefix="/v1/router", tags=["router"], dependencies=[Depends(router_caller)])
+
+
+@router.get("/snapshot")
+async def snapshot(request: Request, svc: RegistryService = Depends(registry)) -> Response:
+    """Every site with its latest capacity and liveness; 304 when If-None-Match holds the current ETag."""
+    rendered = await run_in_threadpool(svc.snapshots.get, request.headers.get("if-none-match"))
+    headers = {"ETag": rendered.etag, "Cache-Control": "no-cache"}
+    if rendered.body is None:
+        return Response(status_code=304, headers=headers)
+    return Response(rendered.body, media_type="application/json", headers=headers)
+
+
+@router.post("/api-keys/lookup")
+def lookup_api_key(body: ApiKeyLookupBody, svc: RegistryService = Depends(registry)) -> dict:
+    """The key's limits and allowed regions; 404 for an unknown or revoked key."""
+    key = svc.store.access.lookup_api_key(body.key)
+    if key is None:
+        raise ApiError(404, "unknown or revoked API key", "api_key_not_found")
+    return key.to_json()

@@ -1,0 +1,60 @@
+"""The registry HTTP service: a FastAPI app over the store, for agents, routers and operators.
+
+    app = create_app("sqlite:///var/edgefire/registry.db", admin_token, router_token)
+
+The handlers are thin (routes_*.py); this module wires them to one RegistryService and owns its
+lifetime: the heartbeat group-commit loop starts and stops with the app.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from registry import http_errors
+from registry.app_state import RegistryService
+from registry.auth import Authenticator
+from registry.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from registry.heartbeat_batcher import HeartbeatBatcher
+from registry.routes_admin import router as admin_routes
+from registry.routes_agent import router as agent_routes
+from registry.routes_router import router as router_routes
+from registry.snapshot_cache import SnapshotCache
+from registry.store import RegistryStore
+
+
+def create_app(db_url: str, admin_token: str, router_token: str, *,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, store: RegistryStore | None = None) -> FastAPI:
+    """The app for an already-migrated database. Pass `store` to share one (tests, a fake clock)."""
+    store = store or RegistryStore.open(db_url)
+    service = RegistryService(
+        store=store,
+        auth=Authenticator(store.access, admin_token, router_token),
+        batcher=HeartbeatBatcher(store.telemetry.write_capacity_rows),
+        snapshots=SnapshotCache(store.engine, clock=store.telemetry.now),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        service.batcher.start()
+        try:
+            yield
+        finally:
+            await service.batcher.stop()
+            store.close()
+
+    app = FastAPI(title="edgefire registry", version="1", lifespan=lifespan,
+                  description="Sites, their capacity and liveness; the operator admin API.")
+    app.state.registry = service
+    http_errors.install(app)
+    app.include_router(agent_routes)
+    app.include_router(router_routes)
+    app.include_router(admin_routes)
+    app.add_api_route("/healthz", _healthz, methods=["GET"], include_in_schema=False)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    return app
+
+
+async def _healthz() -> dict:
+    return {"ok": True}
