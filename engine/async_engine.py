@@ -13,6 +13,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine.engine import EngineStats, LLMEngine, StepOutput
@@ -115,22 +116,25 @@ class AsyncEngine:
                        generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
         request_id = request_id or uuid.uuid4().hex
         await self._start(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids, prefill_only))
-        async for event in self._stream(request_id):
-            yield event
+        async with aclosing(self._stream(request_id)) as events:
+            async for event in events:
+                yield event
 
     async def generate_from_kv(self, payload: KVPayload, params: SamplingParams, generated_ids: list[int],
                                request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """Decode a request whose prompt was prefilled elsewhere (payload from export_kv)."""
         request_id = request_id or uuid.uuid4().hex
         await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids))
-        async for event in self._stream(request_id):
-            yield event
+        async with aclosing(self._stream(request_id)) as events:
+            async for event in events:
+                yield event
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> TokenEvent:
         """Prefill only: the first token, with kv_handle naming the pinned KV (release or let it expire)."""
         event = None
-        async for event in self.generate(prompt_ids, params, request_id, prefill_only=True):
-            pass
+        async with aclosing(self.generate(prompt_ids, params, request_id, prefill_only=True)) as events:
+            async for event in events:
+                pass
         return event
 
     async def _start(self, request_id: str, add: Callable[[LLMEngine], None]) -> None:

@@ -25,7 +25,7 @@ from engine.kv_transfer import KVChunk, KVLayout, KVPayload
 from engine.loader import load_model, resolve_dtype
 from engine.runner import prepare_step
 from engine.sampling import SampledToken, SamplingParams, sample
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import read_json
 
@@ -359,6 +359,22 @@ class LLMEngine:
             layer_cache = self.kv_cache[chunk.layer]
             layer_cache[0].view(-1, mc.num_kv_heads, mc.head_dim)[slots] = kv[0].to(self.device)
             layer_cache[1].view(-1, mc.num_kv_heads, mc.head_dim)[slots] = kv[1].to(self.device)
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [len(prompt_ids), vocab] of every prompt position (scoring; uses free blocks briefly)."""
+        seq = self._new_sequence(f"score-{secrets.token_hex(4)}", list(prompt_ids), SamplingParams(max_tokens=1),
+                                 [], prefill_only=False)
+        self.block_manager.enable_prefix_caching, caching = False, self.block_manager.enable_prefix_caching
+        try:
+            if not self.block_manager.can_allocate(seq):
+                raise InvalidRequestError(f"no room in the KV pool to score {len(prompt_ids)} tokens now")
+            self.block_manager.allocate(seq)
+            inputs = prepare_step([ScheduledSeq(seq, seq.num_tokens)], self.config.block_size, self.device)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+            return self.model.compute_logits(hidden)
+        finally:
+            self.block_manager.free(seq)
+            self.block_manager.enable_prefix_caching = caching
 
     # -- state for routers and operators -----------------------------------------------------
 

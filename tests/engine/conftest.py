@@ -1,0 +1,72 @@
+"""Random-weight checkpoints of each supported architecture, saved with transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=320, max_position_embeddings=512)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**{**SMALL, **kw}))
+
+
+def _llama31(**kw):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    return _llama(rope_scaling=rope, **kw)
+
+
+def _mistral(**kw):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**{**SMALL, "sliding_window": 24, **kw}))
+
+
+def _qwen2(**kw):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**{**SMALL, **kw}))
+
+
+def _qwen3(**kw):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**{**SMALL, "head_dim": 16, **kw}))
+
+
+ARCHITECTURES = {
+    "llama": _llama,
+    "llama3.1-rope": _llama31,
+    "llama-tied": lambda: _llama(tie_word_embeddings=True),
+    "mistral-sliding": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "qwen3-tied": lambda: _qwen3(tie_word_embeddings=True),
+}
+
+
+def _randomize(model) -> None:
+    # transformers initializes norms to 1 and biases to 0; random values make the test see them.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+
+
+def build_checkpoint(directory, arch: str, max_shard_size: str | None = None):
+    torch.manual_seed(1234)
+    model = ARCHITECTURES[arch]().eval()
+    _randomize(model)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory):
+    """(directory, transformers model) of a small random Llama, for reference comparisons."""
+    directory = tmp_path_factory.mktemp("llama")
+    return directory, build_checkpoint(directory, "llama")

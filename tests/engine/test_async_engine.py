@@ -1,0 +1,58 @@
+"""The asyncio front: streaming, cancellation, and transfer between two engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.engine import EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture
+def engines(llama_checkpoint):
+    made = [AsyncEngine(LLMEngine(llama_checkpoint[0], EngineConfig(kv_cache_bytes=8 << 20, show_progress=False)))
+            for _ in range(2)]
+    yield made
+    for engine in made:
+        engine.shutdown()
+
+
+async def test_concurrent_streams_and_transfer(engines):
+    a, b = engines
+    params = SamplingParams(max_tokens=8, temperature=0.6, seed=5, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (7, 30, 55)]
+
+    async def collect(p):
+        return [e.token_id async for e in a.generate(p, params)]
+
+    colocated = await asyncio.gather(*(collect(p) for p in prompts))
+    for p, expected in zip(prompts, colocated):
+        first = await a.prefill(p, params)
+        payload = await a.export_kv(first.kv_handle)
+        await a.release_kv(first.kv_handle)
+        rest = [e.token_id async for e in b.generate_from_kv(payload, params, [first.token_id])]
+        assert [first.token_id] + rest == expected
+    for engine in engines:
+        stats = await engine.stats()
+        assert stats.num_blocks_free == stats.num_blocks_total
+
+
+async def test_leaving_a_stream_aborts_and_frees(engines):
+    a, _ = engines
+    stream = a.generate(list(range(1, 40)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    stats = await a.stats()
+    assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
+async def test_errors_reach_the_caller(engines):
+    from engine.errors import InvalidRequestError
+    a, _ = engines
+    with pytest.raises(InvalidRequestError, match="empty"):
+        async for _ in a.generate([], SamplingParams()):
+            pass

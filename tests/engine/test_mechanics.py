@@ -1,0 +1,259 @@
+"""Prefix cache, preemption, KV export/import, seeded sampling, aborts and handle expiry.
+
+Each feature must give exactly the tokens of a plain run and return every block to the pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def make_engine(directory, **overrides) -> LLMEngine:
+    config = dict(kv_cache_bytes=8 << 20, show_progress=False, block_size=8)
+    return LLMEngine(directory, EngineConfig(**{**config, **overrides}))
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    outputs = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].append(out.token.token_id)
+    return outputs
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    assert not engine.pinned and not engine.sequences
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture
+def ckpt(llama_checkpoint):
+    return llama_checkpoint[0]
+
+
+def test_prefix_cache_hit_gives_same_tokens(ckpt):
+    system = prompt(40, seed=1)
+    first, second = system + prompt(5, seed=2), system + prompt(9, seed=3)
+    plain = run(make_engine(ckpt, enable_prefix_caching=False), {"b": (second, GREEDY)})["b"]
+    engine = make_engine(ckpt)
+    run(engine, {"a": (first, GREEDY)})
+    outputs, cached = {"b": []}, []
+    engine.add_request("b", second, GREEDY)
+    while engine.has_work():
+        for out in engine.step():
+            outputs["b"].append(out.token.token_id)
+            cached.append(out.num_cached_tokens)
+    assert outputs["b"] == plain
+    assert cached[0] == 40  # the five full 8-token blocks of the shared system prompt
+    assert engine.stats().prefix_cache_hit_tokens == 40
+    assert_no_leak(engine)
+
+
+def test_identical_prompt_reuses_all_but_last_token(ckpt):
+    engine = make_engine(ckpt)
+    p = prompt(33, seed=4)
+    first = run(engine, {"a": (p, GREEDY)})["a"]
+    engine.add_request("b", p, GREEDY)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert [o.token.token_id for o in outs] == first
+    assert outs[0].num_cached_tokens == 32
+
+
+def test_cache_summary_names_cached_prefix(ckpt):
+    from engine.prefix_hash import count_cached_tokens
+    engine = make_engine(ckpt)
+    p = prompt(50, seed=5)
+    run(engine, {"a": (p, GREEDY)})
+    summary = engine.cache_summary()
+    hashes = {int(h, 16) for h in summary["hashes"]}
+    assert count_cached_tokens(p, summary["block_size"], hashes) == 48
+    assert count_cached_tokens(prompt(50, seed=6), summary["block_size"], hashes) == 0
+
+
+def test_lru_eviction_keeps_serving_correctly(ckpt):
+    # A pool of 12 blocks forces cached blocks out as new prompts arrive.
+    engine = make_engine(ckpt, kv_cache_bytes=12 * 2 * 2 * 8 * 2 * 16 * 4)
+    assert engine.block_manager.num_blocks == 12
+    prompts = [prompt(40, seed=s) for s in range(4)]
+    reference = make_engine(ckpt, enable_prefix_caching=False)
+    for i, p in enumerate(prompts + prompts[:1]):
+        got = run(engine, {f"r{i}": (p, GREEDY)})[f"r{i}"]
+        assert got == run(reference, {f"r{i}": (p, GREEDY)})[f"r{i}"]
+    assert_no_leak(engine)
+
+
+def test_preemption_recompute_gives_same_tokens(ckpt):
+    prompts = {f"r{i}": (prompt(20 + 7 * i, seed=10 + i), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+               for i in range(6)}
+    plain = run(make_engine(ckpt), prompts)
+    # 20 blocks of 8 tokens cannot hold six growing sequences at once.
+    small = make_engine(ckpt, kv_cache_bytes=20 * 2 * 2 * 8 * 2 * 16 * 4)
+    assert run(small, prompts) == plain
+    assert small.scheduler.num_preemptions > 0
+    assert_no_leak(small)
+
+
+def test_seeded_sampling_is_independent_of_batch_companions(ckpt):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    p = prompt(21, seed=20)
+    alone = run(make_engine(ckpt), {"x": (p, params)})["x"]
+    others = {f"o{i}": (prompt(10 + i, seed=30 + i), SamplingParams(max_tokens=8, temperature=1.0)) for i in range(5)}
+    crowded = run(make_engine(ckpt), {**others, "x": (p, params)})["x"]
+    assert alone == crowded
+    reseeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=43, ignore_eos=True)
+    other_seed = run(make_engine(ckpt), {"x": (p, reseeded)})["x"]
+    assert other_seed != alone
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)])
+def test_export_import_continuation_matches_plain_run(ckpt, params):
+    p = prompt(45, seed=40)
+    plain = run(make_engine(ckpt), {"a": (p, params)})["a"]
+    source, target = make_engine(ckpt), make_engine(ckpt, block_size=16)
+    source.add_request("a", p, params, prefill_only=True)
+    (first,) = source.step()
+    assert first.kv_handle and first.finished and first.finish_reason is None
+    payload = source.export_kv(first.kv_handle)
+    assert payload.layout.num_tokens == 45 and payload.num_bytes == 45 * 2 * 2 * 2 * 16 * 4
+    source.release_kv(first.kv_handle)
+    assert_no_leak(source)
+    target.import_kv("a", payload, params, [first.token.token_id])
+    rest = []
+    while target.has_work():
+        rest += [o.token.token_id for o in target.step()]
+    assert [first.token.token_id] + rest == plain
+    assert_no_leak(target)
+
+
+def test_import_rejects_corrupt_truncated_or_foreign_payload(ckpt, tmp_path):
+    source = make_engine(ckpt, kv_chunk_bytes=1024)
+    source.add_request("a", prompt(30, seed=50), GREEDY, prefill_only=True)
+    (first,) = source.step()
+    payload = source.export_kv(first.kv_handle)
+    target = make_engine(ckpt)
+
+    corrupt = source.export_kv(first.kv_handle)
+    data = bytearray(corrupt.chunks[3].data)
+    data[10] ^= 0xFF
+    corrupt.chunks[3].data = bytes(data)
+    with pytest.raises(KVTransferError, match="checksum"):
+        target.import_kv("c", corrupt, GREEDY, [first.token.token_id])
+
+    truncated = source.export_kv(first.kv_handle)
+    truncated.chunks.pop()
+    with pytest.raises(KVTransferError, match="incomplete"):
+        target.import_kv("t", truncated, GREEDY, [first.token.token_id])
+
+    foreign = source.export_kv(first.kv_handle)
+    foreign.layout.model_fingerprint = "another-model"
+    with pytest.raises(KVTransferError, match="model_fingerprint"):
+        target.import_kv("f", foreign, GREEDY, [first.token.token_id])
+
+    assert_no_leak(target)
+    target.import_kv("ok", payload, GREEDY, [first.token.token_id])  # the intact one still works
+
+
+def test_kv_handles_release_and_expire(ckpt):
+    engine = make_engine(ckpt, kv_handle_ttl_s=5.0)
+    engine.add_request("a", prompt(30, seed=60), GREEDY, prefill_only=True)
+    engine.add_request("b", prompt(30, seed=61), GREEDY, prefill_only=True)
+    handles = [out.kv_handle for out in engine.step()]
+    engine.release_kv(handles[0])
+    with pytest.raises(UnknownHandleError):
+        engine.release_kv(handles[0])
+    import time
+    assert engine.expire_handles(time.monotonic() + 10) == 1
+    with pytest.raises(UnknownHandleError):
+        engine.export_kv(handles[1])
+    assert_no_leak(engine)
+
+
+def test_abort_at_any_time_frees_blocks(ckpt):
+    engine = make_engine(ckpt, max_num_batched_tokens=16)
+    engine.add_request("waiting", prompt(40, seed=70), GREEDY)
+    engine.add_request("prefilling", prompt(60, seed=71), GREEDY)
+    engine.step()
+    assert engine.abort("prefilling") and engine.abort("waiting")
+    engine.add_request("decoding", prompt(10, seed=72), GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.abort("decoding") and not engine.abort("decoding")
+    assert not engine.has_work()
+    assert_no_leak(engine)
+
+
+def test_stop_tokens_and_max_tokens(ckpt):
+    engine = make_engine(ckpt)
+    p = prompt(12, seed=80)
+    free_run = run(engine, {"a": (p, GREEDY)})["a"]
+    stop_at = free_run[4]
+    stopped = run(engine, {"b": (p, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))})["b"]
+    assert stopped == free_run[: free_run.index(stop_at) + 1]
+    assert run(engine, {"c": (p, SamplingParams(max_tokens=3, temperature=0))})["c"] == free_run[:3]
+
+
+def test_logprobs_are_model_log_softmax(ckpt):
+    engine = make_engine(ckpt)
+    p = prompt(10, seed=90)
+    engine.add_request("a", p, SamplingParams(max_tokens=1, temperature=0, logprobs=3))
+    (out,) = engine.step()
+    expected = torch.log_softmax(engine.prompt_logits(p)[-1], -1)
+    assert out.token.logprob == pytest.approx(float(expected.max()), abs=1e-5)
+    ids = [t for t, _ in out.token.top_logprobs]
+    assert ids[0] == out.token.token_id and ids == expected.topk(3).indices.tolist()
+
+
+def test_resume_with_generated_ids_continues_the_same_stream(ckpt):
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=11, ignore_eos=True)
+    p = prompt(25, seed=95)
+    full = run(make_engine(ckpt), {"a": (p, params)})["a"]
+    engine = make_engine(ckpt)
+    engine.add_request("r", p, params, generated_ids=full[:5])
+    rest = []
+    while engine.has_work():
+        rest += [o.token.token_id for o in engine.step()]
+    assert full[:5] + rest == full
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(temperature=-1), "temperature"),
+    (SamplingParams(top_p=0), "top_p"),
+    (SamplingParams(top_k=-2), "top_k"),
+    (SamplingParams(seed=-5), "seed"),
+    (SamplingParams(logprobs=99), "logprobs"),
+    (SamplingParams(stop_token_ids=[100000]), "stop token"),
+])
+def test_invalid_sampling_values_are_rejected(ckpt, params, message):
+    engine = make_engine(ckpt)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("a", [1, 2, 3], params)
+    assert not engine.has_work()
+
+
+def test_bad_prompts_are_rejected(ckpt):
+    engine = make_engine(ckpt)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(InvalidRequestError, match="context holds 512"):
+        engine.add_request("b", [1] * 600, GREEDY)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request("c", [1, 5000], GREEDY)
+    engine.add_request("d", [1, 2], GREEDY)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("d", [1, 2], GREEDY)
