@@ -1,0 +1,116 @@
+"""The operator admin API through RegistryClient: every endpoint, pagination, idempotent PUTs, audit."""
+
+from __future__ import annotations
+
+import pytest
+
+from registry.client import RegistryError
+
+from .conftest import new_site
+
+FRA = {"region": "eu-west", "country": "DE", "lat": 50.1, "lon": 8.7, "grpc_address": "10.0.0.1:50051"}
+
+
+async def test_site_crud(admin):
+    created = await admin.create_site("fra-1", **FRA, models=[{"model": "llama", "role": "both"}])
+    assert created["name"] == "fra-1" and created["state"] == "active"
+    assert await admin.get_site("fra-1") == created
+    updated = await admin.update_site("fra-1", grpc_address="10.0.0.9:50051")
+    assert updated["grpc_address"] == "10.0.0.9:50051" and updated["region"] == "eu-west"
+    assert await admin.delete_site("fra-1") is None
+    with pytest.raises(RegistryError) as err:
+        await admin.get_site("fra-1")
+    assert (err.value.status, err.value.code) == (404, "site_not_found")
+
+
+async def test_list_sites_pages(admin):
+    for i in range(5):
+        await admin.create_site(f"site-{i}")
+    first = await admin.list_sites(limit=2)
+    names = [s["name"] for s in first["items"]]
+    cursor = first["next_cursor"]
+    while cursor:
+        page = await admin.list_sites(limit=2, cursor=cursor)
+        names += [s["name"] for s in page["items"]]
+        cursor = page["next_cursor"]
+    assert names == [f"site-{i}" for i in range(5)]
+
+
+async def test_put_is_idempotent(admin, raw):
+    first = await raw.put("/v1/admin/sites/fra-1", json=FRA, headers={"Authorization": "Bearer admin-secret"})
+    second = await raw.put("/v1/admin/sites/fra-1", json=FRA, headers={"Authorization": "Bearer admin-secret"})
+    assert (first.status_code, second.status_code) == (201, 200)
+    strip = lambda site: {k: v for k, v in site.items() if k != "updated_at"}  # noqa: E731
+    assert strip(first.json()) == strip(second.json())
+    assert len((await admin.list_sites())["items"]) == 1
+
+
+async def test_state_roles_models(admin):
+    await admin.create_site("fra-1", **FRA)
+    assert (await admin.cordon("fra-1"))["state"] == "cordoned"
+    assert (await admin.cordon("fra-1"))["state"] == "cordoned"
+    drained = await admin.drain("fra-1", 120)
+    assert drained["state"] == "draining" and drained["drain_deadline"] > 0
+    assert (await admin.uncordon("fra-1"))["state"] == "active"
+    assert (await admin.set_roles("fra-1", ["prefill"]))["roles"] == ["prefill"]
+    models = [{"model": "a", "role": "prefill"}, {"model": "b", "role": "decode"}]
+    assert (await admin.set_models("fra-1", models))["models"] == models
+
+
+async def test_site_tokens_are_shown_once_and_rotate(admin, connect):
+    await admin.create_site("fra-1", **FRA)
+    issued = await admin.issue_site_token("fra-1")
+    agent = connect(issued["token"])
+    await agent.heartbeat({"kv_blocks_total": 1, "kv_blocks_free": 1, "block_size": 1})
+    rotated = await admin.rotate_site_token("fra-1")
+    assert rotated["revoked_previous"] and rotated["token"] != issued["token"]
+    with pytest.raises(RegistryError) as err:
+        await agent.heartbeat({"kv_blocks_total": 1, "kv_blocks_free": 1, "block_size": 1})
+    assert err.value.status == 401
+    await connect(rotated["token"]).heartbeat({"kv_blocks_total": 1, "kv_blocks_free": 1, "block_size": 1})
+    assert issued["token"] not in str(await admin.audit_log())
+
+
+async def test_api_keys(admin, router_client):
+    created = await admin.create_api_key("team-a", ["eu-west"], requests_per_minute=60, tokens_per_minute=5000)
+    secret = created.pop("key")
+    assert secret.startswith("ef-") and "key_hash" not in created
+    assert (await admin.list_api_keys())["items"] == [created]
+    assert await admin.get_api_key(created["id"]) == created
+    assert (await router_client.lookup_api_key(secret))["allowed_regions"] == ["eu-west"]
+    assert (await admin.revoke_api_key(created["id"]))["revoked"] is True
+    assert await router_client.lookup_api_key(secret) is None
+    for i in range(3):
+        await admin.create_api_key(f"k{i}")
+    page = await admin.list_api_keys(limit=2)
+    rest = await admin.list_api_keys(limit=2, cursor=page["next_cursor"])
+    assert len(page["items"]) + len(rest["items"]) == 4 and rest["next_cursor"] is None
+
+
+async def test_audit_log_records_who_what_when(admin, connect):
+    bob = connect("admin-secret")  # no X-Edgefire-Actor: recorded as plain "admin"
+    await admin.create_site("fra-1", **FRA)
+    await bob.cordon("fra-1")
+    await admin.create_api_key("k")
+    entries = (await admin.audit_log())["items"]
+    assert [(e["actor"], e["action"], e["target"]) for e in entries] == [
+        ("admin:alice", "api_key.create", "api-key:1"), ("admin", "site.cordon", "fra-1"),
+        ("admin:alice", "site.create", "fra-1")]
+    assert all(e["at"] > 0 for e in entries)
+    page = await admin.audit_log(limit=1)
+    assert (await admin.audit_log(limit=5, cursor=page["next_cursor"]))["items"] == entries[1:]
+
+
+async def test_openapi_is_served(raw):
+    spec = (await raw.get("/openapi.json")).json()
+    for path in ("/v1/admin/sites", "/v1/agent/heartbeat", "/v1/router/snapshot", "/v1/admin/audit-log"):
+        assert path in spec["paths"]
+
+
+async def test_agent_tokens_and_router_token_cannot_administer(admin, connect, router_client):
+    agent = await new_site(admin, connect)
+    for client in (agent, router_client):
+        with pytest.raises(RegistryError) as err:
+            await client.create_site("evil")
+        assert (err.value.status, err.value.code) == (403, "wrong_token_kind")
+    assert [s["name"] for s in (await admin.list_sites())["items"]] == ["fra-1"]
