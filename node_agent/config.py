@@ -1,0 +1,179 @@
+"""The agent's configuration: one dataclass, one loader (TOML file, then environment, then flags).
+
+Every field can be set three ways, later ones winning: the TOML file, an `EDGEFIRE_AGENT_<FIELD>`
+environment variable, and a `--<field-with-dashes>` flag. Models are a TOML table
+`[models] name = "/checkpoint/dir"`, `EDGEFIRE_AGENT_MODELS="a=/x,b=/y"` or repeated `--model a=/x`.
+A bad value is a ConfigError that names the field and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_PREFIX = "EDGEFIRE_AGENT_"
+ROLES = ("prefill", "decode", "both")
+
+
+class ConfigError(ValueError):
+    """The agent configuration is unusable; the message names the field."""
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    site: str = ""
+    region: str | None = None
+    country: str | None = None
+    lat: float | None = None
+    lon: float | None = None
+    role: str = "both"                          # prefill | decode | both
+    models: dict[str, str] = field(default_factory=dict)  # model name -> checkpoint dir
+    grpc_listen: str = "127.0.0.1:50051"
+    advertise_address: str | None = None        # what the registry tells routers; default grpc_listen
+    metrics_listen: str | None = "127.0.0.1:9400"  # None: no metrics endpoint
+    registry_url: str | None = None             # None: run without a registry
+    site_token: str | None = None
+    peer_token: str = ""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None                   # roots for calling TLS peers
+    kv_cache_bytes: int = 256 << 20             # KV pool per model
+    kv_lease_ttl_s: float = 30.0
+    kv_chunk_bytes: int = 4 << 20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 64                       # queued requests beyond which new work is refused
+    device: str = "auto"
+    dtype: str = "auto"
+    heartbeat_interval_s: float = 2.0
+    drain_timeout_s: float = 30.0
+    fetch_timeout_s: float = 30.0               # a KV pull slower than this falls back to recompute
+
+    @property
+    def grpc_address(self) -> str:
+        return self.advertise_address or self.grpc_listen
+
+    def validate(self) -> None:
+        if not self.site:
+            raise ConfigError("site: the site name is required")
+        if self.role not in ROLES:
+            raise ConfigError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.models:
+            raise ConfigError("models: at least one model (name = checkpoint dir) is required")
+        for name, path in self.models.items():
+            if not (Path(path) / "config.json").is_file():
+                raise ConfigError(f"models.{name}: {path!r} is not a checkpoint directory (no config.json)")
+        if not self.peer_token:
+            raise ConfigError("peer_token: a shared token for agent and router calls is required")
+        if self.registry_url and not self.site_token:
+            raise ConfigError("site_token: required when registry_url is set")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert / tls_key: give both or neither")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path!r}")
+        for name in ("kv_cache_bytes", "kv_chunk_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        for name in ("kv_lease_ttl_s", "heartbeat_interval_s", "drain_timeout_s", "fetch_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name, limit in (("lat", 90), ("lon", 180)):
+            value = getattr(self, name)
+            if value is not None and not -limit <= value <= limit:
+                raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {value}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
+_HINTS = typing.get_type_hints(AgentConfig)
+
+
+def base_type(name: str) -> type:
+    """The field's type without `| None` (dict for models)."""
+    hint = _HINTS[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def _nullable(name: str) -> bool:
+    return isinstance(_HINTS[name], types.UnionType)
+
+
+def _check_toml(name: str, value):
+    """A TOML value has its own type; accept it only if it matches the field's."""
+    kind = base_type(name)
+    if kind is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{name}: must be a table of model name = \"checkpoint dir\"")
+        return dict(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"{name}: must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_text(name: str, text: str):
+    """A value from the environment or a flag: text converted to the field's type."""
+    if _nullable(name) and text.lower() in ("", "none"):
+        return None
+    kind = base_type(name)
+    if kind is dict:
+        return parse_models(text.split(","), name)
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name}: must be {kind.__name__}, got {text!r}") from None
+
+
+def parse_models(items: list[str], source: str = "models") -> dict[str, str]:
+    models = {}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"{source}: expected NAME=CHECKPOINT_DIR, got {item!r}")
+        models[name.strip()] = path.strip()
+    return models
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None,
+                environ: dict[str, str] | None = None) -> AgentConfig:
+    """File, then environment, then `overrides` (already-typed values, e.g. from flags; None = unset)."""
+    values: dict = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                document = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config: no such file {str(path)!r}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
+        for name, value in document.items():
+            if name not in FIELDS:
+                raise ConfigError(f"{name}: unknown setting in {path} (known: {', '.join(FIELDS)})")
+            values[name] = _check_toml(name, value)
+    environ = os.environ if environ is None else environ
+    for name in FIELDS:
+        text = environ.get(ENV_PREFIX + name.upper())
+        if text is not None:
+            values[name] = parse_text(name, text)
+    for name, value in (overrides or {}).items():
+        if name not in FIELDS:
+            raise ConfigError(f"{name}: unknown setting")
+        if value is not None:
+            values[name] = value
+    config = AgentConfig(**values)
+    config.validate()
+    return config

@@ -1,0 +1,47 @@
+"""Translation between the agent protos and the engine's types. No I/O, no policy."""
+
+from __future__ import annotations
+
+from engine.async_engine import TokenEvent
+from engine.sampling import SamplingParams
+from node_agent.proto import agent_pb2
+
+
+def sampling_from_proto(msg: agent_pb2.SamplingParams) -> SamplingParams:
+    # An unset message means "defaults", except max_tokens, which proto3 cannot tell from 0.
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> agent_pb2.SamplingParams:
+    msg = agent_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                                   top_k=params.top_k, top_p=params.top_p, stop_token_ids=params.stop_token_ids,
+                                   ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def token_to_proto(event: TokenEvent) -> agent_pb2.Token:
+    token = agent_pb2.Token(token_id=event.token_id)
+    if event.logprob is not None:
+        token.logprob = event.logprob
+    for token_id, logprob in event.top_logprobs or ():
+        token.top_logprobs.add(token_id=token_id, logprob=logprob)
+    return token
+
+
+def chunk_from_event(event: TokenEvent) -> agent_pb2.TokenChunk:
+    return agent_pb2.TokenChunk(tokens=[token_to_proto(event)], finish_reason=event.finish_reason or "",
+                                num_prompt_tokens=event.num_prompt_tokens,
+                                num_cached_tokens=event.num_cached_tokens)

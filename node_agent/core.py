@@ -1,0 +1,278 @@
+"""What an agent does, with no gRPC server in sight: admit requests, run them on the engines,
+lease prefilled KV, pull KV from peers (recomputing when that fails), and drain.
+
+Handles given out are `<model>/<engine handle>`, so FetchKV and ReleaseKV find the engine that
+holds the blocks. A lease is single use: the FetchKV stream that reads it releases it when the
+stream ends, however it ends; otherwise ReleaseKV or the engine's TTL does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass, replace
+
+from engine.async_engine import TokenEvent
+from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.kv_transfer import KVPayload
+from engine.sampling import SamplingParams
+from node_agent.client import AgentClient
+from node_agent.config import AgentConfig
+from node_agent.errors import DrainingError, OverloadedError, UnknownModelError, WrongRoleError
+from node_agent.metrics import AgentMetrics
+from node_agent.models import HostedModel
+from node_agent.transfer import receive_payload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVSource:
+    address: str
+    kv_handle: str
+
+
+@dataclass(slots=True)
+class PrefillOutcome:
+    first: TokenEvent
+    kv_handle: str          # "" when the request finished at its first token
+    kv_bytes: int
+    kv_layout_json: str
+
+
+class AgentCore:
+    def __init__(self, config: AgentConfig, models: dict[str, HostedModel], metrics: AgentMetrics,
+                 tls_ca: bytes | None = None):
+        self.config = config
+        self.models = models
+        self.metrics = metrics
+        self.draining = False
+        self.num_inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tls_ca = tls_ca
+        self._peers: dict[str, AgentClient] = {}
+        self._background: set[asyncio.Task] = set()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def model(self, name: str) -> HostedModel:
+        hosted = self.models.get(name)
+        if hosted is None:
+            raise UnknownModelError(f"model {name!r} is not served here (this agent serves {', '.join(self.models)})")
+        return hosted
+
+    def _check_role(self, step: str) -> None:
+        if self.config.role != "both" and self.config.role != step:
+            raise WrongRoleError(f"this site's role is {self.config.role}; it does not {step}")
+
+    def _validate(self, model: HostedModel, prompt_ids: list[int], generated_ids: list[int],
+                  params: SamplingParams) -> None:
+        """Bad input is refused here, before it costs an engine round trip."""
+        if not prompt_ids:
+            raise InvalidRequestError("prompt_ids is empty; send at least one token")
+        params.validate(model.vocab_size)
+        bad = next((t for t in (*prompt_ids, *generated_ids) if t >= model.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {model.vocab_size})")
+        total = len(prompt_ids) + len(generated_ids)
+        if total >= model.info.context_length:
+            raise InvalidRequestError(f"prompt and generated tokens number {total}; the context holds "
+                                      f"{model.info.context_length} including at least one new token")
+
+    async def _admit(self, model: HostedModel, num_tokens: int) -> None:
+        if self.draining:
+            raise DrainingError("this agent is draining and takes no new work; use another site")
+        stats = await model.engine.stats()
+        if stats.num_waiting >= self.config.max_waiting:
+            self.metrics.rejected.labels("queue").inc()
+            raise OverloadedError(f"queue is full ({stats.num_waiting} waiting, limit {self.config.max_waiting})")
+        needed = model.blocks_needed(num_tokens + 1)
+        if needed > stats.num_blocks_free:
+            self.metrics.rejected.labels("kv").inc()
+            raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {stats.num_blocks_free} "
+                                  f"of {stats.num_blocks_total} are free")
+
+    async def _accept(self, model_name: str, step: str, prompt_ids: list[int], generated_ids: list[int],
+                      params: SamplingParams) -> HostedModel:
+        model = self.model(model_name)
+        self._check_role(step)
+        self._validate(model, prompt_ids, generated_ids, params)
+        await self._admit(model, len(prompt_ids) + len(generated_ids))
+        return model
+
+    @contextmanager
+    def inflight(self):
+        """Counts a request for drain; drain waits until none are left."""
+        self.num_inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.num_inflight -= 1
+            if not self.num_inflight:
+                self._idle.set()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(self, model_name: str, prompt_ids: list[int], generated_ids: list[int],
+                       params: SamplingParams, request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        with self.inflight():
+            model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
+            events = model.engine.generate(prompt_ids, params, request_id, generated_ids)
+            async for event in self._observed(model.name, "generate", events):
+                yield event
+
+    async def prefill(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
+                      request_id: str | None = None) -> PrefillOutcome:
+        with self.inflight():
+            model = await self._accept(model_name, "prefill", prompt_ids, [], params)
+            started = time.perf_counter()
+            event = await model.engine.prefill(prompt_ids, params, request_id)
+            self.metrics.ttft.labels(model.name, "prefill").observe(time.perf_counter() - started)
+            if event.finish_reason:
+                await model.engine.release_kv(event.kv_handle)  # nothing left to decode
+                return PrefillOutcome(event, "", 0, "")
+            layout = replace(model.kv_layout, num_tokens=len(prompt_ids))
+            kv_bytes = layout.bytes_per_token_per_layer * layout.num_layers * layout.num_tokens
+            return PrefillOutcome(event, f"{model.name}/{event.kv_handle}", kv_bytes, layout.to_json())
+
+    async def decode(self, model_name: str, prompt_ids: list[int], generated_ids: list[int], params: SamplingParams,
+                     source: KVSource | None, request_id: str | None = None,
+                     time_left: float | None = None) -> AsyncIterator[TokenEvent]:
+        with self.inflight():
+            model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
+            payload = None
+            if source is not None and generated_ids:
+                payload = await self._pull(model, source, prompt_ids, request_id, time_left)
+            events = await self._start_decode(model, payload, prompt_ids, generated_ids, params, request_id)
+            async for event in self._observed(model.name, "decode", events):
+                yield event
+
+    async def _start_decode(self, model: HostedModel, payload: KVPayload | None, prompt_ids: list[int],
+                            generated_ids: list[int], params: SamplingParams,
+                            request_id: str | None) -> AsyncIterator[TokenEvent]:
+        """The event stream, primed: an import the engine refuses falls back to recompute here."""
+        if payload is not None:
+            events = model.engine.generate_from_kv(payload, params, generated_ids, request_id)
+            try:
+                first = await anext(events)
+            except KVTransferError as exc:
+                log.warning("request %s: engine refused the imported KV (%s); recomputing", request_id, exc)
+                self.metrics.kv_fallbacks.inc()
+            else:
+                return _prepend(first, events)
+        return model.engine.generate(prompt_ids, params, request_id, generated_ids)
+
+    async def _pull(self, model: HostedModel, source: KVSource, prompt_ids: list[int], request_id: str | None,
+                    time_left: float | None) -> KVPayload | None:
+        """The source's KV, verified, or None (logged) when anything about the transfer fails."""
+        timeout = self.config.fetch_timeout_s if time_left is None else min(self.config.fetch_timeout_s, time_left)
+        layout = replace(model.kv_layout, num_tokens=len(prompt_ids))
+        try:
+            call = self._peer(source.address).fetch_kv(source.kv_handle, timeout=timeout, request_id=request_id)
+            payload = await receive_payload(call, layout, prompt_ids)
+        except KVTransferError as exc:
+            log.warning("request %s: KV pull from %s failed (%s); recomputing the prefill", request_id,
+                        source.address, exc)
+            self.metrics.kv_fallbacks.inc()
+            return None
+        self.metrics.kv_bytes_received.inc(payload.num_bytes)
+        return payload
+
+    def _peer(self, address: str) -> AgentClient:
+        client = self._peers.get(address)
+        if client is None:
+            client = self._peers[address] = AgentClient(address, self.config.peer_token, tls_ca=self._tls_ca)
+        return client
+
+    async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        started = last = time.perf_counter()
+        first = True
+        async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
+            async for event in events:
+                now = time.perf_counter()
+                if first:
+                    self.metrics.ttft.labels(model, rpc).observe(now - started)
+                    first = False
+                else:
+                    self.metrics.inter_token.labels(model).observe(now - last)
+                last = now
+                yield event
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def _lease(self, kv_handle: str) -> tuple[HostedModel, str]:
+        model_name, _, engine_handle = kv_handle.rpartition("/")
+        model = self.models.get(model_name)
+        if model is None or not engine_handle:
+            raise UnknownHandleError(f"KV handle {kv_handle!r} is unknown, released or expired")
+        return model, engine_handle
+
+    async def export_kv(self, kv_handle: str) -> KVPayload:
+        model, engine_handle = self._lease(kv_handle)
+        return await model.engine.export_kv(engine_handle)
+
+    async def release_kv(self, kv_handle: str) -> bool:
+        """False when the lease was already gone (fetched, released or expired)."""
+        try:
+            model, engine_handle = self._lease(kv_handle)
+            await model.engine.release_kv(engine_handle)
+        except UnknownHandleError:
+            return False
+        return True
+
+    def release_soon(self, kv_handle: str) -> None:
+        """Release from a path that may itself be cancelled (a FetchKV stream the client left)."""
+        self.spawn(self.release_kv(kv_handle))
+
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def num_leases(self) -> int:
+        return sum([(await m.engine.stats()).num_pinned_handles for m in self.models.values()])
+
+    async def release_all_leases(self) -> int:
+        released = 0
+        for model in self.models.values():
+            handles = await model.engine.call(lambda engine: list(engine.pinned))
+            for handle in handles:
+                released += await self.release_kv(f"{model.name}/{handle}")
+        return released
+
+    # -- drain -------------------------------------------------------------------------------
+
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new work; wait (up to deadline_s) for in-flight requests and unfetched leases; release the rest."""
+        self.draining = True
+        give_up = time.monotonic() + deadline_s
+        try:
+            await asyncio.wait_for(self._idle.wait(), deadline_s)
+            while await self.num_leases() and time.monotonic() < give_up:
+                await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.warning("drain deadline passed with %d requests in flight", self.num_inflight)
+        released = await self.release_all_leases()
+        if released:
+            log.info("drain released %d unfetched KV leases", released)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            await asyncio.gather(task, return_exceptions=True)
+        for client in self._peers.values():
+            await client.close()
+        self._peers.clear()
+
+
+async def _prepend(first: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()

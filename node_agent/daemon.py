@@ -1,0 +1,165 @@
+"""The agent daemon: wires config, engines, the gRPC server, metrics and heartbeats together.
+
+    agent = Agent(config)
+    await agent.start()          # engines loaded, serving, registered
+    ...
+    await agent.drain()          # refuse new work, finish in-flight, release leases, deregister, stop
+
+Tests and the one-machine launcher run agents in-process through this class; `edgefire agent` runs
+one and drains it on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from node_agent.auth import TokenAuthInterceptor
+from node_agent.client import CHANNEL_OPTIONS
+from node_agent.config import AgentConfig
+from node_agent.core import AgentCore
+from node_agent.heartbeat import HeartbeatLoop, Registration
+from node_agent.metrics import AgentMetrics, MetricsServer
+from node_agent.models import HostedModel, load_model
+from node_agent.proto import agent_pb2_grpc
+from node_agent.service import AgentServicer
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 2.0
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.metrics = AgentMetrics()
+        self.models: dict[str, HostedModel] = {}
+        self.core: AgentCore | None = None
+        self.servicer: AgentServicer | None = None
+        self.heartbeats: HeartbeatLoop | None = None
+        self.address = ""                 # host:port actually bound (grpc_listen may ask for port 0)
+        self.metrics_port: int | None = None
+        self._server: aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        loaded = await asyncio.gather(*(load_model(name, path, cfg) for name, path in cfg.models.items()))
+        self.models = {m.name: m for m in loaded}
+        tls_ca = Path(cfg.tls_ca).read_bytes() if cfg.tls_ca else None
+        self.core = AgentCore(cfg, self.models, self.metrics, tls_ca=tls_ca)
+        self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
+        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)], options=CHANNEL_OPTIONS)
+        agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
+        port = self._bind(cfg.grpc_listen)
+        self.address = f"{cfg.grpc_listen.rpartition(':')[0]}:{port}"
+        await self._server.start()
+        if cfg.metrics_listen:
+            self._metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
+            await self._metrics_server.start(cfg.metrics_listen)
+            self.metrics_port = self._metrics_server.port
+        if cfg.registry_url:
+            self._start_heartbeats()
+        log.info("agent %s serving %s on %s", cfg.site, ", ".join(self.models), self.address)
+
+    def _bind(self, listen: str) -> int:
+        cfg = self.config
+        if cfg.tls_cert:
+            credentials = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            return self._server.add_secure_port(listen, credentials)
+        return self._server.add_insecure_port(listen)
+
+    def _start_heartbeats(self) -> None:
+        from registry.client import RegistryClient
+
+        cfg = self.config
+        address = cfg.advertise_address or self.address
+        registration = Registration(cfg.site, address, [{"model": m, "role": cfg.role} for m in self.models],
+                                    cfg.heartbeat_interval_s, cfg.region, cfg.country, cfg.lat, cfg.lon)
+        client = RegistryClient(cfg.registry_url, cfg.site_token)
+        self.heartbeats = HeartbeatLoop(client, registration, self.capacity, self._on_registry_status)
+        self.heartbeats.start()
+
+    def request_drain(self, deadline_s: float | None = None) -> None:
+        """Start draining in the background (Drain RPC, SIGTERM, the operator via the registry)."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self.drain(deadline_s), name="drain")
+
+    async def drain(self, deadline_s: float | None = None) -> None:
+        """Stop taking work, finish in-flight requests, release leases, deregister, stop."""
+        if self.core.draining:
+            await self._stopped.wait()
+            return
+        deadline_s = self.config.drain_timeout_s if deadline_s is None else deadline_s
+        log.info("draining (deadline %.1fs)", deadline_s)
+        self.core.draining = True
+        if self.heartbeats is not None:
+            await self.heartbeats.beat_now()  # tell routers at once, not at the next interval
+        await self.core.drain(deadline_s)
+        await self.stop(deregister=True)
+
+    async def stop(self, deregister: bool = False) -> None:
+        """Stop now: in-flight streams are cancelled (their blocks freed), engines shut down."""
+        if self._stopped.is_set():
+            return
+        if self.heartbeats is not None:
+            await self.heartbeats.stop(deregister)
+        if self._server is not None:
+            await self._server.stop(STOP_GRACE_S)
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        if self.core is not None:
+            await self.core.close()
+        for model in self.models.values():
+            await asyncio.to_thread(model.engine.shutdown)
+        self._stopped.set()
+
+    async def kill_server(self) -> None:
+        """Tests: drop every connection at once, as if the site died (engines keep running)."""
+        await self._server.stop(0)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def _on_registry_status(self, status: dict) -> None:
+        if status.get("state") == "draining" and not self.core.draining:
+            deadline = status.get("drain_deadline")
+            deadline_s = max(0.0, deadline - time.time()) if deadline else None
+            log.info("the registry asks this site to drain")
+            self.request_drain(deadline_s)
+
+    async def capacity(self) -> dict:
+        """The heartbeat body: engine stats summed over hosted models, and their prefix-cache hashes."""
+        body = {"kv_blocks_total": 0, "kv_blocks_free": 0, "block_size": self.config.block_size, "num_running": 0,
+                "num_waiting": 0, "inflight_prefill_tokens": 0, "inflight_decode_tokens": 0,
+                "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0, "draining": self.core.draining}
+        hashes: list[str] = []
+        for model in self.models.values():
+            stats = await model.engine.stats()
+            self.metrics.observe_stats(model.name, stats)
+            body["kv_blocks_total"] += stats.num_blocks_total
+            body["kv_blocks_free"] += stats.num_blocks_free
+            body["num_running"] += stats.num_running
+            body["num_waiting"] += stats.num_waiting
+            body["inflight_prefill_tokens"] += stats.inflight_prefill_tokens
+            body["inflight_decode_tokens"] += stats.inflight_decode_tokens
+            body["prefill_tokens_per_s"] += stats.prefill_tokens_per_s
+            body["decode_tokens_per_s"] += stats.decode_tokens_per_s
+            hashes += (await model.engine.cache_summary())["hashes"]
+        body["prefix_cache_summary"] = {"block_size": self.config.block_size, "hashes": hashes}
+        return body
+
+    async def refresh_metrics(self) -> None:
+        for model in self.models.values():
+            self.metrics.observe_stats(model.name, await model.engine.stats())

@@ -1,0 +1,21 @@
+"""Errors the agent raises on purpose, beside the engine's; service.py maps each to a gRPC status."""
+
+
+class AgentError(Exception):
+    """Base class of the agent's own refusals."""
+
+
+class UnknownModelError(AgentError):
+    """The request names a model this agent does not host."""
+
+
+class OverloadedError(AgentError):
+    """The KV pool or the queue is over its limit; the caller should try another site."""
+
+
+class DrainingError(AgentError):
+    """The agent is draining and takes no new work."""
+
+
+class WrongRoleError(AgentError):
+    """The site's role does not include this step (e.g. Prefill on a decode-only site)."""

@@ -1,0 +1,120 @@
+"""Registration and heartbeats to the registry, resilient to the registry being away.
+
+One retry policy (`Backoff`) for both: a failed call waits, doubling up to a cap, then tries again;
+a success resets it. Nothing here ever stops serving: the loop only logs, waits and retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from registry.client import RegistryClient, RegistryError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Backoff:
+    initial_s: float = 0.2
+    max_s: float = 10.0
+    factor: float = 2.0
+    _next_s: float = 0.0
+
+    def next_delay(self) -> float:
+        self._next_s = min(self.max_s, self._next_s * self.factor if self._next_s else self.initial_s)
+        return self._next_s * random.uniform(0.8, 1.2)  # jitter, so many agents do not retry in lockstep
+
+    def reset(self) -> None:
+        self._next_s = 0.0
+
+
+@dataclass(slots=True)
+class Registration:
+    name: str
+    grpc_address: str
+    models: list[dict]
+    heartbeat_interval_s: float
+    region: str | None = None
+    country: str | None = None
+    lat: float | None = None
+    lon: float | None = None
+
+
+class HeartbeatLoop:
+    """Registers the site, then reports capacity every interval until stopped."""
+
+    def __init__(self, client: RegistryClient, registration: Registration,
+                 capacity: Callable[[], Awaitable[dict]], on_status: Callable[[dict], None] | None = None):
+        self.client = client
+        self.registration = registration
+        self._capacity = capacity
+        self._on_status = on_status
+        self._backoff = Backoff(max_s=max(2 * registration.heartbeat_interval_s, 1.0))
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.registered = False
+        self.num_heartbeats = 0
+        self.num_failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self._beat()
+            except (RegistryError, httpx.HTTPError) as exc:
+                self.num_failures += 1
+                delay = self._backoff.next_delay()
+                log.warning("registry call failed (%s); retrying in %.1fs", exc, delay)
+                await self._sleep(delay)
+                continue
+            self._backoff.reset()
+            await self._sleep(self.registration.heartbeat_interval_s)
+
+    async def _beat(self) -> None:
+        if not self.registered:
+            r = self.registration
+            await self.client.register_site(r.name, r.grpc_address, r.models, r.heartbeat_interval_s,
+                                            r.region, r.country, r.lat, r.lon)
+            self.registered = True
+            log.info("registered site %s at %s", r.name, r.grpc_address)
+        try:
+            status = await self.client.heartbeat(await self._capacity())
+        except RegistryError as exc:
+            if exc.status == 404:
+                self.registered = False  # the registry forgot us (e.g. restored from an old copy)
+            raise
+        self.num_heartbeats += 1
+        if self._on_status is not None and isinstance(status, dict):
+            self._on_status(status)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            pass  # the usual case: the interval passed without a stop
+
+    async def beat_now(self) -> None:
+        """One heartbeat outside the schedule (e.g. to announce draining); failures are only logged."""
+        try:
+            await self._beat()
+        except (RegistryError, httpx.HTTPError) as exc:
+            log.warning("registry call failed (%s)", exc)
+
+    async def stop(self, deregister: bool) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        if deregister:
+            try:
+                await self.client.deregister()
+            except (RegistryError, httpx.HTTPError) as exc:
+                log.warning("could not deregister (%s); the registry will age the site out", exc)
+        await self.client.aclose()

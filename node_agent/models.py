@@ -1,0 +1,70 @@
+"""The models an agent hosts: one engine per checkpoint, plus the assets routers ask for.
+
+Loading weights blocks for seconds, so `load_model` runs it on a worker thread; everything after
+that goes through the AsyncEngine's own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.async_engine import AsyncEngine
+from engine.engine import EngineConfig, LLMEngine
+from engine.kv_transfer import KVLayout
+from engine.tokenizer import read_json
+from node_agent.config import AgentConfig
+from node_agent.proto import agent_pb2
+
+
+@dataclass(slots=True)
+class HostedModel:
+    name: str
+    engine: AsyncEngine
+    info: agent_pb2.ModelInfo
+    vocab_size: int
+    block_size: int
+    kv_layout: KVLayout          # this engine's layout (num_tokens 1); peers' payloads must match it
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def engine_config(config: AgentConfig) -> EngineConfig:
+    return EngineConfig(device=config.device, dtype=config.dtype, block_size=config.block_size,
+                        kv_cache_bytes=config.kv_cache_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_num_seqs=config.max_num_seqs, kv_handle_ttl_s=config.kv_lease_ttl_s,
+                        kv_chunk_bytes=config.kv_chunk_bytes, show_progress=False)
+
+
+def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
+    model_dir = Path(engine.model_dir)
+    tokenizer_config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
+    template = tokenizer_config.get("chat_template")
+    generation = read_json(model_dir / "generation_config.json", required=False) or {}
+    layout = engine.kv_layout(1)
+    return agent_pb2.ModelInfo(
+        model=name,
+        tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+        tokenizer_config_json=json.dumps(tokenizer_config),
+        chat_template=template if isinstance(template, str) else "",
+        generation_config_json=json.dumps(generation),
+        context_length=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        block_size=engine.config.block_size,
+        kv_bytes_per_token=layout.bytes_per_token_per_layer * layout.num_layers,
+        eos_token_ids=sorted(engine.eos_token_ids),
+    )
+
+
+def _load_sync(name: str, checkpoint_dir: str, config: EngineConfig) -> HostedModel:
+    engine = LLMEngine(checkpoint_dir, config)
+    info = _model_info(name, engine)
+    return HostedModel(name, AsyncEngine(engine), info, engine.model_config.vocab_size, engine.config.block_size,
+                       engine.kv_layout(1))
+
+
+async def load_model(name: str, checkpoint_dir: str, config: AgentConfig) -> HostedModel:
+    return await asyncio.to_thread(_load_sync, name, checkpoint_dir, engine_config(config))

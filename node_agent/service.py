@@ -1,0 +1,143 @@
+"""The gRPC servicer: translate protos, call AgentCore, map errors to status codes. Nothing else.
+
+`fetch_kv_hook` is a test seam: when set, every outgoing KV chunk passes through it, so tests can
+corrupt, truncate or kill a transfer; returning None ends the stream there.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import grpc
+from grpc import aio
+
+from engine.async_engine import EngineDeadError
+from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
+from node_agent.convert import chunk_from_event, sampling_from_proto, token_to_proto
+from node_agent.core import AgentCore, KVSource
+from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
+from node_agent.proto import agent_pb2, agent_pb2_grpc
+from node_agent.transfer import payload_messages
+
+log = logging.getLogger(__name__)
+
+FetchKVHook = Callable[[int, agent_pb2.KVChunk], Awaitable[agent_pb2.KVChunk | None]]
+
+_STATUS = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownModelError, grpc.StatusCode.NOT_FOUND),
+    (UnknownHandleError, grpc.StatusCode.NOT_FOUND),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (WrongRoleError, grpc.StatusCode.FAILED_PRECONDITION),
+    (KVTransferError, grpc.StatusCode.DATA_LOSS),
+]
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    return next((code for kind, code in _STATUS if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+
+
+@asynccontextmanager
+async def grpc_errors(context: aio.ServicerContext, request_id: str):
+    try:
+        yield
+    except (EngineError, AgentError) as exc:
+        code = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("request %s failed", request_id)
+        await context.abort(code, str(exc))
+
+
+def _request_id(request_id: str, context: aio.ServicerContext) -> str:
+    """The caller's id (field, else metadata) plus a suffix: an engine needs ids unique among its requests."""
+    base = request_id or dict(context.invocation_metadata() or ()).get("x-request-id") or "anon"
+    return f"{base}:{secrets.token_hex(4)}"
+
+
+class AgentServicer(agent_pb2_grpc.AgentServicer):
+    def __init__(self, core: AgentCore, on_drain: Callable[[float], None]):
+        self.core = core
+        self._on_drain = on_drain
+        self.fetch_kv_hook: FetchKVHook | None = None
+
+    async def Generate(self, request: agent_pb2.GenerateRequest, context: aio.ServicerContext):
+        request_id = _request_id(request.request_id, context)
+        async with grpc_errors(context, request_id):
+            events = self.core.generate(request.model, list(request.prompt_ids), list(request.generated_ids),
+                                        sampling_from_proto(request.sampling), request_id)
+            async for event in events:
+                yield chunk_from_event(event)
+
+    async def Prefill(self, request: agent_pb2.PrefillRequest, context: aio.ServicerContext):
+        request_id = _request_id(request.request_id, context)
+        async with grpc_errors(context, request_id):
+            outcome = await self.core.prefill(request.model, list(request.prompt_ids),
+                                              sampling_from_proto(request.sampling), request_id)
+            first = outcome.first
+            return agent_pb2.PrefillResult(
+                first_token=token_to_proto(first), kv_handle=outcome.kv_handle,
+                num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
+                kv_layout=outcome.kv_layout_json, kv_bytes=outcome.kv_bytes, finish_reason=first.finish_reason or "",
+                lease_ttl_s=self.core.config.kv_lease_ttl_s if outcome.kv_handle else 0.0)
+
+    async def FetchKV(self, request: agent_pb2.FetchKVRequest, context: aio.ServicerContext):
+        request_id = _request_id("", context)
+        with self.core.inflight():
+            async with grpc_errors(context, request_id):
+                payload = await self.core.export_kv(request.kv_handle)
+            try:
+                for index, msg in enumerate(payload_messages(payload)):
+                    if self.fetch_kv_hook is not None:
+                        msg = await self.fetch_kv_hook(index, msg)
+                        if msg is None:
+                            return
+                    yield msg
+                    self.core.metrics.kv_bytes_sent.inc(len(msg.data))
+            finally:
+                # single use: the lease ends with its stream, whether it was read whole or not
+                self.core.release_soon(request.kv_handle)
+
+    async def ReleaseKV(self, request: agent_pb2.ReleaseKVRequest, context: aio.ServicerContext):
+        return agent_pb2.ReleaseKVResponse(released=await self.core.release_kv(request.kv_handle))
+
+    async def Decode(self, request: agent_pb2.DecodeRequest, context: aio.ServicerContext):
+        request_id = _request_id(request.request_id, context)
+        source = None
+        if request.HasField("kv_source") and request.kv_source.address:
+            source = KVSource(request.kv_source.address, request.kv_source.kv_handle)
+        async with grpc_errors(context, request_id):
+            events = self.core.decode(request.model, list(request.prompt_ids), list(request.generated_ids),
+                                      sampling_from_proto(request.sampling), source, request_id,
+                                      context.time_remaining())
+            async for event in events:
+                yield chunk_from_event(event)
+
+    async def GetModelInfo(self, request: agent_pb2.ModelInfoRequest, context: aio.ServicerContext):
+        async with grpc_errors(context, "model-info"):
+            return self.core.model(request.model).info
+
+    async def Health(self, request: agent_pb2.HealthRequest, context: aio.ServicerContext):
+        response = agent_pb2.HealthResponse(
+            status=agent_pb2.HealthResponse.DRAINING if self.core.draining else agent_pb2.HealthResponse.SERVING,
+            site=self.core.config.site, models=list(self.core.models))
+        for model in self.core.models.values():
+            if not model.engine.alive:
+                response.status = agent_pb2.HealthResponse.NOT_SERVING
+                continue
+            stats = await model.engine.stats()
+            response.kv_blocks_total += stats.num_blocks_total
+            response.kv_blocks_free += stats.num_blocks_free
+            response.num_running += stats.num_running
+            response.num_waiting += stats.num_waiting
+            response.num_kv_leases += stats.num_pinned_handles
+        return response
+
+    async def Drain(self, request: agent_pb2.DrainRequest, context: aio.ServicerContext):
+        deadline_s = request.deadline_s if request.deadline_s > 0 else self.core.config.drain_timeout_s
+        self._on_drain(deadline_s)
+        return agent_pb2.DrainResponse(draining=True, num_inflight=self.core.num_inflight)

@@ -1,0 +1,92 @@
+"""KV transfer over FetchKV: the sending side turns a payload into chunk messages, the receiving
+side streams them back into a KVPayload and refuses anything it cannot trust.
+
+The receiver checks, as chunks arrive: the first chunk carries the layout, prompt token ids and
+chunk count; the layout fits this engine; every chunk's size matches its token count and its CRC32
+matches its bytes; the stream ends with exactly the announced chunks; the payload covers every
+layer and token (KVPayload.validate). Any failure, including the gRPC call's own, is one
+KVTransferError, so Decode has one thing to catch before it recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from grpc import aio
+
+from engine.errors import KVTransferError
+from engine.kv_transfer import KVChunk, KVLayout, KVPayload
+from node_agent.proto import agent_pb2
+
+
+def payload_messages(payload: KVPayload) -> Iterator[agent_pb2.KVChunk]:
+    for index, chunk in enumerate(payload.chunks):
+        msg = agent_pb2.KVChunk(layer=chunk.layer, first_token=chunk.first_token, num_tokens=chunk.num_tokens,
+                                data=chunk.data, crc32=chunk.crc32)
+        if index == 0:
+            msg.kv_layout = payload.layout.to_json()
+            msg.token_ids.extend(payload.token_ids)
+            msg.num_chunks = len(payload.chunks)
+        yield msg
+
+
+class PayloadAssembler:
+    """Builds a KVPayload from chunk messages in arrival order, checking each as it comes."""
+
+    def __init__(self, expected_layout: KVLayout, prompt_ids: list[int]):
+        self._expected = expected_layout
+        self._prompt_ids = prompt_ids
+        self.payload: KVPayload | None = None
+        self._num_chunks = 0
+        self.num_bytes = 0
+
+    def add(self, msg: agent_pb2.KVChunk) -> None:
+        if self.payload is None:
+            self._start(msg)
+        elif self._num_chunks and len(self.payload.chunks) >= self._num_chunks:
+            raise KVTransferError(f"KV stream sent more than the {self._num_chunks} chunks it announced")
+        chunk = KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.crc32)
+        expected_bytes = chunk.num_tokens * self.payload.layout.bytes_per_token_per_layer
+        if len(chunk.data) != expected_bytes:
+            raise KVTransferError(f"KV chunk {len(self.payload.chunks)} carries {len(chunk.data)} bytes for "
+                                  f"{chunk.num_tokens} tokens, expected {expected_bytes}")
+        chunk.verify()
+        self.payload.chunks.append(chunk)
+        self.num_bytes += len(chunk.data)
+
+    def _start(self, msg: agent_pb2.KVChunk) -> None:
+        if not msg.kv_layout or not msg.num_chunks:
+            raise KVTransferError("the first KV chunk lacks the layout and chunk count")
+        layout = KVLayout.from_json(msg.kv_layout)
+        token_ids = list(msg.token_ids)
+        if token_ids != self._prompt_ids:
+            raise KVTransferError(f"the KV source holds a different prompt ({len(token_ids)} tokens) "
+                                  f"than this request's ({len(self._prompt_ids)} tokens)")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "model_fingerprint"):
+            if getattr(layout, name) != getattr(self._expected, name):
+                raise KVTransferError(f"KV layout mismatch: {name} is {getattr(layout, name)!r}, "
+                                      f"this engine needs {getattr(self._expected, name)!r}")
+        self.payload = KVPayload(layout, token_ids)
+        self._num_chunks = msg.num_chunks
+
+    def finish(self) -> KVPayload:
+        if self.payload is None:
+            raise KVTransferError("the KV stream ended before its first chunk")
+        if len(self.payload.chunks) != self._num_chunks:
+            raise KVTransferError(f"the KV stream ended after {len(self.payload.chunks)} of "
+                                  f"{self._num_chunks} chunks")
+        self.payload.validate(self._expected)
+        return self.payload
+
+
+async def receive_payload(call: aio.UnaryStreamCall, expected_layout: KVLayout, prompt_ids: list[int]) -> KVPayload:
+    """Drain a FetchKV call into a verified payload; cancels the call on any failure."""
+    assembler = PayloadAssembler(expected_layout, prompt_ids)
+    try:
+        async for msg in call:
+            assembler.add(msg)
+        return assembler.finish()
+    except aio.AioRpcError as exc:
+        raise KVTransferError(f"FetchKV failed: {exc.code().name}: {exc.details()}") from exc
+    finally:
+        call.cancel()  # no-op once the stream has ended; frees the call if we stopped early

@@ -1,0 +1,46 @@
+"""Disaggregated serving: Prefill on one agent, Decode on another, same tokens as colocated."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_agent.proto import agent_pb2
+from tests.agent.conftest import MODEL, collect, prompt, sampling, wait_for_free_blocks
+
+
+@pytest.mark.parametrize("params", [sampling(), sampling(temperature=0.9, top_k=50, top_p=0.95, seed=1234)],
+                         ids=["greedy", "seeded"])
+async def test_decode_with_pulled_kv_matches_generate(start_agent, connect, params):
+    a, b = await start_agent("site-a"), await start_agent("site-b")
+    client_a, client_b = connect(a), connect(b)
+    free_a, free_b = (await client_a.health()).kv_blocks_free, (await client_b.health()).kv_blocks_free
+    prompt_ids = prompt(40)
+
+    colocated = await collect(client_a.generate(agent_pb2.GenerateRequest(
+        request_id="ref", model=MODEL, prompt_ids=prompt_ids, sampling=params)))
+
+    result = await client_a.prefill(agent_pb2.PrefillRequest(request_id="r1", model=MODEL, prompt_ids=prompt_ids,
+                                                             sampling=params))
+    assert result.kv_handle and result.finish_reason == "" and result.kv_bytes > 0
+    decoded = await collect(client_b.decode(agent_pb2.DecodeRequest(
+        request_id="r1", model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id],
+        sampling=params, kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+
+    assert [result.first_token.token_id, *decoded] == colocated
+    assert a.metrics.kv_bytes_sent._value.get() == result.kv_bytes
+    assert b.metrics.kv_bytes_received._value.get() == result.kv_bytes
+    assert b.metrics.kv_fallbacks._value.get() == 0
+    assert await wait_for_free_blocks(client_a, free_a) == free_a
+    assert await wait_for_free_blocks(client_b, free_b) == free_b
+
+
+async def test_decode_without_source_resumes_like_generate(start_agent, connect):
+    a = await start_agent()
+    client = connect(a)
+    params = sampling(temperature=0.7, seed=99)
+    prompt_ids = prompt(30, start=3)
+    reference = await collect(client.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                         sampling=params)))
+    resumed = await collect(client.decode(agent_pb2.DecodeRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                  generated_ids=reference[:5], sampling=params)))
+    assert reference[:5] + resumed == reference
