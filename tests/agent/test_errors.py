@@ -1,0 +1,105 @@
+"""Bad requests get the right gRPC status and a message that says what to change."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc import aio
+
+from node_agent.proto import agent_pb2
+from tests.agent.conftest import MODEL, collect, prompt, sampling
+
+
+async def status_of(make_call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(aio.AioRpcError) as info:
+        result = make_call()
+        if hasattr(result, "__aiter__"):
+            await collect(result)
+        else:
+            await result
+    return info.value.code(), info.value.details()
+
+
+@pytest.mark.parametrize("request_fields, code, words", [
+    (dict(model="nope", prompt_ids=[1, 2]), grpc.StatusCode.NOT_FOUND, "model 'nope' is not served"),
+    (dict(model=MODEL, prompt_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids is empty"),
+    (dict(model=MODEL, prompt_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    (dict(model=MODEL, prompt_ids=[1], sampling=sampling(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
+     "temperature must be in [0, 100]"),
+    (dict(model=MODEL, prompt_ids=[1], sampling=sampling(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT,
+     "top_p must be in (0, 1]"),
+    (dict(model=MODEL, prompt_ids=[1], sampling=sampling(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT,
+     "max_tokens must be"),
+    (dict(model=MODEL, prompt_ids=[1], sampling=sampling(logprobs=500)), grpc.StatusCode.INVALID_ARGUMENT,
+     "logprobs must be in"),
+    (dict(model=MODEL, prompt_ids=[1] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "the context holds"),
+])
+async def test_bad_requests_get_clear_status(start_agent, connect, request_fields, code, words):
+    agent = await start_agent()
+    client = connect(agent)
+    request_fields.setdefault("sampling", sampling())
+    for rpc, kind in ((client.generate, agent_pb2.GenerateRequest), (client.prefill, agent_pb2.PrefillRequest),
+                      (client.decode, agent_pb2.DecodeRequest)):
+        got_code, message = await status_of(lambda: rpc(kind(**request_fields)))
+        assert got_code == code and words in message, (rpc, got_code, message)
+
+
+@pytest.mark.parametrize("token, words", [(None, "missing authorization"), ("wrong", "not valid")])
+async def test_missing_or_wrong_token_is_unauthenticated(start_agent, connect, token, words):
+    agent = await start_agent()
+    client = connect(agent, token="wrong")
+    if token is None:
+        client._token = None
+        client.metadata = lambda request_id=None: ()
+    calls = [lambda: client.health(), lambda: client.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=[1])),
+             lambda: client.fetch_kv("x"), lambda: client.model_info(MODEL)]
+    for make_call in calls:
+        code, message = await status_of(make_call)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and words in message
+
+
+async def test_unknown_handles(start_agent, connect):
+    client = connect(await start_agent())
+    code, message = await status_of(lambda: client.fetch_kv(f"{MODEL}/deadbeef"))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown, released or expired" in message
+    code, _ = await status_of(lambda: client.fetch_kv("garbage"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert await client.release_kv(f"{MODEL}/deadbeef") is False
+
+
+async def test_full_queue_is_resource_exhausted(start_agent, connect):
+    agent = await start_agent(max_waiting=0)  # a limit of zero waiting requests: the queue is always full
+    client = connect(agent)
+    code, message = await status_of(lambda: client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=prompt(10), sampling=sampling())))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in message
+
+
+async def test_kv_pool_full_is_resource_exhausted(start_agent, connect):
+    agent = await start_agent(kv_cache_bytes=8 * 8192, kv_lease_ttl_s=60)  # 8 blocks of 16 tokens
+    client = connect(agent)
+    leased = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt(100), sampling=sampling()))
+    code, message = await status_of(lambda: client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=prompt(60, start=3), sampling=sampling())))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool is full" in message
+    assert await client.release_kv(leased.kv_handle) is True
+    assert len(await collect(client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=prompt(60, start=3), sampling=sampling(max_tokens=4))))) == 4
+
+
+async def test_role_is_enforced(start_agent, connect):
+    client = connect(await start_agent(role="decode"))
+    code, message = await status_of(lambda: client.prefill(agent_pb2.PrefillRequest(
+        model=MODEL, prompt_ids=[1, 2], sampling=sampling())))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "role is decode" in message
+
+
+async def test_model_info(start_agent, connect, tiny_model_dir):
+    client = connect(await start_agent())
+    info = await client.model_info(MODEL)
+    assert info.tokenizer_json == (tiny_model_dir / "tokenizer.json").read_text()
+    assert "<|start_header_id|>" in info.chat_template
+    assert info.context_length > 0 and info.vocab_size == 512 and info.block_size == 16
+    assert info.eos_token_ids and info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    code, _ = await status_of(lambda: client.model_info("nope"))
+    assert code == grpc.StatusCode.NOT_FOUND
