@@ -1,0 +1,6 @@
+"""The router: the public OpenAI-compatible endpoint that places each request on edge sites.
+
+`router.server.Router` runs one in-process (tests, the one-machine launcher); `edgefire router`
+(router/cli.py) runs one from a TOML file. Placement is pure (router/placement.py); everything that
+talks to the network lives at the edges (agents.py, snapshot_feed.py, api_keys.py, app.py).
+"""

@@ -1,0 +1,95 @@
+"""API keys, checked against the registry and cached briefly.
+
+The cache is keyed by a hash of the key, so the router never holds a table of secrets. Concurrent
+requests with one uncached key share a single registry lookup. While the registry is unreachable a
+key seen before keeps working on its cached answer; an unknown key then gets a 503, not a 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from registry.client import RegistryError
+from router.errors import bad_api_key, no_capacity
+
+log = logging.getLogger(__name__)
+NEGATIVE_TTL_S = 5.0
+
+
+@dataclass(slots=True)
+class ApiKey:
+    id: int | str
+    name: str
+    allowed_regions: frozenset[str]
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+
+
+ANONYMOUS = ApiKey("anonymous", "anonymous", frozenset(), None, None)
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: ApiKey | None
+    expires_at: float
+
+
+class ApiKeyCache:
+    def __init__(self, lookup: Callable[[str], Awaitable[dict | None]], ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._lookup = lookup
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[bytes, _Entry] = {}
+        self._pending: dict[bytes, asyncio.Future] = {}
+
+    async def authenticate(self, secret: str | None) -> ApiKey:
+        if not secret:
+            raise bad_api_key()
+        digest = hashlib.sha256(secret.encode()).digest()
+        entry = self._entries.get(digest)
+        if entry is not None and entry.expires_at > self._clock():
+            if entry.key is None:
+                raise bad_api_key()
+            return entry.key
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = self._pending[digest] = asyncio.ensure_future(self._refresh(digest, secret, entry))
+            pending.add_done_callback(lambda _f: self._pending.pop(digest, None))
+        key = await asyncio.shield(pending)
+        if key is None:
+            raise bad_api_key()
+        return key
+
+    async def _refresh(self, digest: bytes, secret: str, stale: _Entry | None) -> ApiKey | None:
+        try:
+            record = await self._lookup(secret)
+        except (httpx.HTTPError, RegistryError) as exc:
+            if stale is not None:
+                return stale.key  # last-known answer while the registry is away
+            log.warning("API key lookup failed: %s", type(exc).__name__)
+            raise no_capacity("The router cannot verify API keys right now; retry shortly.", 5.0) from exc
+        key = None if record is None else parse_api_key(record)
+        ttl = self._ttl_s if key is not None else min(self._ttl_s, NEGATIVE_TTL_S)
+        self._entries[digest] = _Entry(key, self._clock() + ttl)
+        return key
+
+
+def parse_api_key(record: dict) -> ApiKey:
+    return ApiKey(record["id"], record.get("name", ""), frozenset(record.get("allowed_regions") or ()),
+                  record.get("requests_per_minute"), record.get("tokens_per_minute"))
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+

@@ -1,0 +1,51 @@
+"""`edgefire router --config router.toml`: run one router until SIGINT/SIGTERM; SIGHUP reloads GeoIP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from router.config import ConfigError, load_config
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("router", help="run the OpenAI-compatible router",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="router TOML file (settings in a [router] table)")
+    parser.add_argument("--host", help="listen address (overrides the file)")
+    parser.add_argument("--port", type=int, help="listen port (overrides the file)")
+    parser.add_argument("--registry-url", help="registry base URL (overrides the file)")
+    parser.add_argument("--geoip-db", help="GeoIP2 City .mmdb file (overrides the file)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {name: value for name, value in (("host", args.host), ("port", args.port),
+                                                  ("registry_url", args.registry_url),
+                                                  ("geoip_db", args.geoip_db)) if value is not None}
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(config))
+    else:
+        uvloop.run(_serve(config))
+    return 0
+
+
+async def _serve(config) -> None:
+    from router.server import Router
+
+    async with Router(config) as router:
+        url = await router.start_server()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.locator.reload)
+        log.info("router listening on %s", url)
+        await router.serve_forever()

@@ -1,0 +1,246 @@
+"""A completion from request to response, knowing nothing of HTTP.
+
+`CompletionService.start` authenticates nothing (the caller passed an ApiKey) but does everything
+else that can still fail with a clean 4xx/5xx: tokenization, limits, rate limits, placement and
+the first token. The returned `CompletionRun` then yields stream chunks or one response body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.tokenizer import TemplateError
+from node_agent.proto import agent_pb2
+from router import responses
+from router.api_keys import ApiKey
+from router.errors import ApiError, bad_request, no_capacity, rate_limited, too_large, unknown_model
+from router.generation import AgentRejected, FailoverPolicy, Generation, GenerationFailed, TokenStep
+from router.geo import Location
+from router.health import PassiveHealth
+from router.model_assets import ModelAssets, ModelAssetsCache
+from router.openai_request import CompletionRequest
+from router.placement import CostModel, PlacementRequest, rank
+from router.rate_limit import RateLimiter
+from router.snapshot_feed import SnapshotFeed
+from router.text_stream import TextStream
+
+PROMPT_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a thread
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    api_key: ApiKey
+    location: Location
+    session_key: str | None = None
+
+
+@dataclass(slots=True)
+class Limits:
+    max_prompt_tokens: int = 32768
+    default_max_tokens: int = 256
+    retry_after_s: float = 1.0
+    router_site: str | None = None
+
+
+class CompletionService:
+    def __init__(self, feed: SnapshotFeed, assets: ModelAssetsCache, agents, health: PassiveHealth,
+                 limiter: RateLimiter, cost: CostModel, policy: FailoverPolicy, limits: Limits) -> None:
+        self.feed, self.assets, self.agents, self.health = feed, assets, agents, health
+        self.limiter, self.cost, self.policy, self.limits = limiter, cost, policy, limits
+
+    async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun:
+        snapshot = self.feed.current()
+        if request.model not in snapshot.models():
+            raise unknown_model(request.model)
+        assets = await self.assets.get(request.model, snapshot, ctx.request_id)
+        prompt_ids = await self._tokenize(request, assets)
+        max_tokens = self._check_lengths(request, prompt_ids, assets)
+        key = ctx.api_key
+        wait_s, limit = self.limiter.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
+                                           len(prompt_ids) + max_tokens)
+        if wait_s:
+            raise rate_limited(f"Rate limit on {limit} per minute reached for this API key; retry after the "
+                               f"Retry-After delay.", wait_s)
+        run = None
+        try:
+            run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens)
+            await run.begin()
+        finally:
+            if run is None or run.first_step is None:
+                self.limiter.refund_tokens(key.id, len(prompt_ids) + max_tokens)
+        return run
+
+    def _new_run(self, request, ctx, snapshot, assets, prompt_ids, max_tokens) -> CompletionRun:
+        placement = PlacementRequest(
+            model=request.model, prompt_ids=prompt_ids, max_tokens=max_tokens, client_lat=ctx.location.lat,
+            client_lon=ctx.location.lon,
+            client_site=self.limits.router_site if ctx.location.source == "router" else None,
+            allowed_regions=ctx.api_key.allowed_regions, session_key=ctx.session_key)
+        candidates = rank(snapshot, placement, self.cost, self.health.cooling())
+        if not candidates:
+            raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
+                              f"use; retry shortly.", self.limits.retry_after_s)
+        sampling = agent_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+            stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs)
+        if request.seed is not None:
+            sampling.seed = request.seed
+        generation = Generation(ctx.request_id, request.model, prompt_ids, sampling, candidates, self.agents,
+                                self.health, self.policy)
+        return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s)
+
+    async def _tokenize(self, request: CompletionRequest, assets: ModelAssets) -> list[int]:
+        tokenizer = assets.tokenizer
+        try:
+            if request.chat:
+                size = sum(len(m["content"]) for m in request.messages)
+                encode, args = tokenizer.encode_chat, (request.messages,)
+            elif isinstance(request.prompt, list):
+                if max(request.prompt) >= tokenizer.vocab_size:
+                    raise bad_request(f"`prompt` holds token ids beyond the vocabulary ({tokenizer.vocab_size}).",
+                                      "prompt")
+                return request.prompt
+            else:
+                size, encode, args = len(request.prompt), tokenizer.encode, (request.prompt,)
+            if size > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
+                return await asyncio.to_thread(encode, *args)
+            return encode(*args)
+        except TemplateError as exc:
+            raise bad_request(f"The model's chat template rejected these messages: {exc}", "messages") from exc
+
+    def _check_lengths(self, request: CompletionRequest, prompt_ids: list[int], assets: ModelAssets) -> int:
+        num_prompt = len(prompt_ids)
+        context = assets.context_length or (self.limits.max_prompt_tokens + self.limits.default_max_tokens)
+        limit = min(self.limits.max_prompt_tokens, context - 1)
+        param = "messages" if request.chat else "prompt"
+        if num_prompt > limit:
+            raise too_large(f"The prompt is {num_prompt} tokens; this endpoint accepts at most {limit}. "
+                            f"Shorten the {param}.", param)
+        if request.max_tokens is None:
+            return min(self.limits.default_max_tokens, context - num_prompt)
+        if num_prompt + request.max_tokens > context:
+            raise bad_request(f"The prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds "
+                              f"the model's context length ({context}); lower max_tokens.", "max_tokens",
+                              "context_length_exceeded")
+        return request.max_tokens
+
+
+class CompletionRun:
+    def __init__(self, request: CompletionRequest, ctx: RequestContext, assets: ModelAssets, generation: Generation,
+                 limiter: RateLimiter, max_tokens: int, retry_after_s: float) -> None:
+        self.request, self.ctx, self.assets, self.generation = request, ctx, assets, generation
+        self.limiter, self.max_tokens, self.retry_after_s = limiter, max_tokens, retry_after_s
+        self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text = TextStream(assets.tokenizer, request.stop)
+        self.first_step: TokenStep | None = None
+        self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._steps = generation.steps()
+        self._refunded = False
+
+    async def begin(self) -> None:
+        """Waits for the first token, so placement failures are still plain HTTP errors."""
+        try:
+            self.first_step = await anext(self._steps)
+        except StopAsyncIteration:
+            raise no_capacity("The site ended the stream before any token; retry.", self.retry_after_s) from None
+        except GenerationFailed as exc:
+            raise no_capacity(f"Every site tried failed ({exc}); retry shortly.", self.retry_after_s) from exc
+        except AgentRejected as exc:
+            raise bad_request(f"The request was rejected by the serving site: {exc}") from exc
+
+    def headers(self) -> dict[str, str]:
+        return {"x-request-id": self.ctx.request_id,
+                "x-edgefire-prefill-site": self.generation.prefill_site or "",
+                "x-edgefire-decode-site": self.generation.decode_site or "",
+                "x-edgefire-attempts": str(self.generation.num_attempts)}
+
+    def usage(self) -> dict:
+        g = self.generation
+        return responses.usage(g.num_prompt_tokens or len(g.prompt_ids), self.num_completion_tokens,
+                               g.num_cached_tokens)
+
+    async def _deltas(self) -> AsyncIterator[tuple[str, list, str | None]]:
+        """(text, tokens, finish_reason) per step; stops the generation at a stop string."""
+        step = self.first_step
+        try:
+            while True:
+                self.num_completion_tokens += len(step.tokens)
+                delta = self.text.add([t.token_id for t in step.tokens])
+                finish = None
+                if self.text.stopped:
+                    finish = "stop"
+                elif step.finish_reason:
+                    delta += self.text.flush()
+                    finish = step.finish_reason
+                yield delta, step.tokens, finish
+                if finish is not None:
+                    self.finish_reason = finish
+                    return
+                try:
+                    step = await anext(self._steps)
+                except StopAsyncIteration:
+                    raise GenerationFailed("the stream ended without a finish reason", True) from None
+        finally:
+            await self._steps.aclose()  # cancels the agent call when we stop early
+            self._refund()
+
+    def _refund(self) -> None:
+        if not self._refunded:
+            self._refunded = True
+            self.limiter.refund_tokens(self.ctx.api_key.id, self.max_tokens - self.num_completion_tokens)
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """Stream chunks; raises GenerationFailed/AgentRejected when the stream breaks for good."""
+        r, tokenizer = self.request, self.assets.tokenizer
+        if r.chat:
+            yield responses.chat_chunk(self.id, self.created, r.model, {"role": "assistant", "content": ""}, None,
+                                       None)
+        offset = 0
+        async for delta, tokens, finish in self._deltas():
+            if r.chat:
+                logprobs = responses.chat_logprobs(tokenizer, tokens) if r.logprobs is not None else None
+                if delta or logprobs:
+                    yield responses.chat_chunk(self.id, self.created, r.model, {"content": delta}, None, logprobs)
+                if finish is not None:
+                    yield responses.chat_chunk(self.id, self.created, r.model, {}, finish, None)
+            else:
+                logprobs = (responses.completion_logprobs(tokenizer, tokens, offset)
+                            if r.logprobs is not None else None)
+                offset += len(delta)
+                if delta or logprobs or finish is not None:
+                    yield responses.completion_chunk(self.id, self.created, r.model, delta, finish, logprobs)
+        if r.include_usage:
+            yield responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage())
+
+    async def response(self) -> dict:
+        r, tokenizer = self.request, self.assets.tokenizer
+        parts, chat_lp, completion_lp, offset = [], [], None, 0
+        try:
+            async for delta, tokens, _finish in self._deltas():
+                parts.append(delta)
+                if r.logprobs is not None:
+                    if r.chat:
+                        chat_lp.extend(responses.chat_logprobs(tokenizer, tokens))
+                    else:
+                        completion_lp = responses.merge_completion_logprobs(
+                            completion_lp, responses.completion_logprobs(tokenizer, tokens, offset))
+                offset += len(delta)
+        except GenerationFailed as exc:
+            # Nothing has reached the client yet, so this is still an ordinary 503.
+            raise no_capacity(f"Every site tried failed ({exc}); retry shortly.", self.retry_after_s) from exc
+        except AgentRejected as exc:
+            raise ApiError(502, f"The serving site failed this request: {exc}", "server_error", None,
+                           "upstream_error") from exc
+        text = "".join(parts)
+        if r.chat:
+            return responses.chat_response(self.id, self.created, r.model, text, self.finish_reason,
+                                           chat_lp if r.logprobs is not None else None, self.usage())
+        return responses.completion_response(self.id, self.created, r.model, text, self.finish_reason,
+                                             completion_lp, self.usage())

@@ -1,0 +1,200 @@
+"""One request's token stream across sites: placement's ranked candidates, failover and resume.
+
+Before the first token, a site that cannot connect, times out, is full (RESOURCE_EXHAUSTED) or is
+draining (UNAVAILABLE) is skipped for the next candidate. After tokens have reached the client, a
+lost decode site is replaced by the next candidate's decode site with `Decode(prompt_ids,
+generated_ids)` and no KV source: it re-prefills prompt + everything already sent and continues, so
+the stream the caller sees has no gap and no repeat. `sampling.max_tokens` always counts every
+output token, those already sent included. Attempts (fresh starts and resumes) are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from node_agent.proto import agent_pb2
+from router.agents import RETRYABLE_CODES, AgentPool
+from router.health import PassiveHealth
+from router.placement import Candidate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FailoverPolicy:
+    max_attempts: int = 3
+    first_token_timeout_s: float = 30.0
+    token_idle_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass(slots=True)
+class TokenStep:
+    tokens: list  # agent_pb2.Token
+    finish_reason: str  # "" while streaming; stop | length on the last step
+
+
+class GenerationFailed(Exception):
+    """Every candidate failed (`started` says whether the client already had tokens)."""
+
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message)
+        self.started = started
+
+
+class AgentRejected(Exception):
+    """A site refused the request itself (e.g. INVALID_ARGUMENT): another site would too."""
+
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message)
+        self.started = started
+
+
+class _StreamEnded(Exception):
+    """The agent closed the stream without a finish reason."""
+
+
+@dataclass(slots=True)
+class Generation:
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    sampling: agent_pb2.SamplingParams
+    candidates: list[Candidate]
+    agents: AgentPool
+    health: PassiveHealth
+    policy: FailoverPolicy
+    generated_ids: list[int] = field(default_factory=list)
+    prefill_site: str | None = None
+    decode_site: str | None = None
+    num_attempts: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    _failed: set[str] = field(default_factory=set)
+
+    async def steps(self) -> AsyncIterator[TokenStep]:
+        while True:
+            candidate = self._next_candidate()
+            if candidate is None:
+                raise GenerationFailed(f"all {self.num_attempts} attempt(s) failed", bool(self.generated_ids))
+            self.num_attempts += 1
+            site, call, lease = None, None, None
+            try:
+                if not self.generated_ids and not candidate.colocated:
+                    site = candidate.prefill_site
+                    self.prefill_site = site.name
+                    result = await self._prefill(candidate)
+                    step = TokenStep([result.first_token], result.finish_reason)
+                    self._accept(step)
+                    yield step
+                    if step.finish_reason:
+                        self.health.record_success(site.name)
+                        return
+                    lease = (site.grpc_address, result.kv_handle) if result.kv_handle else None
+                    site = candidate.decode_site
+                    call = self._decode(site, lease)
+                elif not self.generated_ids:
+                    site = candidate.prefill_site
+                    self.prefill_site = site.name
+                    call = self.agents.generate(site.grpc_address, agent_pb2.GenerateRequest(
+                        request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
+                        sampling=self.sampling), self.policy.request_timeout_s)
+                else:
+                    site = candidate.decode_site
+                    call = self._decode(site, None)
+                self.decode_site = site.name
+                async for step in self._read(call):
+                    lease = None  # the decode site has the KV now; its lease is its to end
+                    yield step
+                    if step.finish_reason:
+                        self.health.record_success(site.name)
+                        return
+                raise _StreamEnded()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE_CODES:
+                    raise AgentRejected(exc.details() or exc.code().name, bool(self.generated_ids)) from exc
+                self._fail(site.name, exc.code().name)
+            except TimeoutError:
+                self._fail(site.name, "timeout")
+            except _StreamEnded:
+                self._fail(site.name, "stream ended early")
+            finally:
+                if call is not None:
+                    call.cancel()
+                if lease is not None:
+                    self._release_later(*lease)
+
+    def _next_candidate(self) -> Candidate | None:
+        if self.num_attempts >= self.policy.max_attempts:
+            return None
+        for candidate in self.candidates:
+            if candidate.decode_site.name in self._failed:
+                continue
+            # A resume needs only a decode site; a fresh start needs both of the pair.
+            if not self.generated_ids and candidate.prefill_site.name in self._failed:
+                continue
+            return candidate
+        return None
+
+    async def _prefill(self, candidate: Candidate):
+        request = agent_pb2.PrefillRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
+                                           sampling=self.sampling)
+        async with asyncio.timeout(self.policy.first_token_timeout_s):
+            result = await self.agents.prefill(candidate.prefill_site.grpc_address, request,
+                                               self.policy.first_token_timeout_s)
+        self.num_prompt_tokens = result.num_prompt_tokens or len(self.prompt_ids)
+        self.num_cached_tokens = result.num_cached_tokens
+        return result
+
+    def _decode(self, site, lease: tuple[str, str] | None):
+        request = agent_pb2.DecodeRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
+                                          generated_ids=self.generated_ids, sampling=self.sampling)
+        if lease is not None:
+            request.kv_source.address, request.kv_source.kv_handle = lease
+        return self.agents.decode(site.grpc_address, request, self.policy.request_timeout_s)
+
+    async def _read(self, call) -> AsyncIterator[TokenStep]:
+        timeout = self.policy.first_token_timeout_s
+        first = True
+        while True:
+            async with asyncio.timeout(timeout):
+                chunk = await call.read()
+            if chunk is grpc.aio.EOF:
+                return
+            if first and not self.num_prompt_tokens:
+                self.num_prompt_tokens = chunk.num_prompt_tokens or len(self.prompt_ids)
+                self.num_cached_tokens = chunk.num_cached_tokens
+            first, timeout = False, self.policy.token_idle_timeout_s
+            step = TokenStep(list(chunk.tokens), chunk.finish_reason)
+            self._accept(step)
+            yield step
+
+    def _accept(self, step: TokenStep) -> None:
+        self.generated_ids.extend(token.token_id for token in step.tokens)
+
+    def _fail(self, site: str, reason: str) -> None:
+        self._failed.add(site)
+        self.health.record_failure(site)
+        log.warning("request %s: site %s failed (%s) after %d token(s); attempt %d of %d", self.request_id, site,
+                    reason, len(self.generated_ids), self.num_attempts, self.policy.max_attempts)
+
+    def _release_later(self, address: str, kv_handle: str) -> None:
+        # A lease the decode site never took must be ended now rather than left to expire.
+        task = asyncio.ensure_future(self._release(address, kv_handle))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def _release(self, address: str, kv_handle: str) -> None:
+        try:
+            await self.agents.release_kv(address, kv_handle, self.request_id)
+        except grpc.aio.AioRpcError as exc:
+            log.info("request %s: ReleaseKV on %s failed (%s); the lease will expire", self.request_id, address,
+                     exc.code().name)
+
+
+_background: set[asyncio.Task] = set()

@@ -1,0 +1,80 @@
+"""Tokenizer, chat template and limits of each model, fetched once from any agent serving it.
+
+Concurrent first requests for a model share one fetch. Building the tokenizer parses a large JSON
+document, so it runs off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from engine.errors import CheckpointError
+from engine.tokenizer import ChatTokenizer
+from router.agents import AgentPool
+from router.errors import no_capacity
+from router.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelAssets:
+    model: str
+    tokenizer: ChatTokenizer
+    context_length: int
+    eos_token_ids: list[int]
+    block_size: int
+    kv_bytes_per_token: int
+    generation_config: dict
+
+
+class ModelAssetsCache:
+    def __init__(self, agents: AgentPool, retry_after_s: float = 1.0) -> None:
+        self._agents = agents
+        self._retry_after_s = retry_after_s
+        self._assets: dict[str, ModelAssets] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+
+    def cached(self, model: str) -> ModelAssets | None:
+        return self._assets.get(model)
+
+    async def get(self, model: str, snapshot: Snapshot, request_id: str) -> ModelAssets:
+        assets = self._assets.get(model)
+        if assets is not None:
+            return assets
+        pending = self._pending.get(model)
+        if pending is None:
+            pending = self._pending[model] = asyncio.ensure_future(self._fetch(model, snapshot, request_id))
+            pending.add_done_callback(lambda _f: self._pending.pop(model, None))
+        return await asyncio.shield(pending)
+
+    async def _fetch(self, model: str, snapshot: Snapshot, request_id: str) -> ModelAssets:
+        sites = [s for s in snapshot.sites if model in s.models and s.alive and s.grpc_address]
+        for site in sites:
+            try:
+                info = await self._agents.model_info(site.grpc_address, model, request_id)
+                assets = await asyncio.to_thread(build_assets, info)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("request %s: GetModelInfo(%s) on site %s failed: %s", request_id, model, site.name,
+                            exc.code().name)
+                continue
+            except (CheckpointError, ValueError) as exc:
+                log.error("request %s: site %s sent unusable tokenizer assets for %s: %s", request_id, site.name,
+                          model, exc)
+                continue
+            self._assets[model] = assets
+            return assets
+        raise no_capacity(f"No site serving `{model}` answered; retry shortly.", self._retry_after_s)
+
+
+def build_assets(info) -> ModelAssets:
+    config = json.loads(info.tokenizer_config_json) if info.tokenizer_config_json else {}
+    generation_config = json.loads(info.generation_config_json) if info.generation_config_json else {}
+    tokenizer = ChatTokenizer(info.tokenizer_json, config, info.chat_template or None)
+    return ModelAssets(info.model, tokenizer, int(info.context_length), list(info.eos_token_ids),
+                       int(info.block_size) or 16, int(info.kv_bytes_per_token), generation_config)

@@ -1,0 +1,190 @@
+"""OpenAI request bodies to a plain `CompletionRequest`, with a 400 naming the field for bad input.
+
+Parsed by hand rather than with pydantic: the messages name the OpenAI parameter and say what to
+send instead, and this is on every request's path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from router.errors import bad_request
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS_CHAT = 20
+MAX_LOGPROBS_COMPLETIONS = 5
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    chat: bool                       # /v1/chat/completions (else /v1/completions)
+    model: str
+    messages: list[dict] = field(default_factory=list)
+    prompt: str | list[int] = ""
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None      # None: off; n: the sampled token's logprob plus the top n
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        document = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON ({exc.__class__.__name__}); send a JSON object.",
+                          None, "invalid_json") from exc
+    if not isinstance(document, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    return document
+
+
+def parse_request(document: dict, chat: bool) -> CompletionRequest:
+    request = CompletionRequest(chat=chat, model=_string(document, "model", required=True))
+    if chat:
+        request.messages = _messages(document.get("messages"))
+    else:
+        request.prompt = _prompt(document.get("prompt"))
+    max_tokens = document.get("max_completion_tokens") if chat else None
+    param = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, param = document.get("max_tokens"), "max_tokens"
+    request.max_tokens = _int(max_tokens, param, minimum=1)
+    temperature = _number(document.get("temperature"), "temperature", 0.0, 2.0)
+    request.temperature = 1.0 if temperature is None else temperature
+    top_p = _number(document.get("top_p"), "top_p", 0.0, 1.0)
+    if top_p is not None and top_p <= 0.0:
+        raise bad_request("top_p must be greater than 0 and at most 1.", "top_p")
+    request.top_p = 1.0 if top_p is None else top_p
+    request.seed = _int(document.get("seed"), "seed", minimum=0)
+    request.stop = _stop(document.get("stop"))
+    n = _int(document.get("n"), "n", minimum=1)
+    if n not in (None, 1):
+        raise bad_request("Only n=1 is supported; send one request per completion you need.", "n")
+    request.logprobs = _logprobs(document, chat)
+    request.stream = _bool(document.get("stream"), "stream")
+    request.include_usage = _stream_options(document.get("stream_options"), request.stream)
+    request.user = _string(document, "user")
+    return request
+
+
+def _string(document: dict, name: str, required: bool = False) -> str | None:
+    value = document.get(name)
+    if value is None:
+        if required:
+            raise bad_request(f"`{name}` is required.", name, "missing_required_parameter")
+        return None
+    if not isinstance(value, str) or (required and not value):
+        raise bad_request(f"`{name}` must be a non-empty string.", name)
+    return value
+
+
+def _bool(value, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"`{name}` must be true or false.", name)
+    return value
+
+
+def _int(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"`{name}` must be an integer.", name)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise bad_request(f"`{name}` must be {bounds}; got {value}.", name)
+    return value
+
+
+def _number(value, name: str, minimum: float, maximum: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"`{name}` must be a number.", name)
+    if not minimum <= value <= maximum:
+        raise bad_request(f"`{name}` must be between {minimum:g} and {maximum:g}; got {value}.", name)
+    return float(value)
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("`messages` must be a non-empty array of {role, content} objects.", "messages")
+    messages = []
+    for i, message in enumerate(value):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"`{param}` must be an object with `role` and `content`.", param)
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(f"`{param}.role` must be one of {', '.join(ROLES)}.", f"{param}.role")
+        messages.append({**message, "role": "system" if role == "developer" else role,
+                         "content": _content(message.get("content"), f"{param}.content")})
+    return messages
+
+
+def _content(value, param: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: only text is supported
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"`{param}` may hold only text parts ({{\"type\": \"text\", \"text\": ...}}).", param)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"`{param}` must be a string or an array of text parts.", param)
+
+
+def _prompt(value) -> str | list[int]:
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("`prompt` must not be empty.", "prompt")
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
+        return value[0]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in value):
+        return list(value)
+    raise bad_request("`prompt` must be a non-empty string or an array of token ids (one prompt per request).",
+                      "prompt")
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and len(value) <= MAX_STOP_STRINGS and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise bad_request(f"`stop` must be a string or an array of at most {MAX_STOP_STRINGS} strings.", "stop")
+
+
+def _logprobs(document: dict, chat: bool) -> int | None:
+    if chat:
+        if not _bool(document.get("logprobs"), "logprobs"):
+            if document.get("top_logprobs") is not None:
+                raise bad_request("`top_logprobs` needs `logprobs: true`.", "top_logprobs")
+            return None
+        top = _int(document.get("top_logprobs"), "top_logprobs", 0, MAX_TOP_LOGPROBS_CHAT)
+        return top or 0
+    return _int(document.get("logprobs"), "logprobs", 0, MAX_LOGPROBS_COMPLETIONS)
+
+
+def _stream_options(value, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise bad_request("`stream_options` must be an object.", "stream_options")
+    if not stream:
+        raise bad_request("`stream_options` is only allowed with `stream: true`.", "stream_options")
+    return _bool(value.get("include_usage"), "stream_options.include_usage")

@@ -1,0 +1,84 @@
+"""OpenAI response and stream-chunk bodies, built from plain values."""
+
+from __future__ import annotations
+
+from engine.tokenizer import ChatTokenizer
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def chat_chunk(response_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
+               logprobs: list[dict] | None) -> dict:
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish_reason}]}
+
+
+def completion_chunk(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                     logprobs: dict | None) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(response_id: str, created: int, model: str, chat: bool, usage_body: dict) -> dict:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": [],
+            "usage": usage_body}
+
+
+def chat_response(response_id: str, created: int, model: str, text: str, finish_reason: str,
+                  logprobs: list[dict] | None, usage_body: dict) -> dict:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish_reason}],
+            "usage": usage_body}
+
+
+def completion_response(response_id: str, created: int, model: str, text: str, finish_reason: str,
+                        logprobs: dict | None, usage_body: dict) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_body}
+
+
+def chat_logprobs(tokenizer: ChatTokenizer, tokens: list) -> list[dict]:
+    """Chat format: one entry per sampled token with its top alternatives."""
+    return [{**_chat_entry(tokenizer, t.token_id, t.logprob),
+             "top_logprobs": [_chat_entry(tokenizer, top.token_id, top.logprob) for top in t.top_logprobs]}
+            for t in tokens]
+
+
+def completion_logprobs(tokenizer: ChatTokenizer, tokens: list, text_offset: int) -> dict:
+    """Legacy completions format: parallel arrays."""
+    texts = [_token_text(tokenizer, t.token_id) for t in tokens]
+    offsets, offset = [], text_offset
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{_token_text(tokenizer, top.token_id): top.logprob for top in t.top_logprobs}
+                             for t in tokens],
+            "text_offset": offsets}
+
+
+def merge_completion_logprobs(into: dict | None, more: dict) -> dict:
+    if into is None:
+        return more
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        into[name].extend(more[name])
+    return into
+
+
+def _chat_entry(tokenizer: ChatTokenizer, token_id: int, logprob: float) -> dict:
+    text = _token_text(tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _token_text(tokenizer: ChatTokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,110 @@
+"""`Router`: one router's parts wired together, with async start/stop, in-process or serving HTTP.
+
+    async with Router(config) as router:       # snapshot feed running
+        url = await router.start_server()      # uvicorn on config.host:config.port (0: any free port)
+        ...
+Tests pass `registry=` (a RegistryClient on an in-process registry) and `clock=`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import uvicorn
+
+from registry.client import RegistryClient
+from router.agents import AgentPool
+from router.api_keys import ANONYMOUS, ApiKey, ApiKeyCache, bearer_token
+from router.app import create_app
+from router.completions import CompletionService, Limits
+from router.config import RouterConfig
+from router.generation import FailoverPolicy
+from router.geo import ClientLocator
+from router.health import PassiveHealth
+from router.model_assets import ModelAssetsCache
+from router.placement import CostModel
+from router.rate_limit import RateLimiter
+from router.snapshot_feed import SnapshotFeed
+
+
+class Router:
+    def __init__(self, config: RouterConfig, registry: RegistryClient | None = None) -> None:
+        self.config = config
+        self._owns_registry = registry is None
+        self.registry = registry or RegistryClient(config.registry_url, config.registry_token)
+        self.agents = AgentPool(config.peer_token)
+        self.feed = SnapshotFeed(self.registry.snapshot, config.snapshot_refresh_s, config.snapshot_max_age_s,
+                                 config.snapshot_fail_open)
+        self.keys = ApiKeyCache(self.registry.lookup_api_key, config.api_key_cache_s)
+        self.locator = ClientLocator(config.lat, config.lon, config.geoip_db, config.location_header,
+                                     config.forwarded_for_header, config.trusted_proxies)
+        self.health = PassiveHealth(config.failures_to_cool_down, config.cooldown_s)
+        self.limiter = RateLimiter()
+        self.service = CompletionService(
+            self.feed, ModelAssetsCache(self.agents, config.retry_after_s), self.agents, self.health, self.limiter,
+            cost_model(config), failover_policy(config),
+            Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site))
+        self.app = create_app(self)
+        self._server: uvicorn.Server | None = None
+        self._server_task: asyncio.Task | None = None
+
+    async def authenticate(self, authorization: str | None) -> ApiKey:
+        secret = bearer_token(authorization)
+        if not self.config.require_api_key and not secret:
+            return ANONYMOUS
+        return await self.keys.authenticate(secret)
+
+    async def start(self) -> None:
+        await self.feed.start()
+
+    async def start_server(self, host: str | None = None, port: int | None = None) -> str:
+        """Serves HTTP in this event loop; returns the base URL (port 0 picks a free one)."""
+        sock = socket.socket(socket.AF_INET6 if ":" in (host or self.config.host) else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host or self.config.host, self.config.port if port is None else port))
+        sock.listen(2048)
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, backlog=2048)
+        self._server = uvicorn.Server(config)
+        self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._server_task.done():
+                await self._server_task  # surfaces the start failure
+                raise RuntimeError("the HTTP server stopped during start")
+            await asyncio.sleep(0.01)
+        bound_host, bound_port = sock.getsockname()[:2]
+        return f"http://{bound_host}:{bound_port}"
+
+    async def serve_forever(self) -> None:
+        if self._server_task is not None:
+            await self._server_task
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._server_task, return_exceptions=True)
+            self._server = self._server_task = None
+        await self.feed.stop()
+        await self.agents.close()
+        self.locator.close()
+        if self._owns_registry:
+            await self.registry.aclose()
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc) -> None:
+        await self.stop()
+
+
+def cost_model(config: RouterConfig) -> CostModel:
+    return CostModel(config.expected_output_tokens, config.default_prefill_tokens_per_s,
+                     config.default_decode_tokens_per_s, config.default_kv_bytes_per_token,
+                     config.heartbeat_max_age_s, config.affinity_slack)
+
+
+def failover_policy(config: RouterConfig) -> FailoverPolicy:
+    return FailoverPolicy(config.max_attempts, config.first_token_timeout_s, config.token_idle_timeout_s,
+                          config.request_timeout_s)

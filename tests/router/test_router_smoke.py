@@ -1,0 +1,41 @@
+"""End-to-end basics: a chat completion through a real registry and a fake agent, streamed and not."""
+
+from __future__ import annotations
+
+import json
+
+from router_fake_agent import MODEL
+
+
+async def test_chat_completion_names_sites_and_counts_usage(cluster, make_router, http):
+    agent = await cluster.add_site("fra", 50.1, 8.7)
+    key = await cluster.create_key()
+    _router, url = await make_router()
+    response = await http.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    assert response.headers["x-edgefire-prefill-site"] == "fra"
+    assert response.headers["x-edgefire-decode-site"] == "fra"
+    assert response.headers["x-edgefire-attempts"] == "1"
+    assert agent.metadata[-1]["authorization"].startswith("Bearer ")
+    assert agent.metadata[-1]["x-request-id"] == response.headers["x-request-id"]
+
+
+async def test_stream_has_role_text_finish_usage_and_done(cluster, make_router, http):
+    await cluster.add_site("fra", 50.1, 8.7)
+    key = await cluster.create_key()
+    _router, url = await make_router()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                           json=body) as response:
+        assert response.status_code == 200
+        lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
