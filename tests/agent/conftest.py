@@ -81,3 +81,55 @@ async def wait_for_free_blocks(client: AgentClient, expected: int, timeout_s: fl
         if asyncio.get_running_loop().time() > deadline:
             return health.kv_blocks_free
         await asyncio.sleep(0.05)
+
+
+class RegistryServer:
+    """The real registry service under uvicorn on a fixed loopback port, in a thread; restartable."""
+
+    def __init__(self, db_url: str, port: int, admin_token: str, router_token: str):
+        self.db_url, self.port = db_url, port
+        self.tokens = (admin_token, router_token)
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = None
+        self._thread = None
+
+    def start(self) -> None:
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from registry.service import create_app
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        app = create_app(self.db_url, *self.tokens)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("registry did not start")
+            time.sleep(0.01)
+        self._socket = sock
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._socket.close()
+
+
+@pytest.fixture
+def registry_server(tmp_path, unused_tcp_port):
+    from registry.migrate import upgrade_to_head
+
+    db_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    upgrade_to_head(db_url)
+    server = RegistryServer(db_url, unused_tcp_port, "admin-secret", "router-secret")
+    server.start()
+    yield server
+    if server._thread.is_alive():
+        server.stop()
