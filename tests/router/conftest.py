@@ -99,8 +99,9 @@ async def make_router(cluster):
     routers: list[Router] = []
 
     async def make(**settings) -> tuple[Router, str]:
-        config = RouterConfig(host="127.0.0.1", port=0, lat=50.1, lon=8.7, snapshot_refresh_s=0.2,
-                              first_token_timeout_s=2.0, token_idle_timeout_s=2.0, **settings)
+        defaults = {"host": "127.0.0.1", "port": 0, "lat": 50.1, "lon": 8.7, "snapshot_refresh_s": 0.2,
+                    "first_token_timeout_s": 2.0, "token_idle_timeout_s": 2.0}
+        config = RouterConfig(**{**defaults, **settings})
         router = Router(config, registry=cluster.client(ROUTER_TOKEN))
         await router.start()
         routers.append(router)
