@@ -150,7 +150,7 @@ def parse_models(items: list[str], source: str = "models") -> dict[str, str]:
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None,
                 environ: dict[str, str] | None = None) -> AgentConfig:
-    """File, then environment, then `overrides` (already-typed values, e.g. from flags; None = unset)."""
+    """File, then environment, then `overrides` (typed values of the settings given as flags)."""
     values: dict = {}
     if path is not None:
         try:
@@ -172,8 +172,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
     for name, value in (overrides or {}).items():
         if name not in FIELDS:
             raise ConfigError(f"{name}: unknown setting")
-        if value is not None:
-            values[name] = value
+        values[name] = value
     config = AgentConfig(**values)
     config.validate()
     return config

@@ -1,0 +1,44 @@
+"""`edgefire agent` as its own process: serves, and drains to a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from grpc import aio
+
+from node_agent.proto import agent_pb2
+from tests.agent.conftest import MODEL, PEER_TOKEN, collect, prompt, sampling
+
+
+async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_dir, unused_tcp_port, connect):
+    config = tmp_path / "site.toml"
+    config.write_text(f'site = "proc-1"\npeer_token = "{PEER_TOKEN}"\nkv_cache_bytes = 4194304\n'
+                      f'metrics_listen = "none"\n[models]\n{MODEL} = "{tiny_model_dir}"\n')
+    address = f"127.0.0.1:{unused_tcp_port}"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deploy.cli", "agent", "--config", str(config), "--grpc-listen", address,
+        "--metrics-listen", "none", "--drain-timeout-s", "5", env={**os.environ, "EDGEFIRE_AGENT_DEVICE": "cpu"})
+    client = connect(address)
+    try:
+        for _ in range(300):
+            try:
+                await client.health(timeout=1)
+                break
+            except aio.AioRpcError:
+                await asyncio.sleep(0.1)
+        stream = client.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt(20),
+                                                           sampling=sampling(max_tokens=40)))
+        first = await stream.read()
+        process.send_signal(signal.SIGTERM)
+        rest = []
+        while (chunk := await stream.read()) is not aio.EOF:
+            rest.extend(chunk.tokens)
+        assert len(first.tokens) + len(rest) == 40  # the in-flight request finished during the drain
+        assert await asyncio.wait_for(process.wait(), 20) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -1,0 +1,70 @@
+"""One config loader: TOML, then environment, then flags; bad settings name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.cli import build_parser
+from node_agent.cli import overrides_from_args
+from node_agent.config import ConfigError, load_config
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "site.toml"
+    path.write_text(text)
+    return path
+
+
+def site_toml(model_dir, extra: str = "") -> str:
+    return f'''
+site = "fra-1"
+region = "eu-west"
+lon = 8.7
+peer_token = "s3cret"
+kv_cache_bytes = 8388608
+[models]
+tiny = "{model_dir}"
+''' .replace("[models]", extra + "\n[models]")
+
+
+def test_toml_env_and_flags_layer(tmp_path, tiny_model_dir):
+    path = write(tmp_path, site_toml(tiny_model_dir, 'lat = 50\nrole = "prefill"'))
+    config = load_config(path, environ={})
+    assert (config.site, config.region, config.lat, config.role) == ("fra-1", "eu-west", 50.0, "prefill")
+    assert config.models == {"tiny": str(tiny_model_dir)} and config.kv_cache_bytes == 8 << 20
+
+    env = {"EDGEFIRE_AGENT_KV_CACHE_BYTES": "1024", "EDGEFIRE_AGENT_REGION": "eu-north",
+           "EDGEFIRE_AGENT_MODELS": f"other={tiny_model_dir}"}
+    config = load_config(path, environ=env)
+    assert (config.kv_cache_bytes, config.region, list(config.models)) == (1024, "eu-north", ["other"])
+
+    args = build_parser().parse_args(["agent", "--config", str(path), "--region", "us-east", "--lat", "40.7",
+                                      "--model", f"flagged={tiny_model_dir}", "--metrics-listen", "none"])
+    config = load_config(args.config, overrides_from_args(args), environ=env)
+    assert (config.region, config.lat, list(config.models), config.metrics_listen) == \
+        ("us-east", 40.7, ["flagged"], None)
+    assert args.func.__module__ == "node_agent.cli"
+
+
+@pytest.mark.parametrize("extra, words", [
+    ('colour = "blue"', "colour: unknown setting"),
+    ('max_num_seqs = "lots"', "max_num_seqs: must be int, got str"),
+    ("heartbeat_interval_s = true", "heartbeat_interval_s: must be float, got bool"),
+    ('role = "router"', "role: must be one of prefill, decode, both"),
+    ("lat = 123.0", "lat: must be in [-90, 90]"),
+    ('registry_url = "http://registry:8500"', "site_token: required when registry_url is set"),
+    ('tls_cert = "/nope/cert.pem"', "tls_cert / tls_key: give both or neither"),
+])
+def test_bad_settings_name_the_field(tmp_path, tiny_model_dir, extra, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, site_toml(tiny_model_dir, extra)), environ={})
+    assert words in str(error.value)
+
+
+def test_missing_model_dir_and_bad_env(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"models.tiny: '/no/such/dir' is not a checkpoint directory"):
+        load_config(write(tmp_path, site_toml("/no/such/dir")), environ={})
+    with pytest.raises(ConfigError, match="max_waiting: must be int, got 'many'"):
+        load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={"EDGEFIRE_AGENT_MAX_WAITING": "many"})
+    with pytest.raises(ConfigError, match="config: no such file"):
+        load_config(tmp_path / "absent.toml", environ={})
