@@ -20,8 +20,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+DEMO_MODEL := .edgefire/demo-model
+
 run: $(STAMP)
-	$(BIN)/edgefire demo
+	$(BIN)/edgefire make-demo-model $(DEMO_MODEL)
+	$(BIN)/edgefire generate --model $(DEMO_MODEL) --chat --prompt "What is the weather at the edge today?" --max-tokens 48
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -129,11 +129,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                       scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One query per sequence. Sequences are attended in groups of similar context length, so the
+    keys gathered out of the paged pool are padded to the group's longest, not the batch's."""
+    lens = batch.context_lens[: batch.num_decode]
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    out = torch.empty_like(q)
+    for start in range(0, len(order), DECODE_GROUP):
+        rows = order[start:start + DECODE_GROUP]
+        index = torch.tensor(rows, device=q.device)
+        out[index] = _decode_group(q[index], k_cache, v_cache, batch.block_tables[index],
+                                   batch.decode_context_lens[index], max(lens[r] for r in rows), scale, sliding_window)
+    return out
+
+
+# Decode sequences attended per gather; smaller groups pad less but launch more ops.
+DECODE_GROUP = 8
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  context_lens: torch.Tensor, max_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
     block_size = k_cache.shape[1]
-    context_lens = batch.decode_context_lens
-    max_len = max(batch.context_lens[: batch.num_decode])
-    num_blocks = -(-max_len // block_size)
-    tables = batch.block_tables[: batch.num_decode, :num_blocks]
+    tables = tables[:, : -(-max_len // block_size)]
     k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
     v = v_cache[tables].flatten(1, 2)
     key_pos = torch.arange(k.shape[1], device=q.device)
@@ -142,7 +158,6 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         mask &= key_pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
     out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
     return out.squeeze(2)
-
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

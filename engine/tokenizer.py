@@ -94,6 +94,8 @@ class ChatTokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTokenizer:
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"model directory {model_dir} does not exist")
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json")

@@ -1,0 +1,88 @@
+"""Engine commands: `generate` (one-shot generation from a checkpoint) and `make-demo-model`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DEMO_DIR = Path(".edgefire/demo-model")
+
+
+def add_parser(subparsers) -> None:
+    gen = subparsers.add_parser("generate", help="generate text from a local checkpoint")
+    gen.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--dtype", default="auto")
+    gen.set_defaults(func=run_generate)
+
+    demo = subparsers.add_parser("make-demo-model", help="write a small random-weight demo checkpoint")
+    demo.add_argument("directory", type=Path)
+    demo.add_argument("--size", default="small", choices=["tiny", "small"])
+    demo.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
+    demo.set_defaults(func=run_make_demo_model)
+
+
+def run_make_demo_model(args: argparse.Namespace) -> int:
+    from engine.demo import make_demo_model
+
+    if (args.directory / "config.json").exists() and not args.force:
+        print(f"{args.directory} already holds a checkpoint; use --force to overwrite", file=sys.stderr)
+        return 0
+    make_demo_model(args.directory, args.size)
+    print(f"wrote a random-weight demo model to {args.directory} (its output is meaningless text)")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engine.async_engine import AsyncEngine
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.errors import EngineError
+    from engine.sampling import SamplingParams
+    from engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        tokenizer = ChatTokenizer.from_dir(args.model)
+        params.validate(tokenizer.vocab_size)
+        if args.chat:
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        else:
+            prompt_ids = tokenizer.encode(args.prompt)
+        engine = AsyncEngine(LLMEngine(args.model, EngineConfig(device=args.device, dtype=args.dtype)))
+    except (EngineError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def stream() -> None:
+        detok = IncrementalDetokenizer(tokenizer)
+        started, first_at, count, reason = time.perf_counter(), None, 0, None
+        async for event in engine.generate(prompt_ids, params):
+            first_at = first_at or time.perf_counter()
+            count += 1
+            reason = event.finish_reason
+            sys.stdout.write(detok.add([event.token_id]))
+            sys.stdout.flush()
+        elapsed = time.perf_counter() - started
+        ttft = (first_at - started) * 1000 if first_at else float("nan")
+        print(f"\n[{len(prompt_ids)} prompt tokens, {count} generated, finish={reason}, "
+              f"ttft {ttft:.0f} ms, {count / elapsed:.1f} tok/s]", file=sys.stderr)
+
+    try:
+        asyncio.run(stream())
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.shutdown()
+    return 0
