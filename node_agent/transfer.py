@@ -3,8 +3,8 @@ side streams them back into a KVPayload and refuses anything it cannot trust.
 
 The receiver checks, as chunks arrive: the first chunk carries the layout, prompt token ids and
 chunk count; the layout fits this engine; every chunk's size matches its token count and its CRC32
-matches its bytes; the stream ends with exactly the announced chunks; the payload covers every
-layer and token (KVPayload.validate). Any failure, including the gRPC call's own, is one
+matches its bytes; the stream ends with exactly the announced chunks, covering every layer and
+token once. Each byte is checksummed once here (the engine checks again at import). Any failure, including the gRPC call's own, is one
 KVTransferError, so Decode has one thing to catch before it recomputes.
 """
 
@@ -75,7 +75,15 @@ class PayloadAssembler:
         if len(self.payload.chunks) != self._num_chunks:
             raise KVTransferError(f"the KV stream ended after {len(self.payload.chunks)} of "
                                   f"{self._num_chunks} chunks")
-        self.payload.validate(self._expected)
+        layout = self.payload.layout
+        covered = [0] * layout.num_layers
+        for chunk in sorted(self.payload.chunks, key=lambda c: (c.layer, c.first_token)):
+            if not 0 <= chunk.layer < layout.num_layers or chunk.first_token != covered[chunk.layer]:
+                raise KVTransferError(f"KV chunks for layer {chunk.layer} leave a gap or overlap at token "
+                                      f"{chunk.first_token}")
+            covered[chunk.layer] += chunk.num_tokens
+        if layout.num_tokens != len(self.payload.token_ids) or any(n != layout.num_tokens for n in covered):
+            raise KVTransferError(f"the KV payload does not cover all {layout.num_tokens} tokens of every layer")
         return self.payload
 
 
