@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.completions import CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
+from router.sse import SSEResponse
 
 if TYPE_CHECKING:
     from router.server import Router
@@ -72,24 +74,27 @@ async def _complete(router: Router, http_request: Request, chat: bool) -> Respon
     log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
               run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
     if request.stream:
-        return StreamingResponse(_sse(run), media_type="text/event-stream",
-                                 headers={**run.headers(), "Cache-Control": "no-cache"})
+        return SSEResponse(_sse(run), run.headers())
     body = await run.response()
     return Response(_dumps(body).encode(), media_type="application/json", headers=run.headers())
 
 
 async def _sse(run: CompletionRun):
+    """(bytes, is_last) per step for SSEResponse; [DONE] rides in the same write as the finish."""
     try:
-        async for chunk in run.chunks():
-            yield b"data: " + _dumps(chunk).encode() + b"\n\n"
+        async with aclosing(run.chunks()) as batches:
+            async for chunks in batches:
+                data = b"".join(b"data: " + _dumps(chunk).encode() + b"\n\n" for chunk in chunks)
+                if run.finish_reason is not None:
+                    yield data + b"data: [DONE]\n\n", True
+                    return
+                yield data, False
     except (GenerationFailed, AgentRejected) as exc:
         log.error("request %s: stream failed after %d token(s): %s", run.ctx.request_id,
                   run.num_completion_tokens, exc)
         error = error_body(f"The stream broke and could not be resumed ({exc}); the text so far is incomplete.",
                            "server_error", None, "stream_interrupted")
-        yield b"data: " + _dumps(error).encode() + b"\n\n"
-        return
-    yield b"data: [DONE]\n\n"
+        yield b"data: " + _dumps(error).encode() + b"\n\n", True
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

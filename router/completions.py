@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine.tokenizer import TemplateError
@@ -179,9 +180,10 @@ class CompletionRun:
                 elif step.finish_reason:
                     delta += self.text.flush()
                     finish = step.finish_reason
-                yield delta, step.tokens, finish
                 if finish is not None:
                     self.finish_reason = finish
+                yield delta, step.tokens, finish
+                if finish is not None:
                     return
                 try:
                     step = await anext(self._steps)
@@ -196,42 +198,49 @@ class CompletionRun:
             self._refunded = True
             self.limiter.refund_tokens(self.ctx.api_key.id, self.max_tokens - self.num_completion_tokens)
 
-    async def chunks(self) -> AsyncIterator[dict]:
-        """Stream chunks; raises GenerationFailed/AgentRejected when the stream breaks for good."""
-        r, tokenizer = self.request, self.assets.tokenizer
+    async def chunks(self) -> AsyncIterator[list[dict]]:
+        """Stream chunks, one list per agent step (sent in one write); the final list ends with the
+        finish chunk and, if asked for, usage. Raises GenerationFailed/AgentRejected when the stream
+        breaks for good."""
+        r = self.request
+        batch = [responses.chat_chunk(self.id, self.created, r.model, {"role": "assistant", "content": ""}, None,
+                                      None)] if r.chat else []
+        async with aclosing(self._deltas()) as deltas:
+            async for delta, tokens, finish in deltas:
+                batch.extend(self._step_chunks(delta, tokens, finish))
+                if batch:
+                    yield batch
+                    batch = []
+
+    def _step_chunks(self, delta: str, tokens: list, finish: str | None) -> list[dict]:
+        r, tokenizer, out = self.request, self.assets.tokenizer, []
         if r.chat:
-            yield responses.chat_chunk(self.id, self.created, r.model, {"role": "assistant", "content": ""}, None,
-                                       None)
-        offset = 0
-        async for delta, tokens, finish in self._deltas():
-            if r.chat:
-                logprobs = responses.chat_logprobs(tokenizer, tokens) if r.logprobs is not None else None
-                if delta or logprobs:
-                    yield responses.chat_chunk(self.id, self.created, r.model, {"content": delta}, None, logprobs)
-                if finish is not None:
-                    yield responses.chat_chunk(self.id, self.created, r.model, {}, finish, None)
-            else:
-                logprobs = (responses.completion_logprobs(tokenizer, tokens, offset)
-                            if r.logprobs is not None else None)
-                offset += len(delta)
-                if delta or logprobs or finish is not None:
-                    yield responses.completion_chunk(self.id, self.created, r.model, delta, finish, logprobs)
-        if r.include_usage:
-            yield responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage())
+            logprobs = responses.chat_logprobs(tokenizer, tokens) if r.logprobs is not None else None
+            if delta or logprobs:
+                out.append(responses.chat_chunk(self.id, self.created, r.model, {"content": delta}, None, logprobs))
+            if finish is not None:
+                out.append(responses.chat_chunk(self.id, self.created, r.model, {}, finish, None))
+        else:
+            logprobs = (responses.completion_logprobs(tokenizer, tokens, len(self.text.text) - len(delta))
+                        if r.logprobs is not None else None)
+            if delta or logprobs or finish is not None:
+                out.append(responses.completion_chunk(self.id, self.created, r.model, delta, finish, logprobs))
+        if finish is not None and r.include_usage:
+            out.append(responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage()))
+        return out
 
     async def response(self) -> dict:
         r, tokenizer = self.request, self.assets.tokenizer
-        parts, chat_lp, completion_lp, offset = [], [], None, 0
+        parts, chat_lp, completion_lp = [], [], None
         try:
-            async for delta, tokens, _finish in self._deltas():
-                parts.append(delta)
-                if r.logprobs is not None:
-                    if r.chat:
+            async with aclosing(self._deltas()) as deltas:
+                async for delta, tokens, _finish in deltas:
+                    if r.logprobs is not None and r.chat:
                         chat_lp.extend(responses.chat_logprobs(tokenizer, tokens))
-                    else:
-                        completion_lp = responses.merge_completion_logprobs(
-                            completion_lp, responses.completion_logprobs(tokenizer, tokens, offset))
-                offset += len(delta)
+                    elif r.logprobs is not None:
+                        more = responses.completion_logprobs(tokenizer, tokens, len("".join(parts)))
+                        completion_lp = responses.merge_completion_logprobs(completion_lp, more)
+                    parts.append(delta)
         except GenerationFailed as exc:
             # Nothing has reached the client yet, so this is still an ordinary 503.
             raise no_capacity(f"Every site tried failed ({exc}); retry shortly.", self.retry_after_s) from exc

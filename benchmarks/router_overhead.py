@@ -1,0 +1,228 @@
+"""Router overhead: the same streamed requests through the router and straight to an agent, in one run.
+
+    .venv/bin/python benchmarks/router_overhead.py [--requests 400] [--seconds 5] [--concurrency 32]
+
+Three processes on loopback: a "cluster" (registry service + a fake agent that answers at once),
+the router (uvicorn + uvloop, as `edgefire router` runs it), and this load generator. Latency is
+measured one request at a time; throughput with `--concurrency` streams in flight. The direct path
+calls the agent's Generate over gRPC; the router path posts a streamed chat completion (SSE) and
+reads to `data: [DONE]`. Both ask for the same prompt and number of tokens. The HTTP client is a
+minimal keep-alive HTTP/1.1 reader, so its own cost stays small next to the router's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "router")]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ADMIN, ROUTER_TOKEN = "bench-admin", "bench-router"
+MESSAGES = [{"role": "user", "content": "What is the nearest edge site to Frankfurt?"}]
+
+
+# --- cluster process: registry + instant fake agent ---------------------------------------------
+
+def run_cluster(model_dir: str, db_path: str, conn) -> None:
+    asyncio.run(_cluster(model_dir, db_path, conn))
+
+
+async def _cluster(model_dir: str, db_path: str, conn) -> None:
+    import socket
+
+    import uvicorn
+    from router_fake_agent import FakeAgent, model_info_from_dir, word_token_ids
+
+    from registry.client import RegistryClient
+    from registry.migrate import upgrade_to_head
+    from registry.service import create_app
+
+    info = model_info_from_dir(model_dir)
+    agent = await FakeAgent("bench", info, word_token_ids(info)).start()
+    url = f"sqlite:///{db_path}"
+    upgrade_to_head(url)
+    app = create_app(url, ADMIN, ROUTER_TOKEN)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    registry_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with RegistryClient(registry_url, ADMIN) as admin:
+        await admin.create_site("bench", region="eu", country="DE", lat=50.1, lon=8.7, grpc_address=agent.address,
+                                models=[{"model": info.model, "role": "both"}], heartbeat_interval_s=600)
+        site_token = (await admin.issue_site_token("bench"))["token"]
+        api_key = (await admin.create_api_key("bench"))["key"]
+    async with RegistryClient(registry_url, site_token) as site:
+        await site.heartbeat({"kv_blocks_total": 100000, "kv_blocks_free": 100000, "block_size": 16})
+    conn.send({"registry_url": registry_url, "agent": agent.address, "api_key": api_key, "model": info.model})
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+    server.should_exit = True
+    await task
+    await agent.stop()
+
+
+# --- router process -------------------------------------------------------------------------------
+
+def run_router(registry_url: str, conn) -> None:
+    if os.environ.get("BENCH_LOOP") == "asyncio":
+        runner = asyncio.run
+    else:
+        import uvloop
+        runner = uvloop.run
+    if os.environ.get("BENCH_PROFILE"):
+        import cProfile
+        cProfile.runctx("runner(_router(registry_url, conn))", globals(), locals(), os.environ["BENCH_PROFILE"])
+    else:
+        runner(_router(registry_url, conn))
+
+
+async def _router(registry_url: str, conn) -> None:
+    import logging
+
+    from router.config import RouterConfig
+    from router.server import Router
+
+    logging.basicConfig(level=logging.WARNING)
+    config = RouterConfig(host="127.0.0.1", port=0, registry_url=registry_url, registry_token=ROUTER_TOKEN,
+                          lat=50.1, lon=8.7)
+    async with Router(config) as router:
+        url = await router.start_server()
+        conn.send(url)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+
+# --- load generator -------------------------------------------------------------------------------
+
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection that posts a streamed completion and reads to the end."""
+
+    def __init__(self, host: str, port: int, api_key: str, body: bytes) -> None:
+        self.host, self.port = host, port
+        self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        self.reader = self.writer = None
+
+    async def post(self) -> None:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.decode(errors="replace"))
+        tail = await self.reader.readuntil(b"\r\n0\r\n\r\n")  # the last chunk of a chunked body
+        if b"data: [DONE]" not in tail:
+            raise RuntimeError("stream ended without [DONE]")
+
+
+async def measure(args, cluster: dict, router_url: str) -> dict:
+    import grpc
+
+    from node_agent.proto import agent_pb2, agent_pb2_grpc
+
+    host, port = router_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": cluster["model"], "messages": MESSAGES, "max_tokens": args.tokens,
+                       "temperature": 0, "stream": True}).encode()
+    channel = grpc.aio.insecure_channel(cluster["agent"])
+    stub = agent_pb2_grpc.AgentStub(channel)
+    # The same prompt ids the router sends, so both paths do the same agent work.
+    from engine.tokenizer import ChatTokenizer
+    tokenizer = ChatTokenizer.from_dir(args.model_dir)
+    prompt_ids = tokenizer.encode_chat(MESSAGES)
+    direct_request = agent_pb2.GenerateRequest(request_id="bench", model=cluster["model"], prompt_ids=prompt_ids,
+                                               sampling=agent_pb2.SamplingParams(max_tokens=args.tokens))
+    metadata = (("authorization", "Bearer x"), ("x-request-id", "bench"))
+
+    async def direct() -> None:
+        async for _chunk in stub.Generate(direct_request, timeout=10, metadata=metadata):
+            pass
+
+    connections = [HttpConnection(host, int(port), cluster["api_key"], body) for _ in range(args.concurrency)]
+
+    async def routed(i: int = 0) -> None:
+        await connections[i].post()
+
+    results = {}
+    for name, call in (("direct", direct), ("router", routed)):
+        for _ in range(50):  # warm up: channels, tokenizer assets, caches
+            await call()
+        latencies = []
+        for _ in range(args.requests):
+            start = time.perf_counter()
+            await call()
+            latencies.append((time.perf_counter() - start) * 1000)
+        results[name] = {"latencies": latencies, "rps": await throughput(call, args)}
+    await channel.close()
+    return results
+
+
+async def throughput(call, args) -> float:
+    done = 0
+    deadline = time.perf_counter() + args.seconds
+
+    async def worker(i: int) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await (call(i) if call.__name__ == "routed" else call())
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+    return done / (time.perf_counter() - start)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400, help="sequential requests per path for latency")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per streamed completion")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        from engine.demo import make_demo_model
+        args.model_dir = str(make_demo_model(Path(tmp) / "model", size="tiny"))
+        cluster_conn, cluster_child = ctx.Pipe()
+        cluster_proc = ctx.Process(target=run_cluster, args=(args.model_dir, str(Path(tmp) / "r.db"), cluster_child))
+        cluster_proc.start()
+        cluster = cluster_conn.recv()
+        router_conn, router_child = ctx.Pipe()
+        router_proc = ctx.Process(target=run_router, args=(cluster["registry_url"], router_child))
+        router_proc.start()
+        router_url = router_conn.recv()
+        try:
+            results = asyncio.run(measure(args, cluster, router_url))
+        finally:
+            router_conn.send("stop")
+            cluster_conn.send("stop")
+            router_proc.join(20)
+            cluster_proc.join(20)
+    direct, routed = results["direct"]["latencies"], results["router"]["latencies"]
+    print(f"streamed completions of {args.tokens} tokens; latency over {args.requests} sequential requests, "
+          f"throughput over {args.seconds:g} s at concurrency {args.concurrency}")
+    print(f"{'path':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    for name, values in (("direct", direct), ("router", routed)):
+        print(f"{name:8} {percentile(values, 50):8.3f} {percentile(values, 99):8.3f} {results[name]['rps']:8.1f}")
+    print(f"added by the router: p50 {percentile(routed, 50) - percentile(direct, 50):.3f} ms, "
+          f"p99 {percentile(routed, 99) - percentile(direct, 99):.3f} ms; "
+          f"router streamed requests/s {results['router']['rps']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
