@@ -56,7 +56,7 @@ class CompletionService:
 
     async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun:
         snapshot = self.feed.current()
-        if request.model not in snapshot.models():
+        if request.model not in snapshot.model_names:
             raise unknown_model(request.model)
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
         prompt_ids = await self._tokenize(request, assets)

@@ -60,13 +60,14 @@ class Snapshot:
     generated_at: float
     sites: list[Site]
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    model_names: frozenset[str] = frozenset()  # every model any site lists, computed once per snapshot
 
     def link(self, src: str, dst: str) -> Link | None:
         """A measured link in either direction (measurements are taken one way)."""
         return self.links.get((src, dst)) or self.links.get((dst, src))
 
     def models(self) -> list[str]:
-        return sorted({m for site in self.sites for m in site.models})
+        return sorted(self.model_names)
 
 
 def parse_capacity(doc: dict | None) -> Capacity | None:
@@ -103,5 +104,6 @@ def parse_snapshot(doc: dict) -> Snapshot:
     for link in doc.get("links", ()):
         links[(link["src"], link["dst"])] = Link(link["src"], link["dst"], float(link["rtt_ms"]),
                                                  float(link["bandwidth_mbps"]))
-    return Snapshot(str(doc.get("version", "")), float(doc.get("generated_at", 0.0)),
-                    [parse_site(s) for s in doc.get("sites", ())], links)
+    sites = [parse_site(s) for s in doc.get("sites", ())]
+    return Snapshot(str(doc.get("version", "")), float(doc.get("generated_at", 0.0)), sites, links,
+                    frozenset(m for site in sites for m in site.models))
