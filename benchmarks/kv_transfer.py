@@ -107,6 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kv-chunk-bytes", type=int, default=4 << 20, help="agent A's KV chunk size")
     args = parser.parse_args()
 
     from engine.demo import make_demo_model
@@ -118,6 +119,7 @@ def main() -> int:
             [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "agent", "--site", "bench-a",
              "--model", f"small={model_dir}", "--peer-token", TOKEN, "--grpc-listen", address,
              "--metrics-listen", "none", "--kv-cache-bytes", str(512 << 20), "--kv-lease-ttl-s", "120",
+             "--kv-chunk-bytes", str(args.kv_chunk_bytes),
              "--device", "cpu", "--dtype", "float32"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             async def run():
@@ -135,8 +137,8 @@ def main() -> int:
     raw_times = [raw_tcp_copy(num_bytes) for _ in range(args.repeats)]
     mb = num_bytes / 1e6
     kv_best, raw_best = min(kv_times), min(raw_times)
-    print(f"KV of a {args.prompt_tokens}-token prompt (demo 'small', float32): {mb:.1f} MB; "
-          f"first prefill {prefill_s:.2f}s")
+    print(f"KV of a {args.prompt_tokens}-token prompt (demo 'small', float32): {mb:.1f} MB in "
+          f"{args.kv_chunk_bytes >> 10} KiB chunks; first prefill {prefill_s:.2f}s")
     print(f"KV transfer (FetchKV, verified): best {mb / kv_best:8.1f} MB/s  "
           f"median {mb / sorted(kv_times)[len(kv_times) // 2]:8.1f} MB/s")
     print(f"raw loopback TCP copy:           best {mb / raw_best:8.1f} MB/s  "
