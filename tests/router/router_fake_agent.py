@@ -52,6 +52,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.calls: list[tuple[str, object]] = []
         self.metadata: list[dict] = []
         self.released: list[str] = []
+        self.num_cancelled = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -101,8 +102,12 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
 
     async def Generate(self, request, context):
         await self._gate("Generate", request, context)
-        async for chunk in self._stream(request, context, len(request.generated_ids)):
-            yield chunk
+        try:
+            async for chunk in self._stream(request, context, len(request.generated_ids)):
+                yield chunk
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
 
     async def Decode(self, request, context):
         await self._gate("Decode", request, context)
