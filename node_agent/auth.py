@@ -16,15 +16,21 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def _reject(message: str) -> grpc.RpcMethodHandler:
-    async def abort_unary(_request, context: aio.ServicerContext):
+def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only answers UNAUTHENTICATED."""
+    if handler.response_streaming:
+        async def reject_stream(_request, context: aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # unreachable; makes this an async generator like the method it stands in for
+
+        return grpc.unary_stream_rpc_method_handler(reject_stream, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+    async def reject_unary(_request, context: aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def abort_stream(_request, context: aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # an async generator, to match server-streaming methods
-
-    return abort_unary, abort_stream
+    return grpc.unary_unary_rpc_method_handler(reject_unary, handler.request_deserializer,
+                                               handler.response_serializer)
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
@@ -38,11 +44,4 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         message = ("missing authorization metadata; send 'authorization: Bearer <peer token>'" if presented is None
                    else "the bearer token is not valid for this agent")
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        abort_unary, abort_stream = _reject(message)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(abort_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(abort_unary, handler.request_deserializer,
-                                                   handler.response_serializer)
+        return None if handler is None else _rejecting_handler(handler, message)

@@ -44,3 +44,28 @@ async def test_decode_without_source_resumes_like_generate(start_agent, connect)
     resumed = await collect(client.decode(agent_pb2.DecodeRequest(model=MODEL, prompt_ids=prompt_ids,
                                                                   generated_ids=reference[:5], sampling=params)))
     assert reference[:5] + resumed == reference
+
+
+async def test_split_over_tls(start_agent, tmp_path):
+    import subprocess
+
+    from node_agent.client import AgentClient
+    from tests.agent.conftest import PEER_TOKEN
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    tls = dict(tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
+    a, b = await start_agent("site-a", **tls), await start_agent("site-b", **tls)
+    params, prompt_ids = sampling(temperature=0.5, seed=5), prompt(33)
+    async with AgentClient(a.address, PEER_TOKEN, tls_ca=cert.read_bytes()) as client_a, \
+            AgentClient(b.address, PEER_TOKEN, tls_ca=cert.read_bytes()) as client_b:
+        reference = await collect(client_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                              sampling=params)))
+        result = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
+        decoded = await collect(client_b.decode(agent_pb2.DecodeRequest(
+            model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
+            kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+    assert [result.first_token.token_id, *decoded] == reference
+    assert b.metrics.kv_fallbacks._value.get() == 0 and b.metrics.kv_bytes_received._value.get() > 0
