@@ -115,8 +115,9 @@ class AsyncEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
         request_id = request_id or uuid.uuid4().hex
-        await self._start(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids, prefill_only))
-        async with aclosing(self._stream(request_id)) as events:
+        queue = await self._start(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids,
+                                                                      prefill_only))
+        async with aclosing(self._stream(request_id, queue)) as events:
             async for event in events:
                 yield event
 
@@ -124,8 +125,8 @@ class AsyncEngine:
                                request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """Decode a request whose prompt was prefilled elsewhere (payload from export_kv)."""
         request_id = request_id or uuid.uuid4().hex
-        await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids))
-        async with aclosing(self._stream(request_id)) as events:
+        queue = await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids))
+        async with aclosing(self._stream(request_id, queue)) as events:
             async for event in events:
                 yield event
 
@@ -137,17 +138,19 @@ class AsyncEngine:
                 pass
         return event
 
-    async def _start(self, request_id: str, add: Callable[[LLMEngine], None]) -> None:
-        loop = asyncio.get_running_loop()
-        self._streams[request_id] = (loop, asyncio.Queue())
+    async def _start(self, request_id: str, add: Callable[[LLMEngine], None]) -> asyncio.Queue:
+        # The stream is registered before the request exists, so no token can miss it; a
+        # request that finishes in its first step unregisters itself before we read it back.
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
             await self.call(add)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        return queue
 
-    async def _stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
-        queue = self._streams[request_id][1]
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
         finished = False
         try:
             while not finished:
