@@ -87,7 +87,7 @@ class Generation:
             try:
                 if not self.generated_ids and not candidate.colocated:
                     site = candidate.prefill_site
-                    self.prefill_site = site.name
+                    self.prefill_site, self.decode_site = site.name, candidate.decode_site.name
                     result = await self._prefill(candidate)
                     step = TokenStep([result.first_token], result.finish_reason)
                     self._accept(step)
