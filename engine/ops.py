@@ -91,6 +91,14 @@ class AttentionBatch:
     slot_mapping: torch.Tensor       # [num_tokens] int64: cache slot of each new token
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Tokens of the given blocks, in order: [len(block_ids) * block_size, Hkv, D].
+
+    index_select, not advanced indexing: on CPU the latter is about ten times slower here.
+    """
+    return cache.index_select(0, block_ids).flatten(0, 1)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B, 1, Q, L] bool (True = attend)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -112,8 +120,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         context_len = batch.context_lens[i]
         num_blocks = -(-context_len // block_size)
         table = batch.block_tables[i, :num_blocks]
-        k = k_cache[table].flatten(0, 1)[:context_len]
-        v = v_cache[table].flatten(0, 1)[:context_len]
+        k = gather_blocks(k_cache, table)[:context_len]
+        v = gather_blocks(v_cache, table)[:context_len]
         num_queries = end - start
         query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)
@@ -150,8 +158,8 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   context_lens: torch.Tensor, max_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
     block_size = k_cache.shape[1]
     tables = tables[:, : -(-max_len // block_size)]
-    k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)
+    k = gather_blocks(k_cache, tables.flatten()).view(tables.shape[0], -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
+    v = gather_blocks(v_cache, tables.flatten()).view(tables.shape[0], -1, *v_cache.shape[2:])
     key_pos = torch.arange(k.shape[1], device=q.device)
     mask = key_pos[None, :] < context_lens[:, None]
     if sliding_window:
