@@ -209,7 +209,12 @@ async def heartbeat_load(port: int, tokens: list[str], warmup_s: float, duration
         finally:
             connection.close()
 
-    await asyncio.wait_for(asyncio.gather(*(site(i) for i in range(num_sites))), timeout=warmup_s + duration_s + 60)
+    tasks = [asyncio.create_task(site(i)) for i in range(num_sites)]
+    _, unfinished = await asyncio.wait(tasks, timeout=warmup_s + duration_s + 15)
+    for task in unfinished:  # an overloaded server: stop waiting, report what came back
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    counts["errors"] += len(unfinished)
     return {"sites": num_sites, "heartbeats_per_s": counts["ok"] / duration_s, "errors": counts["errors"],
             "late": counts["late"], "p50_ms": percentile(latencies, 0.5) * 1000,
             "p99_ms": percentile(latencies, 0.99) * 1000, "max_ms": max(latencies, default=float("nan")) * 1000}
@@ -286,8 +291,8 @@ def num_sites_of(body: bytes) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "both"], default="both")
-    parser.add_argument("--sites", type=int, nargs="+", default=[1000, 2000, 3000],
-                        help="simulated sites heartbeating at 1 Hz, one run each (default 1000 2000 3000)")
+    parser.add_argument("--sites", type=int, nargs="+", default=[250, 500, 1000, 2000],
+                        help="simulated sites heartbeating at 1 Hz, one run each (default 250 500 1000 2000)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per heartbeat run")
     parser.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds before each run")
     parser.add_argument("--snapshot-sites", type=int, nargs="+", default=[1000, 10000])
@@ -297,6 +302,7 @@ def main() -> int:
     print(f"registry load benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
           f"{NUM_SUMMARY_HASHES} prefix hashes per heartbeat, {LINKS_PER_SITE} links per site in snapshots")
     print("\nheartbeats (1 Hz per site; target: 2000/s sustained with p99 < 50 ms)")
+    print("  errors = non-200 answers or requests still unanswered at the end; late = sends > 0.5 s behind schedule")
     print(f"{'backend':<11}{'sites':>7}{'hb/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'errors':>8}{'late':>7}")
     for backend in backends:
         for num_sites in args.sites:
