@@ -1,0 +1,61 @@
+"""Fused RMSNorm and residual-add + RMSNorm: one read and one write of each row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_ro,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # Round the sum to the model dtype first, as `residual + x` does in torch.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    # torch casts the normalized row to x's dtype before the weight multiply; so do we.
+    y = (x32 * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=_out_dtype(x, weight), device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, rows.shape[1], eps,
+                                           rows.stride(0), rows.stride(0), out.stride(0), out.stride(0),
+                                           HAS_RESIDUAL=False, BLOCK=next_pow2(rows.shape[1]))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, res_rows = _rows(x), _rows(residual)
+    out = torch.empty(rows.shape, dtype=_out_dtype(x, weight), device=x.device)
+    residual_out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, residual_out, rows.shape[1], eps,
+                                           rows.stride(0), res_rows.stride(0), out.stride(0), residual_out.stride(0),
+                                           HAS_RESIDUAL=True, BLOCK=next_pow2(rows.shape[1]))
+    return out.view(x.shape), residual_out.view(x.shape)
