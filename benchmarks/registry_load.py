@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
