@@ -17,7 +17,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, n
     slot = tl.load(slot_mapping_ptr + row)
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < head_dim) & (slot >= 0)
+    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a tensor, so the mask below broadcasts
+    mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < head_dim) & (slots >= 0)
     cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads[:, None] * stride_ch + cols[None, :]
     k = tl.load(k_ptr + row * stride_kt + heads[:, None] * stride_kh + cols[None, :], mask=mask)
     v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)
