@@ -60,10 +60,14 @@ class AccessStore:
             row = conn.execute(query).first()
         return SiteIdentity(row.id, row.name) if row else None
 
-    def create_api_key(self, spec: ApiKeySpec, actor: str) -> tuple[ApiKey, str]:
-        """Returns the key record and its secret; the secret is not retrievable later."""
+    def create_api_key(self, spec: ApiKeySpec, actor: str, secret: str | None = None) -> tuple[ApiKey, str]:
+        """Returns the key record and its secret; the secret is not retrievable later.
+
+        `secret` imports a key chosen elsewhere (the one-machine launcher's `--api-key`)."""
         validate.api_key_spec(spec)
-        secret = new_api_key()
+        if secret is not None and len(secret) < 16:
+            raise InvalidInput("an imported API key must be at least 16 characters")
+        secret = secret or new_api_key()
         now = self._clock()
         with self._write.begin() as conn:
             new_id = conn.execute(insert(API_KEYS).values(

@@ -117,6 +117,10 @@ class RegistryOperations:
     def list_sites(self, limit: int = 100, cursor: str | None = None):
         return self._call("GET", "/v1/admin/sites", params=_drop_none({"limit": limit, "cursor": cursor}))
 
+    def admin_snapshot(self):
+        """Every site with its latest capacity and liveness (the routers' snapshot) for status views."""
+        return self._call("GET", "/v1/admin/snapshot")
+
     def get_site(self, name: str):
         return self._call("GET", f"/v1/admin/sites/{name}")
 

@@ -5,6 +5,7 @@ API keys, and the audit log. Every change is audited by the store in the same tr
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query, Response
+from starlette.concurrency import run_in_threadpool
 
 from registry.api_models import (ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
                                  SitePatchBody, SiteTokenBody)
@@ -30,6 +31,13 @@ def create_site(body: SiteCreateBody, actor: str = Depends(admin_actor), svc: Re
 def list_sites(limit: int = Limit, cursor: str | None = Cursor, _: str = Depends(admin_actor),
                svc: RegistryService = Depends(registry)) -> dict:
     return _page(svc.store.sites.list(limit, cursor))
+
+
+@router.get("/snapshot")
+async def snapshot(_: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> Response:
+    """The routers' snapshot (sites with capacity and liveness), for operators' status views."""
+    rendered = await run_in_threadpool(svc.snapshots.get, None)
+    return Response(rendered.body, media_type="application/json")
 
 
 @router.get("/sites/{name}")
