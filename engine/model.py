@@ -44,6 +44,7 @@ class CausalLM:
         self.scale = config.head_dim ** -0.5
         max_positions = config.max_position_embeddings
         self.cos_table, self.sin_table = ops.rope_cos_sin(config.head_dim, config.rope, max_positions, device)
+        self.ops = ops.for_device(device)  # Triton kernels on CUDA, engine.ops elsewhere
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ops.AttentionBatch,
@@ -55,13 +56,13 @@ class CausalLM:
         for index, layer in enumerate(self.weights.layers):
             if residual is None:
                 residual = hidden
-                normed = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+                normed = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
-                normed, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+                normed, residual = self.ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
-            normed, residual = ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = ops.silu_and_mul(normed @ layer.gate_up.T) @ layer.down.T
-        normed, _ = ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
+            normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = self.ops.silu_and_mul(normed @ layer.gate_up.T) @ layer.down.T
+        normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
         return normed
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
@@ -77,12 +78,12 @@ class CausalLM:
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None:
-            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = ops.apply_rotary(q, k, positions, self.cos_table, self.sin_table)
+            q = self.ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = self.ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = self.ops.apply_rotary(q, k, positions, self.cos_table, self.sin_table)
         k_cache, v_cache = layer_cache[0], layer_cache[1]
-        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale, cfg.sliding_windows[index])
+        self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, cfg.sliding_windows[index])
         return out.reshape(num_tokens, q_size) @ layer.o_proj.T
 
     @torch.inference_mode()

@@ -7,6 +7,7 @@ on CUDA while this version stays the reference and the CPU path.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -172,3 +173,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """residual += x, then RMSNorm of the sum; returns (normed, new residual)."""
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
+
+
+# -- kernel selection --------------------------------------------------------------------------
+
+
+def for_device(device: torch.device):
+    """The module whose hot ops (the functions above) the model calls on `device`.
+
+    On CUDA with triton installed: engine.kernels.ops, the same signatures on Triton kernels.
+    Anywhere else: this module. Chosen once when the model is built, so a CPU step pays nothing
+    per call and never imports triton.
+    """
+    if torch.device(device).type == "cuda":
+        from engine import kernels
+        if kernels.available():
+            from engine.kernels import ops as kernel_ops
+            return kernel_ops
+    return sys.modules[__name__]
