@@ -39,6 +39,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None    # explicit KV budget; default 256 MiB on CPU
     gpu_memory_utilization: float = 0.9  # GPU: fraction of free memory (after weights) for KV
+    enable_cuda_graphs: bool = True      # GPU: replay decode-only steps from graphs captured at start-up
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None     # default: the model's max_position_embeddings
@@ -138,6 +139,7 @@ class LLMEngine:
         self.num_prefix_hit_tokens = 0
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks, config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len)
+        self.decode_graphs = self._capture_decode_graphs()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -155,8 +157,7 @@ class LLMEngine:
         if cfg.kv_cache_bytes is not None:
             budget = cfg.kv_cache_bytes
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
+            budget = self._cuda_kv_budget()
         else:
             budget = 256 << 20
         num_blocks = budget // bytes_per_block
@@ -165,6 +166,32 @@ class LLMEngine:
                              f"({bytes_per_block} bytes per block)")
         shape = (mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- GPU fast path (CPU engines never enter these) -----------------------------------------
+
+    def _cuda_kv_budget(self) -> int:
+        """KV bytes on a GPU: the free memory after the weights, less the activations of the largest
+        step (measured by running it), times gpu_memory_utilization."""
+        from engine.kernels.profile import activation_peak_bytes
+        cfg = self.config
+        activations = activation_peak_bytes(self.model, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int((free - activations) * cfg.gpu_memory_utilization)
+
+    def _capture_decode_graphs(self):
+        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
+            return None
+        from engine import kernels
+        if not kernels.available():
+            return None
+        from engine.kernels.cuda_graphs import DecodeGraphs
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, max_blocks)
+
+    def _forward(self, inputs) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+            return self.decode_graphs.run(inputs)
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -221,7 +248,7 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         inputs = prepare_step(scheduled, self.config.block_size, self.device)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+        hidden = self._forward(inputs)
         sampled: list[SampledToken] = []
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])

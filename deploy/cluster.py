@@ -1,0 +1,218 @@
+"""`edgefire up` (the whole system on this machine, until Ctrl-C) and `edgefire status` (a table of sites)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from deploy.cluster_config import (DEFAULT_DEMO_MODEL_DIR, DEFAULT_REGISTRY_PORT, DEFAULT_ROUTER_PORT,
+                                   DEFAULT_STATE_DIR, ClusterConfig, ClusterConfigError, demo_sites,
+                                   load_cluster_toml)
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 5  # per process, while `up` supervises; a process that keeps dying is left down
+
+
+def add_parser(subparsers) -> None:
+    up = subparsers.add_parser("up", help="run registry, sites and router on this machine (Ctrl-C stops them)",
+                               description="Starts, on loopback: the registry (SQLite), one agent per site and a "
+                                           "router, and prints how to call it. Ctrl-C stops everything.")
+    up.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: a random-weight demo "
+                                               f"model in {DEFAULT_DEMO_MODEL_DIR})")
+    up.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    up.add_argument("--sites", type=int, help="number of demo sites (default 3: prefill-only, decode-only, both)")
+    up.add_argument("--config", type=Path, help="cluster TOML file describing the sites (see deploy/README.md)")
+    up.add_argument("--port", type=int, help=f"router port (default {DEFAULT_ROUTER_PORT})")
+    up.add_argument("--registry-port", type=int, help=f"registry port (default {DEFAULT_REGISTRY_PORT})")
+    up.add_argument("--host", help="address every process listens on (default 127.0.0.1)")
+    up.add_argument("--api-key", default=os.environ.get("EDGEFIRE_API_KEY"),
+                    help="the API key clients send (default $EDGEFIRE_API_KEY, else generated)")
+    up.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
+                    help="the registry admin token (default $EDGEFIRE_ADMIN_TOKEN, else generated)")
+    up.add_argument("--state-dir", type=Path, help=f"database, configs, logs, pid files (default {DEFAULT_STATE_DIR})")
+    up.add_argument("--demo-size", default="small", choices=["tiny", "small"], help="size of the demo model")
+    up.set_defaults(func=run_up)
+
+    status = subparsers.add_parser("status", help="a table of sites: state, role, load, KV free, heartbeat age")
+    status.add_argument("--registry-url", help="registry base URL (default: the running `edgefire up` cluster's)")
+    status.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
+                        help="admin token (default $EDGEFIRE_ADMIN_TOKEN, else the `edgefire up` cluster's)")
+    status.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                        help=f"where `edgefire up` keeps cluster.json (default {DEFAULT_STATE_DIR})")
+    status.add_argument("--json", action="store_true", help="print the raw site list as JSON")
+    status.set_defaults(func=run_status)
+
+
+# -- up ----------------------------------------------------------------------------------------
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    overrides = {"model_dir": args.model, "model_name": args.model_name, "router_port": args.port,
+                 "registry_port": args.registry_port, "host": args.host, "api_key": args.api_key,
+                 "admin_token": args.admin_token, "state_dir": args.state_dir}
+    if args.sites is not None:
+        overrides["sites"] = demo_sites(args.sites)
+    if args.config is not None:
+        return load_cluster_toml(args.config, **overrides)
+    overrides.setdefault("sites", demo_sites(3))
+    overrides["model_dir"] = overrides["model_dir"] or DEFAULT_DEMO_MODEL_DIR
+    return ClusterConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def ensure_model(config: ClusterConfig, demo_size: str) -> None:
+    if (config.model_dir / "config.json").is_file():
+        return
+    if config.model_dir.resolve() != DEFAULT_DEMO_MODEL_DIR.resolve():
+        raise ClusterConfigError(f"--model: {config.model_dir} is not a checkpoint directory (no config.json)")
+    from engine.demo import make_demo_model
+
+    print(f"writing a random-weight demo model to {config.model_dir} (its output is meaningless text) ...",
+          flush=True)
+    make_demo_model(config.model_dir, demo_size)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from deploy.launcher import Cluster, ClusterError
+
+    for noisy in ("httpx", "alembic"):  # the launcher's polling and migration are not news
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        config = config_from_args(args)
+        ensure_model(config, args.demo_size)
+    except ClusterConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # SIGTERM (systemd, kill) stops the cluster the same way Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    cluster = Cluster(config)
+    print(f"starting {len(config.sites)} site(s), a registry and a router (logs in "
+          f"{cluster.state_dir / 'logs'}) ...", flush=True)
+    try:
+        started = time.monotonic()
+        cluster.start()
+        print(banner(cluster, time.monotonic() - started), flush=True)
+        supervise(cluster)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping: router, sites (draining), registry ...", flush=True)
+        cluster.stop()
+        print("stopped.", flush=True)
+    return 0
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def supervise(cluster) -> None:
+    """Restarts a process that dies (up to MAX_RESTARTS times each) until interrupted."""
+    while True:
+        time.sleep(1.0)
+        for process in cluster.dead_processes():
+            code = process.exit_code()
+            if process.num_starts > MAX_RESTARTS:
+                continue
+            print(f"{process.name} exited with code {code}; restarting it (log: {process.log_path})", flush=True)
+            process.start()
+
+
+def banner(cluster, startup_s: float) -> str:
+    c = cluster.config
+    rows = [("process", "listens on", "role", "where", "log")]
+    rows.append(("registry", cluster.registry_url, "sites, capacity, admin API", "sqlite: registry.db",
+                 "logs/registry.log"))
+    for site in c.sites:
+        rows.append((f"agent {site.name}", f"grpc://{cluster.site_address(site.name)}", site.role,
+                     f"{site.name} ({site.lat:.2f}, {site.lon:.2f})", f"logs/{site.name}.log"))
+    rows.append(("router", cluster.router_url, "OpenAI-compatible endpoint",
+                 f"({c.router['lat']:.2f}, {c.router['lon']:.2f})", "logs/router.log"))
+    url = cluster.router_url
+    return f"""
+edgefire is up in {startup_s:.0f}s: model `{cluster.model}` from {c.model_dir}
+{format_table(rows)}
+
+  state dir     {cluster.state_dir}
+  admin token   {c.admin_token}
+  API key       {c.api_key}
+
+Try it:
+  curl -sN {url}/v1/chat/completions \\
+    -H "Authorization: Bearer {c.api_key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{cluster.model}", "messages": [{{"role": "user", "content": "Hello from the edge"}}], "max_tokens": 32, "stream": true}}'
+
+  python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="{c.api_key}")
+reply = client.chat.completions.create(model="{cluster.model}", max_tokens=32,
+                                       messages=[{{"role": "user", "content": "Hello from the edge"}}])
+print(reply.choices[0].message.content)
+EOF
+
+  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire status     # sites, load, KV, heartbeats
+Ctrl-C stops everything."""
+
+
+# -- status --------------------------------------------------------------------------------------
+
+def run_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    from registry.client import RegistryError, SyncRegistryClient
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    registry_url, admin_token = args.registry_url, args.admin_token
+    if registry_url is None or admin_token is None:
+        try:
+            saved = json.loads((args.state_dir / "cluster.json").read_text())
+        except (OSError, ValueError):
+            print(f"error: no running `edgefire up` cluster in {args.state_dir}; give --registry-url and "
+                  f"--admin-token", file=sys.stderr)
+            return 2
+        registry_url = registry_url or saved["registry_url"]
+        admin_token = admin_token or saved["admin_token"]
+    try:
+        with SyncRegistryClient(registry_url, admin_token) as registry:
+            snapshot = registry.admin_snapshot()
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach the registry at {registry_url} ({exc})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(snapshot["sites"], indent=2))
+    else:
+        print(status_table(snapshot["sites"]))
+    return 0
+
+
+def status_table(sites: list[dict]) -> str:
+    rows = [("site", "state", "alive", "role", "region", "load (run/wait)", "KV free", "heartbeat", "address")]
+    for site in sites:
+        cap = site.get("capacity") or {}
+        roles = sorted({m["role"] for m in site.get("models", ())}) or site.get("roles", [])
+        kv = (f"{cap['kv_blocks_free']}/{cap['kv_blocks_total']} "
+              f"({100 * cap['kv_blocks_free'] / max(1, cap['kv_blocks_total']):.0f}%)") if cap else "-"
+        load = f"{cap.get('num_running', 0)}/{cap.get('num_waiting', 0)}" if cap else "-"
+        age = site.get("heartbeat_age_s")
+        state = site["state"] + (" (draining)" if cap.get("draining") and site["state"] != "draining" else "")
+        rows.append((site["name"], state, "yes" if site.get("alive") else "no", ",".join(roles),
+                     site.get("region") or "-", load, kv, "never" if age is None else f"{age:.1f}s ago",
+                     site.get("grpc_address") or "-"))
+    return format_table(rows)
+
+
+def format_table(rows: list[tuple]) -> str:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

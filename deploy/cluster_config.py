@@ -1,0 +1,177 @@
+"""What a one-machine cluster is made of: the sites (cities, roles), ports, tokens and the model.
+
+`ClusterConfig` comes from `edgefire up` flags (`demo_config`) or a `cluster.toml` (`load_cluster_toml`):
+
+    model = "/models/Llama-3.2-1B-Instruct"   # optional: the demo model when absent
+    router_port = 8080
+    [router]                                   # any RouterConfig field
+    lat = 38.7
+    lon = -9.1
+    [agent]                                    # any AgentConfig field, for every site
+    kv_cache_bytes = 134217728
+    [[sites]]
+    name = "lisbon"
+    region = "eu-west"
+    country = "PT"
+    lat = 38.72
+    lon = -9.14
+    role = "prefill"                           # prefill | decode | both
+    [sites.agent]                              # AgentConfig fields for this site only
+    max_num_seqs = 32
+
+Port 0 anywhere means "pick a free port when starting" (tests use that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node_agent.config import FIELDS as AGENT_FIELDS
+from node_agent.config import ROLES
+from router.config import RouterConfig
+
+DEFAULT_STATE_DIR = Path(".edgefire/cluster")
+DEFAULT_DEMO_MODEL_DIR = Path(".edgefire/demo-model")
+DEFAULT_ROUTER_PORT = 8080
+DEFAULT_REGISTRY_PORT = 8500
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_METRICS_PORT = 9400
+
+ROUTER_FIELDS = frozenset(f.name for f in dataclasses.fields(RouterConfig))
+# Settings the launcher writes itself: a cluster file may not override them.
+LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
+                                   "advertise_address", "metrics_listen", "registry_url", "site_token", "peer_token"})
+LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "peer_token"})
+
+
+class ClusterConfigError(ValueError):
+    """The cluster description is unusable; the message says what to change."""
+
+
+@dataclass(slots=True)
+class SiteSpec:
+    name: str
+    region: str
+    country: str
+    lat: float
+    lon: float
+    role: str = "both"
+    grpc_port: int = 0
+    metrics_port: int = 0
+    agent: dict = field(default_factory=dict)   # extra AgentConfig fields for this site
+
+
+# Real cities, so placement's distance-based RTTs mean something. The first three give the default
+# cluster its mix of roles: a prefill-only site, a decode-only site and one doing both.
+DEMO_SITES = [
+    SiteSpec("lisbon", "eu-west", "PT", 38.72, -9.14, "prefill"),
+    SiteSpec("frankfurt", "eu-central", "DE", 50.11, 8.68, "decode"),
+    SiteSpec("warsaw", "eu-east", "PL", 52.23, 21.01, "both"),
+    SiteSpec("madrid", "eu-west", "ES", 40.42, -3.70, "both"),
+    SiteSpec("paris", "eu-west", "FR", 48.86, 2.35, "both"),
+    SiteSpec("stockholm", "eu-north", "SE", 59.33, 18.07, "both"),
+    SiteSpec("milan", "eu-south", "IT", 45.46, 9.19, "both"),
+    SiteSpec("dublin", "eu-west", "IE", 53.35, -6.26, "both"),
+]
+# The router stands in Lisbon: a client it cannot locate is taken to be there.
+DEMO_ROUTER_LOCATION = (38.72, -9.14)
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    model_dir: Path
+    sites: list[SiteSpec]
+    model_name: str = ""                 # default: the checkpoint directory's name
+    state_dir: Path = DEFAULT_STATE_DIR
+    host: str = "127.0.0.1"
+    router_port: int = DEFAULT_ROUTER_PORT
+    registry_port: int = DEFAULT_REGISTRY_PORT
+    admin_token: str = ""                # generated when empty
+    router_token: str = ""
+    peer_token: str = ""
+    api_key: str = ""
+    router: dict = field(default_factory=dict)  # extra RouterConfig fields
+    agent: dict = field(default_factory=dict)   # extra AgentConfig fields for every site
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        self.state_dir = Path(self.state_dir)
+        self.model_name = self.model_name or self.model_dir.resolve().name
+        self.admin_token = self.admin_token or "efa-" + secrets.token_urlsafe(24)
+        self.router_token = self.router_token or "efr-" + secrets.token_urlsafe(24)
+        self.peer_token = self.peer_token or "efp-" + secrets.token_urlsafe(24)
+        self.api_key = self.api_key or "ef-" + secrets.token_urlsafe(32)
+        self.router = {"lat": DEMO_ROUTER_LOCATION[0], "lon": DEMO_ROUTER_LOCATION[1], **self.router}
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.sites:
+            raise ClusterConfigError("sites: a cluster needs at least one site")
+        names = [s.name for s in self.sites]
+        if len(set(names)) != len(names):
+            raise ClusterConfigError(f"sites: names must be unique, got {names}")
+        for site in self.sites:
+            if site.role not in ROLES:
+                raise ClusterConfigError(f"sites.{site.name}.role: must be one of {', '.join(ROLES)}")
+            _check_keys(f"sites.{site.name}.agent", site.agent, AGENT_FIELDS, LAUNCHER_AGENT_FIELDS)
+        roles = {s.role for s in self.sites}
+        if not roles & {"prefill", "both"} or not roles & {"decode", "both"}:
+            raise ClusterConfigError("sites: at least one site must prefill and one must decode")
+        _check_keys("agent", self.agent, AGENT_FIELDS, LAUNCHER_AGENT_FIELDS)
+        _check_keys("router", self.router, ROUTER_FIELDS, LAUNCHER_ROUTER_FIELDS)
+        if len(self.api_key) < 16:
+            raise ClusterConfigError("api_key: must be at least 16 characters")
+
+
+def _check_keys(table: str, values: dict, known, owned) -> None:
+    for name in values:
+        if name not in known:
+            raise ClusterConfigError(f"{table}.{name}: unknown setting (known: {', '.join(sorted(known))})")
+        if name in owned:
+            raise ClusterConfigError(f"{table}.{name}: set by the launcher; remove it from the cluster file")
+
+
+def demo_sites(num_sites: int) -> list[SiteSpec]:
+    """The first `num_sites` demo cities; fewer than three sites all do both roles."""
+    if num_sites < 1:
+        raise ClusterConfigError("--sites: must be at least 1")
+    sites = []
+    for i in range(num_sites):
+        base = DEMO_SITES[i % len(DEMO_SITES)]
+        name = base.name if i < len(DEMO_SITES) else f"{base.name}-{i // len(DEMO_SITES) + 1}"
+        role = base.role if num_sites >= 3 else "both"
+        sites.append(dataclasses.replace(base, name=name, role=role, agent={}))
+    return sites
+
+
+def load_cluster_toml(path: str | Path, **overrides) -> ClusterConfig:
+    """A cluster file; `overrides` (flags given on the command line) win over its values."""
+    try:
+        document = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ClusterConfigError(f"{path}: {exc}") from exc
+    site_keys = {f.name for f in dataclasses.fields(SiteSpec)}
+    sites = []
+    for i, table in enumerate(document.pop("sites", [])):
+        unknown = set(table) - site_keys
+        if unknown:
+            raise ClusterConfigError(f"sites[{i}]: unknown keys {sorted(unknown)} (known: {sorted(site_keys)})")
+        try:
+            sites.append(SiteSpec(**table))
+        except TypeError as exc:
+            raise ClusterConfigError(f"sites[{i}]: {exc}") from exc
+    values = {"model_dir": document.pop("model", None), "sites": sites}
+    cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)} - {"model_dir", "sites"}
+    for name, value in document.items():
+        if name not in cluster_keys:
+            raise ClusterConfigError(f"{name}: unknown cluster setting (known: model, sites, "
+                                     f"{', '.join(sorted(cluster_keys))})")
+        values[name] = value
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("model_dir") is None:
+        values["model_dir"] = DEFAULT_DEMO_MODEL_DIR
+    return ClusterConfig(**values)

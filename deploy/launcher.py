@@ -1,0 +1,335 @@
+"""`Cluster`: the whole system on one machine, as real processes on loopback.
+
+    cluster = Cluster(config)      # deploy.cluster_config.ClusterConfig
+    cluster.start()                # registry (SQLite, migrated, seeded), one agent per site, a router
+    ...                            # cluster.router_url, cluster.api_key, cluster.admin()
+    cluster.stop()                 # router, then agents (they drain), then the registry
+
+`edgefire up` and the end-to-end tests both drive this class. Everything it writes lives in the state
+directory: `registry.db`, `config/<process>.toml` (0600: they hold tokens), `logs/<process>.log`,
+`run/<process>.pid`, and `cluster.json` (URLs and tokens, for `edgefire status`).
+A start first kills whatever a crashed launcher left behind (from its pid files) and starts the
+registry from an empty database, so a second `up` after a crash starts cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from deploy.cluster_config import ClusterConfig, SiteSpec
+from deploy.processes import ManagedProcess, free_port, is_ours, kill_stale, wait_ports_free
+from registry.client import SyncRegistryClient
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 180.0
+REGISTRY_NAME = "registry"
+ROUTER_NAME = "router"
+# Defaults for a cluster of CPU processes sharing one machine; a cluster file's [agent] / [router] win.
+AGENT_DEFAULTS = {"heartbeat_interval_s": 1.0, "kv_cache_bytes": 64 << 20, "drain_timeout_s": 10.0}
+ROUTER_DEFAULTS = {"snapshot_refresh_s": 0.5, "first_token_timeout_s": 20.0, "token_idle_timeout_s": 20.0,
+                   "failures_to_cool_down": 1, "cooldown_s": 10.0}
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start (or a process died); the message says which and where its log is."""
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, python: str = sys.executable) -> None:
+        self.config = config
+        self.python = python
+        self.state_dir = config.state_dir.resolve()
+        self.processes: dict[str, ManagedProcess] = {}
+        self._admin: SyncRegistryClient | None = None
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    @property
+    def registry_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.registry_port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.router_port}"
+
+    @property
+    def api_key(self) -> str:
+        return self.config.api_key
+
+    @property
+    def model(self) -> str:
+        return self.config.model_name
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.state_dir / 'registry.db'}"
+
+    def site(self, name: str) -> SiteSpec:
+        return next(s for s in self.config.sites if s.name == name)
+
+    def site_address(self, name: str) -> str:
+        return f"{self.config.host}:{self.site(name).grpc_port}"
+
+    def admin(self) -> SyncRegistryClient:
+        if self._admin is None:
+            self._admin = SyncRegistryClient(self.registry_url, self.config.admin_token, actor="launcher")
+        return self._admin
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """From nothing to serving; on failure everything started is stopped again."""
+        self._prepare_state_dir()
+        self._assign_ports()
+        self._seed_registry()
+        try:
+            self._start_registry()
+            for site in self.config.sites:
+                self._start_agent(site)
+            deadline = time.monotonic() + timeout_s
+            self.wait_for(lambda: all(self.site_alive(s.name) for s in self.config.sites),
+                          deadline - time.monotonic(), "every site to register and heartbeat")
+            self._start_router()
+            self.wait_for(self._router_ready, deadline - time.monotonic(), "the router to list the model")
+            self._write_cluster_json()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Router first (no new requests), then agents (they drain and deregister), then the registry."""
+        order = [ROUTER_NAME] + [s.name for s in self.config.sites] + [REGISTRY_NAME]
+        for name in order:
+            process = self.processes.get(name)
+            if process is not None:
+                code = process.stop(signal.SIGTERM)
+                if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
+                    log.info("%s exited with %s (log: %s)", name, code, process.log_path)
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+        (self.state_dir / "launcher.pid").unlink(missing_ok=True)
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+    # -- faults and restarts (tests, the supervisor) -------------------------------------------
+
+    def kill_site(self, name: str) -> None:
+        """kill -9 the site's agent: no drain, no deregistration; the registry ages it out."""
+        self.processes[name].kill()
+
+    def start_site(self, name: str, wait: bool = True, timeout_s: float = 60.0) -> None:
+        self.processes[name].start()
+        if wait:
+            self.wait_for(lambda: self.site_alive(name), timeout_s, f"site {name} to heartbeat again")
+
+    def stop_registry(self) -> None:
+        self.processes[REGISTRY_NAME].stop(signal.SIGTERM)
+
+    def start_registry(self, timeout_s: float = 30.0) -> None:
+        self.processes[REGISTRY_NAME].start()
+        self.wait_for(self._registry_ready, timeout_s, "the registry to answer")
+
+    def dead_processes(self) -> list[ManagedProcess]:
+        return [p for p in self.processes.values() if p.popen is not None and not p.running()]
+
+    # -- readiness -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return self.admin().admin_snapshot()
+
+    def site_state(self, name: str) -> dict | None:
+        return next((s for s in self.snapshot()["sites"] if s["name"] == name), None)
+
+    def site_alive(self, name: str) -> bool:
+        site = self.site_state(name)
+        return bool(site and site["alive"] and site["capacity"] and site["grpc_address"])
+
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Polls `condition` (connection errors count as not yet); fails early when a child dies."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = [p for p in self.dead_processes()]
+            if dead:
+                p = dead[0]
+                raise ClusterError(f"{p.name} exited with code {p.exit_code()} while waiting for {what}; "
+                                   f"its log ({p.log_path}) ends:\n{p.log_tail()}")
+            try:
+                if condition():
+                    return
+            except (httpx.HTTPError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out waiting for {what}; logs are in {self.state_dir / 'logs'}")
+            time.sleep(0.2)
+
+    def _registry_ready(self) -> bool:
+        return httpx.get(f"{self.registry_url}/healthz", timeout=2.0).status_code == 200
+
+    def _router_ready(self) -> bool:
+        response = httpx.get(f"{self.router_url}/v1/models", timeout=2.0,
+                             headers={"Authorization": f"Bearer {self.api_key}"})
+        return response.status_code == 200 and any(m["id"] == self.model for m in response.json()["data"])
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _prepare_state_dir(self) -> None:
+        for name in ("config", "logs", "run"):
+            (self.state_dir / name).mkdir(parents=True, exist_ok=True)
+        self._claim_launcher_pid()
+        killed = kill_stale(self.state_dir / "run")
+        if killed:
+            log.warning("stopped processes left by an earlier launcher: %s", ", ".join(killed))
+        ports = [self.config.registry_port, self.config.router_port]
+        ports += [p for s in self.config.sites for p in (s.grpc_port, s.metrics_port)]
+        busy = wait_ports_free(self.config.host, ports, timeout_s=10.0 if killed else 0.5)
+        if busy:
+            raise ClusterError(f"port(s) {', '.join(map(str, busy))} on {self.config.host} are in use by another "
+                               f"program; stop it or choose other ports (--port, or a cluster file)")
+        for path in self.state_dir.glob("registry.db*"):
+            path.unlink()  # every start begins from an empty registry: no stale sites or keys
+
+    def _claim_launcher_pid(self) -> None:
+        pid_path = self.state_dir / "launcher.pid"
+        try:
+            pid = int(pid_path.read_text().strip())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and pid != os.getpid() and is_ours(pid):
+            raise ClusterError(f"another launcher (pid {pid}) runs a cluster in {self.state_dir}; stop it first")
+        pid_path.write_text(str(os.getpid()))
+
+    def _assign_ports(self) -> None:
+        c, host = self.config, self.config.host
+        c.registry_port = c.registry_port or free_port(host)
+        c.router_port = c.router_port or free_port(host)
+        for site in c.sites:
+            site.grpc_port = site.grpc_port or free_port(host)
+            site.metrics_port = site.metrics_port or free_port(host)
+
+    def _seed_registry(self) -> None:
+        """Migrates a fresh SQLite registry and creates the sites, their tokens and the API key."""
+        from registry.migrate import upgrade_to_head
+        from registry.records import ApiKeySpec, ModelServed
+        from registry.records import SiteSpec as RegistrySiteSpec
+        from registry.store import RegistryStore
+
+        upgrade_to_head(self.db_url)
+        store = RegistryStore.open(self.db_url)
+        try:
+            self._site_tokens = {}
+            for site in self.config.sites:
+                spec = RegistrySiteSpec(region=site.region, country=site.country, lat=site.lat, lon=site.lon,
+                                        models=[ModelServed(self.model, site.role)])
+                store.sites.create(site.name, spec, actor="launcher")
+                self._site_tokens[site.name] = store.access.issue_site_token(site.name, actor="launcher")
+            store.access.create_api_key(ApiKeySpec("edgefire-up"), actor="launcher", secret=self.api_key)
+        finally:
+            store.close()
+
+    def _process(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        argv = [self.python, "-m", "deploy.cli", "--log-level", os.environ.get("EDGEFIRE_LOG_LEVEL", "INFO"), *args]
+        threads = str(max(1, (os.cpu_count() or 1) // max(1, len(self.config.sites))))
+        base_env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+        process = ManagedProcess(name, argv, self.state_dir / "logs" / f"{name}.log",
+                                 self.state_dir / "run" / f"{name}.pid", {**base_env, **(env or {})})
+        self.processes[name] = process
+        return process
+
+    def _start_registry(self) -> None:
+        c = self.config
+        self._process(REGISTRY_NAME, ["registry", "serve", "--db", self.db_url, "--host", c.host,
+                                      "--port", str(c.registry_port), "--no-migrate"],
+                      {"EDGEFIRE_ADMIN_TOKEN": c.admin_token, "EDGEFIRE_ROUTER_TOKEN": c.router_token}).start()
+        self.wait_for(self._registry_ready, 30.0, "the registry to answer")
+
+    def agent_settings(self, site: SiteSpec) -> dict:
+        c = self.config
+        return {**AGENT_DEFAULTS, **c.agent, **site.agent,
+                "site": site.name, "region": site.region, "country": site.country, "lat": site.lat,
+                "lon": site.lon, "role": site.role, "models": {self.model: str(c.model_dir.resolve())},
+                "grpc_listen": f"{c.host}:{site.grpc_port}", "metrics_listen": f"{c.host}:{site.metrics_port}",
+                "registry_url": self.registry_url, "site_token": self._site_tokens[site.name],
+                "peer_token": c.peer_token}
+
+    def router_settings(self) -> dict:
+        c = self.config
+        return {**ROUTER_DEFAULTS, **c.router, "host": c.host, "port": c.router_port,
+                "registry_url": self.registry_url, "registry_token": c.router_token, "peer_token": c.peer_token}
+
+    def _start_agent(self, site: SiteSpec) -> None:
+        path = self._write_toml(site.name, self.agent_settings(site))
+        self._process(site.name, ["agent", "--config", str(path)]).start()
+
+    def _start_router(self) -> None:
+        path = self._write_toml(ROUTER_NAME, {"router": self.router_settings()})
+        self._process(ROUTER_NAME, ["router", "--config", str(path)]).start()
+
+    def _write_toml(self, name: str, document: dict) -> Path:
+        path = self.state_dir / "config" / f"{name}.toml"
+        _write_private(path, to_toml(document))
+        return path
+
+    def _write_cluster_json(self) -> None:
+        c = self.config
+        document = {"registry_url": self.registry_url, "router_url": self.router_url, "model": self.model,
+                    "admin_token": c.admin_token, "api_key": c.api_key, "launcher_pid": os.getpid(),
+                    "sites": {s.name: {"role": s.role, "city": s.name, "grpc_address": self.site_address(s.name),
+                                       "metrics": f"http://{c.host}:{s.metrics_port}/metrics",
+                                       "log": str(self.processes[s.name].log_path)} for s in c.sites}}
+        _write_private(self.state_dir / "cluster.json", json.dumps(document, indent=2) + "\n")
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def to_toml(document: dict) -> str:
+    """The TOML the configs need: scalars, lists of scalars, and one level of tables."""
+    lines, tables = [], []
+    for key, value in document.items():
+        if value is None:
+            continue  # TOML has no null: leaving the key out keeps the field's default
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, table in tables:
+        lines.append(f"\n[{key}]")
+        lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if v is not None)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("-", "").replace("_", "").isalnum() else json.dumps(key)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

@@ -1,0 +1,157 @@
+"""Child processes of the one-machine cluster: start with a log and a pid file, stop by process group.
+
+Each child runs in its own session (`start_new_session=True`), so Ctrl-C in the terminal reaches only
+the launcher, which then stops the children in order, and a stop or kill takes the child's whole
+process group with it. Pid files let the next launcher clean up after one that crashed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 15.0
+# Only processes whose command line holds this are ever killed from a pid file (pids get reused).
+OUR_MARKER = "deploy.cli"
+
+
+@dataclass(slots=True)
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    pid_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+    num_starts: int = 0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(f"--- start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.argv)}\n".encode())
+            log_file.flush()
+            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                          stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                          start_new_session=True)
+        self.pid_path.write_text(str(self.popen.pid))
+        self.num_starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """Signals the process group, waits, then kills it if it has not exited; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, sig)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
+                _signal_group(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        # The leader is gone; make sure nothing it started lingers in its group.
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        self.pid_path.unlink(missing_ok=True)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no drain, no deregistration."""
+        self.stop(signal.SIGKILL, timeout_s=5.0)
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        log.warning("cannot signal process group %d: %s", pid, exc)
+
+
+def is_ours(pid: int) -> bool:
+    """Whether `pid` is alive and one of our children (its command line names deploy.cli)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return _alive(pid)  # no /proc (macOS): trust the pid file
+    return OUR_MARKER in cmdline or "edgefire" in cmdline
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_stale(run_dir: Path) -> list[str]:
+    """Kills the process groups named by pid files a crashed launcher left; returns their names."""
+    killed = []
+    for pid_path in sorted(run_dir.glob("*.pid")):
+        try:
+            pid = int(pid_path.read_text().strip())
+        except (OSError, ValueError):
+            pid_path.unlink(missing_ok=True)
+            continue
+        if pid != os.getpid() and is_ours(pid):
+            _signal_group(pid, signal.SIGKILL)
+            killed.append(pid_path.stem)
+        pid_path.unlink(missing_ok=True)
+    return killed
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def wait_ports_free(host: str, ports: list[int], timeout_s: float = 10.0) -> list[int]:
+    """The ports still taken after `timeout_s` (killed processes release theirs within moments)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = [p for p in ports if p and not port_free(host, p)]
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.2)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
