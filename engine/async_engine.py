@@ -13,12 +13,13 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 from engine.engine import EngineStats, LLMEngine, StepOutput
 from engine.errors import EngineError
-from engine.kv_transfer import KVPayload
+from engine.kv_export import KVExport
+from engine.kv_transfer import KVChunk, KVPayload
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,17 @@ class AsyncEngine:
     async def export_kv(self, handle: str) -> KVPayload:
         return await self.call(lambda e: e.export_kv(handle))
 
+    @asynccontextmanager
+    async def kv_export(self, handle: str) -> AsyncIterator[KVExport]:
+        """Hold a KV handle open for reading; read it with `kv_chunks(export)`."""
+        export = await self.call(lambda e: e.open_export(handle))
+        try:
+            yield export
+        finally:
+            # not awaited: this must run even when the caller is being cancelled
+            if self._error is None and not self._stopped:
+                self._submit(lambda: self.engine.close_export(export))
+
     async def release_kv(self, handle: str) -> None:
         await self.call(lambda e: e.release_kv(handle))
 
@@ -189,6 +201,20 @@ class AsyncEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout=10)
+
+
+async def kv_chunks(export: KVExport) -> AsyncIterator[KVChunk]:
+    """An export's chunks, each gathered on a worker thread while the previous one is consumed."""
+    chunks = export.chunks()
+    pending = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+    try:
+        while (chunk := await pending) is not None:
+            pending = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+            yield chunk
+    finally:
+        if not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

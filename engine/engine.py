@@ -13,6 +13,7 @@ import logging
 import random
 import secrets
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, load_config
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
-from engine.kv_transfer import KVChunk, KVLayout, KVPayload
+from engine.kv_export import KVExport
+from engine.kv_transfer import KVLayout, KVPayload
 from engine.loader import load_model, resolve_dtype
 from engine.runner import prepare_step
 from engine.sampling import SampledToken, SamplingParams, sample
@@ -134,6 +136,8 @@ class LLMEngine:
         self.max_model_len = min(limit, self.model_config.max_position_embeddings, num_blocks * config.block_size)
         self.sequences: dict[str, Sequence] = {}
         self.pinned: dict[str, tuple[Sequence, float]] = {}  # kv_handle -> (sequence, expiry monotonic time)
+        self.exporting: dict[str, int] = {}                  # kv_handle -> open exports reading it
+        self.release_after_export: set[str] = set()
         self.prefill_rate = _Rate()
         self.decode_rate = _Rate()
         self.num_prefix_hit_tokens = 0
@@ -306,15 +310,19 @@ class LLMEngine:
         return handle
 
     def release_kv(self, handle: str) -> None:
-        entry = self.pinned.pop(handle, None)
-        if entry is None:
+        if handle not in self.pinned:
             raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
+        if handle in self.exporting:
+            self.release_after_export.add(handle)  # freed when the open export closes
+            return
+        entry = self.pinned.pop(handle)
         self.block_manager.free(entry[0])
         entry[0].status = SequenceStatus.FINISHED
 
     def expire_handles(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
-        expired = [h for h, (_, deadline) in self.pinned.items() if deadline <= now]
+        expired = [h for h, (_, deadline) in self.pinned.items()
+                   if deadline <= now and h not in self.exporting and h not in self.release_after_export]
         for handle in expired:
             log.info("KV handle %s expired unfetched; freeing its blocks", handle[:8])
             self.release_kv(handle)
@@ -326,26 +334,36 @@ class LLMEngine:
         return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name, self.config.block_size,
                         num_tokens, self.fingerprint)
 
-    def export_kv(self, handle: str) -> KVPayload:
-        """Copy a pinned prompt's K/V out of the pool; the handle stays pinned until released."""
+    def open_export(self, handle: str) -> KVExport:
+        """Hold a pinned handle open for reading (see engine.kv_export); close with close_export."""
         entry = self.pinned.get(handle)
         if entry is None:
             raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
         seq = entry[0]
-        num_tokens = seq.num_prompt_tokens
-        layout = self.kv_layout(num_tokens)
+        layout = self.kv_layout(seq.num_prompt_tokens)
         bs = self.config.block_size
         tokens_per_chunk = max(bs, (self.config.kv_chunk_bytes // layout.bytes_per_token_per_layer) // bs * bs)
         table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
-        payload = KVPayload(layout, seq.token_ids[:num_tokens])
-        for layer in range(layout.num_layers):
-            for first in range(0, num_tokens, tokens_per_chunk):
-                count = min(tokens_per_chunk, num_tokens - first)
-                blocks = table[first // bs: -(-(first + count) // bs)]
-                kv = self.kv_cache[layer].index_select(1, blocks).flatten(1, 2)[:, : count]  # index_select: ~15x faster than fancy indexing on CPU
-                data = kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                payload.chunks.append(KVChunk.build(layer, first, count, data))
-        return payload
+        self.exporting[handle] = self.exporting.get(handle, 0) + 1
+        return KVExport(handle, layout, seq.token_ids[: seq.num_prompt_tokens], self.kv_cache, table, tokens_per_chunk)
+
+    def close_export(self, export: KVExport) -> None:
+        remaining = self.exporting.get(export.handle, 0) - 1
+        if remaining > 0:
+            self.exporting[export.handle] = remaining
+            return
+        self.exporting.pop(export.handle, None)
+        if export.handle in self.release_after_export:
+            self.release_after_export.discard(export.handle)
+            self.release_kv(export.handle)
+
+    def export_kv(self, handle: str) -> KVPayload:
+        """Copy a pinned prompt's K/V out of the pool; the handle stays pinned until released."""
+        export = self.open_export(handle)
+        try:
+            return KVPayload(export.layout, export.token_ids, list(export.chunks()))
+        finally:
+            self.close_export(export)
 
     def import_kv(self, request_id: str, payload: KVPayload, params: SamplingParams,
                   generated_ids: list[int]) -> None:
@@ -379,7 +397,9 @@ class LLMEngine:
             first, count = max(chunk.first_token, already), chunk.first_token + chunk.num_tokens
             if first >= count:
                 continue
-            kv = torch.frombuffer(bytearray(chunk.data), dtype=self.dtype)
+            with warnings.catch_warnings():  # read-only buffer: we only copy out of it
+                warnings.simplefilter("ignore", UserWarning)
+                kv = torch.frombuffer(chunk.data, dtype=self.dtype)
             kv = kv.view(2, chunk.num_tokens, mc.num_kv_heads, mc.head_dim)[:, first - chunk.first_token:]
             positions = torch.arange(first, count)
             slots = (table[positions // bs] * bs + positions % bs).to(self.device)

@@ -12,11 +12,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 
 from engine.async_engine import TokenEvent
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.kv_export import KVExport
 from engine.kv_transfer import KVPayload
 from engine.sampling import SamplingParams
 from node_agent.client import AgentClient
@@ -212,9 +213,11 @@ class AgentCore:
             raise UnknownHandleError(f"KV handle {kv_handle!r} is unknown, released or expired")
         return model, engine_handle
 
-    async def export_kv(self, kv_handle: str) -> KVPayload:
+    @asynccontextmanager
+    async def kv_export(self, kv_handle: str) -> AsyncIterator[KVExport]:
         model, engine_handle = self._lease(kv_handle)
-        return await model.engine.export_kv(engine_handle)
+        async with model.engine.kv_export(engine_handle) as export:
+            yield export
 
     async def release_kv(self, kv_handle: str) -> bool:
         """False when the lease was already gone (fetched, released or expired)."""

@@ -14,13 +14,13 @@ from contextlib import asynccontextmanager
 import grpc
 from grpc import aio
 
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, kv_chunks
 from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
 from node_agent.convert import chunk_from_event, sampling_from_proto, token_to_proto
 from node_agent.core import AgentCore, KVSource
 from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.proto import agent_pb2, agent_pb2_grpc
-from node_agent.transfer import payload_messages
+from node_agent.transfer import chunk_message
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +88,18 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def FetchKV(self, request: agent_pb2.FetchKVRequest, context: aio.ServicerContext):
         request_id = _request_id("", context)
         with self.core.inflight():
-            async with grpc_errors(context, request_id):
-                payload = await self.core.export_kv(request.kv_handle)
             try:
-                for index, msg in enumerate(payload_messages(payload)):
-                    if self.fetch_kv_hook is not None:
-                        msg = await self.fetch_kv_hook(index, msg)
-                        if msg is None:
-                            return
-                    yield msg
-                    self.core.metrics.kv_bytes_sent.inc(len(msg.data))
+                async with grpc_errors(context, request_id), self.core.kv_export(request.kv_handle) as export:
+                    index = 0
+                    async for chunk in kv_chunks(export):
+                        msg = chunk_message(chunk, export if index == 0 else None)
+                        if self.fetch_kv_hook is not None:
+                            msg = await self.fetch_kv_hook(index, msg)
+                            if msg is None:
+                                return
+                        yield msg
+                        self.core.metrics.kv_bytes_sent.inc(len(msg.data))
+                        index += 1
             finally:
                 # single use: the lease ends with its stream, whether it was read whole or not
                 self.core.release_soon(request.kv_handle)

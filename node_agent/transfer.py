@@ -2,32 +2,31 @@
 side streams them back into a KVPayload and refuses anything it cannot trust.
 
 The receiver checks, as chunks arrive: the first chunk carries the layout, prompt token ids and
-chunk count; the layout fits this engine; every chunk's size matches its token count and its CRC32
-matches its bytes; the stream ends with exactly the announced chunks, covering every layer and
+chunk count; the layout fits this engine; every chunk's size matches its token count and its xxh3
+checksum matches its bytes; the stream ends with exactly the announced chunks, covering every layer and
 token once. Each byte is checksummed once here (the engine checks again at import). Any failure, including the gRPC call's own, is one
 KVTransferError, so Decode has one thing to catch before it recomputes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from grpc import aio
 
 from engine.errors import KVTransferError
+from engine.kv_export import KVExport
 from engine.kv_transfer import KVChunk, KVLayout, KVPayload
 from node_agent.proto import agent_pb2
 
 
-def payload_messages(payload: KVPayload) -> Iterator[agent_pb2.KVChunk]:
-    for index, chunk in enumerate(payload.chunks):
-        msg = agent_pb2.KVChunk(layer=chunk.layer, first_token=chunk.first_token, num_tokens=chunk.num_tokens,
-                                data=chunk.data, crc32=chunk.crc32)
-        if index == 0:
-            msg.kv_layout = payload.layout.to_json()
-            msg.token_ids.extend(payload.token_ids)
-            msg.num_chunks = len(payload.chunks)
-        yield msg
+def chunk_message(chunk: KVChunk, export: KVExport | None = None) -> agent_pb2.KVChunk:
+    """One chunk on the wire; the first (export given) also carries the layout, prompt and chunk count."""
+    msg = agent_pb2.KVChunk(layer=chunk.layer, first_token=chunk.first_token, num_tokens=chunk.num_tokens,
+                            data=chunk.data, checksum=chunk.checksum)
+    if export is not None:
+        msg.kv_layout = export.layout.to_json()
+        msg.token_ids.extend(export.token_ids)
+        msg.num_chunks = export.num_chunks
+    return msg
 
 
 class PayloadAssembler:
@@ -45,7 +44,7 @@ class PayloadAssembler:
             self._start(msg)
         elif self._num_chunks and len(self.payload.chunks) >= self._num_chunks:
             raise KVTransferError(f"KV stream sent more than the {self._num_chunks} chunks it announced")
-        chunk = KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.crc32)
+        chunk = KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.checksum)
         expected_bytes = chunk.num_tokens * self.payload.layout.bytes_per_token_per_layer
         if len(chunk.data) != expected_bytes:
             raise KVTransferError(f"KV chunk {len(self.payload.chunks)} carries {len(chunk.data)} bytes for "

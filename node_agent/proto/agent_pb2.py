@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x11\x65\x64gefire.agent.v1\"\xc3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x33\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1d.edgefire.agent.v1.TopLogprobB\n\n\x08_logprob\"\x83\x01\n\nTokenChunk\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"\xd8\x01\n\rPrefillResult\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x11\n\tkv_handle\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\"#\n\x0e\x46\x65tchKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x98\x01\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\"%\n\x10ReleaseKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\".\n\x08KVSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tkv_handle\x18\x02 \x01(\t\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\x12.\n\tkv_source\x18\x06 \x01(\x0b\x32\x1b.edgefire.agent.v1.KVSource\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x1e\n\x16generation_config_json\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x15\n\reos_token_ids\x18\n \x03(\r\"\x0f\n\rHealthRequest\"\x90\x02\n\x0eHealthResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.edgefire.agent.v1.HealthResponse.Status\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x15\n\rnum_kv_leases\x18\x08 \x01(\r\"4\n\x06Status\x12\x0b\n\x07SERVING\x10\x00\x12\x0c\n\x08\x44RAINING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\"\n\x0c\x44rainRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\"7\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x02 \x01(\r2\x87\x05\n\x05\x41gent\x12O\n\x08Generate\x12\".edgefire.agent.v1.GenerateRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12N\n\x07Prefill\x12!.edgefire.agent.v1.PrefillRequest\x1a .edgefire.agent.v1.PrefillResult\x12J\n\x07\x46\x65tchKV\x12!.edgefire.agent.v1.FetchKVRequest\x1a\x1a.edgefire.agent.v1.KVChunk0\x01\x12V\n\tReleaseKV\x12#.edgefire.agent.v1.ReleaseKVRequest\x1a$.edgefire.agent.v1.ReleaseKVResponse\x12K\n\x06\x44\x65\x63ode\x12 .edgefire.agent.v1.DecodeRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12Q\n\x0cGetModelInfo\x12#.edgefire.agent.v1.ModelInfoRequest\x1a\x1c.edgefire.agent.v1.ModelInfo\x12M\n\x06Health\x12 .edgefire.agent.v1.HealthRequest\x1a!.edgefire.agent.v1.HealthResponse\x12J\n\x05\x44rain\x12\x1f.edgefire.agent.v1.DrainRequest\x1a .edgefire.agent.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x11\x65\x64gefire.agent.v1\"\xc3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x33\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1d.edgefire.agent.v1.TopLogprobB\n\n\x08_logprob\"\x83\x01\n\nTokenChunk\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"\xd8\x01\n\rPrefillResult\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x11\n\tkv_handle\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\"#\n\x0e\x46\x65tchKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x9b\x01\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\"%\n\x10ReleaseKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\".\n\x08KVSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tkv_handle\x18\x02 \x01(\t\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\x12.\n\tkv_source\x18\x06 \x01(\x0b\x32\x1b.edgefire.agent.v1.KVSource\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x1e\n\x16generation_config_json\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x15\n\reos_token_ids\x18\n \x03(\r\"\x0f\n\rHealthRequest\"\x90\x02\n\x0eHealthResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.edgefire.agent.v1.HealthResponse.Status\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x15\n\rnum_kv_leases\x18\x08 \x01(\r\"4\n\x06Status\x12\x0b\n\x07SERVING\x10\x00\x12\x0c\n\x08\x44RAINING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\"\n\x0c\x44rainRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\"7\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x02 \x01(\r2\x87\x05\n\x05\x41gent\x12O\n\x08Generate\x12\".edgefire.agent.v1.GenerateRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12N\n\x07Prefill\x12!.edgefire.agent.v1.PrefillRequest\x1a .edgefire.agent.v1.PrefillResult\x12J\n\x07\x46\x65tchKV\x12!.edgefire.agent.v1.FetchKVRequest\x1a\x1a.edgefire.agent.v1.KVChunk0\x01\x12V\n\tReleaseKV\x12#.edgefire.agent.v1.ReleaseKVRequest\x1a$.edgefire.agent.v1.ReleaseKVResponse\x12K\n\x06\x44\x65\x63ode\x12 .edgefire.agent.v1.DecodeRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12Q\n\x0cGetModelInfo\x12#.edgefire.agent.v1.ModelInfoRequest\x1a\x1c.edgefire.agent.v1.ModelInfo\x12M\n\x06Health\x12 .edgefire.agent.v1.HealthRequest\x1a!.edgefire.agent.v1.HealthResponse\x12J\n\x05\x44rain\x12\x1f.edgefire.agent.v1.DrainRequest\x1a .edgefire.agent.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHKVREQUEST']._serialized_start=1025
   _globals['_FETCHKVREQUEST']._serialized_end=1060
   _globals['_KVCHUNK']._serialized_start=1063
-  _globals['_KVCHUNK']._serialized_end=1215
-  _globals['_RELEASEKVREQUEST']._serialized_start=1217
-  _globals['_RELEASEKVREQUEST']._serialized_end=1254
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1256
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1293
-  _globals['_KVSOURCE']._serialized_start=1295
-  _globals['_KVSOURCE']._serialized_end=1341
-  _globals['_DECODEREQUEST']._serialized_start=1344
-  _globals['_DECODEREQUEST']._serialized_end=1538
-  _globals['_MODELINFOREQUEST']._serialized_start=1540
-  _globals['_MODELINFOREQUEST']._serialized_end=1573
-  _globals['_MODELINFO']._serialized_start=1576
-  _globals['_MODELINFO']._serialized_end=1827
-  _globals['_HEALTHREQUEST']._serialized_start=1829
-  _globals['_HEALTHREQUEST']._serialized_end=1844
-  _globals['_HEALTHRESPONSE']._serialized_start=1847
-  _globals['_HEALTHRESPONSE']._serialized_end=2119
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=2067
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=2119
-  _globals['_DRAINREQUEST']._serialized_start=2121
-  _globals['_DRAINREQUEST']._serialized_end=2155
-  _globals['_DRAINRESPONSE']._serialized_start=2157
-  _globals['_DRAINRESPONSE']._serialized_end=2212
-  _globals['_AGENT']._serialized_start=2215
-  _globals['_AGENT']._serialized_end=2862
+  _globals['_KVCHUNK']._serialized_end=1218
+  _globals['_RELEASEKVREQUEST']._serialized_start=1220
+  _globals['_RELEASEKVREQUEST']._serialized_end=1257
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1259
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1296
+  _globals['_KVSOURCE']._serialized_start=1298
+  _globals['_KVSOURCE']._serialized_end=1344
+  _globals['_DECODEREQUEST']._serialized_start=1347
+  _globals['_DECODEREQUEST']._serialized_end=1541
+  _globals['_MODELINFOREQUEST']._serialized_start=1543
+  _globals['_MODELINFOREQUEST']._serialized_end=1576
+  _globals['_MODELINFO']._serialized_start=1579
+  _globals['_MODELINFO']._serialized_end=1830
+  _globals['_HEALTHREQUEST']._serialized_start=1832
+  _globals['_HEALTHREQUEST']._serialized_end=1847
+  _globals['_HEALTHRESPONSE']._serialized_start=1850
+  _globals['_HEALTHRESPONSE']._serialized_end=2122
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=2070
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=2122
+  _globals['_DRAINREQUEST']._serialized_start=2124
+  _globals['_DRAINREQUEST']._serialized_end=2158
+  _globals['_DRAINRESPONSE']._serialized_start=2160
+  _globals['_DRAINRESPONSE']._serialized_end=2215
+  _globals['_AGENT']._serialized_start=2218
+  _globals['_AGENT']._serialized_end=2865
 # @@protoc_insertion_point(module_scope)

@@ -110,12 +110,12 @@ class FetchKVRequest(_message.Message):
     def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("layer", "first_token", "num_tokens", "data", "crc32", "kv_layout", "token_ids", "num_chunks")
+    __slots__ = ("layer", "first_token", "num_tokens", "data", "checksum", "kv_layout", "token_ids", "num_chunks")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -123,11 +123,11 @@ class KVChunk(_message.Message):
     first_token: int
     num_tokens: int
     data: bytes
-    crc32: int
+    checksum: int
     kv_layout: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_chunks: int
-    def __init__(self, layer: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., kv_layout: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    def __init__(self, layer: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., kv_layout: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("kv_handle",)
