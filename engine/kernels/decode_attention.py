@@ -26,18 +26,18 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_out_ptr, part_lse_ptr, qk_scale, window, head_dim,
+                   part_out_ptr, part_lse_ptr, qk_scale, head_dim,
                    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
     start = 0
-    if window > 0:
-        start = tl.maximum(context_len - window, 0)
+    if WINDOW > 0:  # constexpr: one compiled variant per window size, no runtime branch
+        start = tl.maximum(context_len - WINDOW, 0)
     per_split = tl.cdiv(tl.cdiv(context_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, context_len)
@@ -152,11 +152,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = part_lse = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * math.log2(math.e), sliding_window or 0, head_dim,
+        scale * math.log2(math.e), head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=BLOCK_N, NUM_SPLITS=splits, DOT_F32=dot_f32, PRECISION=precision)
+        BLOCK_N=BLOCK_N, NUM_SPLITS=splits, WINDOW=sliding_window or 0, DOT_F32=dot_f32, PRECISION=precision)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, head_dim, out.stride(0), out.stride(1),

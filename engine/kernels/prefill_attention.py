@@ -23,9 +23,10 @@ BLOCK_N = 32   # keys per inner-loop tile
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    qk_scale, window, head_dim, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                    qk_scale, head_dim, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
                     stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+                    PRECISION: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     tile_m = tl.program_id(2)
@@ -51,8 +52,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     last_query = tl.minimum((tile_m + 1) * BLOCK_M, num_queries)
     hi = tl.where(tile_m * BLOCK_M < num_queries, first_pos + last_query, 0)
     lo = 0
-    if window > 0:
-        lo = tl.maximum(first_pos + tile_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    if WINDOW > 0:  # constexpr: one compiled variant per window size, no runtime branch
+        lo = tl.maximum(first_pos + tile_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -71,8 +72,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        if window > 0:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -107,8 +108,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (num_seqs, num_heads, triton.cdiv(max_queries, BLOCK_M))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens,
-        scale * math.log2(math.e), sliding_window or 0, head_dim,
+        scale * math.log2(math.e), head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=num_heads // k_cache.shape[2], BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_F32=dot_f32, PRECISION=precision)
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WINDOW=sliding_window or 0, DOT_F32=dot_f32,
+        PRECISION=precision)
     return out
