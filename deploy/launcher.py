@@ -134,8 +134,11 @@ class Cluster:
         self.processes[name].kill()
 
     def start_site(self, name: str, wait: bool = True, timeout_s: float = 60.0) -> None:
+        """(Re)starts a site's agent; waits until this process serves and has heartbeated."""
         self.processes[name].start()
         if wait:
+            # The registry may still show the old process alive, so first wait for the new one to serve.
+            self.wait_for(lambda: self._agent_serving(name), timeout_s, f"site {name} to serve again")
             self.wait_for(lambda: self.site_alive(name), timeout_s, f"site {name} to heartbeat again")
 
     def stop_registry(self) -> None:
@@ -146,7 +149,8 @@ class Cluster:
         self.wait_for(self._registry_ready, timeout_s, "the registry to answer")
 
     def dead_processes(self) -> list[ManagedProcess]:
-        return [p for p in self.processes.values() if p.popen is not None and not p.running()]
+        """Processes that exited without being stopped (crashed, or failed to start)."""
+        return [p for p in self.processes.values() if p.crashed()]
 
     # -- readiness -----------------------------------------------------------------------------
 
@@ -164,7 +168,7 @@ class Cluster:
         """Polls `condition` (connection errors count as not yet); fails early when a child dies."""
         deadline = time.monotonic() + timeout_s
         while True:
-            dead = [p for p in self.dead_processes()]
+            dead = self.dead_processes()
             if dead:
                 p = dead[0]
                 raise ClusterError(f"{p.name} exited with code {p.exit_code()} while waiting for {what}; "
@@ -177,6 +181,11 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"timed out waiting for {what}; logs are in {self.state_dir / 'logs'}")
             time.sleep(0.2)
+
+    def _agent_serving(self, name: str) -> bool:
+        """The agent's metrics endpoint answers only after its engines loaded and its gRPC server started."""
+        url = f"http://{self.config.host}:{self.site(name).metrics_port}/metrics"
+        return httpx.get(url, timeout=2.0).status_code == 200
 
     def _registry_ready(self) -> bool:
         return httpx.get(f"{self.registry_url}/healthz", timeout=2.0).status_code == 200

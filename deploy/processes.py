@@ -33,6 +33,7 @@ class ManagedProcess:
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
     num_starts: int = 0
+    stopped: bool = False                 # stopped on purpose (not a crash)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,6 +46,11 @@ class ManagedProcess:
                                           start_new_session=True)
         self.pid_path.write_text(str(self.popen.pid))
         self.num_starts += 1
+        self.stopped = False
+
+    def crashed(self) -> bool:
+        """Exited with an error without being asked to (an agent drained by the operator exits 0)."""
+        return self.popen is not None and not self.stopped and self.popen.poll() not in (None, 0)
 
     @property
     def pid(self) -> int | None:
@@ -60,6 +66,7 @@ class ManagedProcess:
         """Signals the process group, waits, then kills it if it has not exited; returns the exit code."""
         if self.popen is None:
             return None
+        self.stopped = True
         if self.popen.poll() is None:
             _signal_group(self.popen.pid, sig)
             try:

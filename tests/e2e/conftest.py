@@ -1,0 +1,149 @@
+"""One real cluster for the end-to-end tests: registry, three agents and a router, as processes on loopback.
+
+The sites are the demo's mix: `lisbon` prefills only, `frankfurt` decodes only, `warsaw` does both.
+Tests that change the cluster (cordons, kills, a stopped registry) put it back before they end, so
+the order of the test files matters only for the drain test, which runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.cluster_config import ClusterConfig, demo_sites
+from deploy.launcher import Cluster
+from node_agent.client import AgentClient
+
+PREFILL_ONLY, DECODE_ONLY, BOTH = "lisbon", "frankfurt", "warsaw"
+ROUTER_SETTLE_S = 1.0  # > router snapshot refresh + one registry render: the router sees an admin change
+
+
+@pytest.fixture(scope="session")
+def endless_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny demo model with no end-of-text token: greedy runs always reach max_tokens, so a
+    stream lasts as long as a test needs for a fault or a drain to land in its middle."""
+    model_dir = tmp_path_factory.mktemp("endless") / "tiny"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": []}))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
+    sites = demo_sites(3)
+    for site in sites:
+        site.grpc_port = site.metrics_port = 0
+    config = ClusterConfig(
+        model_dir=endless_model_dir, model_name="tiny", sites=sites, state_dir=tmp_path_factory.mktemp("cluster"),
+        router_port=0, registry_port=0,
+        agent={"heartbeat_interval_s": 1.0, "kv_cache_bytes": 8 << 20, "kv_lease_ttl_s": 5.0,
+               "drain_timeout_s": 20.0, "device": "cpu", "dtype": "float32"},
+        # A huge affinity slack lets a session key alone pick the first candidate: repeatable placement.
+        router={"affinity_slack": 1000.0, "snapshot_refresh_s": 0.2, "first_token_timeout_s": 10.0, "token_idle_timeout_s": 10.0,
+                "cooldown_s": 3.0})
+    cluster = Cluster(config)
+    cluster.start(timeout_s=120)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def http(cluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cluster.router_url, timeout=60.0,
+                      headers={"Authorization": f"Bearer {cluster.api_key}"}) as client:
+        yield client
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    finish_reason: str | None
+    headers: dict
+    usage: dict | None = None
+    chunks: list[str] = field(default_factory=list)
+
+    @property
+    def sites(self) -> tuple[str, str]:
+        return self.headers["x-edgefire-prefill-site"], self.headers["x-edgefire-decode-site"]
+
+
+def completion_body(cluster: Cluster, prompt: list[int], max_tokens: int, **extra) -> dict:
+    return {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def complete(http: httpx.Client, cluster: Cluster, prompt: list[int], max_tokens: int,
+             headers: dict | None = None) -> Completion:
+    response = http.post("/v1/completions", json=completion_body(cluster, prompt, max_tokens), headers=headers)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return Completion(body["choices"][0]["text"], body["choices"][0]["finish_reason"], dict(response.headers),
+                      body["usage"])
+
+
+def stream(http: httpx.Client, cluster: Cluster, prompt: list[int], max_tokens: int,
+           on_first_chunk=None) -> Completion:
+    """A streamed greedy completion; `on_first_chunk(headers)` runs once the first text arrives."""
+    body = completion_body(cluster, prompt, max_tokens, stream=True, stream_options={"include_usage": True})
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        result = Completion("", None, dict(response.headers))
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            if event.get("usage"):
+                result.usage = event["usage"]
+            for choice in event["choices"]:
+                if choice["text"] and not result.chunks and on_first_chunk is not None:
+                    on_first_chunk(result.headers)
+                result.chunks.append(choice["text"])
+                result.text += choice["text"]
+                result.finish_reason = choice["finish_reason"] or result.finish_reason
+    return result
+
+
+def prompt_ids(n: int = 40, start: int = 7) -> list[int]:
+    return [(start + 13 * i) % 500 + 5 for i in range(n)]
+
+
+@dataclass(slots=True)
+class LongPrompt:
+    prompt: list[int]
+    reference: Completion   # its fault-free greedy completion of DRAIN_TOKENS tokens
+
+
+@pytest.fixture(scope="session")
+def long_prompt(cluster) -> LongPrompt:
+    """A prompt and its fault-free greedy completion of DRAIN_TOKENS tokens (a stream of seconds)."""
+    with httpx.Client(base_url=cluster.router_url, timeout=120.0,
+                      headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
+        prompt = prompt_ids(40, start=171)
+        return LongPrompt(prompt, complete(http, cluster, prompt, DRAIN_TOKENS))
+
+
+LONG_TOKENS = 160
+DRAIN_TOKENS = 1200
+
+
+def settle() -> None:
+    time.sleep(ROUTER_SETTLE_S)
+
+
+def agent_health(cluster: Cluster, site: str):
+    async def ask():
+        async with AgentClient(cluster.site_address(site), cluster.config.peer_token) as agent:
+            return await agent.health(timeout=5.0)
+    return asyncio.run(ask())
+
+
+def router_log(cluster: Cluster) -> str:
+    return cluster.processes["router"].log_path.read_text(errors="replace")
