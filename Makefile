@@ -20,11 +20,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-DEMO_MODEL := .edgefire/demo-model
-
+# The whole system on this machine: registry, three sites (prefill-only, decode-only, both) and a
+# router on 127.0.0.1:8080, on a random-weight demo model made under .edgefire/ on first run.
+# Ctrl-C stops it. Pass options with UP_ARGS, e.g. `make run UP_ARGS="--sites 4 --model DIR"`.
 run: $(STAMP)
-	$(BIN)/edgefire make-demo-model $(DEMO_MODEL)
-	$(BIN)/edgefire generate --model $(DEMO_MODEL) --chat --prompt "What is the weather at the edge today?" --max-tokens 48
+	$(BIN)/edgefire up $(UP_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,139 @@
+"""`edgefire up` and `edgefire status` as a user runs them, and the launcher's config handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.cluster import status_table
+from deploy.cluster_config import ClusterConfigError, demo_sites, load_cluster_toml
+from deploy.launcher import to_toml
+from deploy.processes import free_port, is_ours
+from node_agent.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EDGEFIRE = [sys.executable, "-m", "deploy.cli"]
+
+
+def test_demo_sites_mix_roles_in_real_cities():
+    sites = demo_sites(3)
+    assert [(s.name, s.role) for s in sites] == [("lisbon", "prefill"), ("frankfurt", "decode"), ("warsaw", "both")]
+    assert all(-90 <= s.lat <= 90 and -180 <= s.lon <= 180 for s in sites)
+    assert {s.role for s in demo_sites(2)} == {"both"}  # two sites must each survive the other's loss
+    assert len({s.name for s in demo_sites(12)}) == 12
+    with pytest.raises(ClusterConfigError):
+        demo_sites(0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\nrole = "prefill"\n', "decode"),
+    ('colour = "blue"\n', "unknown cluster setting"),
+    ('[agent]\nsite_token = "x"\n', "set by the launcher"),
+    ('[agent]\nkv_cache_gb = 3\n', "unknown setting"),
+    ('[router]\nport = 1\n', "set by the launcher"),
+    ('[[sites]]\nname = "a"\ncity = "Lisbon"\n', "unknown keys"),
+])
+def test_bad_cluster_files_say_what_to_change(tmp_path, text, message):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text if "[[sites]]" in text else text + '[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\n'
+                    'lat = 1.0\nlon = 2.0\n')
+    with pytest.raises(ClusterConfigError, match=message):
+        load_cluster_toml(path)
+
+
+def test_generated_agent_toml_loads_as_the_agent_config(tmp_path, tiny_model_dir):
+    settings = {"site": "lisbon", "lat": 38.72, "lon": -9.14, "role": "prefill", "kv_cache_bytes": 1 << 20,
+                "heartbeat_interval_s": 1, "peer_token": 'quote"d', "registry_url": None,
+                "models": {"tiny-1.0": str(tiny_model_dir)}}
+    path = tmp_path / "agent.toml"
+    path.write_text(to_toml(settings))
+    config = load_config(path, environ={})
+    assert (config.site, config.role, config.lat, config.peer_token) == ("lisbon", "prefill", 38.72, 'quote"d')
+    assert config.models == {"tiny-1.0": str(tiny_model_dir)} and config.registry_url is None
+
+
+def test_status_table_shows_state_role_load_kv_and_heartbeat_age():
+    sites = [{"name": "lisbon", "state": "cordoned", "alive": True, "region": "eu-west", "grpc_address": "h:1",
+              "models": [{"model": "m", "role": "prefill"}], "heartbeat_age_s": 0.42,
+              "capacity": {"kv_blocks_free": 30, "kv_blocks_total": 40, "num_running": 2, "num_waiting": 1}},
+             {"name": "warsaw", "state": "active", "alive": False, "region": None, "grpc_address": None,
+              "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": None, "capacity": None}]
+    lines = status_table(sites).splitlines()
+    assert lines[0].split()[:4] == ["site", "state", "alive", "role"]
+    assert lines[2].split() == ["lisbon", "cordoned", "yes", "prefill", "eu-west", "2/1", "30/40", "(75%)",
+                                "0.4s", "ago", "h:1"]
+    assert lines[3].split()[:4] == ["warsaw", "active", "no", "both"] and "never" in lines[3]
+
+
+def start_up(state_dir: Path, model_dir: Path, port: int, registry_port: int, log: Path) -> subprocess.Popen:
+    argv = EDGEFIRE + ["up", "--model", str(model_dir), "--model-name", "tiny", "--sites", "1", "--port", str(port),
+                       "--registry-port", str(registry_port), "--state-dir", str(state_dir),
+                       "--api-key", "ef-test-key-0123456789", "--admin-token", "admin-test-token"]
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+
+
+def wait_up(process: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while "Ctrl-C stops everything" not in log.read_text():
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    return log.read_text()
+
+
+def chat(port: int) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": "Bearer ef-test-key-0123456789"},
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+
+
+def child_pids(state_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in (state_dir / "run").glob("*.pid")]
+
+
+def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
+    state_dir, port, registry_port = tmp_path / "state", free_port(), free_port()
+    first = start_up(state_dir, tiny_model_dir, port, registry_port, tmp_path / "first.log")
+    try:
+        banner = wait_up(first, tmp_path / "first.log")
+        assert "ef-test-key-0123456789" in banner and f"http://127.0.0.1:{port}" in banner
+        assert "from openai import OpenAI" in banner and "curl" in banner
+        assert chat(port).status_code == 200
+        stale = child_pids(state_dir)
+        assert len(stale) == 3  # registry, one agent, router
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher crashes; its children live on, holding the ports
+        first.wait()
+    assert all(is_ours(pid) for pid in stale)
+
+    second = start_up(state_dir, tiny_model_dir, port, registry_port, tmp_path / "second.log")
+    try:
+        wait_up(second, tmp_path / "second.log")
+        assert "stopped processes left by an earlier launcher" in (tmp_path / "second.log").read_text()
+        assert not any(is_ours(pid) for pid in stale)
+        response = chat(port)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
+        status = subprocess.run(EDGEFIRE + ["status", "--state-dir", str(state_dir)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert "lisbon" in status.stdout and "yes" in status.stdout
+        saved = json.loads((state_dir / "cluster.json").read_text())
+        assert saved["admin_token"] == "admin-test-token"
+        children = child_pids(state_dir)
+        second.send_signal(signal.SIGINT)
+        assert second.wait(60) == 0
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    assert "stopped." in (tmp_path / "second.log").read_text()
+    assert not any(is_ours(pid) for pid in children)
+    assert not list((state_dir / "run").glob("*.pid"))
