@@ -40,6 +40,8 @@ class RunStats:
     errors: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     killed: str = ""
+    killed_at: float = 0.0
+    num_cut: int = 0      # streams that were decoding on the killed site when it died (and had to resume)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -57,6 +59,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ma
     last, finish, tokens = None, None, 0
     try:
         async with http.stream("POST", "/v1/completions", json=body) as response:
+            decode_site = response.headers.get("x-edgefire-decode-site")
             if response.status_code != 200:
                 stats.num_failed += 1
                 stats.errors.append(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
@@ -83,6 +86,8 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ma
         stats.num_failed += 1
         stats.errors.append(f"{type(exc).__name__}: {exc}")
         return
+    if stats.killed_at and decode_site == stats.killed and started < stats.killed_at < time.perf_counter():
+        stats.num_cut += 1
     if finish in ("stop", "length"):
         stats.num_ok += 1
         stats.num_tokens += tokens
@@ -113,6 +118,7 @@ async def run_load(cluster: Cluster, name: str, clients: int, seconds: float, ma
             await asyncio.sleep(kill_at_s)
             # The decode-only site: with it gone, in-flight streams there must resume elsewhere.
             stats.killed = cluster.config.sites[1].name
+            stats.killed_at = time.perf_counter()
             await asyncio.to_thread(cluster.kill_site, stats.killed)
         await asyncio.gather(*tasks)  # clients stop starting requests at the deadline; in-flight ones finish
         stats.elapsed_s = time.perf_counter() - started
@@ -169,6 +175,7 @@ def main() -> int:
     faulty.name = f"{faulty.killed} killed at T/2"
     print()
     print(table([clean, faulty]))
+    print(f"\nstreams decoding on {faulty.killed} when it was killed (resumed on another site): {faulty.num_cut}")
     for run in (clean, faulty):
         for error in run.errors[:5]:
             print(f"  {run.name}: {error}")
