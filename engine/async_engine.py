@@ -17,7 +17,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 from engine.engine import EngineStats, LLMEngine, StepOutput
-from engine.errors import EngineError
+from engine.errors import EngineError, UnknownHandleError
 from engine.kv_export import KVExport
 from engine.kv_transfer import KVChunk, KVPayload
 from engine.sampling import SamplingParams
@@ -169,19 +169,35 @@ class AsyncEngine:
     async def export_kv(self, handle: str) -> KVPayload:
         return await self.call(lambda e: e.export_kv(handle))
 
+    async def open_export(self, handle: str) -> KVExport:
+        """Hold a KV handle open for reading (read with `kv_chunks`); always close_export it."""
+        return await self.call(lambda e: e.open_export(handle))
+
+    def close_export(self, export: KVExport) -> None:
+        # not awaited: this must run even when the caller is being cancelled
+        if self._error is None and not self._stopped:
+            self._submit(lambda: self.engine.close_export(export))
+
     @asynccontextmanager
     async def kv_export(self, handle: str) -> AsyncIterator[KVExport]:
-        """Hold a KV handle open for reading; read it with `kv_chunks(export)`."""
-        export = await self.call(lambda e: e.open_export(handle))
+        export = await self.open_export(handle)
         try:
             yield export
         finally:
-            # not awaited: this must run even when the caller is being cancelled
-            if self._error is None and not self._stopped:
-                self._submit(lambda: self.engine.close_export(export))
+            self.close_export(export)
 
     async def release_kv(self, handle: str) -> None:
         await self.call(lambda e: e.release_kv(handle))
+
+    def release_kv_nowait(self, handle: str) -> None:
+        """Queue a release behind every command already submitted (safe from a cancelled task)."""
+        def release() -> None:
+            try:
+                self.engine.release_kv(handle)
+            except UnknownHandleError:
+                pass  # already released or expired: the outcome asked for
+        if self._error is None and not self._stopped:
+            self._submit(release)
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda e: e.abort(request_id))

@@ -47,7 +47,7 @@ class EngineConfig:
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     kv_handle_ttl_s: float = 30.0
-    kv_chunk_bytes: int = 4 << 20        # target size of one exported KV chunk
+    kv_chunk_bytes: int = 1 << 20        # one exported KV chunk: small enough to pipeline gather and send
     show_progress: bool = True
 
     def validate(self) -> None:

@@ -53,7 +53,7 @@ class KVChunk:
     layer: int
     first_token: int
     num_tokens: int
-    data: bytes           # keys then values, each [num_tokens, num_kv_heads, head_dim]
+    data: bytes | bytearray | memoryview  # keys then values, each [num_tokens, num_kv_heads, head_dim]
     checksum: int         # xxh3-64 of data
 
     @classmethod
@@ -65,7 +65,7 @@ class KVChunk:
             raise KVTransferError(f"KV chunk for layer {self.layer} tokens {self.first_token}+{self.num_tokens}: checksum mismatch")
 
     def to_bytes(self) -> bytes:
-        return _CHUNK_HEADER.pack(self.layer, self.first_token, self.num_tokens, self.checksum, len(self.data)) + self.data
+        return _CHUNK_HEADER.pack(self.layer, self.first_token, self.num_tokens, self.checksum, len(self.data)) + bytes(self.data)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> KVChunk:

@@ -44,7 +44,8 @@ class AgentConfig:
     tls_ca: str | None = None                   # roots for calling TLS peers
     kv_cache_bytes: int = 256 << 20             # KV pool per model
     kv_lease_ttl_s: float = 30.0
-    kv_chunk_bytes: int = 4 << 20
+    kv_chunk_bytes: int = 1 << 20
+    kv_data_port: int | None = 0                # raw TCP port for KV bytes (0: any free port; None: off, use FetchKV)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

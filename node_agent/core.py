@@ -2,8 +2,8 @@
 lease prefilled KV, pull KV from peers (recomputing when that fails), and drain.
 
 Handles given out are `<model>/<engine handle>`, so FetchKV and ReleaseKV find the engine that
-holds the blocks. A lease is single use: the FetchKV stream that reads it releases it when the
-stream ends, however it ends; otherwise ReleaseKV or the engine's TTL does.
+holds the blocks. A lease is single use: the FetchKV stream (or KV data-port stream) that reads
+it releases it when the stream ends, however it ends; otherwise ReleaseKV or the engine's TTL does.
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 
+import grpc
+from grpc import aio
+
 from engine.async_engine import TokenEvent
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
 from engine.kv_export import KVExport
-from engine.kv_transfer import KVPayload
+from engine.kv_transfer import KVLayout, KVPayload
 from engine.sampling import SamplingParams
 from node_agent.client import AgentClient
 from node_agent.config import AgentConfig
 from node_agent.errors import DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.metrics import AgentMetrics
+from node_agent.kv_data import KVDataServer, KVSourceUnreachable, receive_bulk
 from node_agent.models import HostedModel
 from node_agent.transfer import receive_payload
 
@@ -57,6 +61,8 @@ class AgentCore:
         self._tls_ca = tls_ca
         self._peers: dict[str, AgentClient] = {}
         self._background: set[asyncio.Task] = set()
+        self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
+        self._data_addresses: dict[str, str | None] = {}  # peer gRPC address -> its KV data port, if any
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -174,8 +180,7 @@ class AgentCore:
         timeout = self.config.fetch_timeout_s if time_left is None else min(self.config.fetch_timeout_s, time_left)
         layout = replace(model.kv_layout, num_tokens=len(prompt_ids))
         try:
-            call = self._peer(source.address).fetch_kv(source.kv_handle, timeout=timeout, request_id=request_id)
-            payload = await receive_payload(call, layout, prompt_ids)
+            payload = await self._fetch(source, layout, prompt_ids, request_id, timeout)
         except KVTransferError as exc:
             log.warning("request %s: KV pull from %s failed (%s); recomputing the prefill", request_id,
                         source.address, exc)
@@ -183,6 +188,32 @@ class AgentCore:
             return None
         self.metrics.kv_bytes_received.inc(payload.num_bytes)
         return payload
+
+    async def _fetch(self, source: KVSource, layout: KVLayout, prompt_ids: list[int], request_id: str | None,
+                     timeout: float) -> KVPayload:
+        """Over the peer's KV data port when it has one, else the FetchKV stream."""
+        peer = self._peer(source.address)
+        data_address = await self._data_address(peer, source.address, timeout)
+        if data_address:
+            try:
+                return await receive_bulk(data_address, self.config.peer_token, source.kv_handle, layout,
+                                          prompt_ids, timeout)
+            except KVSourceUnreachable as exc:
+                log.info("request %s: %s; using FetchKV", request_id, exc)
+                self._data_addresses.pop(source.address, None)  # it may have restarted on another port
+        call = peer.fetch_kv(source.kv_handle, timeout=timeout, request_id=request_id)
+        return await receive_payload(call, layout, prompt_ids)
+
+    async def _data_address(self, peer: AgentClient, address: str, timeout: float) -> str | None:
+        """host:port of a peer's KV data port (asked once, from its Health), None if it has none."""
+        if address not in self._data_addresses:
+            try:
+                health = await peer.health(timeout=timeout)
+            except aio.AioRpcError as exc:
+                raise KVTransferError(f"KV source {address} is unreachable: {exc.code().name}") from exc
+            port = health.kv_data_port
+            self._data_addresses[address] = f"{address.rpartition(':')[0]}:{port}" if port and not self._tls_ca else None
+        return self._data_addresses[address]
 
     def _peer(self, address: str) -> AgentClient:
         client = self._peers.get(address)
@@ -219,6 +250,17 @@ class AgentCore:
         async with model.engine.kv_export(engine_handle) as export:
             yield export
 
+    async def open_export(self, kv_handle: str) -> KVExport:
+        """For the KV data port: an open export it reads and then ends with end_export."""
+        model, engine_handle = self._lease(kv_handle)
+        return await model.engine.open_export(engine_handle)
+
+    def end_export(self, kv_handle: str, export: KVExport) -> None:
+        """Close the export and end the lease (single use, as with FetchKV)."""
+        model, engine_handle = self._lease(kv_handle)
+        model.engine.close_export(export)
+        model.engine.release_kv_nowait(engine_handle)
+
     async def release_kv(self, kv_handle: str) -> bool:
         """False when the lease was already gone (fetched, released or expired)."""
         try:
@@ -229,8 +271,15 @@ class AgentCore:
         return True
 
     def release_soon(self, kv_handle: str) -> None:
-        """Release from a path that may itself be cancelled (a FetchKV stream the client left)."""
-        self.spawn(self.release_kv(kv_handle))
+        """Release from a path that may itself be cancelled (a FetchKV stream the client left).
+
+        Queued on the engine behind the stream's own commands, so a second fetch of a used
+        lease finds it gone."""
+        try:
+            model, engine_handle = self._lease(kv_handle)
+        except UnknownHandleError:
+            return
+        model.engine.release_kv_nowait(engine_handle)
 
     def spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

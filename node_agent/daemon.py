@@ -23,6 +23,7 @@ from node_agent.auth import TokenAuthInterceptor
 from node_agent.client import CHANNEL_OPTIONS
 from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
+from node_agent.kv_data import KVDataServer
 from node_agent.heartbeat import HeartbeatLoop, Registration
 from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.models import HostedModel, load_model
@@ -63,6 +64,8 @@ class Agent:
         port = self._bind(cfg.grpc_listen)
         self.address = f"{cfg.grpc_listen.rpartition(':')[0]}:{port}"
         await self._server.start()
+        if cfg.kv_data_port is not None and not cfg.tls_cert:
+            await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port)
         if cfg.metrics_listen:
             self._metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
             await self._metrics_server.start(cfg.metrics_listen)
@@ -70,6 +73,13 @@ class Agent:
         if cfg.registry_url:
             self._start_heartbeats()
         log.info("agent %s serving %s on %s", cfg.site, ", ".join(self.models), self.address)
+
+    async def _start_kv_data(self, host: str, port: int) -> None:
+        core = self.core
+        server = KVDataServer(self.config.peer_token, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc)
+        await server.start(host or "0.0.0.0", port)
+        core.kv_data_server = server
+        log.info("KV data port %d", server.port)
 
     def _bind(self, listen: str) -> int:
         cfg = self.config
@@ -118,6 +128,8 @@ class Agent:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         if self.core is not None:
+            if self.core.kv_data_server is not None:
+                await self.core.kv_data_server.stop()
             await self.core.close()
         for model in self.models.values():
             await asyncio.to_thread(model.engine.shutdown)
@@ -126,6 +138,8 @@ class Agent:
     async def kill_server(self) -> None:
         """Tests: drop every connection at once, as if the site died (engines keep running)."""
         await self._server.stop(0)
+        if self.core.kv_data_server is not None:
+            await self.core.kv_data_server.stop()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -126,7 +126,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def Health(self, request: agent_pb2.HealthRequest, context: aio.ServicerContext):
         response = agent_pb2.HealthResponse(
             status=agent_pb2.HealthResponse.DRAINING if self.core.draining else agent_pb2.HealthResponse.SERVING,
-            site=self.core.config.site, models=list(self.core.models))
+            site=self.core.config.site, models=list(self.core.models),
+            kv_data_port=self.core.kv_data_server.port if self.core.kv_data_server else 0)
         for model in self.core.models.values():
             if not model.engine.alive:
                 response.status = agent_pb2.HealthResponse.NOT_SERVING

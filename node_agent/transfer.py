@@ -21,7 +21,7 @@ from node_agent.proto import agent_pb2
 def chunk_message(chunk: KVChunk, export: KVExport | None = None) -> agent_pb2.KVChunk:
     """One chunk on the wire; the first (export given) also carries the layout, prompt and chunk count."""
     msg = agent_pb2.KVChunk(layer=chunk.layer, first_token=chunk.first_token, num_tokens=chunk.num_tokens,
-                            data=chunk.data, checksum=chunk.checksum)
+                            data=bytes(chunk.data), checksum=chunk.checksum)
     if export is not None:
         msg.kv_layout = export.layout.to_json()
         msg.token_ids.extend(export.token_ids)
@@ -41,23 +41,13 @@ class PayloadAssembler:
 
     def add(self, msg: agent_pb2.KVChunk) -> None:
         if self.payload is None:
-            self._start(msg)
-        elif self._num_chunks and len(self.payload.chunks) >= self._num_chunks:
-            raise KVTransferError(f"KV stream sent more than the {self._num_chunks} chunks it announced")
-        chunk = KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.checksum)
-        expected_bytes = chunk.num_tokens * self.payload.layout.bytes_per_token_per_layer
-        if len(chunk.data) != expected_bytes:
-            raise KVTransferError(f"KV chunk {len(self.payload.chunks)} carries {len(chunk.data)} bytes for "
-                                  f"{chunk.num_tokens} tokens, expected {expected_bytes}")
-        chunk.verify()
-        self.payload.chunks.append(chunk)
-        self.num_bytes += len(chunk.data)
+            if not msg.kv_layout or not msg.num_chunks:
+                raise KVTransferError("the first KV chunk lacks the layout and chunk count")
+            self.start(msg.kv_layout, list(msg.token_ids), msg.num_chunks)
+        self.add_chunk(KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.checksum))
 
-    def _start(self, msg: agent_pb2.KVChunk) -> None:
-        if not msg.kv_layout or not msg.num_chunks:
-            raise KVTransferError("the first KV chunk lacks the layout and chunk count")
-        layout = KVLayout.from_json(msg.kv_layout)
-        token_ids = list(msg.token_ids)
+    def start(self, layout_json: str, token_ids: list[int], num_chunks: int) -> None:
+        layout = KVLayout.from_json(layout_json)
         if token_ids != self._prompt_ids:
             raise KVTransferError(f"the KV source holds a different prompt ({len(token_ids)} tokens) "
                                   f"than this request's ({len(self._prompt_ids)} tokens)")
@@ -66,7 +56,18 @@ class PayloadAssembler:
                 raise KVTransferError(f"KV layout mismatch: {name} is {getattr(layout, name)!r}, "
                                       f"this engine needs {getattr(self._expected, name)!r}")
         self.payload = KVPayload(layout, token_ids)
-        self._num_chunks = msg.num_chunks
+        self._num_chunks = num_chunks
+
+    def add_chunk(self, chunk: KVChunk) -> None:
+        if self._num_chunks and len(self.payload.chunks) >= self._num_chunks:
+            raise KVTransferError(f"KV stream sent more than the {self._num_chunks} chunks it announced")
+        expected_bytes = chunk.num_tokens * self.payload.layout.bytes_per_token_per_layer
+        if len(chunk.data) != expected_bytes:
+            raise KVTransferError(f"KV chunk {len(self.payload.chunks)} carries {len(chunk.data)} bytes for "
+                                  f"{chunk.num_tokens} tokens, expected {expected_bytes}")
+        chunk.verify()
+        self.payload.chunks.append(chunk)
+        self.num_bytes += len(chunk.data)
 
     def finish(self) -> KVPayload:
         if self.payload is None:

@@ -200,7 +200,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "site", "models", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "num_kv_leases")
+    __slots__ = ("status", "site", "models", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "num_kv_leases", "kv_data_port")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         SERVING: _ClassVar[HealthResponse.Status]
@@ -217,6 +217,7 @@ class HealthResponse(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
+    KV_DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
     site: str
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -225,7 +226,8 @@ class HealthResponse(_message.Message):
     num_running: int
     num_waiting: int
     num_kv_leases: int
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., site: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_leases: _Optional[int] = ...) -> None: ...
+    kv_data_port: int
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., site: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., kv_data_port: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_s",)

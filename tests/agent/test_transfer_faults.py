@@ -54,8 +54,39 @@ async def split_decode(client_a, client_b, a, prompt_ids, handle=None):
     return [result.first_token.token_id, *decoded]
 
 
-@pytest.mark.parametrize("fault", ["corrupt-first", "corrupt-last", "truncate", "layout", "dead-source"])
-async def test_failed_transfer_is_detected_and_recomputed(start_agent, connect, fault):
+def use_transport(agent, transport: str, hook) -> None:
+    """Route agent's outgoing KV through the data port (the default) or the FetchKV stream, with hook."""
+    if transport == "grpc":
+        agent.core.kv_data_server = None  # Health reports no data port; pullers use FetchKV
+        agent.servicer.fetch_kv_hook = hook
+    else:
+        agent.core.kv_data_server.chunk_hook = hook
+
+
+FAULTS = [("corrupt-first", "data-port"), ("corrupt-last", "data-port"), ("truncate", "data-port"),
+          ("dead-source", "data-port"), ("corrupt-first", "grpc"), ("corrupt-last", "grpc"), ("truncate", "grpc"),
+          ("layout", "grpc"), ("dead-source", "grpc")]
+
+
+async def test_healthy_transfer_uses_the_data_port(start_agent, connect):
+    a, b = await start_agent("site-a"), await start_agent("site-b")
+    sent = []
+
+    async def watch(index, msg):
+        sent.append(index)
+        return msg
+
+    a.core.kv_data_server.chunk_hook = watch
+    prompt_ids = prompt(40, start=3)
+    reference = await collect(connect(b).generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                            sampling=PARAMS)))
+    assert await split_decode(connect(a), connect(b), a, prompt_ids) == reference
+    assert sent == list(range(6)) and b.metrics.kv_fallbacks._value.get() == 0
+    assert b.metrics.kv_bytes_received._value.get() == 40 * 2 * 2 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("fault, transport", FAULTS)
+async def test_failed_transfer_is_detected_and_recomputed(start_agent, connect, fault, transport):
     a, b = await start_agent("site-a"), await start_agent("site-b")
     client_a, client_b = connect(a), connect(b)
     free_a, free_b = (await client_a.health()).kv_blocks_free, (await client_b.health()).kv_blocks_free
@@ -63,9 +94,9 @@ async def test_failed_transfer_is_detected_and_recomputed(start_agent, connect, 
     reference = await collect(client_b.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
                                                                           sampling=PARAMS)))
     num_chunks = 2 * 3  # 2 layers x 40 tokens in 16-token (2 KiB) chunks
-    a.servicer.fetch_kv_hook = {
+    use_transport(a, transport, {
         "corrupt-first": corrupt(0), "corrupt-last": corrupt(num_chunks - 1), "truncate": truncate(num_chunks - 1),
-        "layout": drop_layout(), "dead-source": die(a, 2)}[fault]
+        "layout": drop_layout(), "dead-source": die(a, 2)}[fault])
 
     tokens = await split_decode(client_a, client_b, a, prompt_ids)
 
@@ -88,3 +119,25 @@ async def test_unreachable_or_unknown_source_recomputes(start_agent, connect, un
     assert await split_decode(client_a, client_b, f"127.0.0.1:{unused_tcp_port}", prompt_ids) == reference
     assert await split_decode(client_a, client_b, a, prompt_ids, handle=f"{MODEL}/00ff") == reference
     assert b.metrics.kv_fallbacks._value.get() == 2
+
+
+async def test_data_port_refuses_a_wrong_token_and_keeps_the_lease(start_agent, connect):
+    from dataclasses import replace
+
+    from engine.errors import KVTransferError
+    from engine.kv_transfer import KVLayout
+    from node_agent.kv_data import receive_bulk
+    from tests.agent.conftest import PEER_TOKEN
+
+    a = await start_agent("site-a")
+    client = connect(a)
+    prompt_ids = prompt(30, start=9)
+    result = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=PARAMS))
+    layout = replace(KVLayout.from_json(result.kv_layout))
+    data_address = f"127.0.0.1:{(await client.health()).kv_data_port}"
+    with pytest.raises(KVTransferError, match="wrong peer token"):
+        await receive_bulk(data_address, "not-the-token", result.kv_handle, layout, prompt_ids, timeout=10)
+    payload = await receive_bulk(data_address, PEER_TOKEN, result.kv_handle, layout, prompt_ids, timeout=10)
+    assert payload.num_bytes == result.kv_bytes
+    with pytest.raises(KVTransferError, match="unknown, released or expired"):  # single use
+        await receive_bulk(data_address, PEER_TOKEN, result.kv_handle, layout, prompt_ids, timeout=10)

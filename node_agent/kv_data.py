@@ -1,0 +1,231 @@
+"""The KV data port: FetchKV's bytes over a plain TCP socket, for speed.
+
+gRPC in Python tops out near 350 MB/s on a 2-core machine, a fraction of what a socket moves, so
+the bulk of a KV transfer skips it. A puller learns a peer's data port from its Health answer
+(cached), connects, and sends one request frame; the agent answers with a header and one frame
+per chunk:
+
+    request   <H token length, token (the peer token, as on gRPC), <H handle length, KV handle
+    header    <I length, JSON {"kv_layout", "token_ids", "num_chunks"} or {"error"}
+    chunk     <IIIQI layer, first_token, num_tokens, xxh3-64 checksum, data length; then the data
+
+Any failure on either side is one closed connection or an error header; the puller's checks
+(layout, sizes, coverage, every checksum) turn it into a KVTransferError and Decode recomputes.
+A lease is single use here too: the stream that reads it ends it. Sites with TLS keep KV on
+gRPC (this port is plaintext), and so does a puller whose peer has no data port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy
+
+from engine.async_engine import kv_chunks
+from engine.errors import EngineError, KVTransferError
+from engine.kv_export import KVExport
+from engine.kv_transfer import KVChunk, KVLayout, KVPayload
+from node_agent.proto import agent_pb2
+from node_agent.transfer import PayloadAssembler, chunk_message
+
+log = logging.getLogger(__name__)
+
+LENGTH = struct.Struct("<H")
+HEADER = struct.Struct("<I")
+FRAME = struct.Struct("<IIIQI")
+REQUEST_TIMEOUT_S = 10.0
+MAX_HEADER_BYTES = 64 << 20
+
+ChunkHook = Callable[[int, agent_pb2.KVChunk], Awaitable[agent_pb2.KVChunk | None]]
+
+
+class KVSourceUnreachable(KVTransferError):
+    """No connection to the data port at all (nothing was read): FetchKV may still work."""
+
+
+class KVDataServer:
+    """Serves KV exports on a TCP port. open_export/end_export come from AgentCore."""
+
+    def __init__(self, peer_token: str, open_export: Callable[[str], Awaitable[KVExport]],
+                 end_export: Callable[[str, KVExport], None], on_bytes_sent: Callable[[int], None]):
+        self._peer_token = peer_token.encode()
+        self._open_export = open_export
+        self._end_export = end_export
+        self._on_bytes_sent = on_bytes_sent
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.port = 0
+        self.chunk_hook: ChunkHook | None = None  # test seam, as AgentServicer.fetch_kv_hook
+
+    async def start(self, host: str, port: int = 0) -> int:
+        self._listener = socket.create_server((host, port))
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept_loop())
+        return self.port
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            conn.setblocking(False)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                token = await _recv_field(loop, conn)
+                kv_handle = (await _recv_field(loop, conn)).decode("utf-8", "replace")
+            if not hmac.compare_digest(token, self._peer_token):
+                await _send_header(loop, conn, {"error": "missing or wrong peer token"})
+                return
+            try:
+                export = await self._open_export(kv_handle)
+            except EngineError as exc:
+                await _send_header(loop, conn, {"error": str(exc)})
+                return
+            try:
+                await _send_header(loop, conn, {"kv_layout": export.layout.to_json(), "token_ids": export.token_ids,
+                                                "num_chunks": export.num_chunks})
+                if self.chunk_hook is not None:
+                    await self._send_hooked(loop, conn, export)
+                else:
+                    conn.setblocking(True)
+                    conn.settimeout(REQUEST_TIMEOUT_S)
+                    await asyncio.to_thread(self._send_blocking, conn, export)
+            finally:
+                self._end_export(kv_handle, export)
+        except (OSError, TimeoutError, KVTransferError) as exc:
+            log.info("KV data stream ended early: %s", exc)
+        finally:
+            conn.close()
+
+    def _send_blocking(self, conn: socket.socket, export: KVExport) -> None:
+        """On a worker thread: gather chunk i+1 on another while chunk i goes out (both release the GIL)."""
+        chunks = export.chunks()
+        with ThreadPoolExecutor(1, thread_name_prefix="kv-gather") as gather:
+            pending = gather.submit(next, chunks, None)
+            while (chunk := pending.result()) is not None:
+                pending = gather.submit(next, chunks, None)
+                conn.sendall(FRAME.pack(chunk.layer, chunk.first_token, chunk.num_tokens, chunk.checksum,
+                                        len(chunk.data)))
+                conn.sendall(chunk.data)
+                self._on_bytes_sent(len(chunk.data))
+
+    async def _send_hooked(self, loop, conn: socket.socket, export: KVExport) -> None:
+        """Tests: each chunk passes the hook, which may corrupt it or end the stream."""
+        index = 0
+        async for chunk in kv_chunks(export):
+            msg = await self.chunk_hook(index, chunk_message(chunk, export if index == 0 else None))
+            if msg is None:
+                return
+            await loop.sock_sendall(conn, FRAME.pack(msg.layer, msg.first_token, msg.num_tokens, msg.checksum,
+                                                     len(msg.data)))
+            await loop.sock_sendall(conn, msg.data)
+            index += 1
+
+
+async def _recv_field(loop, conn: socket.socket) -> bytes:
+    size = bytearray(LENGTH.size)
+    await _recv_into(loop, conn, memoryview(size))
+    value = bytearray(LENGTH.unpack(size)[0])
+    await _recv_into(loop, conn, memoryview(value))
+    return bytes(value)
+
+
+async def _recv_into(loop, conn: socket.socket, view: memoryview) -> None:
+    while view:
+        n = await loop.sock_recv_into(conn, view)
+        if not n:
+            raise KVTransferError("the puller closed the KV data connection early")
+        view = view[n:]
+
+
+async def _send_header(loop, conn: socket.socket, header: dict) -> None:
+    body = json.dumps(header).encode()
+    await loop.sock_sendall(conn, HEADER.pack(len(body)) + body)
+
+
+async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_layout: KVLayout,
+                       prompt_ids: list[int], timeout: float) -> KVPayload:
+    """Pull a KV handle from a peer's data port (host:port) into a verified payload."""
+    host, _, port = address.rpartition(":")
+    try:
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except OSError as exc:
+        raise KVSourceUnreachable(f"cannot reach the KV data port {address}: {exc}") from exc
+    try:
+        # Blocking reads on a worker thread: MSG_WAITALL fills a whole frame in one system call.
+        return await asyncio.to_thread(_pull, conn, peer_token, kv_handle, PayloadAssembler(expected_layout, prompt_ids))
+    except TimeoutError as exc:
+        raise KVTransferError(f"KV data stream from {address} stalled for {timeout:.0f}s") from exc
+    except OSError as exc:
+        raise KVTransferError(f"KV data stream from {address} failed: {exc}") from exc
+    finally:
+        conn.close()  # also ends the reading thread's wait if we were cancelled
+
+
+def _pull(conn: socket.socket, peer_token: str, kv_handle: str, assembler: PayloadAssembler) -> KVPayload:
+    token, handle = peer_token.encode(), kv_handle.encode()
+    conn.sendall(LENGTH.pack(len(token)) + token + LENGTH.pack(len(handle)) + handle)
+    size = bytearray(HEADER.size)
+    _read_exactly(conn, memoryview(size))
+    (length,) = HEADER.unpack(size)
+    if length > MAX_HEADER_BYTES:
+        raise KVTransferError(f"KV data header declares {length} bytes")
+    body = bytearray(length)
+    _read_exactly(conn, memoryview(body))
+    try:
+        header = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise KVTransferError(f"KV data header is not JSON ({exc})") from exc
+    if "error" in header:
+        raise KVTransferError(f"the KV source refused: {header['error']}")
+    try:
+        assembler.start(header["kv_layout"], list(header["token_ids"]), int(header["num_chunks"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVTransferError(f"KV data header lacks a valid {exc}") from exc
+    layout = assembler.payload.layout
+    # One uninitialized buffer for the whole payload (numpy.empty does not zero it); frames land in it.
+    buffer = memoryview(numpy.empty(layout.num_layers * layout.num_tokens * layout.bytes_per_token_per_layer,
+                                    dtype=numpy.uint8))
+    frame = memoryview(bytearray(FRAME.size))
+    offset = 0
+    for _ in range(header["num_chunks"]):
+        _read_exactly(conn, frame)
+        layer, first, count, digest, length = FRAME.unpack(frame)
+        if length > len(buffer) - offset:
+            raise KVTransferError(f"KV frame declares {length} bytes, more than the layout leaves ({len(buffer) - offset})")
+        data = buffer[offset:offset + length]
+        _read_exactly(conn, data)
+        offset += length
+        assembler.add_chunk(KVChunk(layer, first, count, data, digest))
+    return assembler.finish()
+
+
+def _read_exactly(conn: socket.socket, view: memoryview) -> None:
+    while view:
+        n = conn.recv_into(view, len(view), socket.MSG_WAITALL)
+        if not n:
+            raise KVTransferError("the KV data stream closed early")
+        view = view[n:]
