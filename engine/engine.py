@@ -255,7 +255,7 @@ class LLMEngine:
         hidden = self._forward(inputs)
         sampled: list[SampledToken] = []
         if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
             seqs = [item.seq for item in inputs.sample_seqs]
             sampled = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                              [s.num_output_tokens for s in seqs])
