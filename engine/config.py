@@ -139,6 +139,21 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     )
 
 
+def read_json(path: Path, required: bool = True) -> dict | None:
+    """A checkpoint's JSON file as an object; None when absent and not required."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path} is missing")
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -146,10 +161,4 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json; is this a Hugging Face checkpoint directory?")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return parse_config(raw, path)
+    return parse_config(read_json(path), path)

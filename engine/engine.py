@@ -29,7 +29,7 @@ from engine.runner import prepare_step
 from engine.sampling import SampledToken, SamplingParams, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import read_json
+from engine.config import read_json
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from engine.config import read_json
 from engine.errors import CheckpointError, InvalidRequestError
 
 
@@ -103,20 +104,6 @@ class ChatTokenizer:
         template_file = model_dir / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else None
         return cls(path.read_text(), config, template)
-
-
-def read_json(path: Path, required: bool = True) -> dict | None:
-    if not path.is_file():
-        if required:
-            raise CheckpointError(f"{path} is missing")
-        return None
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return value
 
 
 class IncrementalDetokenizer:

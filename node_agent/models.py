@@ -14,7 +14,7 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine
 from engine.engine import EngineConfig, LLMEngine
 from engine.kv_transfer import KVLayout
-from engine.tokenizer import read_json
+from engine.config import read_json
 from node_agent.config import AgentConfig
 from node_agent.proto import agent_pb2
 
