@@ -22,6 +22,7 @@ from registry.tables import ApiKeyRow, SiteTokenRow
 
 API_KEYS = ApiKeyRow.__table__
 SITE_TOKENS = SiteTokenRow.__table__
+MAX_TOKENS_PER_QUERY = 1000
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,14 +52,24 @@ class AccessStore:
         return token
 
     def site_for_token(self, token: str) -> SiteIdentity | None:
-        query = (
-            select(SITES.c.id, SITES.c.name)
-            .join(SITE_TOKENS, SITE_TOKENS.c.site_id == SITES.c.id)
-            .where(SITE_TOKENS.c.token_hash == hash_secret(token))
-        )
+        return self.sites_for_tokens([token]).get(token)
+
+    def sites_for_tokens(self, tokens: list[str]) -> dict[str, SiteIdentity]:
+        """The site of each valid token among `tokens`; unknown tokens are absent."""
+        by_hash = {hash_secret(token): token for token in tokens}
+        all_hashes = list(by_hash)
+        found: dict[str, SiteIdentity] = {}
         with self._read.connect() as conn:
-            row = conn.execute(query).first()
-        return SiteIdentity(row.id, row.name) if row else None
+            for start in range(0, len(all_hashes), MAX_TOKENS_PER_QUERY):
+                hashes = all_hashes[start:start + MAX_TOKENS_PER_QUERY]
+                query = (
+                    select(SITES.c.id, SITES.c.name, SITE_TOKENS.c.token_hash)
+                    .join(SITE_TOKENS, SITE_TOKENS.c.site_id == SITES.c.id)
+                    .where(SITE_TOKENS.c.token_hash.in_(hashes))
+                )
+                for row in conn.execute(query):
+                    found[by_hash[row.token_hash]] = SiteIdentity(row.id, row.name)
+        return found
 
     def create_api_key(self, spec: ApiKeySpec, actor: str, secret: str | None = None) -> tuple[ApiKey, str]:
         """Returns the key record and its secret; the secret is not retrievable later.

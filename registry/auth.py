@@ -7,6 +7,7 @@ registry replica therefore stops working within SITE_TOKEN_CACHE_S (at once on t
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -30,6 +31,8 @@ class Authenticator:
         self._admin_token = admin_token
         self._router_token = router_token
         self._site_tokens: dict[str, tuple[SiteIdentity, float]] = {}
+        self._lookups: dict[str, asyncio.Future] = {}  # tokens waiting for the next batched query
+        self._lookup_task: asyncio.Task | None = None
 
     async def admin(self, request: Request) -> str:
         """Returns the actor recorded in the audit log: 'admin', or 'admin:<X-Edgefire-Actor>'."""
@@ -49,7 +52,11 @@ class Authenticator:
             await self._refuse(token, "the router API")
 
     async def site(self, request: Request) -> SiteIdentity:
-        token = _bearer(request)
+        return await self.site_for_header(request.headers.get("authorization"))
+
+    async def site_for_header(self, authorization: str | None) -> SiteIdentity:
+        """`site` for a raw Authorization header value (the heartbeat fast path has no Request)."""
+        token = _token(authorization)
         identity = await self._site_identity(token)
         if identity is None:
             await self._refuse(token, "the agent API", site_checked=True)
@@ -64,12 +71,36 @@ class Authenticator:
         now = time.monotonic()
         if cached is not None and cached[1] > now:
             return cached[0]
-        identity = await run_in_threadpool(self._access.site_for_token, token)
+        identity = await self._lookup(token)
         if identity is not None:
             if len(self._site_tokens) >= MAX_CACHED_TOKENS:
                 self._site_tokens.clear()
             self._site_tokens[token] = (identity, now + SITE_TOKEN_CACHE_S)
         return identity
+
+    async def _lookup(self, token: str) -> SiteIdentity | None:
+        """Database lookups in batches: with thousands of sites, cache entries expire every few
+        milliseconds, and one query per batch costs far less than a thread hop per heartbeat."""
+        waiting = self._lookups.get(token)
+        if waiting is None:
+            waiting = self._lookups[token] = asyncio.get_running_loop().create_future()
+            if self._lookup_task is None or self._lookup_task.done():
+                self._lookup_task = asyncio.create_task(self._run_lookups())
+        return await asyncio.shield(waiting)  # a caller that goes away must not cancel the others' lookup
+
+    async def _run_lookups(self) -> None:
+        while self._lookups:
+            batch, self._lookups = self._lookups, {}
+            try:
+                found = await run_in_threadpool(self._access.sites_for_tokens, list(batch))
+            except Exception as exc:  # every waiter gets the error (a database outage is a 503)
+                for waiting in batch.values():
+                    if not waiting.done():
+                        waiting.set_exception(exc)
+                continue
+            for token, waiting in batch.items():
+                if not waiting.done():
+                    waiting.set_result(found.get(token))
 
     async def _refuse(self, token: str, api: str, site_checked: bool = False) -> None:
         known = same_secret(token, self._admin_token) or same_secret(token, self._router_token)
@@ -81,7 +112,10 @@ class Authenticator:
 
 
 def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization")
+    return _token(request.headers.get("authorization"))
+
+
+def _token(header: str | None) -> str:
     if header is None:
         raise ApiError(401, "missing 'Authorization: Bearer <token>' header", "missing_token", {"WWW-Authenticate": "Bearer"})
     scheme, _, token = header.partition(" ")

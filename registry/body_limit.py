@@ -20,22 +20,10 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(send)
+        messages = await read_messages(scope, receive, self.max_bytes)
+        if messages is None:
+            await refuse(send, self.max_bytes)
             return
-        messages, total = [], 0
-        while True:  # buffered so an oversize stream is refused before the app acts on any of it
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            total += len(message.get("body", b""))
-            if total > self.max_bytes:
-                await self._refuse(send)
-                return
-            if not message.get("more_body", False):
-                break
         buffered = iter(messages)
 
         async def replay():
@@ -45,10 +33,29 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", "request_too_large",
-                                     "body_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+
+async def read_messages(scope, receive, max_bytes: int) -> list[dict] | None:
+    """The request's messages up to the end of its body; None when the body exceeds max_bytes."""
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        return None
+    messages, total = [], 0
+    while True:  # buffered so an oversize stream is refused before the app acts on any of it
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        total += len(message.get("body", b""))
+        if total > max_bytes:
+            return None
+        if not message.get("more_body", False):
+            return messages
+
+
+async def refuse(send, max_bytes: int) -> None:
+    body = json.dumps(error_body(f"request body exceeds {max_bytes} bytes", "request_too_large",
+                                 "body_too_large")).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -42,11 +42,23 @@ def error_response(status: int, message: str, code: str, headers: dict[str, str]
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RegistryStoreError, _store_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(OperationalError, _database_down)
+    for exc_class, handler in _handlers().items():
+        app.add_exception_handler(exc_class, handler)
+
+
+async def response_for(request: Request, exc: Exception) -> JSONResponse:
+    """The error response the app would give for `exc` (for the heartbeat fast path, which runs
+    outside FastAPI's exception handling); re-raises what no handler covers."""
+    handlers = _handlers()
+    for exc_class in type(exc).__mro__:
+        if exc_class in handlers:
+            return await handlers[exc_class](request, exc)
+    raise exc
+
+
+def _handlers() -> dict:
+    return {ApiError: _api_error, RegistryStoreError: _store_error, RequestValidationError: _validation_error,
+            StarletteHTTPException: _http_error, OperationalError: _database_down}
 
 
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from registry import http_errors
+from registry import heartbeat_endpoint, http_errors
 from registry.app_state import RegistryService
 from registry.auth import Authenticator
 from registry.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -48,8 +48,9 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
             await service.batcher.stop()
             store.close()
 
-    app = FastAPI(title="edgefire registry", version="1", lifespan=lifespan,
-                  description="Sites, their capacity and liveness; the operator admin API.")
+    app = RegistryApp(title="edgefire registry", version="1", lifespan=lifespan,
+                      description="Sites, their capacity and liveness; the operator admin API.")
+    app.max_body_bytes = max_body_bytes
     app.state.registry = service
     http_errors.install(app)
     app.include_router(agent_routes)
@@ -58,6 +59,18 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
     app.add_api_route("/healthz", _healthz, methods=["GET"], include_in_schema=False)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     return app
+
+
+class RegistryApp(FastAPI):
+    """FastAPI, except that heartbeats are answered before its middleware and routing (heartbeat_endpoint)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    async def __call__(self, scope, receive, send) -> None:
+        if heartbeat_endpoint.is_heartbeat(scope):
+            await heartbeat_endpoint.serve(self.state.registry, self.max_body_bytes, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 async def _healthz() -> dict:
