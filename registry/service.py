@@ -35,6 +35,7 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
         batcher=HeartbeatBatcher(store.telemetry.write_capacity_rows),
         snapshots=SnapshotCache(store.engine, clock=store.telemetry.now),
     )
+    store.telemetry.capacity_listeners.append(service.snapshots.capacity_written)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

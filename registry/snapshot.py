@@ -1,9 +1,11 @@
 """The routers' snapshot: every site with its latest capacity and liveness, plus measured links.
 
-Reading (`read_snapshot`) and rendering (`SnapshotData.render`) are split because liveness moves
-with the clock while the rows do not: one read serves every render until the registry version
-changes. Each site's JSON is pre-encoded at read time and the stored prefix-cache summary text is
-spliced in verbatim, so a render is string joins rather than re-encoding 10,000 objects.
+Reading (`SnapshotReader.read`) and rendering (`SnapshotData.render`) are split because liveness
+moves with the clock while the rows do not: one read serves every render until the registry
+version changes. Each site's JSON is encoded once and kept, keyed by the rows it came from, so a
+re-read after a change re-encodes only the sites whose rows changed, and a heartbeat commit of this
+process updates the data in place (`apply_capacity`) without reading anything. A render is string
+joins of those fragments plus each site's age.
 
 Wire shape:
   {"version": str, "generated_at": float, "sites": [{"name", "region", "country", "lat", "lon",
@@ -15,7 +17,7 @@ Wire shape:
 from __future__ import annotations
 
 import json
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, select
@@ -30,6 +32,7 @@ CAPACITY = CapacityRow.__table__
 LINKS = LinkRow.__table__
 _SITE_COLUMNS = [SITES.c[n] for n in ("id", "name", "region", "country", "lat", "lon", "grpc_address", "state",
                                       "roles", "heartbeat_interval_s")]
+_CAPACITY_COLUMNS = [CAPACITY.c.site_id, *(CAPACITY.c[n] for n in CAPACITY_FIELDS)]
 _PLAIN_CAPACITY_FIELDS = [n for n in CAPACITY_FIELDS if n != "prefix_cache_summary"]
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -45,9 +48,10 @@ class SnapshotSite:
 @dataclass(slots=True)
 class SnapshotData:
     db_version: int
-    sites: list[SnapshotSite]
+    sites: list[SnapshotSite]  # by site name
     links: str  # JSON text of the links array
     deadlines: list[float]  # sorted reported_at + ttl of every site that has reported
+    by_id: dict[int, SnapshotSite]
 
     def version_at(self, now: float) -> str:
         """Changes with any row change and whenever a site's heartbeat expires."""
@@ -65,14 +69,84 @@ class SnapshotData:
         head = _dumps({"version": self.version_at(now), "generated_at": now})[:-1]
         return f'{head},"sites":[{",".join(parts)}],"links":{self.links}}}'.encode()
 
+    def apply_capacity(self, db_version: int, rows: list[dict]) -> bool:
+        """Moves the data to `db_version` = this version plus these capacity upserts (one heartbeat
+        commit). False, with nothing changed, when a row's site is unknown here (read again)."""
+        if any(row["site_id"] not in self.by_id for row in rows):
+            return False
+        for row in rows:
+            site = self.by_id[row["site_id"]]
+            if site.reported_at is not None:
+                del self.deadlines[bisect_left(self.deadlines, site.reported_at + site.ttl_s)]
+            site.capacity = capacity_json(row)
+            site.reported_at = row["reported_at"]
+            insort(self.deadlines, site.reported_at + site.ttl_s)
+        self.db_version = db_version
+        return True
+
+
+class SnapshotReader:
+    """Reads SnapshotData, reusing the JSON of every site and capacity row unchanged since the last read."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple, str] = {}
+        self._capacities: dict[tuple, str] = {}
+        self._links: tuple[list, str] = ([], "[]")
+
+    def read(self, engine: Engine) -> SnapshotData:
+        with engine.connect() as conn:
+            if engine.dialect.name == "postgresql":
+                # Every query below must see the same moment, matching the version read first.
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                return self._read(conn)
+
+    def _read(self, conn: Connection) -> SnapshotData:
+        db_version = read_version(conn)
+        models: dict[int, list[tuple]] = {}
+        for site_id, model, role in conn.execute(
+                select(SITE_MODELS.c.site_id, SITE_MODELS.c.model, SITE_MODELS.c.role)
+                .order_by(SITE_MODELS.c.site_id, SITE_MODELS.c.model)):
+            models.setdefault(site_id, []).append((model, role))
+        capacities = {row[0]: tuple(row) for row in conn.execute(select(*_CAPACITY_COLUMNS))}
+        heads, capacity_texts = {}, {}
+        sites, deadlines, by_id = [], [], {}
+        for row in conn.execute(select(*_SITE_COLUMNS).order_by(SITES.c.name)):
+            site_id, ttl_s = row[0], TTL_HEARTBEATS * row[9]
+            key = (*row, *models.get(site_id, ()))
+            head = heads[key] = self._heads.get(key) or _head_json(row, models.get(site_id, []))
+            cap = capacities.get(site_id)
+            reported_at = None
+            capacity = "null"
+            if cap is not None:
+                capacity = capacity_texts[cap] = self._capacities.get(cap) or capacity_json(
+                    dict(zip(("site_id", *CAPACITY_FIELDS), cap)))
+                reported_at = cap[-1]
+                deadlines.append(reported_at + ttl_s)
+            site = by_id[site_id] = SnapshotSite(head, capacity, reported_at, ttl_s)
+            sites.append(site)
+        self._heads, self._capacities = heads, capacity_texts  # forget what no longer exists
+        deadlines.sort()
+        return SnapshotData(db_version, sites, self._links_json(conn), deadlines, by_id)
+
+    def _links_json(self, conn: Connection) -> str:
+        src, dst = aliased(SiteRow), aliased(SiteRow)
+        query = (
+            select(src.name.label("src"), dst.name.label("dst"), LINKS.c.rtt_ms, LINKS.c.bandwidth_mbps,
+                   LINKS.c.measured_at)
+            .join(src, src.id == LINKS.c.src_site_id)
+            .join(dst, dst.id == LINKS.c.dst_site_id)
+            .order_by(src.name, dst.name)
+        )
+        rows = [tuple(row) for row in conn.execute(query)]
+        if rows != self._links[0]:
+            names = ("src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at")
+            self._links = (rows, _dumps([dict(zip(names, row)) for row in rows]))
+        return self._links[1]
+
 
 def read_snapshot(engine: Engine) -> SnapshotData:
-    with engine.connect() as conn:
-        if engine.dialect.name == "postgresql":
-            # Every query below must see the same moment, matching the version read first.
-            conn = conn.execution_options(isolation_level="REPEATABLE READ")
-        with conn.begin():
-            return _read(conn)
+    return SnapshotReader().read(engine)
 
 
 def read_db_version(engine: Engine) -> int:
@@ -80,42 +154,16 @@ def read_db_version(engine: Engine) -> int:
         return read_version(conn)
 
 
-def _read(conn: Connection) -> SnapshotData:
-    db_version = read_version(conn)
-    models: dict[int, list[dict]] = {}
-    for row in conn.execute(select(SITE_MODELS).order_by(SITE_MODELS.c.site_id, SITE_MODELS.c.model)):
-        models.setdefault(row.site_id, []).append({"model": row.model, "role": row.role})
-    capacity = {row.site_id: row for row in conn.execute(select(CAPACITY))}
-    sites, deadlines = [], []
-    for row in conn.execute(select(*_SITE_COLUMNS).order_by(SITES.c.name)):
-        ttl_s = TTL_HEARTBEATS * row.heartbeat_interval_s
-        cap = capacity.get(row.id)
-        head = _dumps({
-            "name": row.name, "region": row.region, "country": row.country, "lat": row.lat, "lon": row.lon,
-            "grpc_address": row.grpc_address, "state": row.state, "roles": json.loads(row.roles),
-            "models": models.get(row.id, []),
-        })[:-1]
-        sites.append(SnapshotSite(head, _capacity_json(cap), cap.reported_at if cap else None, ttl_s))
-        if cap is not None:
-            deadlines.append(cap.reported_at + ttl_s)
-    deadlines.sort()
-    return SnapshotData(db_version, sites, _links_json(conn), deadlines)
-
-
-def _capacity_json(cap) -> str:
-    if cap is None:
-        return "null"
-    plain = {name: getattr(cap, name) for name in _PLAIN_CAPACITY_FIELDS}
+def capacity_json(cap: dict) -> str:
+    """One capacity row (column name -> value) as the snapshot's JSON text; the stored summary is spliced in."""
+    plain = {name: cap[name] for name in _PLAIN_CAPACITY_FIELDS}
     plain["draining"] = bool(plain["draining"])
-    return f'{_dumps(plain)[:-1]},"prefix_cache_summary":{cap.prefix_cache_summary or "null"}}}'
+    return f'{_dumps(plain)[:-1]},"prefix_cache_summary":{cap["prefix_cache_summary"] or "null"}}}'
 
 
-def _links_json(conn: Connection) -> str:
-    src, dst = aliased(SiteRow), aliased(SiteRow)
-    query = (
-        select(src.name.label("src"), dst.name.label("dst"), LINKS.c.rtt_ms, LINKS.c.bandwidth_mbps, LINKS.c.measured_at)
-        .join(src, src.id == LINKS.c.src_site_id)
-        .join(dst, dst.id == LINKS.c.dst_site_id)
-        .order_by(src.name, dst.name)
-    )
-    return _dumps([dict(row._mapping) for row in conn.execute(query)])
+def _head_json(row, models: list[tuple]) -> str:
+    return _dumps({
+        "name": row[1], "region": row[2], "country": row[3], "lat": row[4], "lon": row[5],
+        "grpc_address": row[6], "state": row[7], "roles": json.loads(row[8]),
+        "models": [{"model": model, "role": role} for model, role in models],
+    })[:-1]

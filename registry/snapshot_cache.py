@@ -1,6 +1,9 @@
 """Serving the snapshot cheaply: the rows are re-read only when the registry version moves,
-the body is re-rendered at most every `max_body_age_s` (or when liveness flips), and a router
-whose ETag is current gets a 304 without any rendering.
+and then only re-encoded where they changed; a version moved by this process's own heartbeat
+commits is reached by applying those commits instead of reading at all (any other change, on this
+replica or another, is read from the database: the version counter there is the reference). The
+body is re-rendered at most every `max_body_age_s` (or when liveness flips), and a router whose
+ETag is current gets a 304 without any rendering.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from registry.snapshot import SnapshotData, read_db_version, read_snapshot
+from registry.snapshot import SnapshotData, SnapshotReader, read_db_version
+
+MAX_PENDING_COMMITS = 1000  # beyond this many unapplied commits, a re-read is cheaper anyway
 
 
 @dataclass(slots=True)
@@ -27,14 +32,24 @@ class SnapshotCache:
         self._clock = clock
         self._max_body_age_s = max_body_age_s
         self._lock = threading.Lock()  # one rebuild at a time; concurrent callers reuse its result
+        self._reader = SnapshotReader()
         self._data: SnapshotData | None = None
         self._body: tuple[str, float, bytes] | None = None  # (version, rendered_at, body)
+        self._commits_lock = threading.Lock()
+        self._commits: dict[int, list[dict]] = {}  # registry version -> capacity rows that commit wrote
+
+    def capacity_written(self, db_version: int, rows: list[dict]) -> None:
+        """TelemetryStore listener: this process committed `rows`, moving the registry to `db_version`."""
+        with self._commits_lock:
+            if len(self._commits) >= MAX_PENDING_COMMITS:
+                self._commits.clear()
+            self._commits[db_version] = rows
 
     def get(self, if_none_match: str | None = None) -> RenderedSnapshot:
         db_version = read_db_version(self._engine)
         with self._lock:
             if self._data is None or self._data.db_version != db_version:
-                self._data = read_snapshot(self._engine)
+                self._catch_up(db_version)
                 self._body = None
             data = self._data
             now = self._clock()
@@ -45,6 +60,21 @@ class SnapshotCache:
             if self._body is None or self._body[0] != version or now - self._body[1] > self._max_body_age_s:
                 self._body = (version, now, data.render(now))
             return RenderedSnapshot(etag, self._body[2])
+
+    def _catch_up(self, db_version: int) -> None:
+        """Brings the data to at least `db_version`: by this process's commits when they account for
+        every version in between, otherwise by reading (which may land on a newer version)."""
+        data = self._data
+        with self._commits_lock:
+            commits = self._commits
+            self._commits = {v: rows for v, rows in commits.items() if v > db_version}
+        if data is not None and data.db_version < db_version and all(
+                v in commits for v in range(data.db_version + 1, db_version + 1)):
+            if all(data.apply_capacity(v, commits[v]) for v in range(data.db_version + 1, db_version + 1)):
+                return
+        self._data = self._reader.read(self._engine)
+        with self._commits_lock:  # commits the read already includes
+            self._commits = {v: rows for v, rows in self._commits.items() if v > self._data.db_version}
 
 
 def _etags(header: str) -> set[str]:

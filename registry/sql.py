@@ -16,9 +16,11 @@ SITE_MODELS = SiteModelRow.__table__
 VERSION = RegistryVersionRow.__table__
 
 
-def bump_version(conn: Connection) -> None:
-    """Marks the snapshot as changed; must be the last statement of the transaction (see RegistryVersionRow)."""
-    conn.execute(update(VERSION).where(VERSION.c.id == 1).values(version=VERSION.c.version + 1))
+def bump_version(conn: Connection) -> int:
+    """Marks the snapshot as changed and returns the new version; must be the last statement of the
+    transaction (see RegistryVersionRow)."""
+    query = update(VERSION).where(VERSION.c.id == 1).values(version=VERSION.c.version + 1).returning(VERSION.c.version)
+    return conn.execute(query).scalar_one()
 
 
 def read_version(conn: Connection) -> int:

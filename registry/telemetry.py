@@ -46,6 +46,9 @@ class TelemetryStore:
     def __init__(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
         self._write = writer(engine)
         self._clock = clock
+        # Called after each capacity commit with (new registry version, rows written): lets this
+        # process's snapshot cache follow its own heartbeats without re-reading the database.
+        self.capacity_listeners: list[Callable[[int, list[dict]], None]] = []
         insert = upsert(engine, CAPACITY)
         self._upsert_capacity = insert.on_conflict_do_update(
             index_elements=[CAPACITY.c.site_id], set_={name: insert.excluded[name] for name in CAPACITY_FIELDS},
@@ -82,7 +85,10 @@ class TelemetryStore:
             rows = [latest[i] for i in site_ids if i in statuses]
             if rows:
                 self._store_capacity(conn, rows)
-                bump_version(conn)
+                version = bump_version(conn)
+        if rows:
+            for listener in self.capacity_listeners:
+                listener(version, rows)
         return statuses
 
     def _store_capacity(self, conn: Connection, rows: list[dict]) -> None:

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from registry.db import make_engine
 from registry.records import Capacity, ModelServed, SiteSpec
 from registry.snapshot_cache import SnapshotCache
+from registry.store import RegistryStore
 
 SITE_KEYS = {"name", "region", "country", "lat", "lon", "grpc_address", "state", "roles", "models", "alive",
              "heartbeat_age_s", "capacity"}
@@ -76,3 +78,27 @@ def test_cached_body_is_refreshed_for_heartbeat_ages(store, clock, fra):
     assert cache.get().body is first.body  # served from cache
     clock.advance(1.0)
     assert json.loads(cache.get().body)["sites"][1]["heartbeat_age_s"] == pytest.approx(1.5)
+
+
+def test_cache_follows_own_heartbeats_and_other_replicas_writes(store, clock, fra, db_url):
+    """Own heartbeat commits are applied without a read; another replica's writes still appear."""
+    cache = SnapshotCache(store.engine, clock=clock)
+    store.telemetry.capacity_listeners.append(cache.capacity_written)
+    cache.get()
+    other = RegistryStore(make_engine(db_url), clock)  # a second replica on the same database
+    try:
+        ams = other.access.site_for_token(other.access.issue_site_token("ams-1", "bob")).site_id
+        steps = [lambda: store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16, prefix_cache_summary={"a": 1})),
+                 lambda: store.telemetry.record_heartbeat(fra, Capacity(100, 40, 16)),
+                 lambda: other.telemetry.record_heartbeat(ams, Capacity(10, 5, 16)),
+                 lambda: store.telemetry.record_heartbeat(fra, Capacity(100, 30, 16)),
+                 lambda: other.sites.cordon("fra-1", "bob"),
+                 lambda: store.telemetry.record_heartbeat(ams, Capacity(10, 1, 16))]
+        for step in steps:
+            step()
+            clock.advance(0.25)
+            assert cache.get().body == store.snapshot().render(clock.now)
+        clock.advance(60)  # every heartbeat expires
+        assert cache.get().body == store.snapshot().render(clock.now)
+    finally:
+        other.close()
