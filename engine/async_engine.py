@@ -13,7 +13,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine.engine import EngineStats, LLMEngine, StepOutput
@@ -177,14 +177,6 @@ class AsyncEngine:
         # not awaited: this must run even when the caller is being cancelled
         if self._error is None and not self._stopped:
             self._submit(lambda: self.engine.close_export(export))
-
-    @asynccontextmanager
-    async def kv_export(self, handle: str) -> AsyncIterator[KVExport]:
-        export = await self.open_export(handle)
-        try:
-            yield export
-        finally:
-            self.close_export(export)
 
     async def release_kv(self, handle: str) -> None:
         await self.call(lambda e: e.release_kv(handle))

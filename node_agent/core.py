@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
 import grpc
@@ -60,7 +60,6 @@ class AgentCore:
         self._idle.set()
         self._tls_ca = tls_ca
         self._peers: dict[str, AgentClient] = {}
-        self._background: set[asyncio.Task] = set()
         self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
         self._data_addresses: dict[str, str | None] = {}  # peer gRPC address -> its KV data port, if any
 
@@ -244,14 +243,8 @@ class AgentCore:
             raise UnknownHandleError(f"KV handle {kv_handle!r} is unknown, released or expired")
         return model, engine_handle
 
-    @asynccontextmanager
-    async def kv_export(self, kv_handle: str) -> AsyncIterator[KVExport]:
-        model, engine_handle = self._lease(kv_handle)
-        async with model.engine.kv_export(engine_handle) as export:
-            yield export
-
     async def open_export(self, kv_handle: str) -> KVExport:
-        """For the KV data port: an open export it reads and then ends with end_export."""
+        """An open export of a lease, for FetchKV or the KV data port; end it with end_export."""
         model, engine_handle = self._lease(kv_handle)
         return await model.engine.open_export(engine_handle)
 
@@ -269,22 +262,6 @@ class AgentCore:
         except UnknownHandleError:
             return False
         return True
-
-    def release_soon(self, kv_handle: str) -> None:
-        """Release from a path that may itself be cancelled (a FetchKV stream the client left).
-
-        Queued on the engine behind the stream's own commands, so a second fetch of a used
-        lease finds it gone."""
-        try:
-            model, engine_handle = self._lease(kv_handle)
-        except UnknownHandleError:
-            return
-        model.engine.release_kv_nowait(engine_handle)
-
-    def spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def num_leases(self) -> int:
         return sum([(await m.engine.stats()).num_pinned_handles for m in self.models.values()])
@@ -314,8 +291,6 @@ class AgentCore:
             log.info("drain released %d unfetched KV leases", released)
 
     async def close(self) -> None:
-        for task in list(self._background):
-            await asyncio.gather(task, return_exceptions=True)
         for client in self._peers.values():
             await client.close()
         self._peers.clear()

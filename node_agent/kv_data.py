@@ -104,38 +104,53 @@ class KVDataServer:
             except EngineError as exc:
                 await _send_header(loop, conn, {"error": str(exc)})
                 return
+            ended = False
+
+            def end() -> None:
+                # Once the last chunk is gathered the blocks are no longer read: the lease ends
+                # before that chunk goes out, so a puller that asks again finds it already gone.
+                nonlocal ended
+                if not ended:
+                    ended = True
+                    self._end_export(kv_handle, export)
             try:
                 await _send_header(loop, conn, {"kv_layout": export.layout.to_json(), "token_ids": export.token_ids,
                                                 "num_chunks": export.num_chunks})
                 if self.chunk_hook is not None:
-                    await self._send_hooked(loop, conn, export)
+                    await self._send_hooked(loop, conn, export, end)
                 else:
                     conn.setblocking(True)
                     conn.settimeout(REQUEST_TIMEOUT_S)
-                    await asyncio.to_thread(self._send_blocking, conn, export)
+                    await asyncio.to_thread(self._send_blocking, conn, export, end)
             finally:
-                self._end_export(kv_handle, export)
+                end()
         except (OSError, TimeoutError, KVTransferError) as exc:
             log.info("KV data stream ended early: %s", exc)
         finally:
             conn.close()
 
-    def _send_blocking(self, conn: socket.socket, export: KVExport) -> None:
+    def _send_blocking(self, conn: socket.socket, export: KVExport, before_last: Callable[[], None]) -> None:
         """On a worker thread: gather chunk i+1 on another while chunk i goes out (both release the GIL)."""
         chunks = export.chunks()
         with ThreadPoolExecutor(1, thread_name_prefix="kv-gather") as gather:
             pending = gather.submit(next, chunks, None)
+            index = 0
             while (chunk := pending.result()) is not None:
                 pending = gather.submit(next, chunks, None)
+                if index == export.num_chunks - 1:
+                    before_last()  # thread-safe: it only queues engine commands
                 conn.sendall(FRAME.pack(chunk.layer, chunk.first_token, chunk.num_tokens, chunk.checksum,
                                         len(chunk.data)))
                 conn.sendall(chunk.data)
                 self._on_bytes_sent(len(chunk.data))
+                index += 1
 
-    async def _send_hooked(self, loop, conn: socket.socket, export: KVExport) -> None:
+    async def _send_hooked(self, loop, conn: socket.socket, export: KVExport, before_last: Callable[[], None]) -> None:
         """Tests: each chunk passes the hook, which may corrupt it or end the stream."""
         index = 0
         async for chunk in kv_chunks(export):
+            if index == export.num_chunks - 1:
+                before_last()
             msg = await self.chunk_hook(index, chunk_message(chunk, export if index == 0 else None))
             if msg is None:
                 return

@@ -88,21 +88,32 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def FetchKV(self, request: agent_pb2.FetchKVRequest, context: aio.ServicerContext):
         request_id = _request_id("", context)
         with self.core.inflight():
+            async with grpc_errors(context, request_id):
+                export = await self.core.open_export(request.kv_handle)
+            ended = False
+
+            def end() -> None:
+                # single use: the lease ends with its stream, read whole or not; once the last chunk
+                # is gathered it ends before that chunk goes out, so a second fetch finds it gone
+                nonlocal ended
+                if not ended:
+                    ended = True
+                    self.core.end_export(request.kv_handle, export)
             try:
-                async with grpc_errors(context, request_id), self.core.kv_export(request.kv_handle) as export:
-                    index = 0
-                    async for chunk in kv_chunks(export):
-                        msg = chunk_message(chunk, export if index == 0 else None)
-                        if self.fetch_kv_hook is not None:
-                            msg = await self.fetch_kv_hook(index, msg)
-                            if msg is None:
-                                return
-                        yield msg
-                        self.core.metrics.kv_bytes_sent.inc(len(msg.data))
-                        index += 1
+                index = 0
+                async for chunk in kv_chunks(export):
+                    if index == export.num_chunks - 1:
+                        end()
+                    msg = chunk_message(chunk, export if index == 0 else None)
+                    if self.fetch_kv_hook is not None:
+                        msg = await self.fetch_kv_hook(index, msg)
+                        if msg is None:
+                            return
+                    yield msg
+                    self.core.metrics.kv_bytes_sent.inc(len(msg.data))
+                    index += 1
             finally:
-                # single use: the lease ends with its stream, whether it was read whole or not
-                self.core.release_soon(request.kv_handle)
+                end()
 
     async def ReleaseKV(self, request: agent_pb2.ReleaseKVRequest, context: aio.ServicerContext):
         return agent_pb2.ReleaseKVResponse(released=await self.core.release_kv(request.kv_handle))
