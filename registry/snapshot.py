@@ -37,10 +37,15 @@ _PLAIN_CAPACITY_FIELDS = [n for n in CAPACITY_FIELDS if n != "prefix_cache_summa
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+_ALIVE = b',"alive":true,"heartbeat_age_s":'
+_DEAD = b',"alive":false,"heartbeat_age_s":'
+_NEVER_REPORTED = b',"alive":false,"heartbeat_age_s":null,"capacity":null},'
+
+
 @dataclass(slots=True)
 class SnapshotSite:
-    head: str  # the site's JSON object without its closing brace and without the live fields
-    capacity: str  # JSON text of the capacity object, or "null"
+    head: bytes  # the site's JSON object up to its live fields (no closing brace)
+    tail: bytes  # ',"capacity":<capacity JSON>},', or empty when the site has not reported
     reported_at: float | None
     ttl_s: float
 
@@ -49,7 +54,7 @@ class SnapshotSite:
 class SnapshotData:
     db_version: int
     sites: list[SnapshotSite]  # by site name
-    links: str  # JSON text of the links array
+    links: bytes  # JSON text of the links array
     deadlines: list[float]  # sorted reported_at + ttl of every site that has reported
     by_id: dict[int, SnapshotSite]
 
@@ -58,16 +63,24 @@ class SnapshotData:
         return f"{self.db_version}.{bisect_right(self.deadlines, now)}"
 
     def render(self, now: float) -> bytes:
-        parts = []
-        for site in self.sites:
-            if site.reported_at is None:
-                parts.append(f'{site.head},"alive":false,"heartbeat_age_s":null,"capacity":null}}')
-                continue
-            age = max(0.0, now - site.reported_at)
-            alive = "true" if age <= site.ttl_s else "false"
-            parts.append(f'{site.head},"alive":{alive},"heartbeat_age_s":{age:.3f},"capacity":{site.capacity}}}')
         head = _dumps({"version": self.version_at(now), "generated_at": now})[:-1]
-        return f'{head},"sites":[{",".join(parts)}],"links":{self.links}}}'.encode()
+        parts = [f'{head},"sites":['.encode()]
+        append = parts.append
+        for site in self.sites:  # the one loop over every site per render: keep it to byte appends
+            append(site.head)
+            if site.reported_at is None:
+                append(_NEVER_REPORTED)
+                continue
+            age = now - site.reported_at
+            if age < 0.0:
+                age = 0.0
+            append(_ALIVE if age <= site.ttl_s else _DEAD)
+            append(b"%.3f" % age)
+            append(site.tail)
+        if self.sites:
+            parts[-1] = parts[-1][:-1]  # no comma after the last site
+        parts += [b'],"links":', self.links, b"}"]
+        return b"".join(parts)
 
     def apply_capacity(self, db_version: int, rows: list[dict]) -> bool:
         """Moves the data to `db_version` = this version plus these capacity upserts (one heartbeat
@@ -78,7 +91,7 @@ class SnapshotData:
             site = self.by_id[row["site_id"]]
             if site.reported_at is not None:
                 del self.deadlines[bisect_left(self.deadlines, site.reported_at + site.ttl_s)]
-            site.capacity = capacity_json(row)
+            site.tail = _tail(capacity_json(row))
             site.reported_at = row["reported_at"]
             insort(self.deadlines, site.reported_at + site.ttl_s)
         self.db_version = db_version
@@ -89,9 +102,9 @@ class SnapshotReader:
     """Reads SnapshotData, reusing the JSON of every site and capacity row unchanged since the last read."""
 
     def __init__(self) -> None:
-        self._heads: dict[tuple, str] = {}
-        self._capacities: dict[tuple, str] = {}
-        self._links: tuple[list, str] = ([], "[]")
+        self._heads: dict[tuple, bytes] = {}
+        self._tails: dict[tuple, bytes] = {}
+        self._links: tuple[list, bytes] = ([], b"[]")
 
     def read(self, engine: Engine) -> SnapshotData:
         with engine.connect() as conn:
@@ -109,7 +122,7 @@ class SnapshotReader:
                 .order_by(SITE_MODELS.c.site_id, SITE_MODELS.c.model)):
             models.setdefault(site_id, []).append((model, role))
         capacities = {row[0]: tuple(row) for row in conn.execute(select(*_CAPACITY_COLUMNS))}
-        heads, capacity_texts = {}, {}
+        heads, tails = {}, {}
         sites, deadlines, by_id = [], [], {}
         for row in conn.execute(select(*_SITE_COLUMNS).order_by(SITES.c.name)):
             site_id, ttl_s = row[0], TTL_HEARTBEATS * row[9]
@@ -117,15 +130,14 @@ class SnapshotReader:
             head = heads[key] = self._heads.get(key) or _head_json(row, models.get(site_id, []))
             cap = capacities.get(site_id)
             reported_at = None
-            capacity = "null"
+            tail = b""
             if cap is not None:
-                capacity = capacity_texts[cap] = self._capacities.get(cap) or capacity_json(
-                    dict(zip(("site_id", *CAPACITY_FIELDS), cap)))
+                tail = tails[cap] = self._tails.get(cap) or _tail(capacity_json(dict(zip(("site_id", *CAPACITY_FIELDS), cap))))
                 reported_at = cap[-1]
                 deadlines.append(reported_at + ttl_s)
-            site = by_id[site_id] = SnapshotSite(head, capacity, reported_at, ttl_s)
+            site = by_id[site_id] = SnapshotSite(head, tail, reported_at, ttl_s)
             sites.append(site)
-        self._heads, self._capacities = heads, capacity_texts  # forget what no longer exists
+        self._heads, self._tails = heads, tails  # forget what no longer exists
         deadlines.sort()
         return SnapshotData(db_version, sites, self._links_json(conn), deadlines, by_id)
 
@@ -141,7 +153,7 @@ class SnapshotReader:
         rows = [tuple(row) for row in conn.execute(query)]
         if rows != self._links[0]:
             names = ("src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at")
-            self._links = (rows, _dumps([dict(zip(names, row)) for row in rows]))
+            self._links = (rows, _dumps([dict(zip(names, row)) for row in rows]).encode())
         return self._links[1]
 
 
@@ -161,9 +173,13 @@ def capacity_json(cap: dict) -> str:
     return f'{_dumps(plain)[:-1]},"prefix_cache_summary":{cap["prefix_cache_summary"] or "null"}}}'
 
 
-def _head_json(row, models: list[tuple]) -> str:
+def _tail(capacity: str) -> bytes:
+    return f',"capacity":{capacity}}},'.encode()
+
+
+def _head_json(row, models: list[tuple]) -> bytes:
     return _dumps({
         "name": row[1], "region": row[2], "country": row[3], "lat": row[4], "lon": row[5],
         "grpc_address": row[6], "state": row[7], "roles": json.loads(row[8]),
         "models": [{"model": model, "role": role} for model, role in models],
-    })[:-1]
+    })[:-1].encode()
