@@ -54,7 +54,7 @@ class SnapshotSite:
 class SnapshotData:
     db_version: int
     sites: list[SnapshotSite]  # by site name
-    links: bytes  # JSON text of the links array
+    links: str  # JSON text of the links array
     deadlines: list[float]  # sorted reported_at + ttl of every site that has reported
     by_id: dict[int, SnapshotSite]
 
@@ -79,7 +79,7 @@ class SnapshotData:
             append(site.tail)
         if self.sites:
             parts[-1] = parts[-1][:-1]  # no comma after the last site
-        parts += [b'],"links":', self.links, b"}"]
+        parts += [b'],"links":', self.links.encode(), b"}"]
         return b"".join(parts)
 
     def apply_capacity(self, db_version: int, rows: list[dict]) -> bool:
@@ -104,7 +104,7 @@ class SnapshotReader:
     def __init__(self) -> None:
         self._heads: dict[tuple, bytes] = {}
         self._tails: dict[tuple, bytes] = {}
-        self._links: tuple[list, bytes] = ([], b"[]")
+        self._links: tuple[list, str] = ([], "[]")
 
     def read(self, engine: Engine) -> SnapshotData:
         with engine.connect() as conn:
@@ -153,7 +153,7 @@ class SnapshotReader:
         rows = [tuple(row) for row in conn.execute(query)]
         if rows != self._links[0]:
             names = ("src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at")
-            self._links = (rows, _dumps([dict(zip(names, row)) for row in rows]).encode())
+            self._links = (rows, _dumps([dict(zip(names, row)) for row in rows]))
         return self._links[1]
 
 
