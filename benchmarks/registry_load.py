@@ -4,11 +4,13 @@ and snapshot latency with 1,000 and 10,000 sites, on SQLite and PostgreSQL.
     .venv/bin/python benchmarks/registry_load.py                      # both backends, defaults
     .venv/bin/python benchmarks/registry_load.py --backend sqlite --sites 2000 --duration 15
 
-The service runs as its own process (one uvicorn worker), the load generator in this one; both on
-loopback. The generator speaks minimal HTTP/1.1 over asyncio streams (one keep-alive connection
+The service runs as its own process (`--workers` uvicorn workers, default 1, as
+`edgefire registry serve --workers N` runs it), the load generator in this one; both on loopback. The generator speaks minimal HTTP/1.1 over asyncio streams (one keep-alive connection
 per simulated site, as agents have) so that it costs far less CPU than the server it measures.
 Latency is measured from writing a request to reading its whole response. Every phase has a
-fixed duration; the run ends by itself.
+fixed duration; the run ends by itself. Each heartbeat row also reports the CPU the service and the
+generator used (percent of one core) and the machine's 1-minute load average, since other jobs may
+share the cores.
 """
 
 from __future__ import annotations
@@ -114,15 +116,16 @@ def capacity_row(i: int) -> dict:
 # ---- the service under test --------------------------------------------------------------------
 
 class Server:
-    """`registry.service` under one uvicorn worker, in a child process."""
+    """`edgefire registry serve` (its registry part) in a child process."""
 
-    def __init__(self, db_url: str) -> None:
+    def __init__(self, db_url: str, workers: int = 1) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        code = ("import uvicorn; from registry.service import create_app; "
-                f"uvicorn.run(create_app({db_url!r}, {ADMIN_TOKEN!r}, {ROUTER_TOKEN!r}), host='127.0.0.1', "
-                f"port={self.port}, log_level='warning', access_log=False)")
+        argv = ["registry", "serve", "--db", db_url, "--port", str(self.port), "--workers", str(workers),
+                "--admin-token", ADMIN_TOKEN, "--router-token", ROUTER_TOKEN, "--no-migrate"]
+        code = ("import argparse, sys; from registry import cli; parser = argparse.ArgumentParser(); "
+                f"cli.add_parser(parser.add_subparsers()); args = parser.parse_args({argv!r}); sys.exit(args.func(args))")
         root = Path(__file__).resolve().parent.parent
         self.process = subprocess.Popen([sys.executable, "-c", code], cwd=root)
         deadline = time.monotonic() + 30
@@ -136,6 +139,10 @@ class Server:
                     raise RuntimeError("the registry service did not start")
                 time.sleep(0.1)
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the service process and its workers."""
+        return sum(_cpu_s(pid) for pid in _process_tree(self.process.pid))
+
     def close(self) -> None:
         self.process.terminate()
         try:
@@ -143,6 +150,29 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _process_tree(root: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 # ---- heartbeat load ----------------------------------------------------------------------------
@@ -180,7 +210,8 @@ def heartbeat_request(port: int, token: str, i: int) -> bytes:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def heartbeat_load(port: int, tokens: list[str], warmup_s: float, duration_s: float) -> dict:
+async def heartbeat_load(port: int, tokens: list[str], warmup_s: float, duration_s: float,
+                         server_cpu_s=lambda: 0.0) -> dict:
     loop = asyncio.get_running_loop()
     num_sites = len(tokens)
     start = loop.time() + 1.0
@@ -208,24 +239,32 @@ async def heartbeat_load(port: int, tokens: list[str], warmup_s: float, duration
         finally:
             connection.close()
 
+    async def measure_cpu() -> dict:
+        await asyncio.sleep(measure_from - loop.time())
+        server0, generator0 = server_cpu_s(), time.process_time()
+        await asyncio.sleep(stop_at - loop.time())
+        return {"server_cpu": (server_cpu_s() - server0) / duration_s,
+                "generator_cpu": (time.process_time() - generator0) / duration_s, "load_1m": os.getloadavg()[0]}
+
+    cpu = asyncio.create_task(measure_cpu())
     tasks = [asyncio.create_task(site(i)) for i in range(num_sites)]
     _, unfinished = await asyncio.wait(tasks, timeout=warmup_s + duration_s + 15)
     for task in unfinished:  # an overloaded server: stop waiting, report what came back
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     counts["errors"] += len(unfinished)
-    return {"sites": num_sites, "heartbeats_per_s": counts["ok"] / duration_s, "errors": counts["errors"],
+    return {**await cpu, "sites": num_sites, "heartbeats_per_s": counts["ok"] / duration_s, "errors": counts["errors"],
             "late": counts["late"], "p50_ms": percentile(latencies, 0.5) * 1000,
             "p99_ms": percentile(latencies, 0.99) * 1000, "max_ms": max(latencies, default=float("nan")) * 1000}
 
 
-def run_heartbeats(backend: str, num_sites: int, warmup_s: float, duration_s: float) -> dict:
+def run_heartbeats(backend: str, num_sites: int, warmup_s: float, duration_s: float, workers: int) -> dict:
     db = Database(backend)
     try:
         tokens = populate(db.url, num_sites, with_capacity=False)
-        server = Server(db.url)
+        server = Server(db.url, workers)
         try:
-            return asyncio.run(heartbeat_load(server.port, tokens, warmup_s, duration_s))
+            return asyncio.run(heartbeat_load(server.port, tokens, warmup_s, duration_s, server.cpu_s))
         finally:
             server.close()
     finally:
@@ -234,11 +273,11 @@ def run_heartbeats(backend: str, num_sites: int, warmup_s: float, duration_s: fl
 
 # ---- snapshot latency --------------------------------------------------------------------------
 
-def run_snapshot(backend: str, num_sites: int, samples: int) -> dict:
+def run_snapshot(backend: str, num_sites: int, samples: int, workers: int) -> dict:
     db = Database(backend)
     try:
         tokens = populate(db.url, num_sites, with_capacity=True)
-        server = Server(db.url)
+        server = Server(db.url, workers)
         try:
             return measure_snapshot(server.port, tokens[0], samples)
         finally:
@@ -254,6 +293,9 @@ def measure_snapshot(port: int, site_token: str, samples: int) -> dict:
     heartbeat = json.loads(heartbeat_request(port, site_token, 0).split(b"\r\n\r\n", 1)[1])
     changed, cached, revalidated = [], [], []
     size = 0
+    t0 = time.perf_counter()
+    router.get("/v1/router/snapshot").raise_for_status()  # the first read after start-up, reported apart
+    first_ms = (time.perf_counter() - t0) * 1000
     for _ in range(samples):
         agent.post("/v1/agent/heartbeat", json=heartbeat).raise_for_status()  # a new version: rows re-read
         t0 = time.perf_counter()
@@ -274,7 +316,7 @@ def measure_snapshot(port: int, site_token: str, samples: int) -> dict:
     router.close()
     agent.close()
     ms = lambda xs, q: percentile(xs, q) * 1000  # noqa: E731
-    return {"sites": num_sites_of(response.content), "body_mb": size / 1e6,
+    return {"sites": num_sites_of(response.content), "body_mb": size / 1e6, "first_ms": first_ms,
             "changed_p50_ms": ms(changed, 0.5), "changed_p99_ms": ms(changed, 0.99),
             "cached_p50_ms": ms(cached, 0.5), "cached_p99_ms": ms(cached, 0.99),
             "not_modified_p50_ms": ms(revalidated, 0.5), "not_modified_p99_ms": ms(revalidated, 0.99),
@@ -296,26 +338,31 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds before each run")
     parser.add_argument("--snapshot-sites", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--snapshot-samples", type=int, default=30)
+    parser.add_argument("--workers", type=int, default=1, help="service worker processes (default 1)")
     args = parser.parse_args()
     backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
     print(f"registry load benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
-          f"{NUM_SUMMARY_HASHES} prefix hashes per heartbeat, {LINKS_PER_SITE} links per site in snapshots")
+          f"{NUM_SUMMARY_HASHES} prefix hashes per heartbeat, {LINKS_PER_SITE} links per site in snapshots, "
+          f"{args.workers} service worker(s)")
     print("\nheartbeats (1 Hz per site; target: 2000/s sustained with p99 < 50 ms)")
-    print("  errors = non-200 answers or requests still unanswered at the end; late = sends > 0.5 s behind schedule")
-    print(f"{'backend':<11}{'sites':>7}{'hb/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'errors':>8}{'late':>7}")
+    print("  errors = non-200 answers or requests still unanswered at the end; late = sends > 0.5 s behind schedule;")
+    print("  srv/gen cpu = CPU of the service / of this load generator while measuring, % of one core; load = 1-min load")
+    print(f"{'backend':<11}{'sites':>7}{'hb/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'errors':>8}{'late':>7}"
+          f"{'srv cpu':>9}{'gen cpu':>9}{'load':>6}")
     for backend in backends:
         for num_sites in args.sites:
-            r = run_heartbeats(backend, num_sites, args.warmup, args.duration)
+            r = run_heartbeats(backend, num_sites, args.warmup, args.duration, args.workers)
             print(f"{backend:<11}{r['sites']:>7}{r['heartbeats_per_s']:>9.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
-                  f"{r['max_ms']:>9.1f}{r['errors']:>8}{r['late']:>7}", flush=True)
+                  f"{r['max_ms']:>9.1f}{r['errors']:>8}{r['late']:>7}{r['server_cpu']:>9.0%}{r['generator_cpu']:>9.0%}"
+                  f"{r['load_1m']:>6.1f}", flush=True)
     print("\nsnapshot GET latency (target: 10,000 sites < 100 ms); 'changed' = rows re-read and rendered,"
-          " 'cached' = same version, '304' = If-None-Match current")
-    print(f"{'backend':<11}{'sites':>7}{'MB':>7}{'changed p50/p99 ms':>21}{'cached p50/p99':>17}{'304 p50/p99':>15}"
-          f"{'parse ms':>10}")
+          " 'cached' = same version, '304' = If-None-Match current; 'first' = the first GET after start-up")
+    print(f"{'backend':<11}{'sites':>7}{'MB':>7}{'first ms':>10}{'changed p50/p99 ms':>21}{'cached p50/p99':>17}"
+          f"{'304 p50/p99':>15}{'parse ms':>10}")
     for backend in backends:
         for num_sites in args.snapshot_sites:
-            r = run_snapshot(backend, num_sites, args.snapshot_samples)
-            print(f"{backend:<11}{r['sites']:>7}{r['body_mb']:>7.2f}"
+            r = run_snapshot(backend, num_sites, args.snapshot_samples, args.workers)
+            print(f"{backend:<11}{r['sites']:>7}{r['body_mb']:>7.2f}{r['first_ms']:>10.1f}"
                   f"{r['changed_p50_ms']:>12.1f} /{r['changed_p99_ms']:>6.1f}"
                   f"{r['cached_p50_ms']:>9.1f} /{r['cached_p99_ms']:>6.1f}"
                   f"{r['not_modified_p50_ms']:>7.2f} /{r['not_modified_p99_ms']:>6.2f}{r['client_json_parse_ms']:>10.1f}",

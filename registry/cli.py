@@ -8,6 +8,7 @@ import os
 
 DEFAULT_DB_URL = "sqlite:///.edgefire/registry.db"
 DEFAULT_PORT = 8500
+DB_URL_ENV = "EDGEFIRE_REGISTRY_DB"  # how `serve --workers N` hands the database URL to its workers
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ def add_parser(subparsers) -> None:
                        help="operator token (default $EDGEFIRE_ADMIN_TOKEN)")
     serve.add_argument("--router-token", default=os.environ.get("EDGEFIRE_ROUTER_TOKEN"),
                        help="routers' token (default $EDGEFIRE_ROUTER_TOKEN)")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="worker processes sharing the port, each with its own heartbeat group commit (default 1)")
     serve.add_argument("--no-migrate", action="store_true", help="do not upgrade the schema before serving")
     serve.set_defaults(func=run_serve)
 
@@ -51,11 +54,28 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         log.error("missing %s (or EDGEFIRE_ADMIN_TOKEN / EDGEFIRE_ROUTER_TOKEN)", " and ".join(missing))
         return 2
+    if args.workers < 1:
+        log.error("--workers must be at least 1")
+        return 2
     if not args.no_migrate:
         upgrade_to_head(args.db)
-    app = create_app(args.db, args.admin_token, args.router_token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    if args.workers == 1:
+        app = create_app(args.db, args.admin_token, args.router_token)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        return 0
+    # uvicorn starts each worker from an import string; the settings travel in the environment.
+    os.environ.update({DB_URL_ENV: args.db, "EDGEFIRE_ADMIN_TOKEN": args.admin_token,
+                       "EDGEFIRE_ROUTER_TOKEN": args.router_token})
+    uvicorn.run("registry.cli:app_from_environment", factory=True, workers=args.workers, host=args.host,
+                port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def app_from_environment():
+    """The app of one `serve --workers N` worker."""
+    from registry.service import create_app
+
+    return create_app(os.environ[DB_URL_ENV], os.environ["EDGEFIRE_ADMIN_TOKEN"], os.environ["EDGEFIRE_ROUTER_TOKEN"])
 
 
 def _redacted(db_url: str) -> str:
