@@ -6,12 +6,46 @@ is not; a stop string found ends the text right before it, even when it spans se
 
 from __future__ import annotations
 
-from engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from engine.tokenizer import ChatTokenizer
+
+
+class WindowDetokenizer:
+    """Text deltas of a growing token list, decoding only a short window of recent tokens.
+
+    Decoding the whole list at every step costs O(n) per token. Here the window starts at the last
+    point where the text was complete (`_prefix_start`), and the new text is what decoding the
+    window adds to decoding its already-emitted part (`_read_start` marks where that part ends).
+    Subtracting the window's own prefix keeps decoders that treat a leading token specially (a
+    stripped leading space) byte-identical to a full decode. A window ending inside a multi-byte
+    character decodes to U+FFFD at its end and emits nothing until the character completes.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True) -> None:
+        self._decode = tokenizer.tokenizer.decode
+        self._skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_start = 0  # first token of the window
+        self._read_start = 0    # first token whose text has not been emitted
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (may be empty while a character is partial)."""
+        ids = self.token_ids
+        ids.extend(token_ids)
+        window = ids[self._prefix_start:]
+        text = self._decode(window, self._skip_special_tokens)
+        if not text or text.endswith("\ufffd"):
+            return ""
+        num_read = self._read_start - self._prefix_start
+        prefix = self._decode(window[:num_read], self._skip_special_tokens) if num_read else ""
+        if len(text) <= len(prefix):
+            return ""
+        self._prefix_start, self._read_start = self._read_start, len(ids)
+        return text[len(prefix):]
 
 
 class TextStream:
     def __init__(self, tokenizer: ChatTokenizer, stop: list[str]) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer = WindowDetokenizer(tokenizer)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import ChatTokenizer
-from router.text_stream import TextStream
+from engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from router.text_stream import TextStream, WindowDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +41,44 @@ def test_text_is_not_held_back_without_a_possible_stop(tokenizer):
     stream = TextStream(tokenizer, ["xyz"])
     first = stream.add(tokenizer.encode("the cat", add_special_tokens=False))
     assert first == "the c"  # only the last len("xyz") - 1 characters wait to see if "xyz" follows
+
+
+MULTILINGUAL = ("Grüße aus Köln — naïve café. 日本語のテキスト、中文文本。 Ελληνικά, русский текст, "
+                "עברית, العربية, हिन्दी 🙂👍🏽 emoji and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ok")
+
+
+def llama2_style_tokenizer() -> ChatTokenizer:
+    """A SentencePiece-like tokenizer (Metaspace pieces, byte fallback, leading space stripped):
+    its decoder treats the first token differently, unlike the byte-level BPE of the demo model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "▁the", "▁cat", "▁aus", "s", "e", "t", "▁G"]
+    tokenizer = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                                     byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return ChatTokenizer(tokenizer.to_str())
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "llama2_style"])
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_window_detokenizer_matches_a_full_decode(tokenizer, kind, step):
+    tok = tokenizer if kind == "byte_level" else llama2_style_tokenizer()
+    ids = tok.encode(MULTILINGUAL, add_special_tokens=False)
+    assert tok.decode(ids) == MULTILINGUAL  # the reference: one decode of everything
+    window, full = WindowDetokenizer(tok), IncrementalDetokenizer(tok)  # full: decodes every id each time
+    text = ""
+    for i in range(0, len(ids), step):
+        delta = window.add(ids[i:i + step])
+        assert delta == full.add(ids[i:i + step]), i  # the same delta at every step, not just in the end
+        text += delta
+    assert text == MULTILINGUAL
+
+
+def test_text_stream_skips_special_tokens_like_a_full_decode(tokenizer):
+    eos = tokenizer.token_to_id(tokenizer.eos_token)
+    ids = tokenizer.encode("naïve 日本", add_special_tokens=False)
+    stream = TextStream(tokenizer, [])
+    text = "".join(stream.add([token_id]) for token_id in ids[:2] + [eos] + ids[2:]) + stream.flush()
+    assert text == tokenizer.decode(ids[:2] + [eos] + ids[2:]) == "naïve 日本"
