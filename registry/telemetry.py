@@ -7,6 +7,7 @@ process keep up with thousands of sites.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +28,16 @@ _PG_ARRAY_TYPES = {"site_id": "integer", "block_size": "integer", "num_running":
                    "prefix_cache_summary": "text", "draining": "boolean", "kv_blocks_total": "bigint",
                    "kv_blocks_free": "bigint", "inflight_prefill_tokens": "bigint", "inflight_decode_tokens": "bigint"}
 _PG_COLUMNS = ["site_id", *CAPACITY_FIELDS]
+_PG_ARRAY_COLUMNS = [c for c in _PG_COLUMNS if c != "prefix_cache_summary"]
+# One array parameter per column; the summaries (JSON text with many quotes, which psycopg would
+# escape one regex match at a time in a text[] array) travel as one JSON array of strings instead.
 PG_UPSERT_CAPACITY = text(
-    f"INSERT INTO capacity ({', '.join(_PG_COLUMNS)}) SELECT * FROM unnest("
-    + ", ".join(f"CAST(:{c} AS {_PG_ARRAY_TYPES.get(c, 'double precision')}[])" for c in _PG_COLUMNS)
-    + ") ON CONFLICT (site_id) DO UPDATE SET "
+    f"INSERT INTO capacity ({', '.join(_PG_COLUMNS)}) "
+    f"SELECT {', '.join('s.summary' if c == 'prefix_cache_summary' else f'u.{c}' for c in _PG_COLUMNS)} FROM unnest("
+    + ", ".join(f"CAST(:{c} AS {_PG_ARRAY_TYPES.get(c, 'double precision')}[])" for c in _PG_ARRAY_COLUMNS)
+    + f") WITH ORDINALITY AS u({', '.join(_PG_ARRAY_COLUMNS)}, ord)"
+    " JOIN json_array_elements_text(CAST(:prefix_cache_summary AS json)) WITH ORDINALITY AS s(summary, ord) USING (ord)"
+    " ON CONFLICT (site_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in CAPACITY_FIELDS)
 )
 
@@ -99,7 +106,9 @@ class TelemetryStore:
         # in a crash is harmless; not waiting for the WAL flush makes each commit several times cheaper.
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         # One statement with one array per column instead of a round trip per row.
-        conn.execute(PG_UPSERT_CAPACITY, {name: [row[name] for row in rows] for name in ("site_id", *CAPACITY_FIELDS)})
+        columns = {name: [row[name] for row in rows] for name in _PG_ARRAY_COLUMNS}
+        columns["prefix_cache_summary"] = json.dumps([row["prefix_cache_summary"] for row in rows])
+        conn.execute(PG_UPSERT_CAPACITY, columns)
 
     def clear_capacity(self, site_id: int) -> None:
         """The agent is leaving: with no capacity row the snapshot reports the site down at once."""
