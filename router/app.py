@@ -1,4 +1,6 @@
-"""The HTTP edge: FastAPI routes that read, authenticate and translate, then call CompletionService.
+"""The HTTP edge: routes that read, authenticate and translate, then call CompletionService.
+
+Completions are served as raw ASGI in front of FastAPI (`RouterApp`); the rest are FastAPI routes.
 
 Errors become OpenAI bodies here and only here (`ApiError` → JSON with its status and headers).
 A stream that breaks for good after its first byte ends with one SSE error event and no [DONE].
@@ -7,20 +9,22 @@ Logs carry request ids, sites and counts — never API keys or prompt text.
 
 from __future__ import annotations
 
-import json
 import logging
-import uuid
+import os
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from router.completions import CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
+from router.responses import encode_json
 from router.sse import SSEResponse
 
 if TYPE_CHECKING:
@@ -28,19 +32,37 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-affinity"
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
+
+
+class RouterApp(FastAPI):
+    """FastAPI, except that completions are answered before its middleware and routing.
+
+    Completions are nearly all of the router's requests, and FastAPI's per-request machinery
+    (middleware stack, routing, Request objects, a wrapper around every send) costs more CPU than
+    the router's own work on a short stream. `serve_completion` runs the same handler with the same
+    error mapping; everything else (models, health, 404, 405) goes through FastAPI.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            chat = COMPLETION_PATHS.get(scope["path"])
+            if chat is not None:
+                await serve_completion(self.state.router, chat, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(router: Router) -> FastAPI:
-    app = FastAPI(title="edgefire router", version="1", docs_url=None, redoc_url=None,
-                  description="OpenAI-compatible endpoint over edgefire sites.")
+    app = RouterApp(title="edgefire router", version="1", docs_url=None, redoc_url=None,
+                    description="OpenAI-compatible endpoint over edgefire sites.")
     app.state.router = router
 
     async def chat_completions(request: Request) -> Response:
-        return await _complete(router, request, chat=True)
+        return await _complete(router, _new_request_id(request), request.scope, request.receive, chat=True)
 
     async def completions(request: Request) -> Response:
-        return await _complete(router, request, chat=False)
+        return await _complete(router, _new_request_id(request), request.scope, request.receive, chat=False)
 
     async def models(request: Request) -> Response:
         await router.authenticate(request.headers.get("authorization"))
@@ -61,30 +83,43 @@ def create_app(router: Router) -> FastAPI:
     return app
 
 
-async def _complete(router: Router, http_request: Request, chat: bool) -> Response:
-    request_id = "req-" + uuid.uuid4().hex[:24]
-    http_request.state.request_id = request_id
-    body = await _read_body(http_request, router.config.max_body_bytes)
-    api_key = await router.authenticate(http_request.headers.get("authorization"))
+async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:
+    """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give."""
+    request_id = _request_id()
+    try:
+        response = await _complete(router, request_id, scope, receive, chat)
+    except ApiError as exc:
+        response = _error_response(exc)
+    except ClientDisconnect:
+        return  # the client left before sending its whole body: no one to answer
+    except Exception as exc:
+        response = _internal_error_response(request_id, exc)
+    await response(scope, receive, send)
+
+
+async def _complete(router: Router, request_id: str, scope, receive, chat: bool) -> Response:
+    headers = Headers(scope=scope)
+    body = await _read_body(headers, receive, router.config.max_body_bytes)
+    api_key = await router.authenticate(headers.get("authorization"))
     request = parse_request(parse_json(body), chat)
-    client = http_request.client
-    location = router.locator.locate(client.host if client else None, http_request.headers)
-    ctx = RequestContext(request_id, api_key, location, http_request.headers.get(SESSION_HEADER))
+    client = scope.get("client")
+    location = router.locator.locate(client[0] if client else None, headers)
+    ctx = RequestContext(request_id, api_key, location, headers.get(SESSION_HEADER))
     run = await router.service.start(request, ctx)
     log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
               run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
     if request.stream:
         return SSEResponse(_sse(run), run.headers())
     body = await run.response()
-    return Response(_dumps(body).encode(), media_type="application/json", headers=run.headers())
+    return Response(encode_json(body).encode(), media_type="application/json", headers=run.headers())
 
 
 async def _sse(run: CompletionRun):
     """(bytes, is_last) per step for SSEResponse; [DONE] rides in the same write as the finish."""
     try:
         async with aclosing(run.chunks()) as batches:
-            async for chunks in batches:
-                data = b"".join(b"data: " + _dumps(chunk).encode() + b"\n\n" for chunk in chunks)
+            async for bodies in batches:
+                data = b"data: " + b"\n\ndata: ".join(bodies) + b"\n\n"
                 if run.finish_reason is not None:
                     yield data + b"data: [DONE]\n\n", True
                     return
@@ -94,24 +129,48 @@ async def _sse(run: CompletionRun):
                   run.num_completion_tokens, exc)
         error = error_body(f"The stream broke and could not be resumed ({exc}); the text so far is incomplete.",
                            "server_error", None, "stream_interrupted")
-        yield b"data: " + _dumps(error).encode() + b"\n\n", True
+        yield b"data: " + encode_json(error).encode() + b"\n\n", True
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def _read_body(headers: Headers, receive, max_bytes: int) -> bytes:
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large(f"The request body exceeds {max_bytes} bytes; send a smaller request.")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
             raise too_large(f"The request body exceeds {max_bytes} bytes; send a smaller request.")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _request_id() -> str:
+    return "req-" + os.urandom(12).hex()
+
+
+def _new_request_id(request: Request) -> str:
+    request.state.request_id = request_id = _request_id()
+    return request_id
+
+
+def _error_response(exc: ApiError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+def _internal_error_response(request_id: str, exc: Exception) -> Response:
+    log.exception("request %s: unexpected failure", request_id, exc_info=exc)
+    error = internal_error(request_id)
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 async def _api_error(_request: Request, exc: ApiError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+    return _error_response(exc)
 
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
@@ -121,7 +180,4 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> Respons
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    request_id = getattr(request.state, "request_id", "-")
-    log.exception("request %s: unexpected failure", request_id, exc_info=exc)
-    error = internal_error(request_id)
-    return JSONResponse(error.body(), status_code=error.status)
+    return _internal_error_response(getattr(request.state, "request_id", "-"), exc)

@@ -8,8 +8,8 @@ the first token. The returned `CompletionRun` then yields stream chunks or one r
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -136,7 +136,7 @@ class CompletionRun:
                  limiter: RateLimiter, max_tokens: int, retry_after_s: float) -> None:
         self.request, self.ctx, self.assets, self.generation = request, ctx, assets, generation
         self.limiter, self.max_tokens, self.retry_after_s = limiter, max_tokens, retry_after_s
-        self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if request.chat else "cmpl-") + os.urandom(16).hex()
         self.created = int(time.time())
         self.text = TextStream(assets.tokenizer, request.stop)
         self.first_step: TokenStep | None = None
@@ -198,36 +198,44 @@ class CompletionRun:
             self._refunded = True
             self.limiter.refund_tokens(self.ctx.api_key.id, self.max_tokens - self.num_completion_tokens)
 
-    async def chunks(self) -> AsyncIterator[list[dict]]:
-        """Stream chunks, one list per agent step (sent in one write); the final list ends with the
-        finish chunk and, if asked for, usage. Raises GenerationFailed/AgentRejected when the stream
-        breaks for good."""
+    async def chunks(self) -> AsyncIterator[list[bytes]]:
+        """JSON bodies of the stream chunks, one list per agent step (sent in one write); the final list
+        ends with the finish chunk and, if asked for, usage. Raises GenerationFailed/AgentRejected when
+        the stream breaks for good."""
         r = self.request
-        batch = [responses.chat_chunk(self.id, self.created, r.model, {"role": "assistant", "content": ""}, None,
-                                      None)] if r.chat else []
+        encoder = responses.ChunkEncoder(self.id, self.created, r.model, r.chat)
+        batch = [encoder.encode(responses.chat_chunk(self.id, self.created, r.model,
+                                                     {"role": "assistant", "content": ""}, None, None))
+                 ] if r.chat else []
         async with aclosing(self._deltas()) as deltas:
             async for delta, tokens, finish in deltas:
-                batch.extend(self._step_chunks(delta, tokens, finish))
+                self._step_chunks(encoder, delta, tokens, finish, batch)
                 if batch:
                     yield batch
                     batch = []
 
-    def _step_chunks(self, delta: str, tokens: list, finish: str | None) -> list[dict]:
-        r, tokenizer, out = self.request, self.assets.tokenizer, []
+    def _step_chunks(self, encoder: responses.ChunkEncoder, delta: str, tokens: list, finish: str | None,
+                     out: list[bytes]) -> None:
+        r, tokenizer, encode = self.request, self.assets.tokenizer, encoder.encode
+        if r.logprobs is None and finish is None:  # the chunk of nearly every token
+            if delta:
+                out.append(encoder.text(delta))
+            return
         if r.chat:
             logprobs = responses.chat_logprobs(tokenizer, tokens) if r.logprobs is not None else None
             if delta or logprobs:
-                out.append(responses.chat_chunk(self.id, self.created, r.model, {"content": delta}, None, logprobs))
+                out.append(encode(responses.chat_chunk(self.id, self.created, r.model, {"content": delta}, None,
+                                                       logprobs)))
             if finish is not None:
-                out.append(responses.chat_chunk(self.id, self.created, r.model, {}, finish, None))
+                out.append(encode(responses.chat_chunk(self.id, self.created, r.model, {}, finish, None)))
         else:
             logprobs = (responses.completion_logprobs(tokenizer, tokens, len(self.text.text) - len(delta))
                         if r.logprobs is not None else None)
             if delta or logprobs or finish is not None:
-                out.append(responses.completion_chunk(self.id, self.created, r.model, delta, finish, logprobs))
+                out.append(encode(responses.completion_chunk(self.id, self.created, r.model, delta, finish,
+                                                             logprobs)))
         if finish is not None and r.include_usage:
-            out.append(responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage()))
-        return out
+            out.append(encode(responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage())))
 
     async def response(self) -> dict:
         r, tokenizer = self.request, self.assets.tokenizer

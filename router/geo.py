@@ -60,6 +60,8 @@ class ClientLocator:
             self._reader = None
 
     def locate(self, peer: str | None, headers: Mapping[str, str]) -> Location:
+        if self._reader is None and not self._trusted:
+            return self.own  # nothing to look up and no proxy to believe: skip parsing the address
         peer_ip = _parse_ip(peer)
         from_proxy = peer_ip is not None and self._is_trusted(peer_ip)
         client_ip = self._client_ip(peer_ip, headers) if from_proxy else peer_ip

@@ -1,8 +1,37 @@
-"""OpenAI response and stream-chunk bodies, built from plain values."""
+"""OpenAI response and stream-chunk bodies, built from plain values, and their one JSON encoding."""
 
 from __future__ import annotations
 
+import json
+from json.encoder import encode_basestring
+
 from engine.tokenizer import ChatTokenizer
+
+encode_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_SPLICE = "\x00edgefire-text\x00"  # stands in for a chunk's text while its bytes are built
+
+
+class ChunkEncoder:
+    """The JSON bodies of one stream's chunks.
+
+    Nearly every chunk carries only new text, so its bytes are a head and a tail encoded once per
+    stream with the text spliced between them; every other chunk is encoded whole. Both give the
+    bytes of `encode_json(chunk).encode()`.
+    """
+
+    def __init__(self, response_id: str, created: int, model: str, chat: bool) -> None:
+        template = (chat_chunk(response_id, created, model, {"content": _SPLICE}, None, None) if chat
+                    else completion_chunk(response_id, created, model, _SPLICE, None, None))
+        head, tail = encode_json(template).split(encode_basestring(_SPLICE))
+        self._head, self._tail = head.encode(), tail.encode()
+
+    def text(self, text: str) -> bytes:
+        """The chunk with `text` and nothing else: no logprobs, no finish reason."""
+        return self._head + encode_basestring(text).encode() + self._tail
+
+    @staticmethod
+    def encode(chunk: dict) -> bytes:
+        return encode_json(chunk).encode()
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
