@@ -105,6 +105,7 @@ class SnapshotReader:
         self._heads: dict[tuple, bytes] = {}
         self._tails: dict[tuple, bytes] = {}
         self._links: tuple[list, str] = ([], "[]")
+        self._sql: dict[str, str] = {}  # query name -> SQL text for this engine's dialect
 
     def read(self, engine: Engine) -> SnapshotData:
         with engine.connect() as conn:
@@ -117,14 +118,12 @@ class SnapshotReader:
     def _read(self, conn: Connection) -> SnapshotData:
         db_version = read_version(conn)
         models: dict[int, list[tuple]] = {}
-        for site_id, model, role in conn.execute(
-                select(SITE_MODELS.c.site_id, SITE_MODELS.c.model, SITE_MODELS.c.role)
-                .order_by(SITE_MODELS.c.site_id, SITE_MODELS.c.model)):
+        for site_id, model, role in self._fetch(conn, "models"):
             models.setdefault(site_id, []).append((model, role))
-        capacities = {row[0]: tuple(row) for row in conn.execute(select(*_CAPACITY_COLUMNS))}
+        capacities = {row[0]: row for row in self._fetch(conn, "capacity")}
         heads, tails = {}, {}
         sites, deadlines, by_id = [], [], {}
-        for row in conn.execute(select(*_SITE_COLUMNS).order_by(SITES.c.name)):
+        for row in self._fetch(conn, "sites"):
             site_id, ttl_s = row[0], TTL_HEARTBEATS * row[9]
             key = (*row, *models.get(site_id, ()))
             head = heads[key] = self._heads.get(key) or _head_json(row, models.get(site_id, []))
@@ -142,19 +141,43 @@ class SnapshotReader:
         return SnapshotData(db_version, sites, self._links_json(conn), deadlines, by_id)
 
     def _links_json(self, conn: Connection) -> str:
-        src, dst = aliased(SiteRow), aliased(SiteRow)
-        query = (
-            select(src.name.label("src"), dst.name.label("dst"), LINKS.c.rtt_ms, LINKS.c.bandwidth_mbps,
-                   LINKS.c.measured_at)
-            .join(src, src.id == LINKS.c.src_site_id)
-            .join(dst, dst.id == LINKS.c.dst_site_id)
-            .order_by(src.name, dst.name)
-        )
-        rows = [tuple(row) for row in conn.execute(query)]
+        rows = self._fetch(conn, "links")
         if rows != self._links[0]:
             names = ("src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at")
             self._links = (rows, _dumps([dict(zip(names, row)) for row in rows]))
         return self._links[1]
+
+
+    def _fetch(self, conn: Connection, name: str) -> list[tuple]:
+        """Plain tuples from the driver's cursor, inside this connection's transaction: at 10,000+
+        rows SQLAlchemy's row objects cost more than the queries themselves."""
+        if name not in self._sql:
+            self._sql[name] = str(_QUERIES[name]().compile(dialect=conn.dialect))
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(self._sql[name])
+            return cursor.fetchall()
+        finally:
+            cursor.close()
+
+
+def _links_query():
+    src, dst = aliased(SiteRow), aliased(SiteRow)
+    return (
+        select(src.name.label("src"), dst.name.label("dst"), LINKS.c.rtt_ms, LINKS.c.bandwidth_mbps, LINKS.c.measured_at)
+        .join(src, src.id == LINKS.c.src_site_id)
+        .join(dst, dst.id == LINKS.c.dst_site_id)
+        .order_by(src.name, dst.name)
+    )
+
+
+_QUERIES = {
+    "models": lambda: select(SITE_MODELS.c.site_id, SITE_MODELS.c.model, SITE_MODELS.c.role)
+    .order_by(SITE_MODELS.c.site_id, SITE_MODELS.c.model),
+    "capacity": lambda: select(*_CAPACITY_COLUMNS),
+    "sites": lambda: select(*_SITE_COLUMNS).order_by(SITES.c.name),
+    "links": _links_query,
+}
 
 
 def read_snapshot(engine: Engine) -> SnapshotData:
