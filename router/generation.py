@@ -159,20 +159,22 @@ class Generation:
         return self.agents.decode(site.grpc_address, request, self.policy.request_timeout_s)
 
     async def _read(self, call) -> AsyncIterator[TokenStep]:
-        timeout = self.policy.first_token_timeout_s
+        timeout, timer = self.policy.first_token_timeout_s, _ReadTimer()
         first = True
-        while True:
-            async with asyncio.timeout(timeout):
-                chunk = await call.read()
-            if chunk is grpc.aio.EOF:
-                return
-            if first and not self.num_prompt_tokens:
-                self.num_prompt_tokens = chunk.num_prompt_tokens or len(self.prompt_ids)
-                self.num_cached_tokens = chunk.num_cached_tokens
-            first, timeout = False, self.policy.token_idle_timeout_s
-            step = TokenStep(list(chunk.tokens), chunk.finish_reason)
-            self._accept(step)
-            yield step
+        try:
+            while True:
+                chunk = await timer.read(call, timeout)
+                if chunk is grpc.aio.EOF:
+                    return
+                if first and not self.num_prompt_tokens:
+                    self.num_prompt_tokens = chunk.num_prompt_tokens or len(self.prompt_ids)
+                    self.num_cached_tokens = chunk.num_cached_tokens
+                first, timeout = False, self.policy.token_idle_timeout_s
+                step = TokenStep(list(chunk.tokens), chunk.finish_reason)
+                self._accept(step)
+                yield step
+        finally:
+            timer.close()
 
     def _accept(self, step: TokenStep) -> None:
         self.generated_ids.extend(token.token_id for token in step.tokens)
@@ -195,6 +197,58 @@ class Generation:
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: ReleaseKV on %s failed (%s); the lease will expire", self.request_id, address,
                      exc.code().name)
+
+
+class _ReadTimer:
+    """`await timer.read(call, timeout_s)`: the call's next message, or TimeoutError after timeout_s.
+
+    What `asyncio.timeout` around each read does, with one timer per stream instead of one set and
+    cancelled per token: the timer is re-armed only when it fires, for the read then in progress.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_for = 0.0
+        self._task: asyncio.Task | None = None
+        self._deadline: float | None = None  # of the read in progress; None between reads
+        self._expired = False
+
+    async def read(self, call, timeout_s: float):
+        self._deadline = deadline = self._loop.time() + timeout_s
+        self._task = task = asyncio.current_task()
+        self._expired = False
+        if self._handle is None or self._armed_for > deadline:
+            self._arm(deadline)
+        cancelling = task.cancelling()
+        try:
+            return await call.read()
+        except asyncio.CancelledError:
+            if self._expired and task.uncancel() <= cancelling:
+                raise TimeoutError from None
+            raise
+        finally:
+            self._deadline = None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _arm(self, when: float) -> None:
+        self.close()
+        self._armed_for = when
+        self._handle = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._deadline is None:
+            return  # between reads: the next read arms the timer again
+        if self._loop.time() >= self._deadline - 0.001:  # a timer may fire a little early
+            self._expired = True
+            self._task.cancel()
+        else:
+            self._arm(self._deadline)
 
 
 _background: set[asyncio.Task] = set()

@@ -9,6 +9,7 @@ Tests pass `registry=` (a RegistryClient on an in-process registry) and `clock=`
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 
 import uvicorn
@@ -73,6 +74,9 @@ class Router:
                 await self._server_task  # surfaces the start failure
                 raise RuntimeError("the HTTP server stopped during start")
             await asyncio.sleep(0.01)
+        # Everything loaded by now (FastAPI, protobuf, tokenizer assets' Python side) lives as long as
+        # the process; frozen, the cyclic collector stops rescanning it (a full pass took ~14 ms).
+        gc.freeze()
         bound_host, bound_port = sock.getsockname()[:2]
         return f"http://{bound_host}:{bound_port}"
 

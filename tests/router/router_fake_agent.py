@@ -3,7 +3,8 @@
 The token at output position i depends only on the prompt and i, exactly as greedy decoding
 would, so a stream resumed elsewhere with the tokens already sent matches a fault-free run.
 Fault switches: `refuse` (a status code before the first token), `die_after` (abort UNAVAILABLE
-after k tokens of a stream), `hang` (never answer), `token_delay_s`.
+after k tokens of a stream), `hang` (never answer), `stall_after` (go silent after k tokens of a
+stream), `token_delay_s`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.refuse: grpc.StatusCode | None = None
         self.die_after: int | None = None
         self.hang = False
+        self.stall_after: int | None = None
         self.token_delay_s = 0.0
         self.num_cached_tokens = 0
         self.calls: list[tuple[str, object]] = []
@@ -87,6 +89,8 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         for position in range(start, max_tokens):
             if self.die_after is not None and position - start >= self.die_after:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} died")
+            if self.stall_after is not None and position - start >= self.stall_after:
+                await asyncio.sleep(3600)
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             token_id = self.token_at(prompt, position)

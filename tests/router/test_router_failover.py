@@ -61,6 +61,22 @@ async def test_hung_site_times_out_and_next_site_answers(cluster, make_router, h
     assert response.headers["x-edgefire-decode-site"] == "par"
 
 
+async def test_site_silent_mid_stream_times_out_and_the_stream_resumes(cluster, make_router, http):
+    near = await cluster.add_site("fra", *FRA)
+    far = await cluster.add_site("par", *PAR)
+    key = await cluster.create_key()
+    _router, url = await make_router(token_idle_timeout_s=0.3)
+    _response, lines = await stream(http, url, key)
+    reference_text, _ = stream_text(lines)
+    near.stall_after = 3
+    response, lines = await stream(http, url, key)
+    assert response.headers["x-edgefire-decode-site"] == "fra"  # the stream began there
+    assert lines[-1] == "data: [DONE]"
+    assert stream_text(lines)[0] == reference_text
+    method, resume = far.calls[-1]
+    assert method == "Decode" and len(resume.generated_ids) == 3
+
+
 async def test_decode_site_lost_mid_stream_resumes_without_gap_or_repeat(two_sites, http):
     near, far, key, url = two_sites
     _response, lines = await stream(http, url, key)
