@@ -2,7 +2,9 @@
 
 Missing or unknown tokens get 401; a valid token of the wrong kind gets 403. Site tokens are
 cached for a few seconds so a heartbeat costs no database read; a token revoked on another
-registry replica therefore stops working within SITE_TOKEN_CACHE_S (at once on this one).
+registry replica therefore stops working within SITE_TOKEN_CACHE_S (at once on this one). A token
+used in the last SITE_TOKEN_REFRESH_S of its cache entry is re-checked in the background, many in
+one query, so agents heartbeating steadily never wait for a database read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from registry.credentials import same_secret
 from registry.http_errors import ApiError
 
 SITE_TOKEN_CACHE_S = 5.0
+SITE_TOKEN_REFRESH_S = 1.5
+REFRESH_WINDOW_S = 0.1  # background re-checks gather this long into one query
 MAX_CACHED_TOKENS = 100_000
 ACTOR = re.compile(r"[\w.@:+-]{1,100}")
 
@@ -33,6 +37,9 @@ class Authenticator:
         self._site_tokens: dict[str, tuple[SiteIdentity, float]] = {}
         self._lookups: dict[str, asyncio.Future] = {}  # tokens waiting for the next batched query
         self._lookup_task: asyncio.Task | None = None
+        self._refreshes: set[str] = set()  # cached tokens to re-check after REFRESH_WINDOW_S
+        self._refresh_task: asyncio.Task | None = None
+        self._generation = 0  # moves when cached tokens are forgotten; older lookups must not re-add them
 
     async def admin(self, request: Request) -> str:
         """Returns the actor recorded in the audit log: 'admin', or 'admin:<X-Edgefire-Actor>'."""
@@ -65,32 +72,51 @@ class Authenticator:
     def forget_site_tokens(self) -> None:
         """After a rotation or site deletion on this replica: stop honouring cached tokens at once."""
         self._site_tokens.clear()
+        self._generation += 1
+
+    async def close(self) -> None:
+        """Stops the background re-checks (at shutdown)."""
+        for task in (self._refresh_task, self._lookup_task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _site_identity(self, token: str) -> SiteIdentity | None:
         cached = self._site_tokens.get(token)
         now = time.monotonic()
         if cached is not None and cached[1] > now:
+            if cached[1] - now < SITE_TOKEN_REFRESH_S:
+                self._refresh_later(token)
             return cached[0]
-        identity = await self._lookup(token)
-        if identity is not None:
-            if len(self._site_tokens) >= MAX_CACHED_TOKENS:
-                self._site_tokens.clear()
-            self._site_tokens[token] = (identity, now + SITE_TOKEN_CACHE_S)
-        return identity
+        # a caller that goes away must not cancel the others' lookup
+        return await asyncio.shield(self._lookup(token))
 
-    async def _lookup(self, token: str) -> SiteIdentity | None:
-        """Database lookups in batches: with thousands of sites, cache entries expire every few
-        milliseconds, and one query per batch costs far less than a thread hop per heartbeat."""
+    def _refresh_later(self, token: str) -> None:
+        self._refreshes.add(token)
+        if self._refresh_task is None or self._refresh_task.done():
+            self._refresh_task = asyncio.create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        await asyncio.sleep(REFRESH_WINDOW_S)
+        tokens, self._refreshes = self._refreshes, set()
+        for token in tokens:
+            self._lookup(token)  # the lookup updates the cache; nobody waits for it
+
+    def _lookup(self, token: str) -> asyncio.Future:
+        """Database lookups in batches: every lookup asked for while one query runs goes into the
+        next, so thousands of sites cost a few queries a second, not a thread hop per heartbeat."""
         waiting = self._lookups.get(token)
         if waiting is None:
             waiting = self._lookups[token] = asyncio.get_running_loop().create_future()
+            waiting.add_done_callback(_retrieve)
             if self._lookup_task is None or self._lookup_task.done():
                 self._lookup_task = asyncio.create_task(self._run_lookups())
-        return await asyncio.shield(waiting)  # a caller that goes away must not cancel the others' lookup
+        return waiting
 
     async def _run_lookups(self) -> None:
         while self._lookups:
             batch, self._lookups = self._lookups, {}
+            generation, checked_at = self._generation, time.monotonic()
             try:
                 found = await run_in_threadpool(self._access.sites_for_tokens, list(batch))
             except Exception as exc:  # every waiter gets the error (a database outage is a 503)
@@ -98,9 +124,21 @@ class Authenticator:
                     if not waiting.done():
                         waiting.set_exception(exc)
                 continue
+            if generation == self._generation:
+                self._remember(batch, found, checked_at + SITE_TOKEN_CACHE_S)
             for token, waiting in batch.items():
                 if not waiting.done():
                     waiting.set_result(found.get(token))
+
+    def _remember(self, tokens, found: dict[str, SiteIdentity], expires_at: float) -> None:
+        for token in tokens:
+            identity = found.get(token)
+            if identity is None:
+                self._site_tokens.pop(token, None)  # revoked (or never valid): refused from now on
+                continue
+            if token not in self._site_tokens and len(self._site_tokens) >= MAX_CACHED_TOKENS:
+                self._site_tokens.clear()
+            self._site_tokens[token] = (identity, expires_at)
 
     async def _refuse(self, token: str, api: str, site_checked: bool = False) -> None:
         known = same_secret(token, self._admin_token) or same_secret(token, self._router_token)
@@ -109,6 +147,13 @@ class Authenticator:
         if known:
             raise ApiError(403, f"this token cannot use {api}", "wrong_token_kind")
         raise ApiError(401, "invalid bearer token", "invalid_token", {"WWW-Authenticate": "Bearer"})
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    # A background re-check's failure has no waiter; the entry simply expires. Marking the
+    # exception retrieved keeps asyncio from logging it as lost.
+    if not future.cancelled():
+        future.exception()
 
 
 def _bearer(request: Request) -> str:

@@ -47,6 +47,7 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
             yield
         finally:
             await service.batcher.stop()
+            await service.auth.close()
             store.close()
 
     app = RegistryApp(title="edgefire registry", version="1", lifespan=lifespan,
