@@ -34,7 +34,8 @@ MESSAGES = [{"role": "user", "content": "What is the nearest edge site to Frankf
 # --- cluster process: registry + instant fake agent ---------------------------------------------
 
 def run_cluster(model_dir: str, db_path: str, conn) -> None:
-    asyncio.run(_cluster(model_dir, db_path, conn))
+    import uvloop
+    uvloop.run(_cluster(model_dir, db_path, conn))
 
 
 async def _cluster(model_dir: str, db_path: str, conn) -> None:
@@ -100,33 +101,51 @@ async def _router(registry_url: str, conn) -> None:
     async with Router(config) as router:
         url = await router.start_server()
         conn.send(url)
-        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        while await asyncio.get_running_loop().run_in_executor(None, conn.recv) == "cpu":
+            conn.send(time.process_time())  # every thread of the router process (gRPC's poller too)
 
 
 # --- load generator -------------------------------------------------------------------------------
 
-class HttpConnection:
-    """One keep-alive HTTP/1.1 connection that posts a streamed completion and reads to the end."""
+class HttpConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that posts a streamed completion and reads to the end.
+
+    A bare protocol rather than asyncio streams: the load generator shares the two cores with the
+    router and the agent, so every microsecond it spends is one the router does not get.
+    """
 
     def __init__(self, host: str, port: int, api_key: str, body: bytes) -> None:
         self.host, self.port = host, port
         self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-        self.reader = self.writer = None
+        self.transport: asyncio.Transport | None = None
+        self.response = bytearray()
+        self.done: asyncio.Future | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.response += data
+        if self.response.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the router closed the connection"))
 
     async def post(self) -> None:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.write(self.request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.decode(errors="replace"))
-        tail = await self.reader.readuntil(b"\r\n0\r\n\r\n")  # the last chunk of a chunked body
-        if b"data: [DONE]" not in tail:
+        loop = asyncio.get_running_loop()
+        if self.transport is None:
+            self.transport, _ = await loop.create_connection(lambda: self, self.host, self.port)
+        self.response.clear()
+        self.done = loop.create_future()
+        self.transport.write(self.request)
+        await self.done
+        if not self.response.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(self.response.decode(errors="replace"))
+        if b"data: [DONE]" not in self.response[-64:]:
             raise RuntimeError("stream ended without [DONE]")
 
 
-async def measure(args, cluster: dict, router_url: str) -> dict:
+async def measure(args, cluster: dict, router_url: str, router_conn) -> dict:
     import grpc
 
     from node_agent.proto import agent_pb2, agent_pb2_grpc
@@ -162,9 +181,18 @@ async def measure(args, cluster: dict, router_url: str) -> dict:
             start = time.perf_counter()
             await call()
             latencies.append((time.perf_counter() - start) * 1000)
-        results[name] = {"latencies": latencies, "rps": await throughput(call, args)}
+        router_cpu = router_cpu_s(router_conn)
+        rps = await throughput(call, args)
+        # Router CPU per request served during the throughput run (~0 on the direct path: a check).
+        cpu_ms = (router_cpu_s(router_conn) - router_cpu) * 1000 / (rps * args.seconds)
+        results[name] = {"latencies": latencies, "rps": rps, "router_cpu_ms": cpu_ms}
     await channel.close()
     return results
+
+
+def router_cpu_s(router_conn) -> float:
+    router_conn.send("cpu")
+    return router_conn.recv()
 
 
 async def throughput(call, args) -> float:
@@ -187,6 +215,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> int:
+    import uvloop
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400, help="sequential requests per path for latency")
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
@@ -206,7 +236,7 @@ def main() -> int:
         router_proc.start()
         router_url = router_conn.recv()
         try:
-            results = asyncio.run(measure(args, cluster, router_url))
+            results = uvloop.run(measure(args, cluster, router_url, router_conn))
         finally:
             router_conn.send("stop")
             cluster_conn.send("stop")
@@ -215,9 +245,10 @@ def main() -> int:
     direct, routed = results["direct"]["latencies"], results["router"]["latencies"]
     print(f"streamed completions of {args.tokens} tokens; latency over {args.requests} sequential requests, "
           f"throughput over {args.seconds:g} s at concurrency {args.concurrency}")
-    print(f"{'path':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    print(f"{'path':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'router CPU ms/req':>18}")
     for name, values in (("direct", direct), ("router", routed)):
-        print(f"{name:8} {percentile(values, 50):8.3f} {percentile(values, 99):8.3f} {results[name]['rps']:8.1f}")
+        print(f"{name:8} {percentile(values, 50):8.3f} {percentile(values, 99):8.3f} {results[name]['rps']:8.1f} "
+              f"{results[name]['router_cpu_ms']:18.3f}")
     print(f"added by the router: p50 {percentile(routed, 50) - percentile(direct, 50):.3f} ms, "
           f"p99 {percentile(routed, 99) - percentile(direct, 99):.3f} ms; "
           f"router streamed requests/s {results['router']['rps']:.1f}")

@@ -10,37 +10,40 @@ from engine.tokenizer import ChatTokenizer
 
 
 class WindowDetokenizer:
-    """Text deltas of a growing token list, decoding only a short window of recent tokens.
+    """Text deltas of a growing token list, decoding a window of at most ~`window_tokens` recent tokens.
 
-    Decoding the whole list at every step costs O(n) per token. Here the window starts at the last
-    point where the text was complete (`_prefix_start`), and the new text is what decoding the
-    window adds to decoding its already-emitted part (`_read_start` marks where that part ends).
-    Subtracting the window's own prefix keeps decoders that treat a leading token specially (a
+    Decoding the whole list at every step costs O(n) per token. Here each step decodes the window
+    and emits what it adds to the window's text already emitted. When the window grows past
+    `window_tokens` it restarts at the previous emission's first token (a character boundary): a
+    window starting on a token already sent keeps decoders that treat a leading token specially (a
     stripped leading space) byte-identical to a full decode. A window ending inside a multi-byte
     character decodes to U+FFFD at its end and emits nothing until the character completes.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True, window_tokens: int = 32) -> None:
         self._decode = tokenizer.tokenizer.decode
         self._skip_special_tokens = skip_special_tokens
+        self._window_tokens = window_tokens
         self.token_ids: list[int] = []
-        self._prefix_start = 0  # first token of the window
-        self._read_start = 0    # first token whose text has not been emitted
+        self._start = 0        # first token of the window
+        self._read_end = 0     # end of the tokens whose text was emitted
+        self._read_text = ""   # the text of token_ids[_start:_read_end], all emitted
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (may be empty while a character is partial)."""
         ids = self.token_ids
         ids.extend(token_ids)
-        window = ids[self._prefix_start:]
-        text = self._decode(window, self._skip_special_tokens)
-        if not text or text.endswith("\ufffd"):
+        text = self._decode(ids[self._start:], self._skip_special_tokens)
+        if len(text) <= len(self._read_text) or text.endswith("\ufffd"):
             return ""
-        num_read = self._read_start - self._prefix_start
-        prefix = self._decode(window[:num_read], self._skip_special_tokens) if num_read else ""
-        if len(text) <= len(prefix):
-            return ""
-        self._prefix_start, self._read_start = self._read_start, len(ids)
-        return text[len(prefix):]
+        delta = text[len(self._read_text):]
+        if len(ids) - self._start > self._window_tokens:
+            self._start = self._read_end
+            self._read_text = self._decode(ids[self._start:], self._skip_special_tokens)
+        else:
+            self._read_text = text
+        self._read_end = len(ids)
+        return delta
 
 
 class TextStream:

@@ -63,11 +63,12 @@ def llama2_style_tokenizer() -> ChatTokenizer:
 
 @pytest.mark.parametrize("kind", ["byte_level", "llama2_style"])
 @pytest.mark.parametrize("step", [1, 2, 5])
-def test_window_detokenizer_matches_a_full_decode(tokenizer, kind, step):
+@pytest.mark.parametrize("window_tokens", [1, 4, 32])
+def test_window_detokenizer_matches_a_full_decode(tokenizer, kind, step, window_tokens):
     tok = tokenizer if kind == "byte_level" else llama2_style_tokenizer()
     ids = tok.encode(MULTILINGUAL, add_special_tokens=False)
-    assert tok.decode(ids) == MULTILINGUAL  # the reference: one decode of everything
-    window, full = WindowDetokenizer(tok), IncrementalDetokenizer(tok)  # full: decodes every id each time
+    assert tok.decode(ids) == MULTILINGUAL and len(ids) > 100  # long enough for the window to move
+    window, full = WindowDetokenizer(tok, window_tokens=window_tokens), IncrementalDetokenizer(tok)  # full: decodes every id each time
     text = ""
     for i in range(0, len(ids), step):
         delta = window.add(ids[i:i + step])
