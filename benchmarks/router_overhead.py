@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/router_overhead.py [--requests 400] [--seconds 5] [--concurrency 32]
 
 Three processes on loopback: a "cluster" (registry service + a fake agent that answers at once),
-the router (uvicorn + uvloop, as `edgefire router` runs it), and this load generator. Latency is
-measured one request at a time; throughput with `--concurrency` streams in flight. The direct path
-calls the agent's Generate over gRPC; the router path posts a streamed chat completion (SSE) and
-reads to `data: [DONE]`. Both ask for the same prompt and number of tokens. The HTTP client is a
-minimal keep-alive HTTP/1.1 reader, so its own cost stays small next to the router's.
+the router (uvicorn + uvloop, as `edgefire router` runs it), and this load generator (uvloop).
+Latency is measured one request at a time, the two paths alternating; throughput with
+`--concurrency` streams in flight, one path after the other. The direct path calls the agent's
+Generate over gRPC; the router path posts a streamed chat completion (SSE) and reads to
+`data: [DONE]`. Both ask for the same prompt and number of tokens. The HTTP client is a bare
+keep-alive HTTP/1.1 protocol, so its own cost stays small next to the router's. The router's CPU
+time per request (all its threads, over the throughput run) is read from the router process.
 """
 
 from __future__ import annotations
@@ -172,20 +174,24 @@ async def measure(args, cluster: dict, router_url: str, router_conn) -> dict:
     async def routed(i: int = 0) -> None:
         await connections[i].post()
 
-    results = {}
-    for name, call in (("direct", direct), ("router", routed)):
+    paths = {"direct": direct, "router": routed}
+    for call in paths.values():
         for _ in range(50):  # warm up: channels, tokenizer assets, caches
             await call()
-        latencies = []
-        for _ in range(args.requests):
+    # Latency: the two paths alternate request by request, so both see the same load on the machine.
+    latencies = {name: [] for name in paths}
+    for _ in range(args.requests):
+        for name, call in paths.items():
             start = time.perf_counter()
             await call()
-            latencies.append((time.perf_counter() - start) * 1000)
+            latencies[name].append((time.perf_counter() - start) * 1000)
+    results = {}
+    for name, call in paths.items():
         router_cpu = router_cpu_s(router_conn)
         rps = await throughput(call, args)
         # Router CPU per request served during the throughput run (~0 on the direct path: a check).
         cpu_ms = (router_cpu_s(router_conn) - router_cpu) * 1000 / (rps * args.seconds)
-        results[name] = {"latencies": latencies, "rps": rps, "router_cpu_ms": cpu_ms}
+        results[name] = {"latencies": latencies[name], "rps": rps, "router_cpu_ms": cpu_ms}
     await channel.close()
     return results
 
