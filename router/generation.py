@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -108,12 +109,13 @@ class Generation:
                     site = candidate.decode_site
                     call = self._decode(site, None)
                 self.decode_site = site.name
-                async for step in self._read(call):
-                    lease = None  # the decode site has the KV now; its lease is its to end
-                    yield step
-                    if step.finish_reason:
-                        self.health.record_success(site.name)
-                        return
+                async with aclosing(self._read(call)) as steps:  # closed here, not by the GC's finalizer task
+                    async for step in steps:
+                        lease = None  # the decode site has the KV now; its lease is its to end
+                        yield step
+                        if step.finish_reason:
+                            self.health.record_success(site.name)
+                            return
                 raise _StreamEnded()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE_CODES:
