@@ -68,7 +68,8 @@ def test_window_detokenizer_matches_a_full_decode(tokenizer, kind, step, window_
     tok = tokenizer if kind == "byte_level" else llama2_style_tokenizer()
     ids = tok.encode(MULTILINGUAL, add_special_tokens=False)
     assert tok.decode(ids) == MULTILINGUAL and len(ids) > 100  # long enough for the window to move
-    window, full = WindowDetokenizer(tok, window_tokens=window_tokens), IncrementalDetokenizer(tok)  # full: decodes every id each time
+    window = WindowDetokenizer(tok, window_tokens=window_tokens)
+    full = IncrementalDetokenizer(tok)  # the reference: decodes every id at every step
     text = ""
     for i in range(0, len(ids), step):
         delta = window.add(ids[i:i + step])
