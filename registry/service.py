@@ -8,10 +8,13 @@ lifetime: the heartbeat group-commit loop starts and stops with the app.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sqlalchemy.exc import OperationalError
 
 from registry import heartbeat_endpoint, http_errors
 from registry.app_state import RegistryService
@@ -23,6 +26,8 @@ from registry.routes_agent import router as agent_routes
 from registry.routes_router import router as router_routes
 from registry.snapshot_cache import SnapshotCache
 from registry.store import RegistryStore
+
+log = logging.getLogger(__name__)
 
 
 def create_app(db_url: str, admin_token: str, router_token: str, *,
@@ -42,6 +47,7 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
         # Everything loaded so far (FastAPI, SQLAlchemy, pydantic) lives as long as the process;
         # freezing it keeps the collector from rescanning it on every full collection.
         gc.freeze()
+        await _warm_snapshot(service.snapshots)
         service.batcher.start()
         try:
             yield
@@ -73,6 +79,15 @@ class RegistryApp(FastAPI):
             await heartbeat_endpoint.serve(self.state.registry, self.max_body_bytes, scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+async def _warm_snapshot(snapshots: SnapshotCache) -> None:
+    """Builds the snapshot before serving, so the routers' first GET does not pay for reading and
+    encoding every site (~0.5-1 s at 10,000 sites)."""
+    try:
+        await asyncio.to_thread(snapshots.get)
+    except OperationalError as exc:  # the database is down: start anyway; snapshot GETs answer 503 until it is back
+        log.warning("could not build the snapshot at start-up: %s", exc.orig)
 
 
 async def _healthz() -> dict:
