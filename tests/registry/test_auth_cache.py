@@ -64,6 +64,6 @@ async def test_token_revoked_elsewhere_stops_working_within_the_cache_lifetime(s
             except ApiError as exc:
                 assert (exc.status, exc.code) == (401, "invalid_token")
                 break
-            assert time.monotonic() - revoked_at < auth.SITE_TOKEN_CACHE_S + 1.0, "the revoked token still works"
+            assert time.monotonic() - revoked_at < auth.SITE_TOKEN_CACHE_S + 3.0, "the revoked token still works"
     finally:
         await authenticator.close()

@@ -94,3 +94,26 @@ async def test_bad_paging_and_actor(raw):
 
 async def test_unknown_endpoint_is_json_404(raw):
     assert_error(await raw.get("/v1/nothing-here", headers=ADMIN), 404, "no_such_endpoint")
+
+
+async def test_heartbeat_body_errors_match_the_rest_of_the_api(raw):
+    """Heartbeats are served in front of FastAPI; their 413 / 400 / 422 bodies are the API's own."""
+    await raw.post("/v1/admin/sites", headers=ADMIN, json={"name": "fra-1"})
+    token = (await raw.post("/v1/admin/sites/fra-1/tokens", headers=ADMIN, json={})).json()["token"]
+    agent = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    big = b'{"kv_blocks_total": 1, "x": "' + b"a" * (70 * 1024) + b'"}'
+    assert_error(await raw.post("/v1/agent/heartbeat", headers=agent, content=big), 413, "body_too_large")
+
+    async def chunks():
+        for start in range(0, len(big), 8192):
+            yield big[start:start + 8192]
+
+    assert_error(await raw.post("/v1/agent/heartbeat", headers=agent, content=chunks()), 413, "body_too_large")
+    assert_error(await raw.post("/v1/agent/heartbeat", headers=agent, content=b"{nope"), 400, "invalid_json")
+    error = assert_error(await raw.post("/v1/agent/heartbeat", headers=agent, json={"kv_blocks_free": 1}), 422,
+                         "invalid_field")
+    assert "kv_blocks_total" in error["message"]
+    ok = await raw.post("/v1/agent/heartbeat", headers=agent, json={"kv_blocks_total": 2, "kv_blocks_free": 1,
+                                                                     "block_size": 16})
+    assert (ok.status_code, ok.headers["content-type"], ok.json()) == (200, "application/json",
+                                                                        {"state": "active", "drain_deadline": None})
