@@ -3,7 +3,9 @@
     app = create_app("sqlite:///var/edgefire/registry.db", admin_token, router_token)
 
 The handlers are thin (routes_*.py); this module wires them to one RegistryService and owns its
-lifetime: the heartbeat group-commit loop starts and stops with the app.
+lifetime: the snapshot is built and the heartbeat group-commit loop started before serving, and the
+loop stops with the app. Heartbeats, nearly all of the traffic, are answered by heartbeat_endpoint
+before FastAPI's middleware and routing (RegistryApp).
 """
 
 from __future__ import annotations
