@@ -17,7 +17,8 @@ import xxhash
 
 from engine.errors import KVTransferError
 
-_CHUNK_HEADER = struct.Struct("<IIIQI")  # layer, first_token, num_tokens, checksum, data length
+# A chunk on a byte stream: this header, then its data.
+CHUNK_HEADER = struct.Struct("<IIIQI")  # layer, first_token, num_tokens, checksum, data length
 
 
 @dataclass(slots=True)
@@ -36,6 +37,13 @@ class KVLayout:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    def check_fits(self, expected: KVLayout) -> None:
+        """Raise unless K/V of this layout can go into an engine whose layout is `expected`."""
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "model_fingerprint"):
+            if getattr(self, name) != getattr(expected, name):
+                raise KVTransferError(f"KV layout mismatch: {name} is {getattr(self, name)!r}, "
+                                      f"this engine needs {getattr(expected, name)!r}")
 
     @classmethod
     def from_json(cls, text: str) -> KVLayout:
@@ -64,18 +72,17 @@ class KVChunk:
         if checksum(self.data) != self.checksum:
             raise KVTransferError(f"KV chunk for layer {self.layer} tokens {self.first_token}+{self.num_tokens}: checksum mismatch")
 
-    def to_bytes(self) -> bytes:
-        return _CHUNK_HEADER.pack(self.layer, self.first_token, self.num_tokens, self.checksum, len(self.data)) + bytes(self.data)
+    def header(self) -> bytes:
+        return CHUNK_HEADER.pack(self.layer, self.first_token, self.num_tokens, self.checksum, len(self.data))
 
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> KVChunk:
-        if len(raw) < _CHUNK_HEADER.size:
-            raise KVTransferError("KV chunk is shorter than its header")
-        layer, first, num, digest, length = _CHUNK_HEADER.unpack_from(raw)
-        data = raw[_CHUNK_HEADER.size:]
-        if len(data) != length:
-            raise KVTransferError(f"KV chunk declares {length} bytes but carries {len(data)}")
-        return cls(layer, first, num, data, digest)
+    def check(self, layout: KVLayout) -> None:
+        """The chunk names a layer of layout, holds exactly its tokens' bytes, and its checksum holds."""
+        if not 0 <= self.layer < layout.num_layers:
+            raise KVTransferError(f"KV chunk names layer {self.layer}; the model has {layout.num_layers}")
+        expected = self.num_tokens * layout.bytes_per_token_per_layer
+        if len(self.data) != expected:
+            raise KVTransferError(f"KV chunk for layer {self.layer} has {len(self.data)} bytes, expected {expected}")
+        self.verify()
 
 
 def checksum(data: bytes) -> int:
@@ -94,23 +101,21 @@ class KVPayload:
 
     def validate(self, expected: KVLayout) -> None:
         """Check the payload fits an engine with layout `expected` and is complete and intact."""
-        got = self.layout
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "model_fingerprint"):
-            if getattr(got, name) != getattr(expected, name):
-                raise KVTransferError(f"KV layout mismatch: {name} is {getattr(got, name)!r}, this engine needs {getattr(expected, name)!r}")
-        if got.num_tokens != len(self.token_ids) or got.num_tokens < 1:
-            raise KVTransferError(f"KV payload covers {got.num_tokens} tokens but names {len(self.token_ids)} prompt tokens")
-        covered = [0] * got.num_layers
-        per_token = got.bytes_per_token_per_layer
+        self.layout.check_fits(expected)
+        for chunk in self.chunks:
+            chunk.check(self.layout)
+        self.check_coverage()
+
+    def check_coverage(self) -> None:
+        """Every layer's chunks cover the payload's tokens exactly once, in order, with no gap."""
+        layout = self.layout
+        if layout.num_tokens != len(self.token_ids) or layout.num_tokens < 1:
+            raise KVTransferError(f"KV payload covers {layout.num_tokens} tokens but names {len(self.token_ids)} prompt tokens")
+        covered = [0] * layout.num_layers
         for chunk in sorted(self.chunks, key=lambda c: (c.layer, c.first_token)):
-            if not 0 <= chunk.layer < got.num_layers:
-                raise KVTransferError(f"KV chunk names layer {chunk.layer}; the model has {got.num_layers}")
             if chunk.first_token != covered[chunk.layer]:
                 raise KVTransferError(f"KV chunks for layer {chunk.layer} leave a gap or overlap at token {covered[chunk.layer]}")
-            if len(chunk.data) != chunk.num_tokens * per_token:
-                raise KVTransferError(f"KV chunk for layer {chunk.layer} has {len(chunk.data)} bytes, expected {chunk.num_tokens * per_token}")
-            chunk.verify()
             covered[chunk.layer] += chunk.num_tokens
-        missing = [layer for layer, n in enumerate(covered) if n != got.num_tokens]
+        missing = [layer for layer, n in enumerate(covered) if n != layout.num_tokens]
         if missing:
-            raise KVTransferError(f"KV payload is incomplete: layers {missing[:8]} do not cover all {got.num_tokens} tokens")
+            raise KVTransferError(f"KV payload is incomplete: layers {missing[:8]} do not cover all {layout.num_tokens} tokens")

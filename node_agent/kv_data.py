@@ -7,7 +7,8 @@ per chunk:
 
     request   <H token length, token (the peer token, as on gRPC), <H handle length, KV handle
     header    <I length, JSON {"kv_layout", "token_ids", "num_chunks"} or {"error"}
-    chunk     <IIIQI layer, first_token, num_tokens, xxh3-64 checksum, data length; then the data
+    chunk     engine.kv_transfer.CHUNK_HEADER (layer, first_token, num_tokens, xxh3-64 checksum, data
+              length), then the data
 
 Any failure on either side is one closed connection or an error header; the puller's checks
 (layout, sizes, coverage, every checksum) turn it into a KVTransferError and Decode recomputes.
@@ -31,7 +32,7 @@ import numpy
 from engine.async_engine import kv_chunks
 from engine.errors import EngineError, KVTransferError
 from engine.kv_export import KVExport
-from engine.kv_transfer import KVChunk, KVLayout, KVPayload
+from engine.kv_transfer import CHUNK_HEADER, KVChunk, KVLayout, KVPayload
 from node_agent.proto import agent_pb2
 from node_agent.transfer import PayloadAssembler, chunk_message
 
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 
 LENGTH = struct.Struct("<H")
 HEADER = struct.Struct("<I")
-FRAME = struct.Struct("<IIIQI")
 REQUEST_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 64 << 20
 
@@ -139,8 +139,7 @@ class KVDataServer:
                 pending = gather.submit(next, chunks, None)
                 if index == export.num_chunks - 1:
                     before_last()  # thread-safe: it only queues engine commands
-                conn.sendall(FRAME.pack(chunk.layer, chunk.first_token, chunk.num_tokens, chunk.checksum,
-                                        len(chunk.data)))
+                conn.sendall(chunk.header())
                 conn.sendall(chunk.data)
                 self._on_bytes_sent(len(chunk.data))
                 index += 1
@@ -154,9 +153,9 @@ class KVDataServer:
             msg = await self.chunk_hook(index, chunk_message(chunk, export if index == 0 else None))
             if msg is None:
                 return
-            await loop.sock_sendall(conn, FRAME.pack(msg.layer, msg.first_token, msg.num_tokens, msg.checksum,
-                                                     len(msg.data)))
-            await loop.sock_sendall(conn, msg.data)
+            hooked = KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.checksum)
+            await loop.sock_sendall(conn, hooked.header())
+            await loop.sock_sendall(conn, hooked.data)
             index += 1
 
 
@@ -224,11 +223,11 @@ def _pull(conn: socket.socket, peer_token: str, kv_handle: str, assembler: Paylo
     # One uninitialized buffer for the whole payload (numpy.empty does not zero it); frames land in it.
     buffer = memoryview(numpy.empty(layout.num_layers * layout.num_tokens * layout.bytes_per_token_per_layer,
                                     dtype=numpy.uint8))
-    frame = memoryview(bytearray(FRAME.size))
+    frame = memoryview(bytearray(CHUNK_HEADER.size))
     offset = 0
     for _ in range(header["num_chunks"]):
         _read_exactly(conn, frame)
-        layer, first, count, digest, length = FRAME.unpack(frame)
+        layer, first, count, digest, length = CHUNK_HEADER.unpack(frame)
         if length > len(buffer) - offset:
             raise KVTransferError(f"KV frame declares {length} bytes, more than the layout leaves ({len(buffer) - offset})")
         data = buffer[offset:offset + length]

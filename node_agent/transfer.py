@@ -51,21 +51,14 @@ class PayloadAssembler:
         if token_ids != self._prompt_ids:
             raise KVTransferError(f"the KV source holds a different prompt ({len(token_ids)} tokens) "
                                   f"than this request's ({len(self._prompt_ids)} tokens)")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "model_fingerprint"):
-            if getattr(layout, name) != getattr(self._expected, name):
-                raise KVTransferError(f"KV layout mismatch: {name} is {getattr(layout, name)!r}, "
-                                      f"this engine needs {getattr(self._expected, name)!r}")
+        layout.check_fits(self._expected)
         self.payload = KVPayload(layout, token_ids)
         self._num_chunks = num_chunks
 
     def add_chunk(self, chunk: KVChunk) -> None:
         if self._num_chunks and len(self.payload.chunks) >= self._num_chunks:
             raise KVTransferError(f"KV stream sent more than the {self._num_chunks} chunks it announced")
-        expected_bytes = chunk.num_tokens * self.payload.layout.bytes_per_token_per_layer
-        if len(chunk.data) != expected_bytes:
-            raise KVTransferError(f"KV chunk {len(self.payload.chunks)} carries {len(chunk.data)} bytes for "
-                                  f"{chunk.num_tokens} tokens, expected {expected_bytes}")
-        chunk.verify()
+        chunk.check(self.payload.layout)
         self.payload.chunks.append(chunk)
         self.num_bytes += len(chunk.data)
 
@@ -75,15 +68,7 @@ class PayloadAssembler:
         if len(self.payload.chunks) != self._num_chunks:
             raise KVTransferError(f"the KV stream ended after {len(self.payload.chunks)} of "
                                   f"{self._num_chunks} chunks")
-        layout = self.payload.layout
-        covered = [0] * layout.num_layers
-        for chunk in sorted(self.payload.chunks, key=lambda c: (c.layer, c.first_token)):
-            if not 0 <= chunk.layer < layout.num_layers or chunk.first_token != covered[chunk.layer]:
-                raise KVTransferError(f"KV chunks for layer {chunk.layer} leave a gap or overlap at token "
-                                      f"{chunk.first_token}")
-            covered[chunk.layer] += chunk.num_tokens
-        if layout.num_tokens != len(self.payload.token_ids) or any(n != layout.num_tokens for n in covered):
-            raise KVTransferError(f"the KV payload does not cover all {layout.num_tokens} tokens of every layer")
+        self.payload.check_coverage()
         return self.payload
 
 
