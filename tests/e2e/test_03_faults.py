@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 
-from tests.e2e.conftest import LONG_TOKENS, complete, prompt_ids, router_log, stream
+from tests.e2e.conftest import LONG_TOKENS, complete, completion_body, prompt_ids, router_log, stream
 
 
 def test_prefill_site_killed_request_served_elsewhere(cluster, http):
@@ -63,4 +63,13 @@ def test_registry_outage_serves_from_last_snapshot_then_heartbeats_resume(cluste
         return all(s["alive"] and s["capacity"]["reported_at"] > stopped_at + 3.5 for s in sites)
 
     cluster.wait_for(every_site_heartbeated_since_restart, 20.0, "heartbeats to resume")
-    assert complete(http, cluster, prompt_ids(20, start=9), 4).text
+
+    # A freshly restarted registry first reports every site as dead (their heartbeats were backing
+    # off while it was down), and the router follows that view until it refreshes: the router
+    # answers 503 + Retry-After for that moment. Requests must be served again once it has caught up.
+    def router_serves_again() -> bool:
+        response = http.post("/v1/completions", json=completion_body(cluster, prompt_ids(20, start=9), 4))
+        assert response.status_code in (200, 503), response.text
+        return response.status_code == 200 and bool(response.json()["choices"][0]["text"])
+
+    cluster.wait_for(router_serves_again, 10.0, "the router to serve from the registry's new snapshot")
