@@ -54,11 +54,13 @@ class RouterConfig:
     default_prefill_tokens_per_s: float = 4000.0
     default_decode_tokens_per_s: float = 500.0
     default_kv_bytes_per_token: int = 131072
+    link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
 
     def validate(self) -> RouterConfig:
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
-        for name in ("snapshot_refresh_s", "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s"):
+        for name in ("snapshot_refresh_s", "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s",
+                     "link_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if not -90 <= self.lat <= 90 or not -180 <= self.lon <= 180:

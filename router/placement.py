@@ -6,12 +6,14 @@ draining, in a region the API key allows, and has the KV blocks free: the uncach
 prefill site, prompt + the decode horizon for a decode site.
 
 Cost model, in milliseconds (the router sits near its clients, so router↔site ≈ client↔site):
-  client_rtt(s)   measured link from the router's own site when present, else from distance
+  client_rtt(s)   fresh measured link from the router's own site when present, else from distance
   queue(s)        in-flight prefill tokens ÷ prefill rate
   prefill(s)      uncached prompt tokens ÷ prefill rate; cached tokens come from the site's
                   prefix-cache summary (the leading run of prompt block hashes it holds)
   tpot(d)         (running sequences + 1) ÷ decode rate: this request's share of the site's throughput
-  transfer(p, d)  link RTT + KV bytes ÷ link bandwidth (measured, else distance and a default)
+  transfer(p, d)  link RTT + KV bytes ÷ link bandwidth: the agents' measurement of the pair when
+                  fresh (measured at most `link_max_age_s` before the snapshot), else the RTT
+                  implied by distance and `default_bandwidth_mbps` (see `kv_transfer_ms`)
   ttft            client_rtt(p) + queue(p) + prefill(p)
   colocated(s)    ttft(s) + horizon × tpot(s)
   split(p, d)     ttft(p) + transfer(p, d) + client_rtt(d) + horizon × tpot(d)
@@ -50,6 +52,7 @@ class CostModel:
     heartbeat_max_age_s: float = 15.0
     affinity_slack: float = 0.2
     default_bandwidth_mbps: float = DEFAULT_BANDWIDTH_MBPS
+    link_max_age_s: float = 300.0      # older link measurements give way to the distance estimate
     shortlist: int = 8
 
 
@@ -129,7 +132,8 @@ def _pairs(prefill: list[_SiteCost], decode: list[_SiteCost], snapshot: Snapshot
         if p.site.name == d.site.name:
             transfer_ms, handoff_ms = 0.0, 0.0
         else:
-            transfer_ms = _transfer_ms(p.site, d.site, snapshot, len(request.prompt_ids), cost)
+            kv_bytes = len(request.prompt_ids) * cost.kv_bytes_per_token
+            transfer_ms = kv_transfer_ms(p.site, d.site, snapshot, kv_bytes, cost)
             handoff_ms = transfer_ms + d.client_rtt_ms
         score = p.ttft_ms + handoff_ms + horizon * d.tpot_ms
         candidates.append(Candidate(p.site, d.site, p.ttft_ms, d.tpot_ms, transfer_ms, score, p.num_cached_tokens))
@@ -157,7 +161,7 @@ def _fits_decode(site: Site, request: PlacementRequest, horizon: int) -> bool:
 def _site_cost(site: Site, snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
                hashes_by_block_size: dict[int, list[int]]) -> _SiteCost:
     cap = site.capacity
-    client_rtt = _client_rtt_ms(site, snapshot, request)
+    client_rtt = _client_rtt_ms(site, snapshot, request, cost)
     num_cached = _cached_tokens(request.prompt_ids, cap.cache_block_size, cap.cached_hashes, hashes_by_block_size)
     prefill_rate = cap.prefill_tokens_per_s or cost.default_prefill_tokens_per_s
     queue_ms = 1000.0 * cap.inflight_prefill_tokens / prefill_rate
@@ -167,24 +171,28 @@ def _site_cost(site: Site, snapshot: Snapshot, request: PlacementRequest, cost: 
     return _SiteCost(site, client_rtt, client_rtt + queue_ms + prefill_ms, tpot_ms, num_cached)
 
 
-def _client_rtt_ms(site: Site, snapshot: Snapshot, request: PlacementRequest) -> float:
+def _client_rtt_ms(site: Site, snapshot: Snapshot, request: PlacementRequest, cost: CostModel) -> float:
     if request.client_site is not None:
         if request.client_site == site.name:
             return 0.5
-        link = snapshot.link(request.client_site, site.name)
+        link = snapshot.link(request.client_site, site.name, cost.link_max_age_s)
         if link is not None:
             return link.rtt_ms
     return rtt_ms_between(request.client_lat, request.client_lon, site.lat, site.lon)
 
 
-def _transfer_ms(src: Site, dst: Site, snapshot: Snapshot, num_tokens: int, cost: CostModel) -> float:
-    link = snapshot.link(src.name, dst.name)
+def kv_transfer_ms(src: Site, dst: Site, snapshot: Snapshot, kv_bytes: int, cost: CostModel) -> float:
+    """Moving `kv_bytes` of KV from src to dst: one round trip plus the bytes at the link's rate.
+
+    The agents measure each pair (KV pulls, and small probes when idle); a measurement older than
+    `link_max_age_s` says little about the path now, so distance and the default bandwidth stand in.
+    """
+    link = snapshot.link(src.name, dst.name, cost.link_max_age_s)
     if link is not None and link.bandwidth_mbps > 0:
         rtt_ms, bandwidth_mbps = link.rtt_ms, link.bandwidth_mbps
     else:
         rtt_ms, bandwidth_mbps = rtt_ms_between(src.lat, src.lon, dst.lat, dst.lon), cost.default_bandwidth_mbps
-    kv_bits = num_tokens * cost.kv_bytes_per_token * 8
-    return rtt_ms + 1000.0 * kv_bits / (bandwidth_mbps * 1e6)
+    return rtt_ms + 1000.0 * kv_bytes * 8 / (bandwidth_mbps * 1e6)
 
 
 def _cached_tokens(prompt_ids: list[int], block_size: int, cached: frozenset[int],

@@ -106,7 +106,8 @@ class Router:
 def cost_model(config: RouterConfig) -> CostModel:
     return CostModel(config.expected_output_tokens, config.default_prefill_tokens_per_s,
                      config.default_decode_tokens_per_s, config.default_kv_bytes_per_token,
-                     config.heartbeat_max_age_s, config.affinity_slack)
+                     config.heartbeat_max_age_s, config.affinity_slack,
+                     link_max_age_s=config.link_max_age_s)
 
 
 def failover_policy(config: RouterConfig) -> FailoverPolicy:

@@ -52,6 +52,7 @@ class Link:
     dst: str
     rtt_ms: float
     bandwidth_mbps: float
+    measured_at: float = 0.0            # the registry's clock, like the snapshot's generated_at
 
 
 @dataclass(slots=True)
@@ -62,9 +63,13 @@ class Snapshot:
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
     model_names: frozenset[str] = frozenset()  # every model any site lists, computed once per snapshot
 
-    def link(self, src: str, dst: str) -> Link | None:
-        """A measured link in either direction (measurements are taken one way)."""
-        return self.links.get((src, dst)) or self.links.get((dst, src))
+    def link(self, src: str, dst: str, max_age_s: float | None = None) -> Link | None:
+        """The newest measured link in either direction (measurements are taken one way); with
+        max_age_s, only one measured at most that long before the snapshot was generated."""
+        found = [link for link in (self.links.get((src, dst)), self.links.get((dst, src))) if link is not None]
+        if max_age_s is not None:
+            found = [link for link in found if self.generated_at - link.measured_at <= max_age_s]
+        return max(found, key=lambda link: link.measured_at, default=None)
 
     def models(self) -> list[str]:
         return sorted(self.model_names)
@@ -103,7 +108,7 @@ def parse_snapshot(doc: dict) -> Snapshot:
     links = {}
     for link in doc.get("links", ()):
         links[(link["src"], link["dst"])] = Link(link["src"], link["dst"], float(link["rtt_ms"]),
-                                                 float(link["bandwidth_mbps"]))
+                                                 float(link["bandwidth_mbps"]), float(link.get("measured_at") or 0.0))
     sites = [parse_site(s) for s in doc.get("sites", ())]
     return Snapshot(str(doc.get("version", "")), float(doc.get("generated_at", 0.0)), sites, links,
                     frozenset(m for site in sites for m in site.models))
