@@ -1,10 +1,13 @@
-"""A small async client for one agent: a channel, the bearer token, and the stub's calls.
+"""The one async client of the agent gRPC API: routers, peer agents (Decode pulling KV), tests and tools.
 
-Decode uses it to pull KV from peers; tests and tools use it to drive agents.
+`AgentClient` is one channel to one agent: every call carries the bearer token and request id in
+metadata, and a deadline. `AgentPool` keeps one client per address, reused by every request.
 
     async with AgentClient("127.0.0.1:50051", token) as agent:
         async for chunk in agent.generate(request, timeout=30):
             ...
+    pool = AgentPool(token, credentials)       # grpc.ChannelCredentials for TLS, None for plaintext
+    call = pool.client(site.grpc_address).decode(request, timeout=600)
 """
 
 from __future__ import annotations
@@ -18,29 +21,36 @@ from node_agent.auth import bearer_metadata
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20  # above the largest KV chunk an engine exports
-CHANNEL_OPTIONS = [
+MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # one stream can carry a whole prompt's KV: let its flow-control window grow with the link
     ("grpc.http2.bdp_probe", 1),
 ]
+CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
+    # a dead peer behind a silent network is found in ~30 s, not at the OS's TCP timeout
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # a restarted agent is reached again within ~2 s
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
 
 
 class AgentClient:
-    def __init__(self, address: str, token: str, *, tls_ca: bytes | None = None):
+    def __init__(self, address: str, token: str, *, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        if tls_ca is not None:
-            self._channel = aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), options=CHANNEL_OPTIONS)
+        if credentials is not None:
+            self._channel = aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         else:
             self._channel = aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = agent_pb2_grpc.AgentStub(self._channel)
-        self._token = token
+        self._bearer = bearer_metadata(token)
 
     def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
-        metadata = bearer_metadata(self._token)
         if request_id:
-            metadata += (("x-request-id", request_id),)
-        return metadata
+            return self._bearer + (("x-request-id", request_id),)
+        return self._bearer
 
     def generate(self, request: agent_pb2.GenerateRequest, timeout: float | None = None) -> aio.UnaryStreamCall:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata(request.request_id))
@@ -55,14 +65,15 @@ class AgentClient:
         return self.stub.FetchKV(agent_pb2.FetchKVRequest(kv_handle=kv_handle), timeout=timeout,
                                  metadata=self.metadata(request_id))
 
-    async def release_kv(self, kv_handle: str, timeout: float | None = None) -> bool:
+    async def release_kv(self, kv_handle: str, timeout: float | None = None, request_id: str | None = None) -> bool:
         response = await self.stub.ReleaseKV(agent_pb2.ReleaseKVRequest(kv_handle=kv_handle), timeout=timeout,
-                                             metadata=self.metadata())
+                                             metadata=self.metadata(request_id))
         return response.released
 
-    async def model_info(self, model: str, timeout: float | None = None) -> agent_pb2.ModelInfo:
+    async def model_info(self, model: str, timeout: float | None = None,
+                         request_id: str | None = None) -> agent_pb2.ModelInfo:
         return await self.stub.GetModelInfo(agent_pb2.ModelInfoRequest(model=model), timeout=timeout,
-                                            metadata=self.metadata())
+                                            metadata=self.metadata(request_id))
 
     async def health(self, timeout: float | None = None) -> agent_pb2.HealthResponse:
         return await self.stub.Health(agent_pb2.HealthRequest(), timeout=timeout, metadata=self.metadata())
@@ -85,3 +96,23 @@ class AgentClient:
 
     async def __aexit__(self, *_exc) -> None:
         await self.close()
+
+
+class AgentPool:
+    """One AgentClient (one channel) per agent address, all with the same token and credentials."""
+
+    def __init__(self, token: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._token = token
+        self._credentials = credentials
+        self._clients: dict[str, AgentClient] = {}
+
+    def client(self, address: str) -> AgentClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = AgentClient(address, self._token, credentials=self._credentials)
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()

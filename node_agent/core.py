@@ -23,7 +23,7 @@ from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleErr
 from engine.kv_export import KVExport
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.sampling import SamplingParams
-from node_agent.client import AgentClient
+from node_agent.client import AgentClient, AgentPool
 from node_agent.config import AgentConfig
 from node_agent.errors import DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.metrics import AgentMetrics
@@ -50,7 +50,7 @@ class PrefillOutcome:
 
 class AgentCore:
     def __init__(self, config: AgentConfig, models: dict[str, HostedModel], metrics: AgentMetrics,
-                 tls_ca: bytes | None = None):
+                 peer_credentials: grpc.ChannelCredentials | None = None):
         self.config = config
         self.models = models
         self.metrics = metrics
@@ -58,8 +58,8 @@ class AgentCore:
         self.num_inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tls_ca = tls_ca
-        self._peers: dict[str, AgentClient] = {}
+        self._peer_tls = peer_credentials is not None
+        self._peers = AgentPool(config.peer_token, peer_credentials)
         self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
         self._data_addresses: dict[str, str | None] = {}  # peer gRPC address -> its KV data port, if any
 
@@ -191,7 +191,7 @@ class AgentCore:
     async def _fetch(self, source: KVSource, layout: KVLayout, prompt_ids: list[int], request_id: str | None,
                      timeout: float) -> KVPayload:
         """Over the peer's KV data port when it has one, else the FetchKV stream."""
-        peer = self._peer(source.address)
+        peer = self._peers.client(source.address)
         data_address = await self._data_address(peer, source.address, timeout)
         if data_address:
             try:
@@ -211,14 +211,8 @@ class AgentCore:
             except aio.AioRpcError as exc:
                 raise KVTransferError(f"KV source {address} is unreachable: {exc.code().name}") from exc
             port = health.kv_data_port
-            self._data_addresses[address] = f"{address.rpartition(':')[0]}:{port}" if port and not self._tls_ca else None
+            self._data_addresses[address] = f"{address.rpartition(':')[0]}:{port}" if port and not self._peer_tls else None
         return self._data_addresses[address]
-
-    def _peer(self, address: str) -> AgentClient:
-        client = self._peers.get(address)
-        if client is None:
-            client = self._peers[address] = AgentClient(address, self.config.peer_token, tls_ca=self._tls_ca)
-        return client
 
     async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
         started = last = time.perf_counter()
@@ -291,9 +285,7 @@ class AgentCore:
             log.info("drain released %d unfetched KV leases", released)
 
     async def close(self) -> None:
-        for client in self._peers.values():
-            await client.close()
-        self._peers.clear()
+        await self._peers.close()
 
 
 async def _prepend(first: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:

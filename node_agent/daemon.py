@@ -20,7 +20,7 @@ import grpc
 from grpc import aio
 
 from node_agent.auth import TokenAuthInterceptor
-from node_agent.client import CHANNEL_OPTIONS
+from node_agent.client import MESSAGE_OPTIONS
 from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
 from node_agent.kv_data import KVDataServer
@@ -56,10 +56,10 @@ class Agent:
         cfg = self.config
         loaded = await asyncio.gather(*(load_model(name, path, cfg) for name, path in cfg.models.items()))
         self.models = {m.name: m for m in loaded}
-        tls_ca = Path(cfg.tls_ca).read_bytes() if cfg.tls_ca else None
-        self.core = AgentCore(cfg, self.models, self.metrics, tls_ca=tls_ca)
+        peer_credentials = grpc.ssl_channel_credentials(Path(cfg.tls_ca).read_bytes()) if cfg.tls_ca else None
+        self.core = AgentCore(cfg, self.models, self.metrics, peer_credentials)
         self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
-        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)], options=CHANNEL_OPTIONS)
+        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)], options=MESSAGE_OPTIONS)
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
         port = self._bind(cfg.grpc_listen)
         self.address = f"{cfg.grpc_listen.rpartition(':')[0]}:{port}"

@@ -18,12 +18,21 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from node_agent.client import AgentPool
 from node_agent.proto import agent_pb2
-from router.agents import RETRYABLE_CODES, AgentPool
 from router.health import PassiveHealth
 from router.placement import Candidate
 
 log = logging.getLogger(__name__)
+
+# Errors after which another site may well succeed; anything else is the request's own fault.
+RETRYABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION,
+})
+RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -102,7 +111,7 @@ class Generation:
                 elif not self.generated_ids:
                     site = candidate.prefill_site
                     self.prefill_site = site.name
-                    call = self.agents.generate(site.grpc_address, agent_pb2.GenerateRequest(
+                    call = self.agents.client(site.grpc_address).generate(agent_pb2.GenerateRequest(
                         request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
                         sampling=self.sampling), self.policy.request_timeout_s)
                 else:
@@ -147,8 +156,8 @@ class Generation:
         request = agent_pb2.PrefillRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
                                            sampling=self.sampling)
         async with asyncio.timeout(self.policy.first_token_timeout_s):
-            result = await self.agents.prefill(candidate.prefill_site.grpc_address, request,
-                                               self.policy.first_token_timeout_s)
+            result = await self.agents.client(candidate.prefill_site.grpc_address).prefill(
+                request, self.policy.first_token_timeout_s)
         self.num_prompt_tokens = result.num_prompt_tokens or len(self.prompt_ids)
         self.num_cached_tokens = result.num_cached_tokens
         return result
@@ -158,7 +167,7 @@ class Generation:
                                           generated_ids=self.generated_ids, sampling=self.sampling)
         if lease is not None:
             request.kv_source.address, request.kv_source.kv_handle = lease
-        return self.agents.decode(site.grpc_address, request, self.policy.request_timeout_s)
+        return self.agents.client(site.grpc_address).decode(request, self.policy.request_timeout_s)
 
     async def _read(self, call) -> AsyncIterator[TokenStep]:
         timeout, timer = self.policy.first_token_timeout_s, _ReadTimer()
@@ -195,7 +204,7 @@ class Generation:
 
     async def _release(self, address: str, kv_handle: str) -> None:
         try:
-            await self.agents.release_kv(address, kv_handle, self.request_id)
+            await self.agents.client(address).release_kv(kv_handle, RELEASE_TIMEOUT_S, self.request_id)
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: ReleaseKV on %s failed (%s); the lease will expire", self.request_id, address,
                      exc.code().name)

@@ -15,11 +15,12 @@ import grpc
 
 from engine.errors import CheckpointError
 from engine.tokenizer import ChatTokenizer
-from router.agents import AgentPool
+from node_agent.client import AgentPool
 from router.errors import no_capacity
 from router.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+MODEL_INFO_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ class ModelAssetsCache:
         sites = [s for s in snapshot.sites if model in s.models and s.alive and s.grpc_address]
         for site in sites:
             try:
-                info = await self._agents.model_info(site.grpc_address, model, request_id)
+                info = await self._agents.client(site.grpc_address).model_info(model, MODEL_INFO_TIMEOUT_S, request_id)
                 assets = await asyncio.to_thread(build_assets, info)
             except grpc.aio.AioRpcError as exc:
                 log.warning("request %s: GetModelInfo(%s) on site %s failed: %s", request_id, model, site.name,

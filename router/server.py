@@ -14,8 +14,8 @@ import socket
 
 import uvicorn
 
+from node_agent.client import AgentPool
 from registry.client import RegistryClient
-from router.agents import AgentPool
 from router.api_keys import ANONYMOUS, ApiKey, ApiKeyCache, bearer_token
 from router.app import create_app
 from router.completions import CompletionService, Limits

@@ -49,6 +49,8 @@ async def test_decode_without_source_resumes_like_generate(start_agent, connect)
 async def test_split_over_tls(start_agent, tmp_path):
     import subprocess
 
+    import grpc
+
     from node_agent.client import AgentClient
     from tests.agent.conftest import PEER_TOKEN
 
@@ -59,8 +61,9 @@ async def test_split_over_tls(start_agent, tmp_path):
     tls = dict(tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
     a, b = await start_agent("site-a", **tls), await start_agent("site-b", **tls)
     params, prompt_ids = sampling(temperature=0.5, seed=5), prompt(33)
-    async with AgentClient(a.address, PEER_TOKEN, tls_ca=cert.read_bytes()) as client_a, \
-            AgentClient(b.address, PEER_TOKEN, tls_ca=cert.read_bytes()) as client_b:
+    credentials = grpc.ssl_channel_credentials(cert.read_bytes())
+    async with AgentClient(a.address, PEER_TOKEN, credentials=credentials) as client_a, \
+            AgentClient(b.address, PEER_TOKEN, credentials=credentials) as client_b:
         reference = await collect(client_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
                                                                               sampling=params)))
         result = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
