@@ -370,14 +370,16 @@ class LLMEngine:
         """Continue a request prefilled elsewhere: write its prompt K/V here and queue it for decode.
 
         Raises KVTransferError (nothing changed) when the payload is corrupt or does not fit this
-        model; when the pool has no room right now the request is queued to recompute instead.
+        model; when the pool has no room or `max_num_seqs` sequences already run, the request is
+        queued to recompute instead (an import never runs past the limit; the agent's admission
+        refuses decodes beyond it, so this is the rare race, not the rule).
         """
         if not generated_ids:
             raise InvalidRequestError("import_kv needs the token sampled by the prefill (generated_ids)")
         payload.validate(self.kv_layout(payload.layout.num_tokens))
         seq = self._new_sequence(request_id, payload.token_ids, params, list(generated_ids), prefill_only=False)
         self.sequences[request_id] = seq
-        if not self.block_manager.can_allocate(seq, reserve=1):
+        if not self.scheduler.has_free_slot() or not self.block_manager.can_allocate(seq, reserve=1):
             log.info("request %s: no room to import KV now; it will recompute its prefill", request_id)
             self.scheduler.add(seq)
             return

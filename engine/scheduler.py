@@ -42,8 +42,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def has_free_slot(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
     def add_running(self, seq: Sequence) -> None:
-        """A sequence whose blocks the caller already allocated (a KV import)."""
+        """A sequence whose blocks the caller already allocated (a KV import); only when has_free_slot()."""
+        assert self.has_free_slot(), "add_running past max_num_seqs"
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.running.sort(key=lambda s: s.arrival)

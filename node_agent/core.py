@@ -62,6 +62,8 @@ class AgentCore:
         self._peers = AgentPool(config.peer_token, peer_credentials)
         self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
         self._data_addresses: dict[str, str | None] = {}  # peer gRPC address -> its KV data port, if any
+        # Decodes admitted but not yet held by their engine (pulling KV): they count against max_num_seqs.
+        self._decode_reserved: dict[str, int] = {}
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -89,10 +91,22 @@ class AgentCore:
             raise InvalidRequestError(f"prompt and generated tokens number {total}; the context holds "
                                       f"{model.info.context_length} including at least one new token")
 
-    async def _admit(self, model: HostedModel, num_tokens: int) -> None:
+    async def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False) -> None:
+        """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on).
+
+        `takes_slot` (Decode): the sequence must run at once, so the site must hold fewer than
+        `max_num_seqs` sequences counting decodes still pulling their KV; on success one slot is
+        reserved, to be given back with `_end_reservation` once the engine holds the sequence.
+        """
         if self.draining:
             raise DrainingError("this agent is draining and takes no new work; use another site")
         stats = await model.engine.stats()
+        if takes_slot:
+            held = stats.num_running + stats.num_waiting + self._decode_reserved.get(model.name, 0)
+            if held >= self.config.max_num_seqs:
+                self.metrics.rejected.labels("seqs").inc()
+                raise OverloadedError(f"decode slots are full: {held} sequences held, max_num_seqs is "
+                                      f"{self.config.max_num_seqs}")
         if stats.num_waiting >= self.config.max_waiting:
             self.metrics.rejected.labels("queue").inc()
             raise OverloadedError(f"queue is full ({stats.num_waiting} waiting, limit {self.config.max_waiting})")
@@ -101,13 +115,18 @@ class AgentCore:
             self.metrics.rejected.labels("kv").inc()
             raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {stats.num_blocks_free} "
                                   f"of {stats.num_blocks_total} are free")
+        if takes_slot:  # no await since the check above: concurrent admissions see each other's slots
+            self._decode_reserved[model.name] = self._decode_reserved.get(model.name, 0) + 1
+
+    def _end_reservation(self, model: HostedModel) -> None:
+        self._decode_reserved[model.name] -= 1
 
     async def _accept(self, model_name: str, step: str, prompt_ids: list[int], generated_ids: list[int],
-                      params: SamplingParams) -> HostedModel:
+                      params: SamplingParams, takes_slot: bool = False) -> HostedModel:
         model = self.model(model_name)
         self._check_role(step)
         self._validate(model, prompt_ids, generated_ids, params)
-        await self._admit(model, len(prompt_ids) + len(generated_ids))
+        await self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot)
         return model
 
     @contextmanager
@@ -150,11 +169,14 @@ class AgentCore:
                      source: KVSource | None, request_id: str | None = None,
                      time_left: float | None = None) -> AsyncIterator[TokenEvent]:
         with self.inflight():
-            model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
-            payload = None
-            if source is not None and generated_ids:
-                payload = await self._pull(model, source, prompt_ids, request_id, time_left)
-            events = await self._start_decode(model, payload, prompt_ids, generated_ids, params, request_id)
+            model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params, takes_slot=True)
+            try:
+                payload = None
+                if source is not None and generated_ids:
+                    payload = await self._pull(model, source, prompt_ids, request_id, time_left)
+                events = await self._start_decode(model, payload, prompt_ids, generated_ids, params, request_id)
+            finally:
+                self._end_reservation(model)  # the engine holds the sequence now (or it failed to start)
             async for event in self._observed(model.name, "decode", events):
                 yield event
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 
 from node_agent.proto import agent_pb2
@@ -72,3 +75,47 @@ async def test_split_over_tls(start_agent, tmp_path):
             kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
     assert [result.first_token.token_id, *decoded] == reference
     assert b.metrics.kv_fallbacks._value.get() == 0 and b.metrics.kv_bytes_received._value.get() > 0
+
+
+async def test_decode_beyond_max_num_seqs_is_refused_with_resource_exhausted(start_agent, connect):
+    """A full decode site says RESOURCE_EXHAUSTED (the router then moves on); it never runs more than its limit."""
+    a, b = await start_agent("site-a"), await start_agent("site-b", max_num_seqs=2)
+    client_a, client_b = connect(a), connect(b)
+    free_b = (await client_b.health()).kv_blocks_free
+    params = sampling(max_tokens=24)
+    leases = []
+    for i in range(5):
+        prompt_ids = prompt(20, start=i)
+        result = await client_a.prefill(agent_pb2.PrefillRequest(request_id=f"r{i}", model=MODEL,
+                                                                 prompt_ids=prompt_ids, sampling=params))
+        leases.append((prompt_ids, result))
+    most_running = 0
+    decoding = True
+
+    async def watch() -> None:
+        nonlocal most_running
+        while decoding:
+            most_running = max(most_running, (await client_b.health()).num_running)
+            await asyncio.sleep(0.005)
+
+    async def decode(prompt_ids, result) -> str:
+        call = client_b.decode(agent_pb2.DecodeRequest(
+            model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
+            kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle)))
+        try:
+            tokens = await collect(call)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            assert "max_num_seqs" in exc.details()
+            await client_a.release_kv(result.kv_handle)
+            return "refused"
+        assert len(tokens) == 23
+        return "served"
+
+    watcher = asyncio.create_task(watch())
+    outcomes = await asyncio.gather(*(decode(p, r) for p, r in leases))
+    decoding = False
+    await watcher
+    assert outcomes.count("served") >= 2 and outcomes.count("refused") >= 1
+    assert most_running <= 2
+    assert await wait_for_free_blocks(client_b, free_b) == free_b

@@ -257,3 +257,24 @@ def test_bad_prompts_are_rejected(ckpt):
     engine.add_request("d", [1, 2], GREEDY)
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("d", [1, 2], GREEDY)
+
+
+def test_imports_never_run_more_sequences_than_max_num_seqs(ckpt):
+    prompts = [prompt(20, seed=70 + i) for i in range(4)]
+    plain = run(make_engine(ckpt), {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
+    source, target = make_engine(ckpt), make_engine(ckpt, max_num_seqs=2)
+    for i, p in enumerate(prompts):
+        source.add_request(str(i), p, GREEDY, prefill_only=True)
+    firsts = {out.request_id: out for out in source.step()}
+    for rid, first in firsts.items():
+        payload = source.export_kv(first.kv_handle)
+        source.release_kv(first.kv_handle)
+        target.import_kv(rid, payload, GREEDY, [first.token.token_id])
+        assert len(target.scheduler.running) <= 2
+    outputs = {rid: [first.token.token_id] for rid, first in firsts.items()}
+    while target.has_work():
+        for out in target.step():
+            outputs[out.request_id].append(out.token.token_id)
+        assert len(target.scheduler.running) <= 2
+    assert outputs == plain
+    assert_no_leak(target)
