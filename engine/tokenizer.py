@@ -5,16 +5,15 @@ No torch here: routers use this module to tokenize and detokenize with assets an
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from engine.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, TemplateError
 from engine.config import read_json
-from engine.errors import CheckpointError, InvalidRequestError
+from engine.errors import CheckpointError
+
+__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError"]
 
 
 def _token_text(value) -> str | None:
@@ -24,18 +23,6 @@ def _token_text(value) -> str | None:
     return value
 
 
-class TemplateError(InvalidRequestError):
-    """The chat template rejected the messages (it called raise_exception) or failed to render."""
-
-
-def _raise_exception(message: str):
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 class ChatTokenizer:
     def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None, chat_template: str | None = None):
         try:
@@ -43,26 +30,23 @@ class ChatTokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
             raise CheckpointError(f"tokenizer.json is not a valid tokenizer ({exc})") from exc
         self.config = tokenizer_config or {}
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        self.chat_template = chat_template or self._template_from_config()
-        self._template = None
-        if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateSyntaxError as exc:
-                raise CheckpointError(f"chat template does not parse: {exc}") from exc
+        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
+                               if isinstance(text := _token_text(self.config.get(name)), str)}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        source = chat_template or self._template_from_config()
+        self.template = ChatTemplate(source, self.special_tokens) if source else None
 
-    def _template_from_config(self) -> str | None:
+    @property
+    def chat_template(self) -> str | None:
+        return self.template.source if self.template is not None else None
+
+    def _template_from_config(self) -> str | dict[str, str] | None:
         template = self.config.get("chat_template")
-        if isinstance(template, list):  # named templates; "default" is the chat one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        return template
+        if isinstance(template, list):  # named templates, as tokenizer_config.json stores them
+            return {t["name"]: t["template"] for t in template
+                    if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        return template if isinstance(template, str) else None
 
     @property
     def vocab_size(self) -> int:
@@ -78,15 +62,11 @@ class ChatTokenizer:
         return self.tokenizer.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if self._template is None:
+        """The prompt text, as transformers' `apply_chat_template(..., tokenize=False)` gives it; kwargs are
+        `tools`, `documents` and any variable the template reads (`enable_thinking`, ...)."""
+        if self.template is None:
             raise TemplateError("this model has no chat template; use the completions endpoint with a plain prompt")
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except TemplateError:
-            raise
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"chat template failed on these messages: {exc}") from exc
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         # The template already places BOS; encoding must not add a second one.

@@ -1,0 +1,185 @@
+"""Published chat templates render exactly as transformers' `apply_chat_template` renders them.
+
+Each stored template (tests/engine/chat_templates/, sources in SOURCES.md) gets a small trained
+byte-level BPE tokenizer carrying the template's special tokens, saved as a checkpoint directory;
+transformers loads it with AutoTokenizer and edgefire with `ChatTokenizer.from_dir`. Every case
+must give the same text and the same token ids, or, where transformers raises, a `TemplateError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.demo import CORPUS
+from engine.tokenizer import ChatTokenizer, TemplateError
+
+TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
+_CONTROL_TOKEN = re.compile(r"<\|[^|<>\s'\"]+\|>|</?[a-z_]+>|\[/?[A-Z_]+\]|<｜[^>]*?｜>")
+
+# template file -> (bos_token, eos_token) of the model's tokenizer_config
+TEMPLATES = {
+    "meta-llama-Llama-3.1-8B-Instruct": ("<|begin_of_text|>", "<|eot_id|>"),
+    "meta-llama-Llama-3.2-3B-Instruct": ("<|begin_of_text|>", "<|eot_id|>"),
+    "Qwen-Qwen2.5-7B-Instruct": (None, "<|im_end|>"),
+    "Qwen-Qwen3-0.6B": (None, "<|im_end|>"),
+    "mistralai-Mistral-Nemo-Instruct-2407": ("<s>", "</s>"),
+    "Mistral-Small-3.2-24B-Instruct-2506": ("<s>", "</s>"),
+    "google-gemma-2-2b-it": ("<bos>", "<eos>"),
+    "deepseek-ai-DeepSeek-V3.1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "microsoft-Phi-3.5-mini-instruct": ("<s>", "<|endoftext|>"),
+    "microsoft-phi-4": (None, "<|im_end|>"),
+    "Kimi-K2-Thinking": ("[BOS]", "<|im_end|>"),
+    "HuggingFaceTB-SmolLM3-3B": (None, "<|im_end|>"),
+    "CohereForAI-c4ai-command-r-plus-tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("<|begin_of_text|>", "<|im_end|>"),
+    "ibm-granite-granite-3.3-2B-Instruct": (None, "<|end_of_text|>"),
+    "openai-gpt-oss-120b": (None, "<|return|>"),
+}
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                   "required": ["city"]}}}]
+SYSTEM = {"role": "system", "content": "You are a concise assistant. Ünïcödé is fine: 東京."}
+USER = {"role": "user", "content": "What is the weather in Oslo?"}
+ANSWER = {"role": "assistant", "content": "Snow, 3°C."}
+FOLLOW_UP = {"role": "user", "content": "And in Lisbon?"}
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+TOOL_REPLY = {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": '{"temp_c": 3, "sky": "snow"}'}
+# What the OpenAI SDK's `message.model_dump()` gives for an earlier assistant turn
+SDK_ANSWER = {"role": "assistant", "content": "Snow, 3°C.", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+
+CASES = {
+    "user_only": dict(messages=[USER]),
+    "system_user": dict(messages=[SYSTEM, USER]),
+    "multi_turn": dict(messages=[SYSTEM, USER, ANSWER, FOLLOW_UP]),
+    "no_generation_prompt": dict(messages=[USER, ANSWER], add_generation_prompt=False),
+    "tools": dict(messages=[SYSTEM, USER, TOOL_CALL, TOOL_REPLY], tools=TOOLS),
+    "sdk_model_dump_history": dict(messages=[USER, SDK_ANSWER, FOLLOW_UP]),
+    "reasoning_alias_history": dict(messages=[USER, {**ANSWER, "reasoning": "Oslo in winter: cold."}, FOLLOW_UP,
+                                              {**ANSWER, "thinking": "Still cold."}], add_generation_prompt=False),
+    "thinking_off": dict(messages=[SYSTEM, USER], enable_thinking=False),
+    "thinking_on": dict(messages=[USER], thinking=True),
+    "reasoning_effort": dict(messages=[USER], reasoning_effort="high"),
+    "documents": dict(messages=[USER], documents=[{"title": "Oslo", "text": "Oslo is cold in winter."}]),
+}
+
+
+def _tokenizer_files(directory: Path, bos: str | None, eos: str, template: str) -> None:
+    control = sorted(set(_CONTROL_TOKEN.findall(template)) | {t for t in (bos, eos) if t})
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=control, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([line for line in CORPUS.splitlines() if line.strip()] * 5, trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 4096}
+    if bos:
+        config["bos_token"] = bos
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(template)
+
+
+@functools.cache
+def _tokenizers(name: str, root: Path):
+    from transformers import AutoTokenizer
+
+    bos, eos = TEMPLATES[name]
+    directory = root / name
+    _tokenizer_files(directory, bos, eos, (TEMPLATES_DIR / f"{name}.jinja").read_text())
+    return AutoTokenizer.from_pretrained(str(directory)), ChatTokenizer.from_dir(directory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("templates")
+
+
+def _reference(hf, case: dict):
+    """transformers' text and ids for the case, or the exception it raises."""
+    kwargs = {k: v for k, v in case.items() if k != "messages"}
+    kwargs.setdefault("add_generation_prompt", True)
+    try:
+        text = hf.apply_chat_template(case["messages"], tokenize=False, **kwargs)
+        ids = hf.apply_chat_template(case["messages"], tokenize=True, return_dict=False, **kwargs)
+    except Exception as exc:  # the reference's verdict, whatever its type
+        return exc
+    return text, list(ids)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_published_templates_render_as_transformers(name, tokenizer_root):
+    hf, ours = _tokenizers(name, tokenizer_root)
+    num_rendered = 0
+    for case_name, case in CASES.items():
+        kwargs = {k: v for k, v in case.items() if k != "messages"}
+        kwargs.setdefault("add_generation_prompt", True)
+        reference = _reference(hf, case)
+        if isinstance(reference, Exception):
+            with pytest.raises(TemplateError):
+                ours.apply_chat_template(case["messages"], **kwargs)
+            continue
+        text, ids = reference
+        assert ours.apply_chat_template(case["messages"], **kwargs) == text, case_name
+        assert ours.encode_chat(case["messages"], **kwargs) == ids, case_name
+        num_rendered += 1
+    assert num_rendered >= 1  # (the tool_use-only templates accept just the tools case)
+
+
+def test_template_specific_switches_change_the_prompt(tokenizer_root):
+    """The kwargs cases above are not vacuous: the switches reach the templates that read them."""
+    _hf, qwen3 = _tokenizers("Qwen-Qwen3-0.6B", tokenizer_root)
+    assert qwen3.apply_chat_template([USER], enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+    assert qwen3.apply_chat_template([USER]).endswith("<|im_start|>assistant\n")
+    _hf, deepseek = _tokenizers("deepseek-ai-DeepSeek-V3.1", tokenizer_root)
+    assert deepseek.apply_chat_template([USER], thinking=True).endswith("<think>")
+    assert deepseek.apply_chat_template([USER]).endswith("</think>")
+    _hf, gpt_oss = _tokenizers("openai-gpt-oss-120b", tokenizer_root)
+    assert "Reasoning: high" in gpt_oss.apply_chat_template([USER], reasoning_effort="high")
+
+
+def test_tojson_takes_transformers_arguments():
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    value = {"b": ["é", 1], "a": None}
+    for call in ("tojson", "tojson(ensure_ascii=True)", "tojson(separators=(',', ':'))", "tojson(sort_keys=true)",
+                 "tojson(indent=2)", "tojson(indent=2, sort_keys=true, ensure_ascii=true)"):
+        template = "{{ messages[0]['content'] | " + call + " }}"
+        reference = _compile_jinja_template(template).render(messages=[{"content": value}])
+        ours = ChatTokenizer('{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}', {}, template)
+        assert ours.apply_chat_template([{"role": "user", "content": value}]) == reference, call
+
+
+def test_template_failures_of_any_type_are_template_errors():
+    empty = '{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}'
+    for template, match in (("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+                            ("{{ messages[0]['content'] | length }}{{ none | length }}", "TypeError"),
+                            ("{{ 1 / 0 }}", "ZeroDivisionError"),
+                            ("{{ messages[5]['content'].strip() }}", "no element 5"),
+                            ("{% set ns = namespace(_secret=1) %}", "_secret")):
+        with pytest.raises(TemplateError, match=match):
+            ChatTokenizer(empty, {}, template).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_named_templates_choose_tool_use_when_tools_are_given():
+    empty = '{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}'
+    config = {"chat_template": [{"name": "default", "template": "plain"},
+                                {"name": "tool_use", "template": "tools: {{ tools | length }}"}]}
+    tokenizer = ChatTokenizer(empty, config)
+    assert tokenizer.apply_chat_template([USER]) == "plain"
+    assert tokenizer.apply_chat_template([USER], tools=TOOLS) == "tools: 1"
+    no_default = ChatTokenizer(empty, {"chat_template": [{"name": "rag", "template": "x"}]})
+    with pytest.raises(TemplateError, match="none named `default`"):
+        no_default.apply_chat_template([USER])
