@@ -30,8 +30,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node_agent.config import FIELDS as AGENT_FIELDS
-from node_agent.config import ROLES
+import typed_config
+from node_agent.config import ROLES, AgentConfig
 from router.config import RouterConfig
 
 DEFAULT_STATE_DIR = Path(".edgefire/cluster")
@@ -41,15 +41,14 @@ DEFAULT_REGISTRY_PORT = 8500
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
 
-ROUTER_FIELDS = frozenset(f.name for f in dataclasses.fields(RouterConfig))
 # Settings the launcher writes itself: a cluster file may not override them.
 LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
                                    "advertise_address", "metrics_listen", "registry_url", "site_token", "peer_token"})
 LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "peer_token"})
 
 
-class ClusterConfigError(ValueError):
-    """The cluster description is unusable; the message says what to change."""
+# The cluster description is unusable; the message says what to change.
+ClusterConfigError = typed_config.ConfigError
 
 
 @dataclass(slots=True)
@@ -117,22 +116,22 @@ class ClusterConfig:
         for site in self.sites:
             if site.role not in ROLES:
                 raise ClusterConfigError(f"sites.{site.name}.role: must be one of {', '.join(ROLES)}")
-            _check_keys(f"sites.{site.name}.agent", site.agent, AGENT_FIELDS, LAUNCHER_AGENT_FIELDS)
+            site.agent = _check_table(f"sites.{site.name}.agent", site.agent, AgentConfig, LAUNCHER_AGENT_FIELDS)
         roles = {s.role for s in self.sites}
         if not roles & {"prefill", "both"} or not roles & {"decode", "both"}:
             raise ClusterConfigError("sites: at least one site must prefill and one must decode")
-        _check_keys("agent", self.agent, AGENT_FIELDS, LAUNCHER_AGENT_FIELDS)
-        _check_keys("router", self.router, ROUTER_FIELDS, LAUNCHER_ROUTER_FIELDS)
+        self.agent = _check_table("agent", self.agent, AgentConfig, LAUNCHER_AGENT_FIELDS)
+        self.router = _check_table("router", self.router, RouterConfig, LAUNCHER_ROUTER_FIELDS)
         if len(self.api_key) < 16:
             raise ClusterConfigError("api_key: must be at least 16 characters")
 
 
-def _check_keys(table: str, values: dict, known, owned) -> None:
+def _check_table(table: str, values: dict, config_class, owned) -> dict:
+    """A table of `config_class` settings, typed and known, none of them the launcher's own."""
     for name in values:
-        if name not in known:
-            raise ClusterConfigError(f"{table}.{name}: unknown setting (known: {', '.join(sorted(known))})")
         if name in owned:
             raise ClusterConfigError(f"{table}.{name}: set by the launcher; remove it from the cluster file")
+    return typed_config.check_values(config_class, values, table)
 
 
 def demo_sites(num_sites: int) -> list[SiteSpec]:
@@ -150,28 +149,23 @@ def demo_sites(num_sites: int) -> list[SiteSpec]:
 
 def load_cluster_toml(path: str | Path, **overrides) -> ClusterConfig:
     """A cluster file; `overrides` (flags given on the command line) win over its values."""
-    try:
-        document = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ClusterConfigError(f"{path}: {exc}") from exc
-    site_keys = {f.name for f in dataclasses.fields(SiteSpec)}
+    document = typed_config.read_toml(path)
     sites = []
     for i, table in enumerate(document.pop("sites", [])):
-        unknown = set(table) - site_keys
-        if unknown:
-            raise ClusterConfigError(f"sites[{i}]: unknown keys {sorted(unknown)} (known: {sorted(site_keys)})")
-        try:
-            sites.append(SiteSpec(**table))
-        except TypeError as exc:
-            raise ClusterConfigError(f"sites[{i}]: {exc}") from exc
-    values = {"model_dir": document.pop("model", None), "sites": sites}
+        where = f"{path}: sites[{i}]"
+        sites.append(typed_config.build(SiteSpec, typed_config.check_values(SiteSpec, table, where), where))
+    values = {"sites": sites}
+    if "model" in document:
+        values["model_dir"] = typed_config.check_value(Path, document.pop("model"), f"{path}: model")
     cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)} - {"model_dir", "sites"}
-    for name, value in document.items():
+    for name in document:
         if name not in cluster_keys:
-            raise ClusterConfigError(f"{name}: unknown cluster setting (known: model, sites, "
+            raise ClusterConfigError(f"{path}: {name}: unknown cluster setting (known: model, sites, "
                                      f"{', '.join(sorted(cluster_keys))})")
-        values[name] = value
+    values.update(typed_config.check_values(ClusterConfig, document, str(path)))
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("model_dir") is None:
-        values["model_dir"] = DEFAULT_DEMO_MODEL_DIR
-    return ClusterConfig(**values)
+    values.setdefault("model_dir", DEFAULT_DEMO_MODEL_DIR)
+    try:
+        return ClusterConfig(**values)
+    except ClusterConfigError as exc:
+        raise ClusterConfigError(f"{path}: {exc}") from None

@@ -34,7 +34,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
         value = getattr(args, name, None)
         if value is None:
             continue
-        out[name] = parse_models(value, "--model") if name == "models" else parse_text(name, value)
+        flag = "--" + name.replace("_", "-")
+        out[name] = parse_models(value, "--model") if name == "models" else parse_text(name, value, flag)
     return out
 
 

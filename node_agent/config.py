@@ -3,30 +3,25 @@
 Every field can be set three ways, later ones winning: the TOML file, an `EDGEFIRE_AGENT_<FIELD>`
 environment variable, and a `--<field-with-dashes>` flag. Models are a TOML table
 `[models] name = "/checkpoint/dir"`, `EDGEFIRE_AGENT_MODELS="a=/x,b=/y"` or repeated `--model a=/x`.
-A bad value is a ConfigError that names the field and what to change.
+Loading and type checks are `typed_config`'s (shared with the router): a bad value is a ConfigError
+that names the file (or variable, or flag), the field and what to change.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import typed_config
+from typed_config import ConfigError
 
 ENV_PREFIX = "EDGEFIRE_AGENT_"
 ROLES = ("prefill", "decode", "both")
 
 
-class ConfigError(ValueError):
-    """The agent configuration is unusable; the message names the field."""
-
-
 @dataclass(slots=True)
 class AgentConfig:
-    site: str = ""
+    site: str                                   # required
     region: str | None = None
     country: str | None = None
     lat: float | None = None
@@ -62,7 +57,7 @@ class AgentConfig:
 
     def validate(self) -> None:
         if not self.site:
-            raise ConfigError("site: the site name is required")
+            raise ConfigError("site: the site name must not be empty")
         if self.role not in ROLES:
             raise ConfigError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.models:
@@ -94,86 +89,25 @@ class AgentConfig:
                 raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {value}")
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
-_HINTS = typing.get_type_hints(AgentConfig)
+FIELDS = typed_config.fields_of(AgentConfig)
 
 
 def base_type(name: str) -> type:
     """The field's type without `| None` (dict for models)."""
-    hint = _HINTS[name]
-    if isinstance(hint, types.UnionType):
-        hint = next(t for t in typing.get_args(hint) if t is not type(None))
-    return typing.get_origin(hint) or hint
+    return typed_config.base_type(AgentConfig, name)
 
 
-def _nullable(name: str) -> bool:
-    return isinstance(_HINTS[name], types.UnionType)
-
-
-def _check_toml(name: str, value):
-    """A TOML value has its own type; accept it only if it matches the field's."""
-    kind = base_type(name)
-    if kind is dict:
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise ConfigError(f"{name}: must be a table of model name = \"checkpoint dir\"")
-        return dict(value)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"{name}: must be {kind.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def parse_text(name: str, text: str):
+def parse_text(name: str, text: str, where: str | None = None):
     """A value from the environment or a flag: text converted to the field's type."""
-    if _nullable(name) and text.lower() in ("", "none"):
-        return None
-    kind = base_type(name)
-    if kind is dict:
-        return parse_models(text.split(","), name)
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"{name}: must be {kind.__name__}, got {text!r}") from None
+    return typed_config.parse_text(AgentConfig, name, text, where or name)
 
 
-def parse_models(items: list[str], source: str = "models") -> dict[str, str]:
-    models = {}
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError(f"{source}: expected NAME=CHECKPOINT_DIR, got {item!r}")
-        models[name.strip()] = path.strip()
-    return models
+def parse_models(items: list[str], where: str = "models") -> dict[str, str]:
+    """NAME=CHECKPOINT_DIR items (repeated `--model`) as the models table."""
+    return typed_config.parse_pairs(items, where)
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None,
                 environ: dict[str, str] | None = None) -> AgentConfig:
     """File, then environment, then `overrides` (typed values of the settings given as flags)."""
-    values: dict = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                document = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config: no such file {str(path)!r}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
-        for name, value in document.items():
-            if name not in FIELDS:
-                raise ConfigError(f"{name}: unknown setting in {path} (known: {', '.join(FIELDS)})")
-            values[name] = _check_toml(name, value)
-    environ = os.environ if environ is None else environ
-    for name in FIELDS:
-        text = environ.get(ENV_PREFIX + name.upper())
-        if text is not None:
-            values[name] = parse_text(name, text)
-    for name, value in (overrides or {}).items():
-        if name not in FIELDS:
-            raise ConfigError(f"{name}: unknown setting")
-        values[name] = value
-    config = AgentConfig(**values)
-    config.validate()
-    return config
+    return typed_config.load(AgentConfig, path, env_prefix=ENV_PREFIX, environ=environ, overrides=overrides)

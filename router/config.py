@@ -1,18 +1,17 @@
 """The router's configuration: one dataclass, loaded from TOML (a `[router]` table or top-level keys).
 
-Unknown keys are refused so a misspelt setting fails at start rather than silently keeping a default.
+Loading is `typed_config`'s (shared with the agent): unknown keys, ill-typed values and bad ranges are
+refused at start with the file and key named, rather than silently keeping a default or failing later.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class ConfigError(ValueError):
-    """The configuration file is unreadable or names an unknown or ill-typed setting."""
+import typed_config
+from typed_config import ConfigError
 
 
 @dataclass(slots=True)
@@ -57,32 +56,36 @@ class RouterConfig:
     link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
 
     def validate(self) -> RouterConfig:
-        if self.max_attempts < 1:
-            raise ConfigError("max_attempts must be at least 1")
-        for name in ("snapshot_refresh_s", "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s",
-                     "link_max_age_s"):
+        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "default_max_tokens",
+                     "failures_to_cool_down", "expected_output_tokens", "default_kv_bytes_per_token"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("snapshot_refresh_s", "snapshot_max_age_s", "heartbeat_max_age_s", "first_token_timeout_s",
+                     "token_idle_timeout_s", "request_timeout_s", "retry_after_s", "default_prefill_tokens_per_s",
+                     "default_decode_tokens_per_s", "link_max_age_s"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if not -90 <= self.lat <= 90 or not -180 <= self.lon <= 180:
-            raise ConfigError("lat must be within [-90, 90] and lon within [-180, 180]")
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        for name, limit in (("lat", 90), ("lon", 180)):
+            if not -limit <= getattr(self, name) <= limit:
+                raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {getattr(self, name)}")
+        for cidr in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(f"trusted_proxies: {cidr!r} is not an address or CIDR") from None
         return self
 
 
-def config_from_dict(values: dict) -> RouterConfig:
-    known = {f.name: f for f in dataclasses.fields(RouterConfig)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown router setting(s): {', '.join(unknown)}")
-    try:
-        return RouterConfig(**values).validate()
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from exc
+def config_from_dict(values: dict, where: str = "router config") -> RouterConfig:
+    """A RouterConfig from a `[router]` table's values: unknown keys and ill-typed values are refused."""
+    return typed_config.build(RouterConfig, typed_config.check_values(RouterConfig, values, where), where)
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> RouterConfig:
-    try:
-        document = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    values = document.get("router", document)
-    return config_from_dict({**values, **(overrides or {})})
+    """The `[router]` table of a TOML file (or its top-level keys), then `overrides` (flags)."""
+    return typed_config.load(RouterConfig, path, table="router", overrides=overrides)

@@ -64,7 +64,19 @@ def test_bad_settings_name_the_field(tmp_path, tiny_model_dir, extra, words):
 def test_missing_model_dir_and_bad_env(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"models.tiny: '/no/such/dir' is not a checkpoint directory"):
         load_config(write(tmp_path, site_toml("/no/such/dir")), environ={})
-    with pytest.raises(ConfigError, match="max_waiting: must be int, got 'many'"):
+    with pytest.raises(ConfigError, match="EDGEFIRE_AGENT_MAX_WAITING: must be int, got 'many'"):
         load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={"EDGEFIRE_AGENT_MAX_WAITING": "many"})
-    with pytest.raises(ConfigError, match="config: no such file"):
+    with pytest.raises(ConfigError, match="absent.toml: no such config file"):
         load_config(tmp_path / "absent.toml", environ={})
+
+
+def test_missing_required_site_and_bad_flags_are_named(tmp_path, tiny_model_dir):
+    text = site_toml(tiny_model_dir).replace('site = "fra-1"\n', "")
+    with pytest.raises(ConfigError, match=r"site.toml: missing required setting\(s\): site"):
+        load_config(write(tmp_path, text), environ={})
+    path = write(tmp_path, site_toml(tiny_model_dir))
+    args = build_parser().parse_args(["agent", "--config", str(path), "--max-num-seqs", "lots"])
+    with pytest.raises(ConfigError, match="--max-num-seqs: must be int, got 'lots'"):
+        load_config(args.config, overrides_from_args(args), environ={})
+    with pytest.raises(ConfigError, match="EDGEFIRE_AGENT_LAT: must be a finite number"):
+        load_config(path, environ={"EDGEFIRE_AGENT_LAT": "nan"})

@@ -39,7 +39,10 @@ def test_demo_sites_mix_roles_in_real_cities():
     ('[agent]\nsite_token = "x"\n', "set by the launcher"),
     ('[agent]\nkv_cache_gb = 3\n', "unknown setting"),
     ('[router]\nport = 1\n', "set by the launcher"),
-    ('[[sites]]\nname = "a"\ncity = "Lisbon"\n', "unknown keys"),
+    ('[[sites]]\nname = "a"\ncity = "Lisbon"\n', r"sites\[0\]: city: unknown setting"),
+    ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\n', r"sites\[0\]: missing required setting\(s\): lon"),
+    ('[router]\nmax_attempts = "3"\n', "router: max_attempts: must be int, got str '3'"),
+    ('[agent]\nmax_num_seqs = 1.5\n', "agent: max_num_seqs: must be int, got float 1.5"),
 ])
 def test_bad_cluster_files_say_what_to_change(tmp_path, text, message):
     path = tmp_path / "cluster.toml"

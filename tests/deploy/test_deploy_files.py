@@ -15,8 +15,9 @@ import yaml
 
 from deploy.cli import build_parser
 from deploy.cluster_config import load_cluster_toml
+import typed_config
 from node_agent.config import FIELDS as AGENT_FIELDS
-from node_agent.config import _check_toml
+from node_agent.config import AgentConfig
 from router.config import RouterConfig, config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +45,7 @@ def containers(kind: str, name: str) -> list[dict]:
 
 
 def check_agent_toml(document: dict) -> None:
-    for key, value in document.items():
-        assert key in AGENT_FIELDS, f"{key} is not an AgentConfig field"
-        _check_toml(key, value)  # raises on a wrongly typed value
+    typed_config.check_values(AgentConfig, document, "agent.toml")  # raises on unknown or ill-typed settings
 
 
 def listen_port(address: str) -> int:
