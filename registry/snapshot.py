@@ -7,6 +7,14 @@ re-read after a change re-encodes only the sites whose rows changed, and a heart
 process updates the data in place (`apply_capacity`) without reading anything. A render is string
 joins of those fragments plus each site's age.
 
+Back from an outage. Agents back off while the registry is away, so when it returns every
+heartbeat is stale at once; declaring every site dead then would stop every router. A site that was
+alive when the registry went away (its heartbeat within one TTL of the newest one the registry had
+then) therefore counts as seen at the return (`RegistryReturn`): one liveness window to heartbeat
+again, and its `heartbeat_age_s` counts from the return. The capacity's `reported_at` stays the
+real report time. A process that starts while other replicas kept serving grants the same window,
+which at worst keeps a site that died just then listed for one extra TTL.
+
 Wire shape:
   {"version": str, "generated_at": float, "sites": [{"name", "region", "country", "lat", "lon",
    "grpc_address", "state", "roles", "models": [{"model", "role"}], "alive": bool,
@@ -42,11 +50,23 @@ _DEAD = b',"alive":false,"heartbeat_age_s":'
 _NEVER_REPORTED = b',"alive":false,"heartbeat_age_s":null,"capacity":null},'
 
 
+@dataclass(slots=True, frozen=True)
+class RegistryReturn:
+    """The registry (re)started at `at`; the newest heartbeat it held then is when it went away."""
+
+    at: float
+    went_away_at: float
+
+    def seen_at(self, reported_at: float, ttl_s: float) -> float:
+        alive_when_it_went_away = reported_at + ttl_s >= self.went_away_at
+        return max(reported_at, self.at) if alive_when_it_went_away else reported_at
+
+
 @dataclass(slots=True)
 class SnapshotSite:
     head: bytes  # the site's JSON object up to its live fields (no closing brace)
     tail: bytes  # ',"capacity":<capacity JSON>},', or empty when the site has not reported
-    reported_at: float | None
+    seen_at: float | None  # the last heartbeat, or the registry's return for a site alive when it went away
     ttl_s: float
 
 
@@ -55,7 +75,7 @@ class SnapshotData:
     db_version: int
     sites: list[SnapshotSite]  # by site name
     links: str  # JSON text of the links array
-    deadlines: list[float]  # sorted reported_at + ttl of every site that has reported
+    deadlines: list[float]  # sorted seen_at + ttl of every site that has reported
     by_id: dict[int, SnapshotSite]
 
     def version_at(self, now: float) -> str:
@@ -68,10 +88,10 @@ class SnapshotData:
         append = parts.append
         for site in self.sites:  # the one loop over every site per render: keep it to byte appends
             append(site.head)
-            if site.reported_at is None:
+            if site.seen_at is None:
                 append(_NEVER_REPORTED)
                 continue
-            age = now - site.reported_at
+            age = now - site.seen_at
             if age < 0.0:
                 age = 0.0
             append(_ALIVE if age <= site.ttl_s else _DEAD)
@@ -89,13 +109,23 @@ class SnapshotData:
             return False
         for row in rows:
             site = self.by_id[row["site_id"]]
-            if site.reported_at is not None:
-                del self.deadlines[bisect_left(self.deadlines, site.reported_at + site.ttl_s)]
+            if site.seen_at is not None:
+                del self.deadlines[bisect_left(self.deadlines, site.seen_at + site.ttl_s)]
             site.tail = _tail(capacity_json(row))
-            site.reported_at = row["reported_at"]
-            insort(self.deadlines, site.reported_at + site.ttl_s)
+            site.seen_at = row["reported_at"]
+            insort(self.deadlines, site.seen_at + site.ttl_s)
         self.db_version = db_version
         return True
+
+    def newest_heartbeat(self) -> float | None:
+        return max((site.seen_at for site in self.sites if site.seen_at is not None), default=None)
+
+    def apply_return(self, returned: RegistryReturn) -> None:
+        """Gives every site alive when the registry went away one liveness window from its return."""
+        for site in self.sites:
+            if site.seen_at is not None:
+                site.seen_at = returned.seen_at(site.seen_at, site.ttl_s)
+        self.deadlines = sorted(site.seen_at + site.ttl_s for site in self.sites if site.seen_at is not None)
 
 
 class SnapshotReader:

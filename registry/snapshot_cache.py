@@ -4,6 +4,9 @@ commits is reached by applying those commits instead of reading at all (any othe
 replica or another, is read from the database: the version counter there is the reference). The
 body is re-rendered at most every `max_body_age_s` (or when liveness flips), and a router whose
 ETag is current gets a 304 without any rendering.
+
+The first read after start, and the first after the database was lost, marks the registry's return
+(`RegistryReturn`, see registry/snapshot.py): sites alive when it went away get one liveness window.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
-from registry.snapshot import SnapshotData, SnapshotReader, read_db_version
+from registry.snapshot import RegistryReturn, SnapshotData, SnapshotReader, read_db_version
 
 MAX_PENDING_COMMITS = 1000  # beyond this many unapplied commits, a re-read is cheaper anyway
 
@@ -37,6 +41,7 @@ class SnapshotCache:
         self._body: tuple[str, float, bytes] | None = None  # (version, rendered_at, body)
         self._commits_lock = threading.Lock()
         self._commits: dict[int, list[dict]] = {}  # registry version -> capacity rows that commit wrote
+        self._returned: RegistryReturn | None = None  # None until the first read (and after losing the database)
 
     def capacity_written(self, db_version: int, rows: list[dict]) -> None:
         """TelemetryStore listener: this process committed `rows`, moving the registry to `db_version`."""
@@ -46,7 +51,12 @@ class SnapshotCache:
             self._commits[db_version] = rows
 
     def get(self, if_none_match: str | None = None) -> RenderedSnapshot:
-        db_version = read_db_version(self._engine)
+        try:
+            db_version = read_db_version(self._engine)
+        except OperationalError:
+            with self._lock:  # the database is away: its return is a return of the registry
+                self._data, self._returned = None, None
+            raise
         with self._lock:
             if self._data is None or self._data.db_version != db_version:
                 self._catch_up(db_version)
@@ -73,6 +83,10 @@ class SnapshotCache:
             if all(data.apply_capacity(v, commits[v]) for v in range(data.db_version + 1, db_version + 1)):
                 return
         self._data = self._reader.read(self._engine)
+        if self._returned is None:
+            newest = self._data.newest_heartbeat()
+            self._returned = RegistryReturn(self._clock(), newest if newest is not None else self._clock())
+        self._data.apply_return(self._returned)
         with self._commits_lock:  # commits the read already includes
             self._commits = {v: rows for v, rows in self._commits.items() if v > self._data.db_version}
 
