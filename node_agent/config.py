@@ -16,6 +16,8 @@ import typed_config
 from typed_config import ConfigError
 
 ENV_PREFIX = "EDGEFIRE_AGENT_"
+MIN_THROUGHPUT_BYTES = 16 << 10  # a smaller transfer measures latency, not throughput (node_agent.links)
+MAX_PROBE_BYTES = 1 << 20        # the most a KV data port sends to one link probe
 ROLES = ("prefill", "decode", "both")
 
 
@@ -50,6 +52,9 @@ class AgentConfig:
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
     fetch_timeout_s: float = 30.0               # a KV pull slower than this falls back to recompute
+    link_probe_interval_s: float = 60.0         # a peer path quiet this long gets one probe; 0: never probe
+    link_probe_bytes: int = 256 << 10
+    link_report_interval_s: float = 10.0        # measured links go to the registry this often
 
     @property
     def grpc_address(self) -> str:
@@ -80,7 +85,13 @@ class AgentConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting: must be >= 0, got {self.max_waiting}")
-        for name in ("kv_lease_ttl_s", "heartbeat_interval_s", "drain_timeout_s", "fetch_timeout_s"):
+        if not MIN_THROUGHPUT_BYTES <= self.link_probe_bytes <= MAX_PROBE_BYTES:
+            raise ConfigError(f"link_probe_bytes: must be in [{MIN_THROUGHPUT_BYTES}, {MAX_PROBE_BYTES}], "
+                              f"got {self.link_probe_bytes}")
+        if self.link_probe_interval_s < 0:
+            raise ConfigError(f"link_probe_interval_s: must be >= 0 (0: never probe), got {self.link_probe_interval_s}")
+        for name in ("kv_lease_ttl_s", "heartbeat_interval_s", "drain_timeout_s", "fetch_timeout_s",
+                     "link_report_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name, limit in (("lat", 90), ("lon", 180)):

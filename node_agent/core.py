@@ -27,17 +27,28 @@ from node_agent.client import AgentClient, AgentPool
 from node_agent.config import AgentConfig
 from node_agent.errors import DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.metrics import AgentMetrics
-from node_agent.kv_data import KVDataServer, KVSourceUnreachable, receive_bulk
+from node_agent.kv_data import KVDataServer, KVSourceUnreachable, probe, receive_bulk
+from node_agent.links import LinkTable
 from node_agent.models import HostedModel
 from node_agent.transfer import receive_payload
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
 class KVSource:
     address: str
     kv_handle: str
+
+
+@dataclass(slots=True)
+class Peer:
+    """What a peer's Health said once: its site name and its KV data port (host:port), if any."""
+
+    site: str
+    data_address: str | None
 
 
 @dataclass(slots=True)
@@ -61,9 +72,10 @@ class AgentCore:
         self._peer_tls = peer_credentials is not None
         self._peers = AgentPool(config.peer_token, peer_credentials)
         self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
-        self._data_addresses: dict[str, str | None] = {}  # peer gRPC address -> its KV data port, if any
         # Decodes admitted but not yet held by their engine (pulling KV): they count against max_num_seqs.
         self._decode_reserved: dict[str, int] = {}
+        self._peer_info: dict[str, Peer] = {}  # peer gRPC address -> its Health answer
+        self.links = LinkTable()  # measured paths to peer sites (node_agent.links)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -212,29 +224,54 @@ class AgentCore:
 
     async def _fetch(self, source: KVSource, layout: KVLayout, prompt_ids: list[int], request_id: str | None,
                      timeout: float) -> KVPayload:
-        """Over the peer's KV data port when it has one, else the FetchKV stream."""
-        peer = self._peers.client(source.address)
-        data_address = await self._data_address(peer, source.address, timeout)
-        if data_address:
+        """Over the peer's KV data port when it has one, else the FetchKV stream; each pull is a link sample."""
+        client = self._peers.client(source.address)
+        peer = await self._peer_health(client, source.address, timeout)
+        if peer.data_address:
             try:
-                return await receive_bulk(data_address, self.config.peer_token, source.kv_handle, layout,
-                                          prompt_ids, timeout)
+                started = time.perf_counter()
+                payload = await receive_bulk(peer.data_address, self.config.peer_token, source.kv_handle, layout,
+                                             prompt_ids, timeout, lambda s: self.links.observe_rtt(peer.site, s))
+                self.links.observe_transfer(peer.site, payload.num_bytes, time.perf_counter() - started)
+                return payload
             except KVSourceUnreachable as exc:
                 log.info("request %s: %s; using FetchKV", request_id, exc)
-                self._data_addresses.pop(source.address, None)  # it may have restarted on another port
-        call = peer.fetch_kv(source.kv_handle, timeout=timeout, request_id=request_id)
-        return await receive_payload(call, layout, prompt_ids)
+                self._peer_info.pop(source.address, None)  # it may have restarted on another port
+        started = time.perf_counter()
+        call = client.fetch_kv(source.kv_handle, timeout=timeout, request_id=request_id)
+        payload = await receive_payload(call, layout, prompt_ids)
+        self.links.observe_transfer(peer.site, payload.num_bytes, time.perf_counter() - started)
+        return payload
 
-    async def _data_address(self, peer: AgentClient, address: str, timeout: float) -> str | None:
-        """host:port of a peer's KV data port (asked once, from its Health), None if it has none."""
-        if address not in self._data_addresses:
+    async def _peer_health(self, client: AgentClient, address: str, timeout: float) -> Peer:
+        """A peer's site name and KV data port (asked once, from its Health)."""
+        if address not in self._peer_info:
             try:
-                health = await peer.health(timeout=timeout)
+                health = await client.health(timeout=timeout)
             except aio.AioRpcError as exc:
                 raise KVTransferError(f"KV source {address} is unreachable: {exc.code().name}") from exc
             port = health.kv_data_port
-            self._data_addresses[address] = f"{address.rpartition(':')[0]}:{port}" if port and not self._peer_tls else None
-        return self._data_addresses[address]
+            data_address = f"{address.rpartition(':')[0]}:{port}" if port and not self._peer_tls else None
+            self._peer_info[address] = Peer(health.site, data_address)
+        return self._peer_info[address]
+
+    async def probe_peer(self, site: str, address: str) -> None:
+        """One active link measurement (node_agent.links); failures are only logged."""
+        timeout = PROBE_TIMEOUT_S
+        client = self._peers.client(address)
+        try:
+            peer = await self._peer_health(client, address, timeout)
+            if peer.data_address:
+                result = await probe(peer.data_address, self.config.peer_token, self.config.link_probe_bytes, timeout)
+                self.links.observe_rtt(site, result.rtt_s)
+                self.links.observe_transfer(site, result.num_bytes, result.seconds)
+            else:
+                started = time.perf_counter()
+                await client.health(timeout=timeout)
+                self.links.observe_rtt(site, time.perf_counter() - started)
+        except (KVTransferError, aio.AioRpcError) as exc:
+            log.info("link probe of %s (%s) failed: %s", site, address, exc)
+            self._peer_info.pop(address, None)
 
     async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
         started = last = time.perf_counter()

@@ -24,6 +24,7 @@ from node_agent.client import MESSAGE_OPTIONS
 from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
 from node_agent.kv_data import KVDataServer
+from node_agent.links import LinkLoop, LinkSettings
 from node_agent.heartbeat import HeartbeatLoop, Registration
 from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.models import HostedModel, load_model
@@ -43,6 +44,7 @@ class Agent:
         self.core: AgentCore | None = None
         self.servicer: AgentServicer | None = None
         self.heartbeats: HeartbeatLoop | None = None
+        self.link_loop: LinkLoop | None = None
         self.address = ""                 # host:port actually bound (grpc_listen may ask for port 0)
         self.metrics_port: int | None = None
         self._server: aio.Server | None = None
@@ -98,6 +100,9 @@ class Agent:
         client = RegistryClient(cfg.registry_url, cfg.site_token)
         self.heartbeats = HeartbeatLoop(client, registration, self.capacity, self._on_registry_status)
         self.heartbeats.start()
+        settings = LinkSettings(cfg.link_probe_interval_s, cfg.link_probe_bytes, cfg.link_report_interval_s)
+        self.link_loop = LinkLoop(client, self.core.links, self.core.probe_peer, settings)
+        self.link_loop.start()
 
     def request_drain(self, deadline_s: float | None = None) -> None:
         """Start draining in the background (Drain RPC, SIGTERM, the operator via the registry)."""
@@ -121,6 +126,8 @@ class Agent:
         """Stop now: in-flight streams are cancelled (their blocks freed), engines shut down."""
         if self._stopped.is_set():
             return
+        if self.link_loop is not None:
+            await self.link_loop.stop()  # before the heartbeats close the registry client they share
         if self.heartbeats is not None:
             await self.heartbeats.stop(deregister)
         if self._server is not None:

@@ -5,10 +5,15 @@ the bulk of a KV transfer skips it. A puller learns a peer's data port from its 
 (cached), connects, and sends one request frame; the agent answers with a header and one frame
 per chunk:
 
-    request   <H token length, token (the peer token, as on gRPC), <H handle length, KV handle
+    request   <B kind, <H token length, token (the peer token, as on gRPC), <H body length, body
     header    <I length, JSON {"kv_layout", "token_ids", "num_chunks"} or {"error"}
     chunk     engine.kv_transfer.CHUNK_HEADER (layer, first_token, num_tokens, xxh3-64 checksum, data
               length), then the data
+
+A request of kind FETCH carries a KV handle as its body. Kind PROBE carries a byte count (decimal
+text, at most MAX_PROBE_BYTES): the agent answers the header {"probe_bytes": n} and then n bytes,
+which is how a peer measures the path (node_agent.links) without any KV to move. Both kinds need
+the peer token.
 
 Any failure on either side is one closed connection or an error header; the puller's checks
 (layout, sizes, coverage, every checksum) turn it into a KVTransferError and Decode recomputes.
@@ -24,8 +29,10 @@ import json
 import logging
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy
 
@@ -33,6 +40,7 @@ from engine.async_engine import kv_chunks
 from engine.errors import EngineError, KVTransferError
 from engine.kv_export import KVExport
 from engine.kv_transfer import CHUNK_HEADER, KVChunk, KVLayout, KVPayload
+from node_agent.config import MAX_PROBE_BYTES
 from node_agent.proto import agent_pb2
 from node_agent.transfer import PayloadAssembler, chunk_message
 
@@ -40,8 +48,11 @@ log = logging.getLogger(__name__)
 
 LENGTH = struct.Struct("<H")
 HEADER = struct.Struct("<I")
+KIND = struct.Struct("<B")
+FETCH, PROBE = 1, 2
 REQUEST_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 64 << 20
+_PROBE_FILL = bytes(64 << 10)
 
 ChunkHook = Callable[[int, agent_pb2.KVChunk], Awaitable[agent_pb2.KVChunk | None]]
 
@@ -94,11 +105,20 @@ class KVDataServer:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                kind = bytearray(KIND.size)
+                await _recv_into(loop, conn, memoryview(kind))
                 token = await _recv_field(loop, conn)
-                kv_handle = (await _recv_field(loop, conn)).decode("utf-8", "replace")
+                body = (await _recv_field(loop, conn)).decode("utf-8", "replace")
             if not hmac.compare_digest(token, self._peer_token):
                 await _send_header(loop, conn, {"error": "missing or wrong peer token"})
                 return
+            if KIND.unpack(kind)[0] == PROBE:
+                await self._answer_probe(loop, conn, body)
+                return
+            if KIND.unpack(kind)[0] != FETCH:
+                await _send_header(loop, conn, {"error": f"unknown request kind {KIND.unpack(kind)[0]}"})
+                return
+            kv_handle = body
             try:
                 export = await self._open_export(kv_handle)
             except EngineError as exc:
@@ -128,6 +148,17 @@ class KVDataServer:
             log.info("KV data stream ended early: %s", exc)
         finally:
             conn.close()
+
+    async def _answer_probe(self, loop, conn: socket.socket, body: str) -> None:
+        if not body.isdigit() or not 0 < int(body) <= MAX_PROBE_BYTES:
+            await _send_header(loop, conn, {"error": f"a probe asks for 1 to {MAX_PROBE_BYTES} bytes, not {body!r}"})
+            return
+        num_bytes = int(body)
+        await _send_header(loop, conn, {"probe_bytes": num_bytes})
+        while num_bytes:
+            piece = min(num_bytes, len(_PROBE_FILL))
+            await loop.sock_sendall(conn, memoryview(_PROBE_FILL)[:piece])
+            num_bytes -= piece
 
     def _send_blocking(self, conn: socket.socket, export: KVExport, before_last: Callable[[], None]) -> None:
         """On a worker thread: gather chunk i+1 on another while chunk i goes out (both release the GIL)."""
@@ -180,14 +211,20 @@ async def _send_header(loop, conn: socket.socket, header: dict) -> None:
     await loop.sock_sendall(conn, HEADER.pack(len(body)) + body)
 
 
+@dataclass(slots=True)
+class ProbeResult:
+    rtt_s: float          # request sent to the answer's header received: one round trip
+    num_bytes: int
+    seconds: float        # header received to the last byte
+
+
 async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_layout: KVLayout,
-                       prompt_ids: list[int], timeout: float) -> KVPayload:
-    """Pull a KV handle from a peer's data port (host:port) into a verified payload."""
-    host, _, port = address.rpartition(":")
-    try:
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-    except OSError as exc:
-        raise KVSourceUnreachable(f"cannot reach the KV data port {address}: {exc}") from exc
+                       prompt_ids: list[int], timeout: float,
+                       on_connected: Callable[[float], None] | None = None) -> KVPayload:
+    """Pull a KV handle from a peer's data port (host:port) into a verified payload.
+
+    on_connected gets the TCP connect time in seconds: one round trip, a free RTT sample."""
+    conn = await _connect(address, timeout, on_connected)
     try:
         # Blocking reads on a worker thread: MSG_WAITALL fills a whole frame in one system call.
         return await asyncio.to_thread(_pull, conn, peer_token, kv_handle, PayloadAssembler(expected_layout, prompt_ids))
@@ -199,9 +236,35 @@ async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_l
         conn.close()  # also ends the reading thread's wait if we were cancelled
 
 
-def _pull(conn: socket.socket, peer_token: str, kv_handle: str, assembler: PayloadAssembler) -> KVPayload:
-    token, handle = peer_token.encode(), kv_handle.encode()
-    conn.sendall(LENGTH.pack(len(token)) + token + LENGTH.pack(len(handle)) + handle)
+async def probe(address: str, peer_token: str, num_bytes: int, timeout: float) -> ProbeResult:
+    """Ask a peer's data port for num_bytes of filler and time the answer (see node_agent.links)."""
+    conn = await _connect(address, timeout)
+    try:
+        return await asyncio.to_thread(_probe, conn, peer_token, num_bytes)
+    except OSError as exc:  # TimeoutError included
+        raise KVTransferError(f"probe of the KV data port {address} failed: {exc}") from exc
+    finally:
+        conn.close()
+
+
+async def _connect(address: str, timeout: float, on_connected: Callable[[float], None] | None = None) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    started = time.perf_counter()
+    try:
+        conn = await asyncio.to_thread(socket.create_connection, (host.strip("[]"), int(port)), timeout)
+    except OSError as exc:
+        raise KVSourceUnreachable(f"cannot reach the KV data port {address}: {exc}") from exc
+    if on_connected is not None:
+        on_connected(time.perf_counter() - started)
+    return conn
+
+
+def _send_request(conn: socket.socket, kind: int, peer_token: str, body: str) -> None:
+    token, data = peer_token.encode(), body.encode()
+    conn.sendall(KIND.pack(kind) + LENGTH.pack(len(token)) + token + LENGTH.pack(len(data)) + data)
+
+
+def _read_header(conn: socket.socket) -> dict:
     size = bytearray(HEADER.size)
     _read_exactly(conn, memoryview(size))
     (length,) = HEADER.unpack(size)
@@ -215,6 +278,23 @@ def _pull(conn: socket.socket, peer_token: str, kv_handle: str, assembler: Paylo
         raise KVTransferError(f"KV data header is not JSON ({exc})") from exc
     if "error" in header:
         raise KVTransferError(f"the KV source refused: {header['error']}")
+    return header
+
+
+def _probe(conn: socket.socket, peer_token: str, num_bytes: int) -> ProbeResult:
+    sent = time.perf_counter()
+    _send_request(conn, PROBE, peer_token, str(num_bytes))
+    header = _read_header(conn)
+    answered = time.perf_counter()
+    if header.get("probe_bytes") != num_bytes:
+        raise KVTransferError(f"the probe asked for {num_bytes} bytes, the peer announced {header.get('probe_bytes')}")
+    _read_exactly(conn, memoryview(bytearray(num_bytes)))
+    return ProbeResult(answered - sent, num_bytes, time.perf_counter() - answered)
+
+
+def _pull(conn: socket.socket, peer_token: str, kv_handle: str, assembler: PayloadAssembler) -> KVPayload:
+    _send_request(conn, FETCH, peer_token, kv_handle)
+    header = _read_header(conn)
     try:
         assembler.start(header["kv_layout"], list(header["token_ids"]), int(header["num_chunks"]))
     except (KeyError, TypeError, ValueError) as exc:

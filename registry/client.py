@@ -92,7 +92,12 @@ class RegistryOperations:
         return self._call("POST", "/v1/agent/heartbeat", json=capacity)
 
     def post_links(self, links: list[dict]):
+        """links: [{"peer", "rtt_ms", "bandwidth_mbps"}], this site's measurements of its paths."""
         return self._call("POST", "/v1/agent/links", json={"links": links})
+
+    def peers(self):
+        """{"peers": [{"name", "grpc_address"}]}: live sites serving one of this site's models."""
+        return self._call("GET", "/v1/agent/peers")
 
     def deregister(self):
         return self._call("DELETE", "/v1/agent/registration")

@@ -1,4 +1,5 @@
-"""The agents' API (per-site token): registration, heartbeats, link measurements, deregistration."""
+"""The agents' API (per-site token): registration, heartbeats, link measurements and the peers to
+measure, deregistration."""
 
 from __future__ import annotations
 
@@ -65,3 +66,9 @@ async def store_heartbeat(svc: RegistryService, authorization: str | None, body:
 def post_links(body: LinksBody, site: SiteIdentity = Depends(site_caller),
                svc: RegistryService = Depends(registry)) -> dict:
     return {"stored": svc.store.telemetry.record_links(site.site_id, body.records())}
+
+
+@router.get("/peers")
+def peers(site: SiteIdentity = Depends(site_caller), svc: RegistryService = Depends(registry)) -> dict:
+    """The live, active sites serving one of the caller's models: whose paths its agent measures."""
+    return {"peers": [{"name": name, "grpc_address": address} for name, address in svc.store.sites.peers(site.site_id)]}

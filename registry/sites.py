@@ -12,14 +12,17 @@ import time
 from collections.abc import Callable
 from dataclasses import fields
 
-from sqlalchemy import Connection, Engine, delete, insert, update
+from sqlalchemy import Connection, Engine, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from registry import audit, validate
 from registry.db import writer
 from registry.errors import Conflict, InvalidInput
-from registry.records import ModelServed, Page, Site, SiteSpec
+from registry.records import TTL_HEARTBEATS, ModelServed, Page, Site, SiteSpec
 from registry.sql import SITE_MODELS, SITES, bump_version, load_site, load_sites, site_id
+from registry.tables import CapacityRow
+
+CAPACITY = CapacityRow.__table__
 
 SPEC_FIELDS = frozenset(f.name for f in fields(SiteSpec))
 
@@ -68,6 +71,22 @@ class SiteStore:
             audit.record(conn, self._clock(), actor, action, name, _spec_json(spec, only=changes))
             bump_version(conn)
             return load_site(conn, current.id)
+
+    def peers(self, site_id_: int) -> list[tuple[str, str]]:
+        """(name, gRPC address) of every other live, active site serving one of this site's models:
+        the paths its agent measures (node_agent.links)."""
+        mine, theirs = SITE_MODELS.alias("mine"), SITE_MODELS.alias("theirs")
+        query = (
+            select(SITES.c.name, SITES.c.grpc_address).distinct()
+            .join(theirs, theirs.c.site_id == SITES.c.id)
+            .join(mine, (mine.c.model == theirs.c.model) & (mine.c.site_id == site_id_))
+            .join(CAPACITY, CAPACITY.c.site_id == SITES.c.id)
+            .where(SITES.c.id != site_id_, SITES.c.state == "active", SITES.c.grpc_address.is_not(None),
+                   CAPACITY.c.reported_at >= self._clock() - TTL_HEARTBEATS * SITES.c.heartbeat_interval_s)
+            .order_by(SITES.c.name)
+        )
+        with self._read.connect() as conn:
+            return [(row.name, row.grpc_address) for row in conn.execute(query)]
 
     def get(self, name: str) -> Site:
         with self._read.connect() as conn:
