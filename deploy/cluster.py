@@ -1,4 +1,5 @@
-"""`edgefire up` (the whole system on this machine, until Ctrl-C) and `edgefire status` (a table of sites)."""
+"""`edgefire up` (the whole system on this machine, until Ctrl-C) and `edgefire status` (a table of
+sites, or with --links the matrix of measured links)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def add_parser(subparsers) -> None:
                         help="admin token (default $EDGEFIRE_ADMIN_TOKEN, else the `edgefire up` cluster's)")
     status.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                         help=f"where `edgefire up` keeps cluster.json (default {DEFAULT_STATE_DIR})")
-    status.add_argument("--json", action="store_true", help="print the raw site list as JSON")
+    status.add_argument("--json", action="store_true", help="print the raw site list (or links) as JSON")
+    status.add_argument("--links", action="store_true",
+                        help="the measured links instead: RTT, throughput and age for each pair of sites")
     status.set_defaults(func=run_status)
 
 
@@ -188,7 +191,11 @@ def run_status(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         print(f"error: cannot reach the registry at {registry_url} ({exc})", file=sys.stderr)
         return 1
-    if args.json:
+    if args.links:
+        links = snapshot.get("links", [])
+        print(json.dumps(links, indent=2) if args.json else
+              links_matrix([site["name"] for site in snapshot["sites"]], links, snapshot["generated_at"]))
+    elif args.json:
         print(json.dumps(snapshot["sites"], indent=2))
     else:
         print(status_table(snapshot["sites"]))
@@ -209,6 +216,34 @@ def status_table(sites: list[dict]) -> str:
                      site.get("region") or "-", load, kv, "never" if age is None else f"{age:.1f}s ago",
                      site.get("grpc_address") or "-"))
     return format_table(rows)
+
+
+def links_matrix(names: list[str], links: list[dict], now: float) -> str:
+    """One row per measuring site, one column per peer: "RTT / throughput, age" of the latest measurement."""
+    measured = {(link["src"], link["dst"]): link for link in links}
+    rows = [("from \\ to", *names)]
+    for src in names:
+        cells = []
+        for dst in names:
+            link = measured.get((src, dst))
+            if src == dst:
+                cells.append("·")
+            elif link is None:
+                cells.append("-")
+            else:
+                cells.append(f"{link['rtt_ms']:.1f}ms {_rate(link['bandwidth_mbps'])} {_age(now - link['measured_at'])}")
+        rows.append((src, *cells))
+    note = "cells: round-trip time, throughput, age of the measurement; - not measured (placement uses distance)"
+    return f"{format_table(rows)}\n{note}"
+
+
+def _rate(mbps: float) -> str:
+    return f"{mbps / 1000:.1f}Gbps" if mbps >= 1000 else f"{mbps:.0f}Mbps"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}min ago"
 
 
 def format_table(rows: list[tuple]) -> str:

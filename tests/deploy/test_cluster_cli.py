@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.cluster import status_table
+from deploy.cluster import links_matrix, status_table
 from deploy.cluster_config import ClusterConfigError, demo_sites, load_cluster_toml
 from deploy.launcher import to_toml
 from deploy.processes import free_port, is_ours
@@ -74,6 +74,16 @@ def test_status_table_shows_state_role_load_kv_and_heartbeat_age():
     assert lines[2].split() == ["lisbon", "cordoned", "yes", "prefill", "eu-west", "2/1", "30/40", "(75%)",
                                 "0.4s", "ago", "h:1"]
     assert lines[3].split()[:4] == ["warsaw", "active", "no", "both"] and "never" in lines[3]
+
+
+def test_links_matrix_shows_rtt_throughput_and_age_per_measured_pair():
+    links = [{"src": "lisbon", "dst": "warsaw", "rtt_ms": 41.23, "bandwidth_mbps": 850.0, "measured_at": 990.0},
+             {"src": "warsaw", "dst": "lisbon", "rtt_ms": 40.0, "bandwidth_mbps": 2500.0, "measured_at": 400.0}]
+    lines = links_matrix(["lisbon", "madrid", "warsaw"], links, now=1000.0).splitlines()
+    assert lines[0].split() == ["from", "\\", "to", "lisbon", "madrid", "warsaw"]
+    assert lines[2].split() == ["lisbon", "·", "-", "41.2ms", "850Mbps", "10s", "ago"]
+    assert lines[3].split() == ["madrid", "-", "·", "-"]
+    assert lines[4].split() == ["warsaw", "40.0ms", "2.5Gbps", "10min", "ago", "-", "·"]
 
 
 def start_up(state_dir: Path, model_dir: Path, port: int, registry_port: int, log: Path) -> subprocess.Popen:
