@@ -258,7 +258,7 @@ class LLMEngine:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
             seqs = [item.seq for item in inputs.sample_seqs]
             sampled = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                             [s.num_output_tokens for s in seqs])
+                             [s.num_output_tokens for s in seqs], [s.token_ids for s in seqs])
         elapsed = time.perf_counter() - started
         num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
         num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)

@@ -15,6 +15,7 @@ import torch
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; n >= 0: the sampled token's logprob plus the top n
+    repetition_penalty: float = 1.0  # 1 means off; >1 discourages tokens already in the prompt or output
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -38,6 +40,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                      f"got {self.repetition_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -81,12 +86,32 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def _penalize_repetition(logits: torch.Tensor, params: list[SamplingParams],
+                         histories: list[list[int]] | None) -> torch.Tensor:
+    """transformers' repetition penalty: every token already in the sequence (prompt and output) has its
+    logit divided by the penalty when positive, multiplied when negative."""
+    rows = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("a repetition penalty needs the sequences' token histories")
+    logits = logits.clone()
+    for row in rows:
+        ids = torch.tensor(histories[row], dtype=torch.long, device=logits.device)
+        scores = logits[row].gather(0, ids)
+        penalty = params[row].repetition_penalty
+        logits[row].scatter_(0, ids, torch.where(scores < 0, scores * penalty, scores / penalty))
+    return logits
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           output_indices: list[int]) -> list[SampledToken]:
-    """One token per row of logits [N, V] (float32)."""
+           output_indices: list[int], histories: list[list[int]] | None = None) -> list[SampledToken]:
+    """One token per row of logits [N, V] (float32). `histories` (each row's prompt + output ids) is
+    needed only for rows with a repetition penalty. Logprobs are those of the model, before any penalty."""
     results = []
     want_logprobs = any(p.logprobs is not None for p in params)
     logprobs_all = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logits = _penalize_repetition(logits, params, histories)
     greedy_ids = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
         if p.greedy:

@@ -18,13 +18,14 @@ def sampling_from_proto(msg: agent_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        repetition_penalty=msg.repetition_penalty or 1.0,
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> agent_pb2.SamplingParams:
     msg = agent_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                                    top_k=params.top_k, top_p=params.top_p, stop_token_ids=params.stop_token_ids,
-                                   ignore_eos=params.ignore_eos)
+                                   ignore_eos=params.ignore_eos, repetition_penalty=params.repetition_penalty)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

@@ -8,6 +8,7 @@ the first token. The returned `CompletionRun` then yields stream chunks or one r
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -43,7 +44,7 @@ class RequestContext:
 @dataclass(slots=True)
 class Limits:
     max_prompt_tokens: int = 32768
-    default_max_tokens: int = 256
+    default_max_tokens: int = 0  # for requests without max_tokens; 0: up to the model's context
     retry_after_s: float = 1.0
     router_site: str | None = None
 
@@ -62,6 +63,9 @@ class CompletionService:
         prompt_ids = await self._tokenize(request, assets)
         max_tokens = self._check_lengths(request, prompt_ids, assets)
         key = ctx.api_key
+        if request.max_tokens is None and key.tokens_per_minute:
+            # Up to the context, but never more than a minute's allowance: the charge must fit the bucket.
+            max_tokens = max(1, min(max_tokens, key.tokens_per_minute - len(prompt_ids)))
         wait_s, limit = self.limiter.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
                                            len(prompt_ids) + max_tokens)
         if wait_s:
@@ -86,11 +90,7 @@ class CompletionService:
         if not candidates:
             raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
                               f"use; retry shortly.", self.limits.retry_after_s)
-        sampling = agent_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-            stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs)
-        if request.seed is not None:
-            sampling.seed = request.seed
+        sampling = sampling_params(request, assets, max_tokens)
         generation = Generation(ctx.request_id, request.model, prompt_ids, sampling, candidates, self.agents,
                                 self.health, self.policy)
         return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s)
@@ -100,7 +100,9 @@ class CompletionService:
         try:
             if request.chat:
                 size = sum(len(m["content"]) for m in request.messages)
-                encode, args = tokenizer.encode_chat, (request.messages,)
+                encode = functools.partial(tokenizer.encode_chat, tools=request.tools, documents=request.documents,
+                                           **request.template_kwargs)
+                args = (request.messages,)
             elif isinstance(request.prompt, list):
                 if max(request.prompt) >= tokenizer.vocab_size:
                     raise bad_request(f"`prompt` holds token ids beyond the vocabulary ({tokenizer.vocab_size}).",
@@ -122,13 +124,32 @@ class CompletionService:
         if num_prompt > limit:
             raise too_large(f"The prompt is {num_prompt} tokens; this endpoint accepts at most {limit}. "
                             f"Shorten the {param}.", param)
-        if request.max_tokens is None:
-            return min(self.limits.default_max_tokens, context - num_prompt)
+        if request.max_tokens is None:  # up to the context, unless the operator set a default
+            room = context - num_prompt
+            return min(self.limits.default_max_tokens, room) if self.limits.default_max_tokens else room
         if num_prompt + request.max_tokens > context:
             raise bad_request(f"The prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds "
                               f"the model's context length ({context}); lower max_tokens.", "max_tokens",
                               "context_length_exceeded")
         return request.max_tokens
+
+
+def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens: int) -> agent_pb2.SamplingParams:
+    """The request's sampling; what it leaves unset comes from the checkpoint's generation config, then
+    from the OpenAI defaults (temperature 1, top_p 1, no top_k, no repetition penalty)."""
+    defaults = assets.sampling_defaults
+    sampling = agent_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=_first(request.temperature, defaults.temperature, 1.0),
+        top_p=_first(request.top_p, defaults.top_p, 1.0), top_k=_first(request.top_k, defaults.top_k, 0),
+        repetition_penalty=_first(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+        stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs)
+    if request.seed is not None:
+        sampling.seed = request.seed
+    return sampling
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
 
 
 class CompletionRun:

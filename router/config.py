@@ -39,7 +39,7 @@ class RouterConfig:
     api_key_cache_s: float = 30.0
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = 32768
-    default_max_tokens: int = 256
+    default_max_tokens: int = 0  # max_tokens of requests that send none; 0: up to the model's context
     # Placement and failover.
     max_attempts: int = 3
     first_token_timeout_s: float = 30.0

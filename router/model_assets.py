@@ -1,7 +1,11 @@
-"""Tokenizer, chat template and limits of each model, fetched once from any agent serving it.
+"""Tokenizer, chat template, limits and sampling defaults of each model, fetched once from any agent serving it.
 
 Concurrent first requests for a model share one fetch. Building the tokenizer parses a large JSON
 document, so it runs off the event loop.
+
+The checkpoint's `generation_config.json` supplies the sampling defaults (`temperature`, `top_p`,
+`top_k`, `repetition_penalty`) a request gets for the parameters it leaves unset, as vLLM does;
+values out of range there are ignored (and logged) rather than failing every request.
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,6 +37,38 @@ class ModelAssets:
     block_size: int
     kv_bytes_per_token: int
     generation_config: dict
+    sampling_defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())
+
+
+@dataclass(slots=True)
+class SamplingDefaults:
+    """The checkpoint's recommended sampling; None where generation_config.json says nothing (or nonsense)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+
+# generation_config key -> (lowest, highest, lowest allowed exclusive?)
+_DEFAULT_RANGES = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True), "top_k": (0, 1 << 31, False),
+                   "repetition_penalty": (0.0, 10.0, True)}
+
+
+def sampling_defaults(model: str, generation_config: dict) -> SamplingDefaults:
+    defaults = SamplingDefaults()
+    for name, (low, high, exclusive) in _DEFAULT_RANGES.items():
+        value = generation_config.get(name)
+        if value is None:
+            continue
+        number_ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if number_ok and name == "top_k":
+            number_ok = float(value).is_integer()
+        if not number_ok or not (low < value if exclusive else low <= value) or value > high:
+            log.warning("model %s: generation_config.json %s=%r is out of range; using the API default", model,
+                        name, value)
+            continue
+        setattr(defaults, name, int(value) if name == "top_k" else float(value))
+    return defaults
 
 
 class ModelAssetsCache:
@@ -78,4 +115,5 @@ def build_assets(info) -> ModelAssets:
     generation_config = json.loads(info.generation_config_json) if info.generation_config_json else {}
     tokenizer = ChatTokenizer(info.tokenizer_json, config, info.chat_template or None)
     return ModelAssets(info.model, tokenizer, int(info.context_length), list(info.eos_token_ids),
-                       int(info.block_size) or 16, int(info.kv_bytes_per_token), generation_config)
+                       int(info.block_size) or 16, int(info.kv_bytes_per_token), generation_config,
+                       sampling_defaults(info.model, generation_config))

@@ -15,6 +15,10 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+# Variables the router itself gives the chat template; chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(slots=True)
@@ -23,9 +27,15 @@ class CompletionRequest:
     model: str
     messages: list[dict] = field(default_factory=list)
     prompt: str | list[int] = ""
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    tools: list[dict] | None = None          # passed to the chat template
+    documents: list[dict] | None = None      # passed to the chat template (RAG templates read it)
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, plus reasoning_effort
+    max_tokens: int | None = None            # None: up to the model's context
+    # Sampling left None is taken from the checkpoint's generation_config.json, else the OpenAI default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None      # None: off; n: the sampled token's logprob plus the top n
@@ -49,6 +59,9 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request = CompletionRequest(chat=chat, model=_string(document, "model", required=True))
     if chat:
         request.messages = _messages(document.get("messages"))
+        request.tools = _tools(document.get("tools"))
+        request.documents = _documents(document.get("documents"))
+        request.template_kwargs = _template_kwargs(document)
     else:
         request.prompt = _prompt(document.get("prompt"))
     max_tokens = document.get("max_completion_tokens") if chat else None
@@ -56,12 +69,16 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     if max_tokens is None:
         max_tokens, param = document.get("max_tokens"), "max_tokens"
     request.max_tokens = _int(max_tokens, param, minimum=1)
-    temperature = _number(document.get("temperature"), "temperature", 0.0, 2.0)
-    request.temperature = 1.0 if temperature is None else temperature
-    top_p = _number(document.get("top_p"), "top_p", 0.0, 1.0)
-    if top_p is not None and top_p <= 0.0:
+    request.temperature = _number(document.get("temperature"), "temperature", 0.0, 2.0)
+    request.top_p = _number(document.get("top_p"), "top_p", 0.0, 1.0)
+    if request.top_p is not None and request.top_p <= 0.0:
         raise bad_request("top_p must be greater than 0 and at most 1.", "top_p")
-    request.top_p = 1.0 if top_p is None else top_p
+    top_k = _int(document.get("top_k"), "top_k", minimum=-1)
+    request.top_k = 0 if top_k == -1 else top_k  # -1 and 0 both mean off (vLLM spells it -1)
+    request.repetition_penalty = _number(document.get("repetition_penalty"), "repetition_penalty", 0.0,
+                                         MAX_REPETITION_PENALTY)
+    if request.repetition_penalty is not None and request.repetition_penalty <= 0.0:
+        raise bad_request("`repetition_penalty` must be greater than 0 (1 means off).", "repetition_penalty")
     request.seed = _int(document.get("seed"), "seed", minimum=0)
     request.stop = _stop(document.get("stop"))
     n = _int(document.get("n"), "n", minimum=1)
@@ -125,13 +142,79 @@ def _messages(value) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise bad_request(f"`{param}.role` must be one of {', '.join(ROLES)}.", f"{param}.role")
-        messages.append({**message, "role": "system" if role == "developer" else role,
-                         "content": _content(message.get("content"), f"{param}.content")})
+        normalized = {**message, "role": "system" if role == "developer" else role,
+                      "content": _content(message.get("content"), f"{param}.content")}
+        if message.get("tool_calls") is not None:
+            normalized["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
+        messages.append(normalized)
     return messages
+
+
+def _tool_calls(value, param: str) -> list[dict]:
+    """OpenAI tool calls carry their arguments as a JSON string; chat templates expect the object."""
+    if not isinstance(value, list):
+        raise bad_request(f"`{param}` must be an array of tool calls.", param)
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"`{param}[{j}]` must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}}.", f"{param}[{j}]")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"`{param}[{j}].function.arguments` is not valid JSON ({exc.msg}).",
+                                  f"{param}[{j}].function.arguments") from exc
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return calls
+
+
+def _tools(value) -> list[dict] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in value):
+        raise bad_request("`tools` must be an array of {\"type\": \"function\", \"function\": {\"name\", "
+                          "\"description\", \"parameters\"}} objects.", "tools")
+    return value
+
+
+def _documents(value) -> list[dict] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(d, dict) for d in value):
+        raise bad_request("`documents` must be an array of objects (with `title` and `text`).", "documents")
+    return value
+
+
+def _template_kwargs(document: dict) -> dict:
+    """`chat_template_kwargs` (e.g. enable_thinking) and `reasoning_effort`, as chat template variables."""
+    value = document.get("chat_template_kwargs")
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise bad_request("`chat_template_kwargs` must be an object of template variables, e.g. "
+                          "{\"enable_thinking\": false}.", "chat_template_kwargs")
+    reserved = [name for name in RESERVED_TEMPLATE_KWARGS if name in value]
+    if reserved:
+        raise bad_request(f"`chat_template_kwargs` may not set {', '.join(reserved)}; send them as request fields.",
+                          "chat_template_kwargs")
+    effort = document.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORTS)}.",
+                              "reasoning_effort")
+        value = {"reasoning_effort": effort, **value}
+    return value
 
 
 def _content(value, param: str) -> str:
     if value is None:
+        # An assistant turn with only tool calls. Templates index `message.content` (Qwen3 tests
+        # `'</think>' in message.content`), so it is an empty string, as vLLM sends it, not a missing key.
         return ""
     if isinstance(value, str):
         return value

@@ -9,40 +9,12 @@ must give the same text and the same token ids, or, where transformers raises, a
 from __future__ import annotations
 
 import functools
-import json
-import re
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.demo import CORPUS
 from engine.tokenizer import ChatTokenizer, TemplateError
-
-TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
-_CONTROL_TOKEN = re.compile(r"<\|[^|<>\s'\"]+\|>|</?[a-z_]+>|\[/?[A-Z_]+\]|<｜[^>]*?｜>")
-
-# template file -> (bos_token, eos_token) of the model's tokenizer_config
-TEMPLATES = {
-    "meta-llama-Llama-3.1-8B-Instruct": ("<|begin_of_text|>", "<|eot_id|>"),
-    "meta-llama-Llama-3.2-3B-Instruct": ("<|begin_of_text|>", "<|eot_id|>"),
-    "Qwen-Qwen2.5-7B-Instruct": (None, "<|im_end|>"),
-    "Qwen-Qwen3-0.6B": (None, "<|im_end|>"),
-    "mistralai-Mistral-Nemo-Instruct-2407": ("<s>", "</s>"),
-    "Mistral-Small-3.2-24B-Instruct-2506": ("<s>", "</s>"),
-    "google-gemma-2-2b-it": ("<bos>", "<eos>"),
-    "deepseek-ai-DeepSeek-V3.1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
-    "microsoft-Phi-3.5-mini-instruct": ("<s>", "<|endoftext|>"),
-    "microsoft-phi-4": (None, "<|im_end|>"),
-    "Kimi-K2-Thinking": ("[BOS]", "<|im_end|>"),
-    "HuggingFaceTB-SmolLM3-3B": (None, "<|im_end|>"),
-    "CohereForAI-c4ai-command-r-plus-tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
-    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
-    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("<|begin_of_text|>", "<|im_end|>"),
-    "ibm-granite-granite-3.3-2B-Instruct": (None, "<|end_of_text|>"),
-    "openai-gpt-oss-120b": (None, "<|return|>"),
-}
+from tests.engine.chat_checkpoints import TEMPLATES, write_template_tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -75,30 +47,11 @@ CASES = {
 }
 
 
-def _tokenizer_files(directory: Path, bos: str | None, eos: str, template: str) -> None:
-    control = sorted(set(_CONTROL_TOKEN.findall(template)) | {t for t in (bos, eos) if t})
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=control, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([line for line in CORPUS.splitlines() if line.strip()] * 5, trainer=trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 4096}
-    if bos:
-        config["bos_token"] = bos
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    (directory / "chat_template.jinja").write_text(template)
-
-
 @functools.cache
 def _tokenizers(name: str, root: Path):
     from transformers import AutoTokenizer
 
-    bos, eos = TEMPLATES[name]
-    directory = root / name
-    _tokenizer_files(directory, bos, eos, (TEMPLATES_DIR / f"{name}.jinja").read_text())
+    directory = write_template_tokenizer(root / name, name)
     return AutoTokenizer.from_pretrained(str(directory)), ChatTokenizer.from_dir(directory)
 
 

@@ -71,3 +71,23 @@ def test_batched_chunked_greedy_matches_transformers(llama_checkpoint):
     for prompt, tokens in zip(prompts, ours):
         assert tokens == _transformers_greedy(model, prompt, 12)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_repetition_penalty_matches_transformers(llama_checkpoint):
+    """Greedy decoding with a repetition penalty picks the tokens transformers' generate picks."""
+    directory, model = llama_checkpoint
+    cases = {"discourage": (1.8, PROMPT[:12]), "encourage": (0.5, [41, 41, 41, 7, 7, 9])}
+    engine = LLMEngine(directory, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, block_size=8))
+    for name, (penalty, prompt) in cases.items():
+        engine.add_request(name, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                        repetition_penalty=penalty))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out.token.token_id)
+    for name, (penalty, prompt) in cases.items():
+        with torch.no_grad():
+            reference = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                       repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)
+        assert outputs[name] == reference[0, len(prompt):].tolist()
+        assert outputs[name] != _transformers_greedy(model, prompt, 8)  # the penalty changed the answer
