@@ -56,8 +56,7 @@ class RouterConfig:
     link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
 
     def validate(self) -> RouterConfig:
-        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "default_max_tokens",
-                     "failures_to_cool_down", "expected_output_tokens", "default_kv_bytes_per_token"):
+        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down", "expected_output_tokens", "default_kv_bytes_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("snapshot_refresh_s", "snapshot_max_age_s", "heartbeat_max_age_s", "first_token_timeout_s",
@@ -65,7 +64,7 @@ class RouterConfig:
                      "default_decode_tokens_per_s", "link_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack"):
+        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
