@@ -9,6 +9,7 @@ Logs carry request ids, sites and counts — never API keys or prompt text.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from contextlib import aclosing
@@ -67,7 +68,7 @@ def create_app(router: Router) -> FastAPI:
     async def models(request: Request) -> Response:
         await router.authenticate(request.headers.get("authorization"))
         snapshot = router.feed.current()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "edgefire"} for m in snapshot.models()]
+        data = await asyncio.gather(*(_model_card(router, m, snapshot) for m in snapshot.models()))
         return JSONResponse({"object": "list", "data": data})
 
     async def healthz(_request: Request) -> Response:
@@ -81,6 +82,19 @@ def create_app(router: Router) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     return app
+
+
+async def _model_card(router: Router, model: str, snapshot) -> dict:
+    """A /v1/models entry; `max_model_len` (the context length) comes from the model's assets, fetched
+    from a site on first use, and is left out while no site serving the model answers."""
+    card = {"id": model, "object": "model", "created": 0, "owned_by": "edgefire"}
+    try:
+        assets = await router.service.assets.get(model, snapshot, _request_id())
+    except ApiError:
+        return card
+    if assets.context_length:
+        card["max_model_len"] = assets.context_length
+    return card
 
 
 async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:

@@ -49,6 +49,8 @@ async def test_completions_with_stop_string_and_logprobs(client):
 async def test_models_and_errors_through_the_client(client):
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].owned_by == "edgefire"
+    assert models.data[0].model_extra["max_model_len"] == 1024  # the context length the site reported
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
