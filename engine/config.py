@@ -45,11 +45,6 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across all layers, in float32 (scale for other dtypes)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
 
 def _require(raw: dict, key: str, path: Path):
     if key not in raw or raw[key] is None:

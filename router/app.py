@@ -26,6 +26,7 @@ from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
 from router.responses import encode_json
+from router.sessions import session_key
 from router.sse import SSEResponse
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool)
     request = parse_request(parse_json(body), chat)
     client = scope.get("client")
     location = router.locator.locate(client[0] if client else None, headers)
-    ctx = RequestContext(request_id, api_key, location, headers.get(SESSION_HEADER))
+    session = session_key(api_key.id, headers.get(SESSION_HEADER), request.user)
+    ctx = RequestContext(request_id, api_key, location, session)
     run = await router.service.start(request, ctx)
     log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
               run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)

@@ -23,10 +23,12 @@ from router.errors import ApiError, bad_request, no_capacity, rate_limited, too_
 from router.generation import AgentRejected, FailoverPolicy, Generation, GenerationFailed, TokenStep
 from router.geo import Location
 from router.health import PassiveHealth
+from router.ledger import InflightLedger
 from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import CompletionRequest
 from router.placement import CostModel, PlacementRequest, rank
 from router.rate_limit import RateLimiter
+from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
 
@@ -38,7 +40,7 @@ class RequestContext:
     request_id: str
     api_key: ApiKey
     location: Location
-    session_key: str | None = None
+    session_key: str | None = None   # router.sessions.session_key: header or `user`, within the API key
 
 
 @dataclass(slots=True)
@@ -51,9 +53,12 @@ class Limits:
 
 class CompletionService:
     def __init__(self, feed: SnapshotFeed, assets: ModelAssetsCache, agents, health: PassiveHealth,
-                 limiter: RateLimiter, cost: CostModel, policy: FailoverPolicy, limits: Limits) -> None:
+                 limiter: RateLimiter, cost: CostModel, policy: FailoverPolicy, limits: Limits,
+                 sessions: SessionTable | None = None) -> None:
         self.feed, self.assets, self.agents, self.health = feed, assets, agents, health
         self.limiter, self.cost, self.policy, self.limits = limiter, cost, policy, limits
+        self.ledger = InflightLedger()
+        self.sessions = sessions or SessionTable()
 
     async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun:
         snapshot = self.feed.current()
@@ -75,6 +80,7 @@ class CompletionService:
         try:
             run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens)
             await run.begin()
+            self.sessions.remember(ctx.session_key, run.generation.prefill_site, run.generation.decode_site)
         finally:
             if run is None or run.first_step is None:
                 self.limiter.refund_tokens(key.id, len(prompt_ids) + max_tokens)
@@ -85,14 +91,15 @@ class CompletionService:
             model=request.model, prompt_ids=prompt_ids, max_tokens=max_tokens, client_lat=ctx.location.lat,
             client_lon=ctx.location.lon,
             client_site=self.limits.router_site if ctx.location.source == "router" else None,
-            allowed_regions=ctx.api_key.allowed_regions, session_key=ctx.session_key)
-        candidates = rank(snapshot, placement, self.cost, self.health.cooling())
+            allowed_regions=ctx.api_key.allowed_regions, session_key=ctx.session_key,
+            session_pair=self.sessions.pair(ctx.session_key), kv_bytes_per_token=assets.kv_bytes_per_token)
+        candidates = rank(snapshot, placement, self.cost, self.health.cooling(), self.ledger.pending(snapshot))
         if not candidates:
             raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
                               f"use; retry shortly.", self.limits.retry_after_s)
         sampling = sampling_params(request, assets, max_tokens)
         generation = Generation(ctx.request_id, request.model, prompt_ids, sampling, candidates, self.agents,
-                                self.health, self.policy)
+                                self.health, self.policy, self.ledger)
         return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s)
 
     async def _tokenize(self, request: CompletionRequest, assets: ModelAssets) -> list[int]:

@@ -48,23 +48,30 @@ class RouterConfig:
     failures_to_cool_down: int = 3
     cooldown_s: float = 30.0
     retry_after_s: float = 1.0
-    affinity_slack: float = 0.2       # candidates within 20% of the best count as near-equal for affinity
+    affinity_slack: float = 0.2       # a new session: candidates within 20% of the best count as near-equal
+    session_margin: float = 0.5       # a known session stays on its sites while within 50% of the best score
+    max_sessions: int = 100_000       # sessions whose last sites this router remembers
+    session_ttl_s: float = 1800.0     # forgotten after this long idle
     expected_output_tokens: int = 128  # the decode horizon the cost model weighs TPOT over
     default_prefill_tokens_per_s: float = 4000.0
     default_decode_tokens_per_s: float = 500.0
-    default_kv_bytes_per_token: int = 131072
+    default_kv_bytes_per_token: int = 131072   # until an agent has told the model's own (GetModelInfo)
+    decode_step_fixed: float = 8.0    # a decode step's fixed cost in sequences' worth (see router/placement.py)
+    decode_seq_kv_bytes: float = float(256 << 20)  # KV bytes read per step costing one sequence's work
     link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
 
     def validate(self) -> RouterConfig:
-        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down", "expected_output_tokens", "default_kv_bytes_per_token"):
+        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down",
+                     "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("snapshot_refresh_s", "snapshot_max_age_s", "heartbeat_max_age_s", "first_token_timeout_s",
                      "token_idle_timeout_s", "request_timeout_s", "retry_after_s", "default_prefill_tokens_per_s",
-                     "default_decode_tokens_per_s", "link_max_age_s"):
+                     "default_decode_tokens_per_s", "link_max_age_s", "session_ttl_s", "decode_seq_kv_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens"):
+        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens", "session_margin",
+                     "decode_step_fixed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:

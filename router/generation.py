@@ -21,6 +21,7 @@ import grpc
 from node_agent.client import AgentPool
 from node_agent.proto import agent_pb2
 from router.health import PassiveHealth
+from router.ledger import Attempt, InflightLedger
 from router.placement import Candidate
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Generation:
     agents: AgentPool
     health: PassiveHealth
     policy: FailoverPolicy
+    ledger: InflightLedger | None = None   # told of every attempt, so the next placement sees its load
     generated_ids: list[int] = field(default_factory=list)
     prefill_site: str | None = None
     decode_site: str | None = None
@@ -93,12 +95,14 @@ class Generation:
             if candidate is None:
                 raise GenerationFailed(f"all {self.num_attempts} attempt(s) failed", bool(self.generated_ids))
             self.num_attempts += 1
+            attempt = self._record_attempt(candidate)
             site, call, lease = None, None, None
             try:
                 if not self.generated_ids and not candidate.colocated:
                     site = candidate.prefill_site
                     self.prefill_site, self.decode_site = site.name, candidate.decode_site.name
                     result = await self._prefill(candidate)
+                    self._prefilled(attempt)
                     step = TokenStep([result.first_token], result.finish_reason)
                     self._accept(step)
                     yield step
@@ -121,6 +125,7 @@ class Generation:
                 async with aclosing(self._read(call)) as steps:  # closed here, not by the GC's finalizer task
                     async for step in steps:
                         lease = None  # the decode site has the KV now; its lease is its to end
+                        self._prefilled(attempt)
                         yield step
                         if step.finish_reason:
                             self.health.record_success(site.name)
@@ -139,6 +144,8 @@ class Generation:
                     call.cancel()
                 if lease is not None:
                     self._release_later(*lease)
+                if attempt is not None:
+                    self.ledger.finished(attempt)
 
     def _next_candidate(self) -> Candidate | None:
         if self.num_attempts >= self.policy.max_attempts:
@@ -151,6 +158,18 @@ class Generation:
                 continue
             return candidate
         return None
+
+    def _record_attempt(self, candidate: Candidate) -> Attempt | None:
+        if self.ledger is None:
+            return None
+        if not self.generated_ids:
+            return self.ledger.record(candidate, len(self.prompt_ids), self.sampling.max_tokens)
+        return self.ledger.record_resume(candidate.decode_site, len(self.prompt_ids) + len(self.generated_ids),
+                                         self.sampling.max_tokens - len(self.generated_ids))
+
+    def _prefilled(self, attempt: Attempt | None) -> None:
+        if attempt is not None and not attempt.prefilled:
+            self.ledger.prefilled(attempt)
 
     async def _prefill(self, candidate: Candidate):
         request = agent_pb2.PrefillRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,

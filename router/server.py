@@ -26,6 +26,7 @@ from router.health import PassiveHealth
 from router.model_assets import ModelAssetsCache
 from router.placement import CostModel
 from router.rate_limit import RateLimiter
+from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 
 
@@ -45,7 +46,8 @@ class Router:
         self.service = CompletionService(
             self.feed, ModelAssetsCache(self.agents, config.retry_after_s), self.agents, self.health, self.limiter,
             cost_model(config), failover_policy(config),
-            Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site))
+            Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site),
+            SessionTable(config.max_sessions, config.session_ttl_s))
         self.app = create_app(self)
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task | None = None
@@ -104,10 +106,14 @@ class Router:
 
 
 def cost_model(config: RouterConfig) -> CostModel:
-    return CostModel(config.expected_output_tokens, config.default_prefill_tokens_per_s,
-                     config.default_decode_tokens_per_s, config.default_kv_bytes_per_token,
-                     config.heartbeat_max_age_s, config.affinity_slack,
-                     link_max_age_s=config.link_max_age_s)
+    return CostModel(
+        expected_output_tokens=config.expected_output_tokens,
+        default_prefill_tokens_per_s=config.default_prefill_tokens_per_s,
+        default_decode_tokens_per_s=config.default_decode_tokens_per_s,
+        kv_bytes_per_token=config.default_kv_bytes_per_token, decode_step_fixed=config.decode_step_fixed,
+        decode_seq_kv_bytes=config.decode_seq_kv_bytes, heartbeat_max_age_s=config.heartbeat_max_age_s,
+        affinity_slack=config.affinity_slack, session_margin=config.session_margin,
+        link_max_age_s=config.link_max_age_s)
 
 
 def failover_policy(config: RouterConfig) -> FailoverPolicy:

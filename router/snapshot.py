@@ -23,6 +23,7 @@ class Capacity:
     draining: bool = False
     cache_block_size: int = 0          # block size of the prefix-cache summary (0: no summary)
     cached_hashes: frozenset[int] = frozenset()
+    reported_at: float | None = None   # the registry's clock when this heartbeat arrived
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ def parse_capacity(doc: dict | None) -> Capacity | None:
         decode_tokens_per_s=float(doc.get("decode_tokens_per_s") or 0.0),
         draining=bool(doc.get("draining", False)),
         cache_block_size=int(summary.get("block_size", 0)) if hashes else 0, cached_hashes=hashes,
+        reported_at=float(doc["reported_at"]) if doc.get("reported_at") is not None else None,
     )
 
 

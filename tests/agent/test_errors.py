@@ -103,3 +103,6 @@ async def test_model_info(start_agent, connect, tiny_model_dir):
     assert info.eos_token_ids and info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     code, _ = await status_of(lambda: client.model_info("nope"))
     assert code == grpc.StatusCode.NOT_FOUND
+    # The KV figure routers place with follows the engine's KV dtype: bfloat16 holds half of float32.
+    bf16 = await connect(await start_agent("site-b", dtype="bfloat16")).model_info(MODEL)
+    assert bf16.kv_bytes_per_token == info.kv_bytes_per_token // 2

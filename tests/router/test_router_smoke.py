@@ -76,3 +76,21 @@ async def test_session_affinity_header_keeps_a_session_on_one_site(cluster, make
         assert len(sites) == 1
         seen[session] = sites.pop()
     assert len(set(seen.values())) > 1
+
+
+async def test_openai_user_field_keys_the_session_when_the_header_is_absent(cluster, make_router, http):
+    for name in ("a", "b", "c"):
+        await cluster.add_site(name, 50.1, 8.7)
+    key = await cluster.create_key()
+    _router, url = await make_router()
+    seen = {}
+    for user in ("u1", "u2", "u3", "u4", "u5", "u6"):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "user": user}
+        sites = set()
+        for _ in range(3):
+            response = await http.post(f"{url}/v1/chat/completions", json=body,
+                                       headers={"Authorization": f"Bearer {key}"})
+            sites.add(response.headers["x-edgefire-decode-site"])
+        assert len(sites) == 1
+        seen[user] = sites.pop()
+    assert len(set(seen.values())) > 1
