@@ -73,7 +73,8 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"object": "list", "data": data})
 
     async def healthz(_request: Request) -> Response:
-        return JSONResponse({"ok": True, "snapshot_age_s": round(router.feed.age_s(), 3)})
+        status = router.feed.status()  # what makes a router unhealthy: router/snapshot_feed.py
+        return JSONResponse(status.body(), status_code=200 if status.healthy else 503)
 
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])

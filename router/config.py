@@ -31,8 +31,10 @@ class RouterConfig:
     trusted_proxies: list[str] = field(default_factory=list)  # CIDRs whose headers we believe
     # Registry snapshot.
     snapshot_refresh_s: float = 1.0
-    snapshot_max_age_s: float = 60.0  # last-known-good is served this long while the registry is down
-    snapshot_fail_open: bool = False  # past max age: keep serving the stale snapshot (open) or 503 (closed)
+    # The registry's snapshot is trusted as is this long; past it (registry down or warming up) the
+    # router checks the sites it knows directly every site_check_interval_s and serves those that pass.
+    snapshot_max_age_s: float = 60.0
+    site_check_interval_s: float = 2.0
     heartbeat_max_age_s: float = 15.0
     # Keys and limits.
     require_api_key: bool = True
@@ -65,9 +67,10 @@ class RouterConfig:
                      "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("snapshot_refresh_s", "snapshot_max_age_s", "heartbeat_max_age_s", "first_token_timeout_s",
-                     "token_idle_timeout_s", "request_timeout_s", "retry_after_s", "default_prefill_tokens_per_s",
-                     "default_decode_tokens_per_s", "link_max_age_s", "session_ttl_s", "decode_seq_kv_bytes"):
+        for name in ("snapshot_refresh_s", "snapshot_max_age_s", "site_check_interval_s", "heartbeat_max_age_s",
+                     "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s", "retry_after_s",
+                     "default_prefill_tokens_per_s", "default_decode_tokens_per_s", "link_max_age_s", "session_ttl_s",
+                     "decode_seq_kv_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens", "session_margin",

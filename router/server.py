@@ -27,6 +27,7 @@ from router.model_assets import ModelAssetsCache
 from router.placement import CostModel
 from router.rate_limit import RateLimiter
 from router.sessions import SessionTable
+from router.site_checks import SiteChecks
 from router.snapshot_feed import SnapshotFeed
 
 
@@ -37,7 +38,7 @@ class Router:
         self.registry = registry or RegistryClient(config.registry_url, config.registry_token)
         self.agents = AgentPool(config.peer_token)
         self.feed = SnapshotFeed(self.registry.snapshot, config.snapshot_refresh_s, config.snapshot_max_age_s,
-                                 config.snapshot_fail_open)
+                                 SiteChecks(self._check_health, config.site_check_interval_s))
         self.keys = ApiKeyCache(self.registry.lookup_api_key, config.api_key_cache_s)
         self.locator = ClientLocator(config.lat, config.lon, config.geoip_db, config.location_header,
                                      config.forwarded_for_header, config.trusted_proxies)
@@ -51,6 +52,9 @@ class Router:
         self.app = create_app(self)
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task | None = None
+
+    async def _check_health(self, address: str, timeout_s: float):
+        return await self.agents.client(address).health(timeout=timeout_s)
 
     async def authenticate(self, authorization: str | None) -> ApiKey:
         secret = bearer_token(authorization)

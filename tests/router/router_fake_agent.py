@@ -55,6 +55,8 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.metadata: list[dict] = []
         self.released: list[str] = []
         self.num_cancelled = 0
+        self.num_health_checks = 0
+        self.health_load = {"kv_blocks_total": 1000, "kv_blocks_free": 1000}  # load figures Health reports
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -139,8 +141,9 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         return self.info
 
     async def Health(self, request, context):
+        self.num_health_checks += 1
         return agent_pb2.HealthResponse(status=agent_pb2.HealthResponse.SERVING, site=self.name,
-                                        models=[self.info.model])
+                                        models=[self.info.model], **self.health_load)
 
     def reference_ids(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """What a fault-free run returns for this prompt."""
