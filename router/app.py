@@ -10,6 +10,7 @@ Logs carry request ids, sites and counts — never API keys or prompt text.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from contextlib import aclosing
@@ -177,13 +178,15 @@ def _new_request_id(request: Request) -> str:
 
 
 def _error_response(exc: ApiError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+    """The one response for every error, raw ASGI or FastAPI. ASCII-escaped JSON, because a message
+    may quote client text (a model name) that UTF-8 cannot encode, such as a lone surrogate."""
+    return Response(json.dumps(exc.body()).encode(), status_code=exc.status, headers=exc.headers(),
+                    media_type="application/json")
 
 
 def _internal_error_response(request_id: str, exc: Exception) -> Response:
     log.exception("request %s: unexpected failure", request_id, exc_info=exc)
-    error = internal_error(request_id)
-    return JSONResponse(error.body(), status_code=error.status)
+    return _error_response(internal_error(request_id))
 
 
 async def _api_error(_request: Request, exc: ApiError) -> Response:
@@ -192,8 +195,7 @@ async def _api_error(_request: Request, exc: ApiError) -> Response:
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, code),
-                        status_code=exc.status_code)
+    return _error_response(ApiError(exc.status_code, str(exc.detail), "invalid_request_error", None, code))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -7,6 +7,8 @@ send instead, and this is on every request's path.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 
 from router.errors import bad_request
@@ -14,6 +16,8 @@ from router.errors import bad_request
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
+MAX_SEED = 2 ** 64 - 1  # the agent API's seed is a uint64
+MAX_UINT32 = 2 ** 32 - 1  # the agent API's top_k
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 # Variables the router itself gives the chat template; chat_template_kwargs may not override them.
@@ -45,14 +49,73 @@ class CompletionRequest:
 
 
 def parse_json(body: bytes) -> dict:
+    """The body as a JSON object, or a 400 saying why it is not one.
+
+    Beyond syntax this refuses what Python's json accepts but nothing downstream can use: nesting
+    past the interpreter's recursion limit, integers past its digit limit, and lone UTF-16
+    surrogates (from a `\\ud800` escape or raw bytes), which no tokenizer or encoder takes.
+    """
     try:
         document = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON ({exc.__class__.__name__}); send a JSON object.",
-                          None, "invalid_json") from exc
+    except RecursionError:
+        raise bad_request("The request body nests arrays or objects too deeply; send a flatter JSON object.",
+                          None, "invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                          f"{exc.colno}); send a JSON object.", None, "invalid_json") from None
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not valid UTF-8 JSON; send a JSON object encoded as UTF-8.",
+                          None, "invalid_json") from None
+    except ValueError:  # Python's limit on the digits of an integer (sys.get_int_max_str_digits)
+        raise bad_request("The request body holds an integer with too many digits; no parameter takes more "
+                          "than 20.", None, "invalid_json") from None
     if not isinstance(document, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    if _MAY_HOLD_SURROGATE.search(body):  # a cheap scan first: nearly every body has none
+        _refuse_lone_surrogates(document)
     return document
+
+
+# A \uD800-\uDFFF escape, or a surrogate encoded as (invalid) UTF-8 bytes, which json.loads lets through.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _refuse_lone_surrogates(document: dict) -> None:
+    """A 400 naming the first field holding a lone surrogate (json.loads joins valid pairs itself)."""
+    stack: list[tuple[tuple, object]] = [((), document)]
+    while stack:  # iterative: the document may nest as deep as json.loads allowed
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                raise bad_request(f"`{_param(path)}` holds a lone UTF-16 surrogate, which is not text; send "
+                                  f"valid Unicode.", _param(path))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _has_surrogate(key):
+                    raise bad_request(f"`{_param(path) or 'the body'}` has a key holding a lone UTF-16 "
+                                      f"surrogate; send valid Unicode.", _param(path) or None)
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in enumerate(value))
+
+
+def _has_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _param(path: tuple) -> str:
+    """The OpenAI parameter a path points into: `prompt`, `stop`, `messages[2].content`, ..."""
+    if not path:
+        return ""
+    if len(path) >= 3 and isinstance(path[1], int) and isinstance(path[2], str):
+        return f"{path[0]}[{path[1]}].{path[2]}"
+    return str(path[0])
 
 
 def parse_request(document: dict, chat: bool) -> CompletionRequest:
@@ -73,13 +136,13 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request.top_p = _number(document.get("top_p"), "top_p", 0.0, 1.0)
     if request.top_p is not None and request.top_p <= 0.0:
         raise bad_request("top_p must be greater than 0 and at most 1.", "top_p")
-    top_k = _int(document.get("top_k"), "top_k", minimum=-1)
+    top_k = _int(document.get("top_k"), "top_k", -1, MAX_UINT32)
     request.top_k = 0 if top_k == -1 else top_k  # -1 and 0 both mean off (vLLM spells it -1)
     request.repetition_penalty = _number(document.get("repetition_penalty"), "repetition_penalty", 0.0,
                                          MAX_REPETITION_PENALTY)
     if request.repetition_penalty is not None and request.repetition_penalty <= 0.0:
         raise bad_request("`repetition_penalty` must be greater than 0 (1 means off).", "repetition_penalty")
-    request.seed = _int(document.get("seed"), "seed", minimum=0)
+    request.seed = _int(document.get("seed"), "seed", 0, MAX_SEED)
     request.stop = _stop(document.get("stop"))
     n = _int(document.get("n"), "n", minimum=1)
     if n not in (None, 1):
@@ -126,6 +189,8 @@ def _number(value, name: str, minimum: float, maximum: float) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"`{name}` must be a number.", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"`{name}` must be a finite number; got {value}.", name)
     if not minimum <= value <= maximum:
         raise bad_request(f"`{name}` must be between {minimum:g} and {maximum:g}; got {value}.", name)
     return float(value)

@@ -1,0 +1,96 @@
+"""Malformed bodies from a client with a valid key: each is a 400 in the OpenAI error shape that names
+the field where one can be named, never a 500 (issue 17, defect 3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from router_fake_agent import MODEL
+from test_router_errors import assert_openai_error
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+async def served(cluster, make_router):
+    await cluster.add_site("fra", 50.1, 8.7)
+    key = await cluster.create_key()
+    _router, url = await make_router(max_body_bytes=1 << 20)
+    return url, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
+
+
+def splice(body: dict, name: str, raw: str) -> bytes:
+    """`body` as JSON with the value of `name` replaced by raw JSON text (what no encoder would write)."""
+    return json.dumps({**body, name: "@@"}).replace('"@@"', raw).encode()
+
+
+# (path, raw body, param the error must name; None where the parser cannot know the field)
+MALFORMED = [
+    ("chat", f'{{"model": "{MODEL}", "messages": '.encode() + b"[" * 60_000 + b"]" * 60_000 + b"}", None),
+    ("chat", splice(chat(), "max_tokens", "9" * 5000), None),
+    ("chat", splice(chat(), "seed", "-" + "1" * 5000), None),
+    ("chat", splice(chat(), "messages", '[{"role": "user", "content": "a\\ud800b"}]'), "messages[0].content"),
+    ("chat", splice(chat(), "messages", '[{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]'),
+     "messages[0].content"),
+    ("chat", splice(chat(), "messages", '[{"role": "user", "content": "hi", "name": "\\ud83d"}]'),
+     "messages[0].name"),
+    ("completions", splice({"model": MODEL, "max_tokens": 2}, "prompt", '"x\\udc00"'), "prompt"),
+    ("completions", splice({"model": MODEL, "max_tokens": 2}, "prompt", '["\\ud800"]'), "prompt"),
+    ("completions", json.dumps({"model": MODEL, "prompt": "@@"}).encode().replace(b"@@", b"\xed\xa0\x80"),
+     "prompt"),  # a surrogate written as raw UTF-8 bytes
+    ("chat", splice(chat(), "model", '"tiny\\ud800"'), "model"),
+    ("chat", splice(chat(), "stop", '["\\ud800"]'), "stop"),
+    ("chat", splice(chat(), "user", '"\\ud800"'), "user"),
+    ("chat", json.dumps(chat(seed=2 ** 64)).encode(), "seed"),
+    ("chat", json.dumps(chat(seed=10 ** 100)).encode(), "seed"),
+    ("chat", splice(chat(), "temperature", "NaN"), "temperature"),
+    ("chat", splice(chat(), "top_p", "Infinity"), "top_p"),
+    ("chat", splice(chat(), "temperature", "1e400"), "temperature"),
+    ("chat", splice(chat(), "seed", "1e400"), "seed"),
+    ("chat", splice(chat(), "max_tokens", "-Infinity"), "max_tokens"),
+    ("chat", json.dumps(chat(model=["tiny"])).encode(), "model"),
+    ("chat", json.dumps(chat(model={"id": "tiny"})).encode(), "model"),
+    ("chat", json.dumps(chat(messages="hi")).encode(), "messages"),
+    ("chat", json.dumps(chat(messages=[{"role": ["user"], "content": "hi"}])).encode(), "messages[0].role"),
+    ("chat", json.dumps(chat(messages=[{"role": "user", "content": {"text": "hi"}}])).encode(),
+     "messages[0].content"),
+    ("chat", json.dumps(chat(messages=[{"role": "user", "content": [{"type": "text", "text": ["hi"]}]}])).encode(),
+     "messages[0].content"),
+    ("chat", json.dumps(chat(stop=[1])).encode(), "stop"),
+    ("chat", json.dumps(chat(stop={"a": 1})).encode(), "stop"),
+    ("chat", json.dumps(chat(user=["u"])).encode(), "user"),
+    ("chat", json.dumps(chat(stream="yes")).encode(), "stream"),
+    ("chat", json.dumps(chat(stream=True, stream_options=[1])).encode(), "stream_options"),
+    ("chat", json.dumps(chat(logprobs=True, top_logprobs=10 ** 30)).encode(), "top_logprobs"),
+    ("chat", json.dumps(chat(max_tokens=2 ** 70)).encode(), "max_tokens"),
+    ("chat", json.dumps(chat(max_completion_tokens=[3])).encode(), "max_completion_tokens"),
+    ("completions", json.dumps({"model": MODEL, "prompt": [1, 2 ** 64]}).encode(), "prompt"),
+    ("completions", json.dumps({"model": MODEL, "prompt": [[1, 2]]}).encode(), "prompt"),
+    ("completions", json.dumps({"model": MODEL, "prompt": "x", "logprobs": 2 ** 64}).encode(), "logprobs"),
+    ("completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True, "n": 2 ** 64}).encode(), "n"),
+]
+
+
+async def test_malformed_bodies_are_400s_naming_the_field(served, http):
+    url, headers = served
+    wrong = []
+    for endpoint, body, param in MALFORMED:
+        response = await http.post(f"{url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
+                                   content=body, headers=headers)
+        try:
+            error = assert_openai_error(response, 400, param)
+            assert error["type"] == "invalid_request_error"
+        except (AssertionError, ValueError):
+            wrong.append((body[:100], response.status_code, response.text[:200]))
+    assert not wrong, "\n".join(map(repr, wrong))
+
+
+async def test_the_largest_seed_is_served(served, http):
+    url, headers = served
+    response = await http.post(f"{url}/v1/chat/completions", json=chat(seed=2 ** 64 - 1), headers=headers)
+    assert response.status_code == 200, response.text
