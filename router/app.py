@@ -26,6 +26,7 @@ from router.completions import CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
+from router.placement import servable_models
 from router.responses import encode_json
 from router.sessions import session_key
 from router.sse import SSEResponse
@@ -68,9 +69,10 @@ def create_app(router: Router) -> FastAPI:
         return await _complete(router, _new_request_id(request), request.scope, request.receive, chat=False)
 
     async def models(request: Request) -> Response:
-        await router.authenticate(request.headers.get("authorization"))
+        api_key = await router.authenticate(request.headers.get("authorization"))
         snapshot = router.feed.current()
-        data = await asyncio.gather(*(_model_card(router, m, snapshot) for m in snapshot.models()))
+        served = servable_models(snapshot, router.service.cost, api_key.allowed_regions)
+        data = await asyncio.gather(*(_model_card(router, m, snapshot) for m in served))
         return JSONResponse({"object": "list", "data": data})
 
     async def healthz(_request: Request) -> Response:

@@ -26,7 +26,7 @@ from router.health import PassiveHealth
 from router.ledger import InflightLedger
 from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import CompletionRequest
-from router.placement import CostModel, PlacementRequest, rank
+from router.placement import CostModel, PlacementRequest, rank, servable_models
 from router.rate_limit import RateLimiter
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
@@ -62,7 +62,7 @@ class CompletionService:
 
     async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun:
         snapshot = self.feed.current()
-        if request.model not in snapshot.model_names:
+        if request.model not in servable_models(snapshot, self.cost, ctx.api_key.allowed_regions):
             raise unknown_model(request.model)
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
         prompt_ids = await self._tokenize(request, assets)

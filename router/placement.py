@@ -1,9 +1,10 @@
 """Placement: which site prefills a request and which decodes it. Pure functions over a Snapshot.
 
 Filter. A site can take a role for a request when it serves the model in that role (site roles and
-the model's role), is `active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
-draining, in a region the API key allows, and has the KV blocks free: the uncached prompt for a
-prefill site, prompt + the decode horizon for a decode site.
+the model's role), is live (`active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
+draining), in a region the API key allows, and has the KV blocks free: the uncached prompt for a
+prefill site, prompt + the decode horizon for a decode site. The models live sites can serve at all
+(`servable_models`) are what the router offers; any other model is unknown to it.
 
 Inputs. Each site's figures are its latest heartbeat plus `pending`: what this router placed there
 since that heartbeat (router/ledger.py), so a burst does not see the same idle site twenty times.
@@ -186,12 +187,29 @@ def _pairs(prefill: list[_SiteCost], decode: list[_SiteCost], snapshot: Snapshot
     return candidates
 
 
-def _usable(site: Site, request: PlacementRequest, cost: CostModel) -> bool:
+def is_live(site: Site, cost: CostModel) -> bool:
+    """The site takes new work: active, alive with a fresh heartbeat, not draining, reachable."""
     cap = site.capacity
     return (site.state == "active" and site.alive and cap is not None and not cap.draining
             and site.heartbeat_age_s is not None and site.heartbeat_age_s <= cost.heartbeat_max_age_s
-            and bool(site.grpc_address)
-            and (not request.allowed_regions or site.region in request.allowed_regions))
+            and bool(site.grpc_address))
+
+
+def servable_models(snapshot: Snapshot, cost: CostModel, allowed_regions: frozenset[str] = frozenset()) -> list[str]:
+    """The models live sites in the allowed regions (empty: all) can serve, sorted: some site
+    prefills each and some site decodes it. Free capacity does not matter here: a model whose
+    sites are full is still served (503 and retry), one missing from this list is not (404)."""
+    prefill, decode = set(), set()
+    for site in snapshot.sites:
+        if not is_live(site, cost) or (allowed_regions and site.region not in allowed_regions):
+            continue
+        prefill.update(m for m in site.models if site.serves(m, "prefill"))
+        decode.update(m for m in site.models if site.serves(m, "decode"))
+    return sorted(prefill & decode)
+
+
+def _usable(site: Site, request: PlacementRequest, cost: CostModel) -> bool:
+    return is_live(site, cost) and (not request.allowed_regions or site.region in request.allowed_regions)
 
 
 def _free_blocks(cap: Capacity, load: PendingLoad) -> int:

@@ -62,7 +62,6 @@ class Snapshot:
     generated_at: float
     sites: list[Site]
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
-    model_names: frozenset[str] = frozenset()  # every model any site lists, computed once per snapshot
 
     def link(self, src: str, dst: str, max_age_s: float | None = None) -> Link | None:
         """The newest measured link in either direction (measurements are taken one way); with
@@ -71,9 +70,6 @@ class Snapshot:
         if max_age_s is not None:
             found = [link for link in found if self.generated_at - link.measured_at <= max_age_s]
         return max(found, key=lambda link: link.measured_at, default=None)
-
-    def models(self) -> list[str]:
-        return sorted(self.model_names)
 
 
 def parse_capacity(doc: dict | None) -> Capacity | None:
@@ -112,5 +108,4 @@ def parse_snapshot(doc: dict) -> Snapshot:
         links[(link["src"], link["dst"])] = Link(link["src"], link["dst"], float(link["rtt_ms"]),
                                                  float(link["bandwidth_mbps"]), float(link.get("measured_at") or 0.0))
     sites = [parse_site(s) for s in doc.get("sites", ())]
-    return Snapshot(str(doc.get("version", "")), float(doc.get("generated_at", 0.0)), sites, links,
-                    frozenset(m for site in sites for m in site.models))
+    return Snapshot(str(doc.get("version", "")), float(doc.get("generated_at", 0.0)), sites, links)
