@@ -68,6 +68,11 @@ MALFORMED = [
     ("chat", json.dumps(chat(stream=True, stream_options=[1])).encode(), "stream_options"),
     ("chat", json.dumps(chat(logprobs=True, top_logprobs=10 ** 30)).encode(), "top_logprobs"),
     ("chat", json.dumps(chat(max_tokens=2 ** 70)).encode(), "max_tokens"),
+    ("chat", json.dumps(chat(top_k=2 ** 40)).encode(), "top_k"),
+    ("chat", json.dumps(chat(repetition_penalty="1")).encode(), "repetition_penalty"),
+    ("chat", splice(chat(), "tools", '[{"type": "function", "function": {"name": "f\\ud800"}}]'), "tools[0].function"),
+    ("chat", json.dumps(chat(tools="f")).encode(), "tools"),
+    ("chat", json.dumps(chat(chat_template_kwargs=[1])).encode(), "chat_template_kwargs"),
     ("chat", json.dumps(chat(max_completion_tokens=[3])).encode(), "max_completion_tokens"),
     ("completions", json.dumps({"model": MODEL, "prompt": [1, 2 ** 64]}).encode(), "prompt"),
     ("completions", json.dumps({"model": MODEL, "prompt": [[1, 2]]}).encode(), "prompt"),
@@ -93,4 +98,11 @@ async def test_malformed_bodies_are_400s_naming_the_field(served, http):
 async def test_the_largest_seed_is_served(served, http):
     url, headers = served
     response = await http.post(f"{url}/v1/chat/completions", json=chat(seed=2 ** 64 - 1), headers=headers)
+    assert response.status_code == 200, response.text
+
+
+async def test_an_escaped_backslash_before_u_d800_is_plain_text(served, http):
+    url, headers = served  # "\\ud800" in JSON is a backslash and five letters, not a surrogate
+    body = splice(chat(), "messages", '[{"role": "user", "content": "path C:\\\\ud800"}]')
+    response = await http.post(f"{url}/v1/chat/completions", content=body, headers=headers)
     assert response.status_code == 200, response.text
