@@ -16,6 +16,7 @@
     lat = 38.72
     lon = -9.14
     role = "prefill"                           # prefill | decode | both
+    cpus = [0]                                 # optional: pin this agent to these CPUs (Linux, taskset)
     [sites.agent]                              # AgentConfig fields for this site only
     max_num_seqs = 32
 
@@ -25,7 +26,9 @@ Port 0 anywhere means "pick a free port when starting" (tests use that).
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +65,9 @@ class SiteSpec:
     grpc_port: int = 0
     metrics_port: int = 0
     agent: dict = field(default_factory=dict)   # extra AgentConfig fields for this site
+    # CPUs the agent is held to (and torch uses that many threads); empty: no pinning. On a shared
+    # host this keeps sites from stealing each other's cores, as separate machines would.
+    cpus: list[int] = field(default_factory=list)
 
 
 # Real cities, so placement's distance-based RTTs mean something. The first three give the default
@@ -117,6 +123,7 @@ class ClusterConfig:
             if site.role not in ROLES:
                 raise ClusterConfigError(f"sites.{site.name}.role: must be one of {', '.join(ROLES)}")
             site.agent = _check_table(f"sites.{site.name}.agent", site.agent, AgentConfig, LAUNCHER_AGENT_FIELDS)
+            _check_cpus(site)
         roles = {s.role for s in self.sites}
         if not roles & {"prefill", "both"} or not roles & {"decode", "both"}:
             raise ClusterConfigError("sites: at least one site must prefill and one must decode")
@@ -132,6 +139,21 @@ def _check_table(table: str, values: dict, config_class, owned) -> dict:
         if name in owned:
             raise ClusterConfigError(f"{table}.{name}: set by the launcher; remove it from the cluster file")
     return typed_config.check_values(config_class, values, table)
+
+
+def _check_cpus(site: SiteSpec) -> None:
+    if not site.cpus:
+        return
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in site.cpus):
+        raise ClusterConfigError(f"sites.{site.name}.cpus: must be a list of CPU numbers (>= 0), got {site.cpus}")
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if available is None or shutil.which("taskset") is None:
+        raise ClusterConfigError(f"sites.{site.name}.cpus: pinning needs Linux with taskset (util-linux); "
+                                 f"remove cpus on this machine")
+    missing = sorted(set(site.cpus) - set(available))
+    if missing:
+        raise ClusterConfigError(f"sites.{site.name}.cpus: CPU(s) {missing} are not available to this process "
+                                 f"(available: {available})")
 
 
 def demo_sites(num_sites: int) -> list[SiteSpec]:

@@ -251,9 +251,14 @@ class Cluster:
         finally:
             store.close()
 
-    def _process(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+    def _process(self, name: str, args: list[str], env: dict[str, str] | None = None,
+                 cpus: list[int] | None = None) -> ManagedProcess:
         argv = [self.python, "-m", "deploy.cli", "--log-level", os.environ.get("EDGEFIRE_LOG_LEVEL", "INFO"), *args]
         threads = str(max(1, (os.cpu_count() or 1) // max(1, len(self.config.sites))))
+        if cpus:
+            # taskset sets the affinity before Python starts, so every thread (torch's, gRPC's) inherits it.
+            argv = ["taskset", "--cpu-list", ",".join(map(str, cpus)), *argv]
+            env = {**(env or {}), "OMP_NUM_THREADS": str(len(cpus))}
         base_env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
         process = ManagedProcess(name, argv, self.state_dir / "logs" / f"{name}.log",
@@ -284,7 +289,7 @@ class Cluster:
 
     def _start_agent(self, site: SiteSpec) -> None:
         path = self._write_toml(site.name, self.agent_settings(site))
-        self._process(site.name, ["agent", "--config", str(path)]).start()
+        self._process(site.name, ["agent", "--config", str(path)], cpus=site.cpus).start()
 
     def _start_router(self) -> None:
         path = self._write_toml(ROUTER_NAME, {"router": self.router_settings()})

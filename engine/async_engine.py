@@ -3,7 +3,9 @@
 Callers never touch LLMEngine directly; every mutation is handed to the engine thread as a
 command, so the engine stays single-threaded. `generate` is an async iterator of TokenEvent;
 leaving it early (break, cancellation, a client that went away) aborts the request and frees
-its blocks.
+its blocks. A command waits for the step in progress, which can be a long prefill chunk, so
+`latest_stats` (refreshed by the engine thread after every step and command) answers admission
+checks without that wait.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        self.latest_stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -62,14 +65,19 @@ class AsyncEngine:
                 with self._cond:
                     while not self._stopped and not self._commands and not self.engine.has_work():
                         self._cond.wait(IDLE_WAKE_S)
-                        self.engine.expire_handles()
+                        if self.engine.expire_handles():
+                            self._refresh_stats()
                     if self._stopped:
                         return
                     commands, self._commands = self._commands, []
                 for command in commands:
                     command()
+                if commands:
+                    self._refresh_stats()  # aborts and releases free blocks without a step
                 if self.engine.has_work():
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
+                    self._refresh_stats()  # before any caller hears of this step
+                    self._dispatch(outputs)
         except BaseException as exc:  # the thread must report any crash to every waiter
             log.exception("engine step loop crashed")
             self._error = exc
@@ -88,6 +96,9 @@ class AsyncEngine:
                                out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle)
             loop.call_soon_threadsafe(queue.put_nowait, (event, out.finished))
 
+    def _refresh_stats(self) -> None:
+        self.latest_stats = self.engine.stats()  # one reference swap: readers on other threads see a whole object
+
     def _submit(self, command: Callable[[], None]) -> None:
         if self._error is not None or self._stopped:
             raise EngineDeadError("engine is not running")
@@ -104,8 +115,10 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except Exception as exc:
+                self._refresh_stats()
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
+                self._refresh_stats()
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
         self._submit(command)

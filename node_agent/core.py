@@ -103,7 +103,7 @@ class AgentCore:
             raise InvalidRequestError(f"prompt and generated tokens number {total}; the context holds "
                                       f"{model.info.context_length} including at least one new token")
 
-    async def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False) -> None:
+    def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False) -> None:
         """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on).
 
         `takes_slot` (Decode): the sequence must run at once, so the site must hold fewer than
@@ -112,7 +112,7 @@ class AgentCore:
         """
         if self.draining:
             raise DrainingError("this agent is draining and takes no new work; use another site")
-        stats = await model.engine.stats()
+        stats = model.engine.latest_stats  # as of the last step: no wait for the step in progress
         if takes_slot:
             held = stats.num_running + stats.num_waiting + self._decode_reserved.get(model.name, 0)
             if held >= self.config.max_num_seqs:
@@ -138,7 +138,7 @@ class AgentCore:
         model = self.model(model_name)
         self._check_role(step)
         self._validate(model, prompt_ids, generated_ids, params)
-        await self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot)
+        self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot)
         return model
 
     @contextmanager

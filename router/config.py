@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typed_config
-from router.reasoning import parser_names
 from typed_config import ConfigError
 
 
@@ -51,6 +50,7 @@ class RouterConfig:
     failures_to_cool_down: int = 3
     cooldown_s: float = 30.0
     retry_after_s: float = 1.0
+    allow_split: bool = True          # False: prefill and decode of a request always on one site
     affinity_slack: float = 0.2       # a new session: candidates within 20% of the best count as near-equal
     session_margin: float = 0.5       # a known session stays on its sites while within 50% of the best score
     max_sessions: int = 100_000       # sessions whose last sites this router remembers
@@ -62,15 +62,8 @@ class RouterConfig:
     decode_step_fixed: float = 8.0    # a decode step's fixed cost in sequences' worth (see router/placement.py)
     decode_seq_kv_bytes: float = float(256 << 20)  # KV bytes read per step costing one sequence's work
     link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
-    # Model -> reasoning parser ("think", "command", an alias such as "deepseek_r1", or "none"); models not
-    # named here are detected from their chat template (see router/reasoning.py).
-    reasoning_parsers: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> RouterConfig:
-        for model, parser in self.reasoning_parsers.items():
-            if parser not in parser_names():
-                raise ConfigError(f"reasoning_parsers.{model}: unknown parser {parser!r}; "
-                                  f"known: {', '.join(parser_names())}")
         for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down",
                      "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:

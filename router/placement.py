@@ -35,7 +35,8 @@ Cost model, in milliseconds (the router sits near its clients, so router↔site 
   split(p, d)     ttft(p) + transfer(p, d) + client_rtt(d) + horizon × tpot(d)
 where horizon = min(max_tokens, expected_output_tokens). Rates a site has not measured yet take the
 configured defaults. Colocation is just the pair (s, s), so a split wins only when its transfer
-costs less than what it saves.
+costs less than what it saves. With `allow_split` off only colocated pairs are candidates (an
+operator who wants no KV moving between sites; prefill-only and decode-only sites then get no work).
 
 Only the best `shortlist` prefill sites and decode sites are paired, which keeps ranking linear in
 the number of sites. The ranked list is the failover order; pairs touching a cooling site (passive
@@ -81,6 +82,7 @@ class CostModel:
     default_bandwidth_mbps: float = DEFAULT_BANDWIDTH_MBPS
     link_max_age_s: float = 300.0      # older link measurements give way to the distance estimate
     shortlist: int = 8
+    allow_split: bool = True
 
 
 @dataclass(slots=True)
@@ -170,7 +172,8 @@ def _pairs(prefill: list[_SiteCost], decode: list[_SiteCost], snapshot: Snapshot
            cost: CostModel, horizon: int, kv_bytes_per_token: int) -> list[Candidate]:
     decode_by_name = {c.site.name: c for c in decode}
     short_prefill, short_decode = prefill[:cost.shortlist], decode[:cost.shortlist]
-    pairs = {(p.site.name, d.site.name): (p, d) for p in short_prefill for d in short_decode}
+    pairs = {(p.site.name, d.site.name): (p, d) for p in short_prefill for d in short_decode
+             if cost.allow_split or p.site.name == d.site.name}
     for p in prefill:  # colocation on any site that can do both, shortlisted or not
         if p.site.name in decode_by_name:
             pairs[(p.site.name, p.site.name)] = (p, decode_by_name[p.site.name])

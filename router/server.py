@@ -45,7 +45,7 @@ class Router:
         self.health = PassiveHealth(config.failures_to_cool_down, config.cooldown_s)
         self.limiter = RateLimiter()
         self.service = CompletionService(
-            self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers), self.agents, self.health, self.limiter,
+            self.feed, ModelAssetsCache(self.agents, config.retry_after_s), self.agents, self.health, self.limiter,
             cost_model(config), failover_policy(config),
             Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site),
             SessionTable(config.max_sessions, config.session_ttl_s))
@@ -117,7 +117,7 @@ def cost_model(config: RouterConfig) -> CostModel:
         kv_bytes_per_token=config.default_kv_bytes_per_token, decode_step_fixed=config.decode_step_fixed,
         decode_seq_kv_bytes=config.decode_seq_kv_bytes, heartbeat_max_age_s=config.heartbeat_max_age_s,
         affinity_slack=config.affinity_slack, session_margin=config.session_margin,
-        link_max_age_s=config.link_max_age_s)
+        link_max_age_s=config.link_max_age_s, allow_split=config.allow_split)
 
 
 def failover_policy(config: RouterConfig) -> FailoverPolicy:

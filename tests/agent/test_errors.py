@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import grpc
 import pytest
 from grpc import aio
@@ -73,6 +76,23 @@ async def test_full_queue_is_resource_exhausted(start_agent, connect):
     code, message = await status_of(lambda: client.generate(agent_pb2.GenerateRequest(
         model=MODEL, prompt_ids=prompt(10), sampling=sampling())))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in message
+
+
+async def test_a_full_agent_refuses_at_once_while_its_engine_is_busy(start_agent, connect):
+    """Admission reads the engine's stats as of its last step: it never waits for a step in progress
+    (a long prefill chunk), so a refusal reaches the router while another site can still be tried."""
+    agent = await start_agent(max_waiting=0)
+    engine = agent.models[MODEL].engine
+    release = threading.Event()
+    busy = asyncio.ensure_future(engine.call(lambda _engine: release.wait(30)))  # a step that does not end
+    try:
+        code, message = await asyncio.wait_for(status_of(lambda: connect(agent).generate(agent_pb2.GenerateRequest(
+            model=MODEL, prompt_ids=prompt(10), sampling=sampling()))), timeout=10)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in message
+        assert not busy.done()
+    finally:
+        release.set()
+        await busy
 
 
 async def test_kv_pool_full_is_resource_exhausted(start_agent, connect):

@@ -47,14 +47,14 @@ def test_loaded_near_site_loses_to_free_farther_site():
     assert rank(idle, request(PARIS), CostModel())[0].site_names == ("par", "par")
 
 
-def _split_case(bandwidth_mbps):
+def _split_case(bandwidth_mbps, cost=None):
     prompt = list(range(1, 2001))
     cached = {"block_size": 16, "hashes": [f"{h:016x}" for h in prefix_hashes(prompt, 16)]}
     # par holds the prompt in its prefix cache but is saturated with decoding; lyo is idle and cold.
     par = site("par", PARIS, num_running=200, prefix_cache_summary=cached)
     lyo = site("lyo", LYON)
     link = {"src": "par", "dst": "lyo", "rtt_ms": 4.0, "bandwidth_mbps": bandwidth_mbps, "measured_at": 0.0}
-    ranked = rank(snapshot(par, lyo, links=[link]), request(PARIS, prompt_len=2000), CostModel())
+    ranked = rank(snapshot(par, lyo, links=[link]), request(PARIS, prompt_len=2000), cost or CostModel())
     return ranked
 
 
@@ -63,6 +63,12 @@ def test_split_chosen_when_transfer_is_cheap():
     assert best.site_names == ("par", "lyo")
     assert best.num_cached_tokens == 1999  # the last prompt token is always recomputed
     assert not best.colocated
+
+
+def test_no_split_when_the_operator_turns_it_off():
+    ranked = _split_case(bandwidth_mbps=10_000, cost=CostModel(allow_split=False))
+    assert ranked[0].site_names == ("lyo", "lyo")
+    assert all(c.colocated for c in ranked)
 
 
 def test_colocated_chosen_when_transfer_is_expensive():

@@ -1,0 +1,187 @@
+"""What the cluster benchmarks share: a cluster of real processes on loopback that cleans up after
+itself, a demo model that never stops early, and streamed completions timed token by token.
+
+`running_cluster` starts a `deploy.launcher.Cluster` (the one `edgefire up` runs) on free ports in
+a temporary state directory and always stops it: on return, on an error and on Ctrl-C or SIGTERM.
+Agents can be held to CPUs (`SiteSpec.cpus`), so two sites on one machine do not borrow each
+other's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.cluster_config import ClusterConfig, SiteSpec  # noqa: E402
+from deploy.launcher import Cluster  # noqa: E402
+
+# Every benchmark site stands in one city, so client distance favours none of them.
+CITY = ("frankfurt", "eu-central", "DE", 50.11, 8.68)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def endless_model(out_dir: Path, size: str, model_dir: Path | None = None) -> Path:
+    """A checkpoint (the demo model of `size` unless `model_dir` is given) with no end-of-text token,
+    so every answer runs to max_tokens and both sides of a comparison generate the same amount."""
+    from engine.demo import make_demo_model
+
+    out_dir = Path(out_dir)
+    if model_dir is None:
+        make_demo_model(out_dir, size)
+    else:
+        shutil.copytree(model_dir, out_dir)
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    return out_dir
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
+def site(name: str, role: str, cpus: list[int] | None = None) -> SiteSpec:
+    _, region, country, lat, lon = CITY
+    return SiteSpec(name, region, country, lat, lon, role, cpus=list(cpus or []))
+
+
+def cpu_for_sites(num_sites: int) -> list[list[int]]:
+    """One CPU per site, round robin over the CPUs this process may use (sites share when too few)."""
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not available or not shutil.which("taskset"):
+        return [[] for _ in range(num_sites)]
+    return [[available[i % len(available)]] for i in range(num_sites)]
+
+
+@contextmanager
+def running_cluster(model_dir: Path, model_name: str, sites: list[SiteSpec], state_dir: Path,
+                    agent: dict | None = None, router: dict | None = None) -> Iterator[Cluster]:
+    config = ClusterConfig(model_dir=model_dir, model_name=model_name, sites=sites, state_dir=state_dir,
+                           router_port=0, registry_port=0,
+                           agent={"device": "cpu", "dtype": "float32", **(agent or {})}, router=router or {})
+    cluster = Cluster(config)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so `finally` blocks stop the clusters either way."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def random_prompt(rng: random.Random, num_tokens: int, vocab: int) -> list[int]:
+    """Token ids no other request shares a first block with, so nothing hits the prefix cache by chance."""
+    return [rng.randrange(5, vocab) for _ in range(num_tokens)]
+
+
+@dataclass(slots=True)
+class StreamResult:
+    kind: str
+    started: float
+    ttft_s: float | None = None
+    token_times: list[float] = field(default_factory=list)   # perf_counter at which each token arrived
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_site: str = ""
+    decode_site: str = ""
+    text: str = ""
+    error: str = ""
+
+    @property
+    def gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def split(self) -> bool:
+        return self.prefill_site != self.decode_site
+
+
+async def stream(http: httpx.AsyncClient, path: str, body: dict, kind: str = "",
+                 headers: dict | None = None) -> StreamResult:
+    """One streamed completion (`/v1/completions` or `/v1/chat/completions`), timed per chunk."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    result = StreamResult(kind, time.perf_counter())
+    finish = None
+    try:
+        async with http.stream("POST", path, json=body, headers=headers) as response:
+            result.prefill_site = response.headers.get("x-edgefire-prefill-site", "")
+            result.decode_site = response.headers.get("x-edgefire-decode-site", "")
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"]["message"][:200]
+                    return result
+                if event.get("usage"):
+                    usage = event["usage"]
+                    result.num_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                for choice in event["choices"]:
+                    finish = choice.get("finish_reason") or finish
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    # With `logprobs` asked for, a chunk lists its tokens (an agent step can carry
+                    # several); without, text held back for incomplete UTF-8 can merge tokens.
+                    logprobs = choice.get("logprobs") or {}
+                    num_tokens = len(logprobs.get("tokens") or logprobs.get("content") or ()) or (1 if text else 0)
+                    if not num_tokens:
+                        continue  # the role chunk, a bare finish chunk
+                    now = time.perf_counter()
+                    if result.ttft_s is None:
+                        result.ttft_s = now - result.started
+                    result.token_times.extend([now] * num_tokens)
+                    result.text += text
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    if finish not in ("stop", "length"):
+        result.error = f"stream ended without a finish reason after {len(result.token_times)} chunks"
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def markdown_table(rows: list[tuple]) -> str:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{os.cpu_count()} CPUs, 1-minute load {load:.2f}, {time.strftime('%Y-%m-%d %H:%M')}"
