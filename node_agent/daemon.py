@@ -24,12 +24,13 @@ from node_agent.client import MESSAGE_OPTIONS
 from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
 from node_agent.kv_data import KVDataServer
+from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report
 from node_agent.links import LinkLoop, LinkSettings
-from node_agent.heartbeat import HeartbeatLoop, Registration
 from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.models import HostedModel, load_model
 from node_agent.proto import agent_pb2_grpc
 from node_agent.service import AgentServicer
+from registry.wire import CapacityReport
 
 log = logging.getLogger(__name__)
 
@@ -160,26 +161,15 @@ class Agent:
             log.info("the registry asks this site to drain")
             self.request_drain(deadline_s)
 
-    async def capacity(self) -> dict:
+    async def capacity(self) -> CapacityReport:
         """The heartbeat body: engine stats summed over hosted models, and their prefix-cache hashes."""
-        body = {"kv_blocks_total": 0, "kv_blocks_free": 0, "block_size": self.config.block_size, "num_running": 0,
-                "num_waiting": 0, "inflight_prefill_tokens": 0, "inflight_decode_tokens": 0,
-                "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0, "draining": self.core.draining}
-        hashes: list[str] = []
+        stats, hashes = [], []
         for model in self.models.values():
-            stats = await model.engine.stats()
-            self.metrics.observe_stats(model.name, stats)
-            body["kv_blocks_total"] += stats.num_blocks_total
-            body["kv_blocks_free"] += stats.num_blocks_free
-            body["num_running"] += stats.num_running
-            body["num_waiting"] += stats.num_waiting
-            body["inflight_prefill_tokens"] += stats.inflight_prefill_tokens
-            body["inflight_decode_tokens"] += stats.inflight_decode_tokens
-            body["prefill_tokens_per_s"] += stats.prefill_tokens_per_s
-            body["decode_tokens_per_s"] += stats.decode_tokens_per_s
+            model_stats = await model.engine.stats()
+            self.metrics.observe_stats(model.name, model_stats)
+            stats.append(model_stats)
             hashes += (await model.engine.cache_summary())["hashes"]
-        body["prefix_cache_summary"] = {"block_size": self.config.block_size, "hashes": hashes}
-        return body
+        return capacity_report(self.config.block_size, self.core.draining, stats, hashes)
 
     async def refresh_metrics(self) -> None:
         for model in self.models.values():

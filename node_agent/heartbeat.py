@@ -2,6 +2,8 @@
 
 One retry policy (`Backoff`) for both: a failed call waits, doubling up to a cap, then tries again;
 a success resets it. Nothing here ever stops serving: the loop only logs, waits and retries.
+The heartbeat body is the wire contract's `CapacityReport` (registry.wire), built by
+`capacity_report` from the engines' figures, so what the agent sends is what the registry accepts.
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
 from registry.client import RegistryClient, RegistryError
+from registry.wire import MAX_CACHE_HASHES, CapacityReport, PrefixCacheSummary
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +50,41 @@ class Registration:
     lon: float | None = None
 
 
+class EngineFigures(Protocol):
+    """What a heartbeat sums over a site's engines (engine.engine.EngineStats has these)."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    num_running: int
+    num_waiting: int
+    inflight_prefill_tokens: int
+    inflight_decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineFigures],
+                    cached_hashes: Sequence[str]) -> CapacityReport:
+    """The site's heartbeat: every engine's figures summed. The prefix-cache hashes (most recently
+    used first, per engine) are cut to the contract's maximum rather than refused for the lot."""
+    return CapacityReport(
+        kv_blocks_total=sum(e.num_blocks_total for e in engines), kv_blocks_free=sum(e.num_blocks_free for e in engines),
+        block_size=block_size, num_running=sum(e.num_running for e in engines),
+        num_waiting=sum(e.num_waiting for e in engines),
+        inflight_prefill_tokens=sum(e.inflight_prefill_tokens for e in engines),
+        inflight_decode_tokens=sum(e.inflight_decode_tokens for e in engines),
+        prefill_tokens_per_s=float(sum(e.prefill_tokens_per_s for e in engines)),
+        decode_tokens_per_s=float(sum(e.decode_tokens_per_s for e in engines)),
+        prefix_cache_summary=PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:MAX_CACHE_HASHES])),
+        draining=draining,
+    )
+
+
 class HeartbeatLoop:
     """Registers the site, then reports capacity every interval until stopped."""
 
     def __init__(self, client: RegistryClient, registration: Registration,
-                 capacity: Callable[[], Awaitable[dict]], on_status: Callable[[dict], None] | None = None):
+                 capacity: Callable[[], Awaitable[CapacityReport]], on_status: Callable[[dict], None] | None = None):
         self.client = client
         self.registration = registration
         self._capacity = capacity
@@ -86,7 +120,7 @@ class HeartbeatLoop:
             self.registered = True
             log.info("registered site %s at %s", r.name, r.grpc_address)
         try:
-            status = await self.client.heartbeat(await self._capacity())
+            status = await self.client.heartbeat((await self._capacity()).to_json())
         except RegistryError as exc:
             if exc.status == 404:
                 self.registered = False  # the registry forgot us (e.g. restored from an old copy)

@@ -1,4 +1,5 @@
 """Request bodies of the registry HTTP API (types only; domain rules live in registry.validate).
+The heartbeat's body is the wire contract shared with agents and routers, registry.wire.CapacityReport.
 
 Unknown fields are refused, so a misspelt field is a 422 that names it rather than a silent no-op.
 """
@@ -7,8 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from registry.records import (DEFAULT_HEARTBEAT_INTERVAL_S, SITE_ROLES, ApiKeySpec, Capacity, LinkMeasurement,
-                              ModelServed, SiteSpec)
+from registry.records import DEFAULT_HEARTBEAT_INTERVAL_S, SITE_ROLES, ApiKeySpec, LinkMeasurement, ModelServed, SiteSpec
 
 MAX_LIST = 10_000
 
@@ -114,23 +114,6 @@ class RegistrationBody(Body):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
-
-
-class HeartbeatBody(Body):
-    kv_blocks_total: int
-    kv_blocks_free: int
-    block_size: int
-    num_running: int = 0
-    num_waiting: int = 0
-    inflight_prefill_tokens: int = 0
-    inflight_decode_tokens: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    prefix_cache_summary: dict | None = None
-    draining: bool = False
-
-    def record(self) -> Capacity:
-        return Capacity(**{name: getattr(self, name) for name in HeartbeatBody.model_fields})
 
 
 class LinkBody(Body):

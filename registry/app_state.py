@@ -3,13 +3,15 @@ dependencies that hand it to them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from registry.access import SiteIdentity
 from registry.auth import Authenticator
 from registry.heartbeat_batcher import HeartbeatBatcher
+from registry.log_limit import LogLimiter
 from registry.snapshot_cache import SnapshotCache
 from registry.store import RegistryStore
 
@@ -20,6 +22,8 @@ class RegistryService:
     auth: Authenticator
     batcher: HeartbeatBatcher
     snapshots: SnapshotCache
+    # One line per site and interval for rejected heartbeats: a site looping a bad one must not flood the log.
+    rejections: LogLimiter = field(default_factory=lambda: LogLimiter(logging.getLogger("registry.heartbeats")))
 
 
 async def registry(request: Request) -> RegistryService:

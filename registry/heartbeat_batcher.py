@@ -1,7 +1,9 @@
 """Group commit for heartbeats: every heartbeat that arrives while one commit runs goes into the
 next, so the database sees one multi-row upsert per commit rather than one transaction per site.
 
-Each caller still waits for its own commit, so a 200 means the heartbeat is stored.
+Each caller still waits for its own commit, so a 200 means the heartbeat is stored. Rows are
+validated before they are queued (registry.wire); should the database still refuse a batch for a
+reason other than being unreachable, its rows are stored one by one, so only the row at fault fails.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+from registry.errors import InvalidInput
 from registry.records import SiteStatus
 
 log = logging.getLogger(__name__)
@@ -74,17 +77,37 @@ class HeartbeatBatcher:
         rows = [row for row, _ in batch]
         try:
             statuses = await asyncio.to_thread(self._write_with_retry, rows)
-        except Exception as exc:  # the loop must survive a database outage; every waiter gets the error
-            log.error("heartbeat commit of %d rows failed: %s", len(rows), exc)
+        except OperationalError as exc:  # the database is unreachable: every waiter gets the error
+            log.error("heartbeat commit of %d rows failed: %s", len(rows), _reason(exc))
             for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+                _settle(future, exception=exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a row the database refuses must not fail its batch-mates
+            log.warning("heartbeat commit of %d rows failed (%s); storing them one at a time", len(rows), _reason(exc))
+            results = await asyncio.to_thread(self._write_one_by_one, rows)
+            for (_, future), result in zip(batch, results):
+                _settle(future, **result)
             return
         self.num_commits += 1
         self.num_heartbeats += len(rows)
         for row, future in batch:
-            if not future.done():  # the caller may have gone away
-                future.set_result(statuses.get(row["site_id"]))
+            _settle(future, result=statuses.get(row["site_id"]))
+
+    def _write_one_by_one(self, rows: list[dict]) -> list[dict]:
+        results = []
+        for row in rows:
+            try:
+                statuses = self._write_with_retry([row])
+            except OperationalError as exc:
+                results.append({"exception": exc})
+            except Exception as exc:  # noqa: BLE001 - this row's own failure, answered to its sender
+                results.append({"exception": InvalidInput(f"the registry cannot store this heartbeat: {_reason(exc)}",
+                                                          "unstorable_heartbeat")})
+            else:
+                self.num_commits += 1
+                self.num_heartbeats += 1
+                results.append({"result": statuses.get(row["site_id"])})
+        return results
 
     def _write_with_retry(self, rows: list[dict]) -> dict[int, SiteStatus]:
         try:
@@ -93,3 +116,18 @@ class HeartbeatBatcher:
             # A site was deleted between its existence check and the upsert (PostgreSQL, READ
             # COMMITTED); the retry's check sees the deletion and leaves that row out.
             return self._write_rows(rows)
+
+
+def _settle(future: asyncio.Future, result=None, exception: BaseException | None = None) -> None:
+    if future.done():  # the caller went away
+        return
+    if exception is not None:
+        future.set_exception(exception)
+    else:
+        future.set_result(result)
+
+
+def _reason(exc: Exception) -> str:
+    """The driver's one-line message, without SQLAlchemy's statement and parameters (which can be huge)."""
+    text = str(exc.orig) if isinstance(exc, DBAPIError) else str(exc)
+    return text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__

@@ -71,15 +71,20 @@ async def _store_error(_request: Request, exc: RegistryStoreError) -> JSONRespon
 
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
+    return error_response(*validation_problem(exc.errors()))
+
+
+def validation_problem(errors: list[dict]) -> tuple[int, str, str]:
+    """(status, message, code) for a body that failed validation: 400 when it is not JSON at all,
+    else 422 naming the first field at fault."""
     if any(e.get("type") == "json_invalid" for e in errors):
-        return error_response(400, "the request body is not valid JSON", "invalid_json")
+        return 400, "the request body is not valid JSON", "invalid_json"
     first = errors[0] if errors else {}
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
-    return error_response(422, message, "invalid_field")
+    return 422, message, "invalid_field"
 
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Plain records the store reads and writes: sites, capacity, links, keys, audit entries.
+"""Plain records the store reads and writes: sites, links, keys, audit entries (a heartbeat's capacity
+is the wire contract's registry.wire.CapacityReport).
 
 They know nothing of SQL or HTTP; `to_json` gives the wire shape the service and client share.
 """
@@ -58,23 +59,6 @@ class Site:
         out = asdict(self)
         del out["id"]
         return out
-
-
-@dataclass(slots=True)
-class Capacity:
-    """One heartbeat: how busy a site is right now."""
-
-    kv_blocks_total: int
-    kv_blocks_free: int
-    block_size: int
-    num_running: int = 0
-    num_waiting: int = 0
-    inflight_prefill_tokens: int = 0
-    inflight_decode_tokens: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    prefix_cache_summary: dict | None = None  # {"block_size": int, "hashes": [hex, ...]}; opaque here
-    draining: bool = False
 
 
 @dataclass(slots=True)

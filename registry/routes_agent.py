@@ -10,15 +10,17 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from registry.access import SiteIdentity
-from registry.api_models import HeartbeatBody, LinksBody, RegistrationBody
+from registry.api_models import LinksBody, RegistrationBody
 from registry.app_state import RegistryService, registry, site_caller
-from registry.http_errors import ApiError
+from registry.errors import InvalidInput
+from registry.http_errors import ApiError, validation_problem
 from registry.telemetry import HeartbeatWrite, capacity_row
+from registry.wire import CapacityReport
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"])
 
 HEARTBEAT_OPENAPI = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": HeartbeatBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+    "application/json": {"schema": CapacityReport.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
 @router.put("/registration")
@@ -48,18 +50,28 @@ async def heartbeat(request: Request) -> Response:
 
 
 async def store_heartbeat(svc: RegistryService, authorization: str | None, body: bytes) -> bytes:
-    """The heartbeat itself, without HTTP: checks the token and the body, waits for the group commit
-    that stores it and returns the JSON answer. Raises what the error handlers turn into 4xx/5xx."""
+    """The heartbeat itself, without HTTP: checks the token and the body (the wire contract), waits
+    for the group commit that stores it and returns the JSON answer. Raises what the error handlers
+    turn into 4xx/5xx; each rejection is logged in one line, at most one per site per interval."""
     site = await svc.auth.site_for_header(authorization)
     try:
-        parsed = HeartbeatBody.model_validate_json(body)
+        report = CapacityReport.model_validate_json(body)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from exc
-    row = capacity_row(HeartbeatWrite(site.site_id, parsed.record(), svc.store.telemetry.now()))
-    status = await svc.batcher.submit(row)
+        error = RequestValidationError(exc.errors(include_url=False))
+        _log_rejection(svc, site, validation_problem(error.errors())[1])
+        raise error from exc
+    try:
+        status = await svc.batcher.submit(capacity_row(HeartbeatWrite(site.site_id, report, svc.store.telemetry.now())))
+    except InvalidInput as exc:
+        _log_rejection(svc, site, exc.message)
+        raise
     if status is None:
         raise ApiError(404, f"site {site.name!r} no longer exists", "site_not_found")
     return json.dumps(status.to_json()).encode()
+
+
+def _log_rejection(svc: RegistryService, site: SiteIdentity, reason: str) -> None:
+    svc.rejections.warning(site.name, "heartbeat from site %s rejected: %s", site.name, reason)
 
 
 @router.post("/links")

@@ -17,9 +17,10 @@ from sqlalchemy import Connection, Engine, delete, select, text
 from registry import validate
 from registry.db import writer
 from registry.errors import InvalidInput, NotFound
-from registry.records import Capacity, LinkMeasurement, SiteStatus
+from registry.records import LinkMeasurement, SiteStatus
 from registry.sql import SITES, bump_version, upsert
 from registry.tables import CapacityRow, LinkRow
+from registry.wire import CapacityReport
 
 CAPACITY = CapacityRow.__table__
 LINKS = LinkRow.__table__
@@ -45,7 +46,7 @@ PG_UPSERT_CAPACITY = text(
 @dataclass(slots=True)
 class HeartbeatWrite:
     site_id: int
-    capacity: Capacity
+    capacity: CapacityReport  # validated when it was built: the contract's bounds fit the columns
     reported_at: float  # the registry's clock, not the agent's: liveness must not depend on clock skew
 
 
@@ -69,7 +70,7 @@ class TelemetryStore:
     def now(self) -> float:
         return self._clock()
 
-    def record_heartbeat(self, site_id: int, capacity: Capacity) -> SiteStatus:
+    def record_heartbeat(self, site_id: int, capacity: CapacityReport) -> SiteStatus:
         statuses = self.record_heartbeats([HeartbeatWrite(site_id, capacity, self._clock())])
         if site_id not in statuses:
             raise NotFound("this site no longer exists", "site_not_found")
@@ -142,13 +143,10 @@ class TelemetryStore:
 
 
 def capacity_row(write: HeartbeatWrite) -> dict:
-    """Validates a heartbeat and gives the row to upsert; raises InvalidInput."""
+    """The row to upsert for a heartbeat; the prefix-cache summary is stored as its JSON text."""
     cap = write.capacity
-    summary = validate.capacity(cap)
-    return {
-        "site_id": write.site_id, "kv_blocks_total": cap.kv_blocks_total, "kv_blocks_free": cap.kv_blocks_free,
-        "block_size": cap.block_size, "num_running": cap.num_running, "num_waiting": cap.num_waiting,
-        "inflight_prefill_tokens": cap.inflight_prefill_tokens, "inflight_decode_tokens": cap.inflight_decode_tokens,
-        "prefill_tokens_per_s": cap.prefill_tokens_per_s, "decode_tokens_per_s": cap.decode_tokens_per_s,
-        "prefix_cache_summary": summary, "draining": cap.draining, "reported_at": write.reported_at,
-    }
+    row = cap.model_dump(exclude={"prefix_cache_summary"})
+    summary = cap.prefix_cache_summary
+    row.update(site_id=write.site_id, reported_at=write.reported_at,
+               prefix_cache_summary=None if summary is None else summary.model_dump_json())
+    return row

@@ -1,17 +1,17 @@
 """Domain rules for registry input; each failure says which field to change and how.
 
 The store calls these before writing, so nothing invalid reaches the database whichever way the
-store is driven (HTTP service, launcher, tests).
+store is driven (HTTP service, launcher, tests). Heartbeats are checked by their wire contract,
+registry.wire, when they are parsed.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 from registry.errors import InvalidInput
-from registry.records import MODEL_ROLES, SITE_ROLES, ApiKeySpec, Capacity, LinkMeasurement, ModelServed, SiteSpec
+from registry.records import MODEL_ROLES, SITE_ROLES, ApiKeySpec, LinkMeasurement, ModelServed, SiteSpec
 
 SITE_NAME = re.compile(r"[a-z0-9-]{1,63}")
 REGION = re.compile(r"[a-z0-9-]{1,63}")
@@ -19,7 +19,6 @@ COUNTRY = re.compile(r"[A-Z]{2}")
 HOST = re.compile(r"[A-Za-z0-9.\-_]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 MAX_MODEL_ID = 200
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
-MAX_PREFIX_SUMMARY_BYTES = 256 * 1024
 
 
 def site_name(name: str) -> str:
@@ -84,30 +83,6 @@ def drain_deadline(seconds: float) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidInput("deadline_s must be a finite number of seconds >= 0")
     return seconds
-
-
-def capacity(cap: Capacity) -> str | None:
-    """Checks one heartbeat; returns the prefix-cache summary as the JSON text to store."""
-    for name in ("kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting",
-                 "inflight_prefill_tokens", "inflight_decode_tokens"):
-        if getattr(cap, name) < 0:
-            raise InvalidInput(f"{name} must be >= 0")
-    if cap.block_size < 1:
-        raise InvalidInput("block_size must be >= 1")
-    if cap.kv_blocks_free > cap.kv_blocks_total:
-        raise InvalidInput("kv_blocks_free cannot exceed kv_blocks_total")
-    for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-        value = getattr(cap, name)
-        if not math.isfinite(value) or value < 0:
-            raise InvalidInput(f"{name} must be a finite number >= 0")
-    if cap.prefix_cache_summary is None:
-        return None
-    if not isinstance(cap.prefix_cache_summary, dict):
-        raise InvalidInput("prefix_cache_summary must be a JSON object or null")
-    text = json.dumps(cap.prefix_cache_summary, separators=(",", ":"))
-    if len(text) > MAX_PREFIX_SUMMARY_BYTES:
-        raise InvalidInput(f"prefix_cache_summary exceeds {MAX_PREFIX_SUMMARY_BYTES} bytes; send fewer hashes")
-    return text
 
 
 def link(measurement: LinkMeasurement) -> LinkMeasurement:

@@ -59,8 +59,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.prefix_hash import prefix_hashes
+from registry.wire import SnapshotCapacity
 from router.geometry import rtt_ms_between
-from router.snapshot import Capacity, Site, Snapshot
+from router.snapshot import Site, Snapshot
 
 DEFAULT_BANDWIDTH_MBPS = 1000.0
 
@@ -215,7 +216,7 @@ def _usable(site: Site, request: PlacementRequest, cost: CostModel) -> bool:
     return is_live(site, cost) and (not request.allowed_regions or site.region in request.allowed_regions)
 
 
-def _free_blocks(cap: Capacity, load: PendingLoad) -> int:
+def _free_blocks(cap: SnapshotCapacity, load: PendingLoad) -> int:
     return cap.kv_blocks_free - math.ceil(load.kv_tokens / cap.block_size)
 
 
@@ -240,20 +241,20 @@ def _site_cost(site: Site, load: PendingLoad, snapshot: Snapshot, request: Place
     return _SiteCost(site, client_rtt, ttft, tpot, num_cached)
 
 
-def prefill_queue_ms(cap: Capacity, load: PendingLoad, cost: CostModel) -> float:
+def prefill_queue_ms(cap: SnapshotCapacity, load: PendingLoad, cost: CostModel) -> float:
     """Prefill work ahead of this request: what the site reported plus what this router sent since."""
     return 1000.0 * (cap.inflight_prefill_tokens + load.prefill_tokens) / _prefill_rate(cap, cost)
 
 
-def prefill_ms(cap: Capacity, num_uncached_tokens: int, cost: CostModel) -> float:
+def prefill_ms(cap: SnapshotCapacity, num_uncached_tokens: int, cost: CostModel) -> float:
     return 1000.0 * num_uncached_tokens / _prefill_rate(cap, cost)
 
 
-def _prefill_rate(cap: Capacity, cost: CostModel) -> float:
+def _prefill_rate(cap: SnapshotCapacity, cost: CostModel) -> float:
     return cap.prefill_tokens_per_s or cost.default_prefill_tokens_per_s
 
 
-def decode_step_ms(cap: Capacity, load: PendingLoad, num_context_tokens: int, horizon: int,
+def decode_step_ms(cap: SnapshotCapacity, load: PendingLoad, num_context_tokens: int, horizon: int,
                    kv_bytes_per_token: int, cost: CostModel) -> float:
     """One decode step on the site with this request in the batch: its time per output token."""
     num_running = cap.num_running + load.num_seqs
@@ -267,7 +268,7 @@ def decode_step_ms(cap: Capacity, load: PendingLoad, num_context_tokens: int, ho
     return _work_unit_ms(cap, kv_bytes_per_token, cost) * work
 
 
-def kv_tokens_in_use(cap: Capacity) -> int:
+def kv_tokens_in_use(cap: SnapshotCapacity) -> int:
     """KV the site's sequences hold now: what its decode steps read."""
     return max(0, cap.kv_blocks_total - cap.kv_blocks_free) * cap.block_size
 
@@ -277,7 +278,7 @@ def _step_work(num_seqs: float, kv_tokens: float, kv_bytes_per_token: int, cost:
     return cost.decode_step_fixed + num_seqs + kv_tokens * kv_bytes_per_token / cost.decode_seq_kv_bytes
 
 
-def _work_unit_ms(cap: Capacity, kv_bytes_per_token: int, cost: CostModel) -> float:
+def _work_unit_ms(cap: SnapshotCapacity, kv_bytes_per_token: int, cost: CostModel) -> float:
     """Milliseconds per unit of step work, from the decode rate the site measured.
 
     The rate (tokens per second of decoding) was measured under about the load the site reports:

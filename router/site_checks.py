@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from node_agent.proto import agent_pb2
-from router.snapshot import Capacity, Site, Snapshot
+from registry.wire import SnapshotCapacity
+from router.snapshot import Site, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ def _checkable(site: Site) -> bool:
     return site.alive and site.capacity is not None and bool(site.grpc_address)
 
 
-def _capacity_from_health(capacity: Capacity, health: agent_pb2.HealthResponse) -> Capacity:
-    return replace(capacity, kv_blocks_total=health.kv_blocks_total, kv_blocks_free=health.kv_blocks_free,
-                   num_running=health.num_running, num_waiting=health.num_waiting,
-                   draining=health.status == agent_pb2.HealthResponse.DRAINING)
+def _capacity_from_health(capacity: SnapshotCapacity, health: agent_pb2.HealthResponse) -> SnapshotCapacity:
+    return capacity.model_copy(update={
+        "kv_blocks_total": health.kv_blocks_total, "kv_blocks_free": health.kv_blocks_free,
+        "num_running": health.num_running, "num_waiting": health.num_waiting,
+        "draining": health.status == agent_pb2.HealthResponse.DRAINING})

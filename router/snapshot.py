@@ -1,29 +1,30 @@
 """The registry snapshot as plain dataclasses: the only module that knows the wire names.
 
 The registry sends {"version", "generated_at", "sites": [...], "links": [...]} (see
-registry/snapshot.py). Placement reads only these classes, so a renamed field is a fix here.
+registry/snapshot.py); each site's capacity is the wire contract's `SnapshotCapacity`
+(registry.wire), the same definition the agent builds and the registry validates. Placement reads
+only these classes, so a renamed field is a fix here.
+
+Parsing is per site and per link: one the router cannot parse is left out of its snapshot and
+logged (one line per site and minute), and every other site is served. Only a document that is
+not a snapshot at all raises `SnapshotError`, and the feed keeps its last good snapshot.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 
+from registry.log_limit import LogLimiter
+from registry.wire import SnapshotCapacity
 
-@dataclass(slots=True)
-class Capacity:
-    kv_blocks_total: int
-    kv_blocks_free: int
-    block_size: int
-    num_running: int = 0
-    num_waiting: int = 0
-    inflight_prefill_tokens: int = 0
-    inflight_decode_tokens: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    draining: bool = False
-    cache_block_size: int = 0          # block size of the prefix-cache summary (0: no summary)
-    cached_hashes: frozenset[int] = frozenset()
-    reported_at: float | None = None   # the registry's clock when this heartbeat arrived
+log = logging.getLogger(__name__)
+_skipped = LogLimiter(log, interval_s=60.0)
+
+
+class SnapshotError(ValueError):
+    """The registry's answer is not a snapshot document."""
 
 
 @dataclass(slots=True)
@@ -38,7 +39,7 @@ class Site:
     models: dict[str, str]              # model -> prefill | decode | both
     alive: bool
     heartbeat_age_s: float | None
-    capacity: Capacity | None
+    capacity: SnapshotCapacity | None
     country: str | None = None
 
     def serves(self, model: str, role: str) -> bool:
@@ -72,40 +73,105 @@ class Snapshot:
         return max(found, key=lambda link: link.measured_at, default=None)
 
 
-def parse_capacity(doc: dict | None) -> Capacity | None:
-    if doc is None:
-        return None
-    summary = doc.get("prefix_cache_summary") or {}
-    hashes = frozenset(int(h, 16) for h in summary.get("hashes", ()))
-    return Capacity(
-        kv_blocks_total=int(doc.get("kv_blocks_total", 0)), kv_blocks_free=int(doc.get("kv_blocks_free", 0)),
-        block_size=int(doc.get("block_size", 16)), num_running=int(doc.get("num_running", 0)),
-        num_waiting=int(doc.get("num_waiting", 0)),
-        inflight_prefill_tokens=int(doc.get("inflight_prefill_tokens", 0)),
-        inflight_decode_tokens=int(doc.get("inflight_decode_tokens", 0)),
-        prefill_tokens_per_s=float(doc.get("prefill_tokens_per_s") or 0.0),
-        decode_tokens_per_s=float(doc.get("decode_tokens_per_s") or 0.0),
-        draining=bool(doc.get("draining", False)),
-        cache_block_size=int(summary.get("block_size", 0)) if hashes else 0, cached_hashes=hashes,
-        reported_at=float(doc["reported_at"]) if doc.get("reported_at") is not None else None,
-    )
+def parse_snapshot(doc: dict) -> Snapshot:
+    """The snapshot of every site and link that parses; raises SnapshotError only for a document
+    that is not a snapshot at all."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("sites", []), list) \
+            or not isinstance(doc.get("links", []), list):
+        raise SnapshotError("the registry's snapshot is not an object with 'sites' and 'links' lists")
+    version, generated_at = doc.get("version", ""), doc.get("generated_at", 0.0)
+    if not isinstance(version, str) or isinstance(generated_at, bool) or not isinstance(generated_at, int | float):
+        raise SnapshotError("the registry's snapshot needs a string 'version' and a numeric 'generated_at'")
+    sites = [site for site in map(_parse_or_skip(parse_site, "site"), doc.get("sites", ())) if site is not None]
+    links = {}
+    for link in map(_parse_or_skip(parse_link, "link"), doc.get("links", ())):
+        if link is not None:
+            links[(link.src, link.dst)] = link
+    return Snapshot(version, float(generated_at), sites, links)
 
 
 def parse_site(doc: dict) -> Site:
+    """One site of the snapshot; raises KeyError, TypeError or ValueError when it is malformed."""
+    models = {}
+    for entry in _list(doc, "models"):
+        models[_text(entry, "model")] = _text(entry, "role", "both")
+    capacity = doc.get("capacity")
     return Site(
-        name=doc["name"], region=doc.get("region"), country=doc.get("country"), lat=doc.get("lat"), lon=doc.get("lon"),
-        grpc_address=doc.get("grpc_address") or "", state=doc.get("state", "active"),
-        roles=tuple(doc.get("roles") or ("prefill", "decode")),
-        models={m["model"]: m.get("role", "both") for m in doc.get("models", ())},
-        alive=bool(doc.get("alive", False)), heartbeat_age_s=doc.get("heartbeat_age_s"),
-        capacity=parse_capacity(doc.get("capacity")),
+        name=_text(doc, "name"), region=_optional_text(doc, "region"), country=_optional_text(doc, "country"),
+        lat=_optional_number(doc, "lat"), lon=_optional_number(doc, "lon"),
+        grpc_address=_optional_text(doc, "grpc_address") or "", state=_text(doc, "state", "active"),
+        roles=tuple(_text_items(doc, "roles") or ("prefill", "decode")), models=models,
+        alive=_bool(doc, "alive"), heartbeat_age_s=_optional_number(doc, "heartbeat_age_s"),
+        capacity=None if capacity is None else SnapshotCapacity.model_validate(capacity),
     )
 
 
-def parse_snapshot(doc: dict) -> Snapshot:
-    links = {}
-    for link in doc.get("links", ()):
-        links[(link["src"], link["dst"])] = Link(link["src"], link["dst"], float(link["rtt_ms"]),
-                                                 float(link["bandwidth_mbps"]), float(link.get("measured_at") or 0.0))
-    sites = [parse_site(s) for s in doc.get("sites", ())]
-    return Snapshot(str(doc.get("version", "")), float(doc.get("generated_at", 0.0)), sites, links)
+def parse_link(doc: dict) -> Link:
+    return Link(_text(doc, "src"), _text(doc, "dst"), _number(doc, "rtt_ms"), _number(doc, "bandwidth_mbps"),
+                _optional_number(doc, "measured_at") or 0.0)
+
+
+def _parse_or_skip(parse, kind: str):
+    def parse_one(doc):
+        try:
+            if not isinstance(doc, dict):
+                raise TypeError(f"a {kind} must be a JSON object")
+            return parse(doc)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            name = doc.get("name") if isinstance(doc, dict) and kind == "site" else None
+            label = f"{kind} {name!r}" if isinstance(name, str) else f"a {kind}"
+            _skipped.warning((kind, name if isinstance(name, str) else None),
+                             "left %s out of the snapshot: it does not parse (%s)", label, _one_line(exc))
+            return None
+    return parse_one
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return (text[:300] + "...") if len(text) > 300 else text or type(exc).__name__
+
+
+def _text(doc: dict, key: str, default: str | None = None) -> str:
+    value = doc.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{key} must be a non-empty string")
+    return value
+
+
+def _optional_text(doc: dict, key: str) -> str | None:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{key} must be a string or null")
+    return value
+
+
+def _text_items(doc: dict, key: str) -> list[str]:
+    values = doc.get(key) or []
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise TypeError(f"{key} must be a list of strings")
+    return values
+
+
+def _list(doc: dict, key: str) -> list:
+    values = doc.get(key) or []
+    if not isinstance(values, list):
+        raise TypeError(f"{key} must be a list")
+    return values
+
+
+def _bool(doc: dict, key: str) -> bool:
+    value = doc.get(key, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"{key} must be true or false")
+    return value
+
+
+def _number(doc: dict, key: str) -> float:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"{key} must be a finite number")
+    return float(value)
+
+
+def _optional_number(doc: dict, key: str) -> float | None:
+    return None if doc.get(key) is None else _number(doc, key)

@@ -25,11 +25,17 @@ from registry.db import make_engine
 from registry.migrate import upgrade_to_head
 from registry.service import create_app
 from registry.store import RegistryStore
+from registry.wire import CapacityReport
 
 PG_URL = os.environ.get("EDGEFIRE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 ADMIN_TOKEN = "admin-secret"
 ROUTER_TOKEN = "router-secret"
 TABLES = "sites, site_models, capacity, links, api_keys, site_tokens, audit_log"
+
+
+def capacity(total: int, free: int, block_size: int, **fields) -> CapacityReport:
+    """A heartbeat's capacity, written the short way."""
+    return CapacityReport(kv_blocks_total=total, kv_blocks_free=free, block_size=block_size, **fields)
 
 
 class FakeClock:

@@ -10,7 +10,7 @@ from .conftest import new_site
 
 CAPACITY = {"kv_blocks_total": 4096, "kv_blocks_free": 1024, "block_size": 16, "num_running": 3, "num_waiting": 1,
             "inflight_prefill_tokens": 900, "inflight_decode_tokens": 40, "prefill_tokens_per_s": 8000.0,
-            "decode_tokens_per_s": 300.0, "prefix_cache_summary": {"block_size": 16, "hashes": ["9f86d081"]},
+            "decode_tokens_per_s": 300.0, "prefix_cache_summary": {"block_size": 16, "hashes": ["9f86d081884c7d65"]},
             "draining": False}
 
 

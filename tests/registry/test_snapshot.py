@@ -7,9 +7,11 @@ import json
 import pytest
 
 from registry.db import make_engine
-from registry.records import Capacity, ModelServed, SiteSpec
+from registry.records import ModelServed, SiteSpec
 from registry.snapshot_cache import SnapshotCache
 from registry.store import RegistryStore
+
+from .conftest import capacity
 
 SITE_KEYS = {"name", "region", "country", "lat", "lon", "grpc_address", "state", "roles", "models", "alive",
              "heartbeat_age_s", "capacity"}
@@ -31,8 +33,8 @@ def rendered(store, clock) -> dict:
 
 
 def test_shape(store, clock, fra):
-    summary = {"block_size": 16, "hashes": ["00ff", "abcd"]}
-    store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16, prefix_cache_summary=summary))
+    summary = {"block_size": 16, "hashes": ["00000000000000ff", "000000000000abcd"]}
+    store.telemetry.record_heartbeat(fra, capacity(100, 50, 16, prefix_cache_summary=summary))
     snap = rendered(store, clock)
     assert set(snap) == {"version", "generated_at", "sites", "links"}
     assert isinstance(snap["version"], str) and snap["generated_at"] == pytest.approx(clock.now)
@@ -45,7 +47,7 @@ def test_shape(store, clock, fra):
 
 
 def test_site_is_down_after_three_heartbeat_intervals(store, clock, fra):
-    store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16))
+    store.telemetry.record_heartbeat(fra, capacity(100, 50, 16))
     data = store.snapshot()
     clock.advance(5.9)  # TTL = 3 x 2 s
     assert json.loads(data.render(clock.now))["sites"][1]["alive"] is True
@@ -62,7 +64,7 @@ def test_cache_answers_304_until_something_changes(store, clock, fra):
     assert first.body is not None and json.loads(first.body)["version"] == first.etag.strip('"')
     assert cache.get(first.etag).body is None
     assert cache.get(f'W/{first.etag}, "other"').body is None
-    store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16))
+    store.telemetry.record_heartbeat(fra, capacity(100, 50, 16))
     second = cache.get(first.etag)
     assert second.body is not None and second.etag != first.etag
     clock.advance(60)  # the heartbeat expires: same rows, new liveness
@@ -71,7 +73,7 @@ def test_cache_answers_304_until_something_changes(store, clock, fra):
 
 
 def test_cached_body_is_refreshed_for_heartbeat_ages(store, clock, fra):
-    store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16))
+    store.telemetry.record_heartbeat(fra, capacity(100, 50, 16))
     cache = SnapshotCache(store.engine, clock=clock, max_body_age_s=1.0)
     first = cache.get()
     clock.advance(0.5)
@@ -88,12 +90,12 @@ def test_cache_follows_own_heartbeats_and_other_replicas_writes(store, clock, fr
     other = RegistryStore(make_engine(db_url), clock)  # a second replica on the same database
     try:
         ams = other.access.site_for_token(other.access.issue_site_token("ams-1", "bob")).site_id
-        steps = [lambda: store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16, prefix_cache_summary={"a": 1})),
-                 lambda: store.telemetry.record_heartbeat(fra, Capacity(100, 40, 16)),
-                 lambda: other.telemetry.record_heartbeat(ams, Capacity(10, 5, 16)),
-                 lambda: store.telemetry.record_heartbeat(fra, Capacity(100, 30, 16)),
+        steps = [lambda: store.telemetry.record_heartbeat(fra, capacity(100, 50, 16, prefix_cache_summary={"block_size": 16, "hashes": ["000000000000000a"]})),
+                 lambda: store.telemetry.record_heartbeat(fra, capacity(100, 40, 16)),
+                 lambda: other.telemetry.record_heartbeat(ams, capacity(10, 5, 16)),
+                 lambda: store.telemetry.record_heartbeat(fra, capacity(100, 30, 16)),
                  lambda: other.sites.cordon("fra-1", "bob"),
-                 lambda: store.telemetry.record_heartbeat(ams, Capacity(10, 1, 16))]
+                 lambda: store.telemetry.record_heartbeat(ams, capacity(10, 1, 16))]
         for step in steps:
             step()
             clock.advance(0.25)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from registry.errors import Conflict, InvalidInput, NotFound
-from registry.records import Capacity, LinkMeasurement, ModelServed, SiteSpec
+from registry.records import LinkMeasurement, ModelServed, SiteSpec
+
+from .conftest import capacity
 
 
 def spec(**fields) -> SiteSpec:
@@ -126,7 +128,7 @@ def test_delete_cascades(store):
     store.sites.create("ams-1", spec(), "alice")
     token = store.access.issue_site_token("fra-1", "alice")
     fra = store.access.site_for_token(token).site_id
-    store.telemetry.record_heartbeat(fra, Capacity(10, 5, 16))
+    store.telemetry.record_heartbeat(fra, capacity(10, 5, 16))
     store.telemetry.record_links(fra, [LinkMeasurement("ams-1", 4.0, 1000.0)])
     store.sites.delete("fra-1", "alice")
     with pytest.raises(NotFound):

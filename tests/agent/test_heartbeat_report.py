@@ -1,0 +1,30 @@
+"""The agent's heartbeat is built with the wire contract the registry validates (registry.wire)."""
+
+from __future__ import annotations
+
+from engine.engine import EngineStats
+from node_agent.heartbeat import capacity_report
+from registry.wire import MAX_CACHE_HASHES, CapacityReport
+
+
+def stats(blocks_free: int, running: int, rate: float) -> EngineStats:
+    return EngineStats(num_blocks_total=100, num_blocks_free=blocks_free, block_size=16, num_running=running,
+                       num_waiting=1, num_pinned_handles=0, inflight_prefill_tokens=40, inflight_decode_tokens=7,
+                       prefill_tokens_per_s=rate, decode_tokens_per_s=rate / 10, num_preemptions=0,
+                       prefix_cache_hit_tokens=0)
+
+
+def test_report_sums_engines_and_caps_the_hash_list():
+    hashes = [f"{i:016x}" for i in range(MAX_CACHE_HASHES + 500)]
+    report = capacity_report(16, False, [stats(60, 2, 1000.0), stats(30, 3, 500.0)], hashes)
+    wire = report.to_json()
+    assert (wire["kv_blocks_total"], wire["kv_blocks_free"], wire["num_running"], wire["num_waiting"]) == (200, 90, 5, 2)
+    assert wire["prefill_tokens_per_s"] == 1500.0 and wire["inflight_decode_tokens"] == 14
+    assert wire["prefix_cache_summary"]["hashes"] == hashes[:MAX_CACHE_HASHES]  # most recently used kept
+    assert CapacityReport.model_validate_json(report.model_dump_json()) == report  # what the registry accepts
+
+
+def test_a_site_without_engines_reports_empty_capacity():
+    wire = capacity_report(16, True, [], []).to_json()
+    assert (wire["kv_blocks_total"], wire["draining"], wire["prefix_cache_summary"]) == (
+        0, True, {"block_size": 16, "hashes": []})
