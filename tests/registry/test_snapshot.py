@@ -110,7 +110,7 @@ def test_cache_follows_own_heartbeats_and_other_replicas_writes(store, clock, fr
 def test_registry_back_from_an_outage_gives_live_sites_one_liveness_window(store, clock, fra):
     """Sites alive when the registry went away are not declared dead the moment it returns (their
     heartbeats were backing off): each gets one liveness window from the return."""
-    store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16))
+    store.telemetry.record_heartbeat(fra, capacity(100, 50, 16))
     down_at = clock.now
     clock.advance(60.0)  # the registry is down for a minute; a new process starts on the same database
     cache = SnapshotCache(store.engine, clock=clock)
@@ -125,9 +125,9 @@ def test_registry_back_from_an_outage_gives_live_sites_one_liveness_window(store
 
 def test_site_dead_before_the_registry_went_away_stays_dead_after_it_returns(store, clock, fra):
     ams = store.access.site_for_token(store.access.issue_site_token("ams-1", "alice")).site_id
-    store.telemetry.record_heartbeat(ams, Capacity(100, 50, 16))
+    store.telemetry.record_heartbeat(ams, capacity(100, 50, 16))
     clock.advance(10.0)  # ams-1 (TTL 6 s) is dead when fra-1 reports last before the outage
-    store.telemetry.record_heartbeat(fra, Capacity(100, 50, 16))
+    store.telemetry.record_heartbeat(fra, capacity(100, 50, 16))
     clock.advance(60.0)
     ams_site, fra_site = json.loads(SnapshotCache(store.engine, clock=clock).get().body)["sites"]
     assert ams_site["alive"] is False and fra_site["alive"] is True
