@@ -102,12 +102,12 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> 
         "bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
         "model_max_length": shape.max_position_embeddings,
     }, indent=2))
-    save_file(_random_weights(shape, vocab_size, head_dim, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_weights(shape, vocab_size, head_dim, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     log.info("wrote demo model (%s, random weights) to %s", size, out)
     return out
 
 
-def _random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*dims: int, std: float = 0.02) -> torch.Tensor:

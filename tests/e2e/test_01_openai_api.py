@@ -36,6 +36,25 @@ def test_chat_streamed_equals_not_streamed(client, cluster):
     assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens > 20
 
 
+def test_multi_turn_with_sdk_dumped_turns_and_model_card(client, cluster):
+    """Earlier assistant turns replayed as the SDK dumps them (None-valued fields) render as transformers
+    renders the plain conversation; /v1/models says the context length."""
+    from transformers import AutoTokenizer
+
+    first = client.chat.completions.create(model=cluster.model, messages=CHAT, max_tokens=6, temperature=0)
+    dumped = first.choices[0].message.model_dump()
+    assert dumped["tool_calls"] is None and dumped["refusal"] is None
+    history = [*CHAT, dumped, {"role": "user", "content": "And tomorrow?"}]
+    second = client.chat.completions.create(model=cluster.model, messages=history, max_tokens=6, temperature=0)
+    assert second.choices[0].message.content
+    hf = AutoTokenizer.from_pretrained(str(cluster.config.model_dir))
+    plain = [*CHAT, {"role": "assistant", "content": dumped["content"]}, history[-1]]
+    assert second.usage.prompt_tokens == len(hf.apply_chat_template(plain, add_generation_prompt=True,
+                                                                    return_dict=False))
+    card = client.models.list().data[0]
+    assert card.model_extra["max_model_len"] >= second.usage.prompt_tokens + 6 and card.owned_by == "edgefire"
+
+
 def test_repeated_prompt_reports_cached_tokens(client, cluster):
     """The second time round the prefix cache holds the prompt: usage says how many tokens it skipped."""
     messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "Cache me."}]
