@@ -28,6 +28,7 @@ from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import CompletionRequest
 from router.placement import CostModel, PlacementRequest, rank, servable_models
 from router.rate_limit import RateLimiter
+from router.reasoning import ReasoningStream
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
@@ -167,6 +168,10 @@ class CompletionRun:
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + os.urandom(16).hex()
         self.created = int(time.time())
         self.text = TextStream(assets.tokenizer, request.stop)
+        self.reasoning = (ReasoningStream(assets.reasoning, assets.reasoning.starts_open(generation.prompt_ids,
+                                                                                       assets.tokenizer),
+                                          assets.tokenizer)
+                          if request.chat and assets.reasoning is not None else None)
         self.first_step: TokenStep | None = None
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
@@ -192,16 +197,22 @@ class CompletionRun:
 
     def usage(self) -> dict:
         g = self.generation
+        num_reasoning = self.reasoning.num_reasoning_tokens if self.reasoning is not None else None
         return responses.usage(g.num_prompt_tokens or len(g.prompt_ids), self.num_completion_tokens,
-                               g.num_cached_tokens)
+                               g.num_cached_tokens, num_reasoning)
 
-    async def _deltas(self) -> AsyncIterator[tuple[str, list, str | None]]:
-        """(text, tokens, finish_reason) per step; stops the generation at a stop string."""
+    async def _deltas(self) -> AsyncIterator[tuple[str, str, list, str | None]]:
+        """(answer text, reasoning text, tokens, finish_reason) per step; stops the generation at a stop
+        string (stop strings apply to the answer, not to the reasoning)."""
         step = self.first_step
         try:
             while True:
                 self.num_completion_tokens += len(step.tokens)
-                delta = self.text.add([t.token_id for t in step.tokens])
+                token_ids = [t.token_id for t in step.tokens]
+                reasoning = ""
+                if self.reasoning is not None:
+                    reasoning, token_ids = self.reasoning.add(token_ids)
+                delta = self.text.add(token_ids)
                 finish = None
                 if self.text.stopped:
                     finish = "stop"
@@ -210,7 +221,9 @@ class CompletionRun:
                     finish = step.finish_reason
                 if finish is not None:
                     self.finish_reason = finish
-                yield delta, step.tokens, finish
+                if self.reasoning is not None:
+                    delta = self.reasoning.answer_delta(delta)
+                yield delta, reasoning, step.tokens, finish
                 if finish is not None:
                     return
                 try:
@@ -236,7 +249,10 @@ class CompletionRun:
                                                      {"role": "assistant", "content": ""}, None, None))
                  ] if r.chat else []
         async with aclosing(self._deltas()) as deltas:
-            async for delta, tokens, finish in deltas:
+            async for delta, reasoning, tokens, finish in deltas:
+                if reasoning:
+                    batch.append(encoder.encode(responses.chat_chunk(self.id, self.created, r.model,
+                                                                     {"reasoning_content": reasoning}, None, None)))
                 self._step_chunks(encoder, delta, tokens, finish, batch)
                 if batch:
                     yield batch
@@ -267,10 +283,11 @@ class CompletionRun:
 
     async def response(self) -> dict:
         r, tokenizer = self.request, self.assets.tokenizer
-        parts, chat_lp, completion_lp = [], [], None
+        parts, reasoning_parts, chat_lp, completion_lp = [], [], [], None
         try:
             async with aclosing(self._deltas()) as deltas:
-                async for delta, tokens, _finish in deltas:
+                async for delta, reasoning, tokens, _finish in deltas:
+                    reasoning_parts.append(reasoning)
                     if r.logprobs is not None and r.chat:
                         chat_lp.extend(responses.chat_logprobs(tokenizer, tokens))
                     elif r.logprobs is not None:
@@ -285,7 +302,9 @@ class CompletionRun:
                            "upstream_error") from exc
         text = "".join(parts)
         if r.chat:
+            reasoning = "".join(reasoning_parts) or None if self.reasoning is not None else None
             return responses.chat_response(self.id, self.created, r.model, text, self.finish_reason,
-                                           chat_lp if r.logprobs is not None else None, self.usage())
+                                           chat_lp if r.logprobs is not None else None, self.usage(),
+                                           reasoning, self.reasoning is not None)
         return responses.completion_response(self.id, self.created, r.model, text, self.finish_reason,
                                              completion_lp, self.usage())

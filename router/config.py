@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typed_config
+from router.reasoning import parser_names
 from typed_config import ConfigError
 
 
@@ -62,8 +63,15 @@ class RouterConfig:
     decode_step_fixed: float = 8.0    # a decode step's fixed cost in sequences' worth (see router/placement.py)
     decode_seq_kv_bytes: float = float(256 << 20)  # KV bytes read per step costing one sequence's work
     link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
+    # Model -> reasoning parser ("think", "command", an alias such as "deepseek_r1", or "none"); models not
+    # named here are detected from their chat template (see router/reasoning.py).
+    reasoning_parsers: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> RouterConfig:
+        for model, parser in self.reasoning_parsers.items():
+            if parser not in parser_names():
+                raise ConfigError(f"reasoning_parsers.{model}: unknown parser {parser!r}; "
+                                  f"known: {', '.join(parser_names())}")
         for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down",
                      "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:

@@ -34,10 +34,15 @@ class ChunkEncoder:
         return encode_json(chunk).encode()
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+          num_reasoning_tokens: int | None = None) -> dict:
+    """`num_reasoning_tokens` is None for models that do not reason (no completion_tokens_details)."""
+    body = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    if num_reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return body
 
 
 def chat_chunk(response_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
@@ -61,9 +66,14 @@ def usage_chunk(response_id: str, created: int, model: str, chat: bool, usage_bo
 
 
 def chat_response(response_id: str, created: int, model: str, text: str, finish_reason: str,
-                  logprobs: list[dict] | None, usage_body: dict) -> dict:
+                  logprobs: list[dict] | None, usage_body: dict, reasoning: str | None = None,
+                  reasons: bool = False) -> dict:
+    """`reasons`: the model is a reasoning model, so the message carries `reasoning_content` (maybe null)."""
+    message = {"role": "assistant", "content": text}
+    if reasons:
+        message["reasoning_content"] = reasoning
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}],
             "usage": usage_body}

@@ -1,0 +1,152 @@
+"""Reasoning output kept apart from the answer, as OpenAI-compatible servers return it.
+
+Reasoning models (DeepSeek-R1, Qwen3, Kimi-K2-Thinking, SmolLM3, Command R7B, ...) write their
+thinking between a start and an end tag before the answer. The router returns it as
+`message.reasoning_content` (`delta.reasoning_content` when streaming) and the answer as `content`,
+without the tags.
+
+Which models reason is decided once per model, never guessed from the text a model writes: an
+operator setting (`reasoning_parsers` in the router config: model -> parser name, or "none"), else
+the chat template: a template that writes a known pair of tags, each a single token of the model's
+vocabulary, belongs to a reasoning family. The split works on token ids, so it holds whether or not
+the tags are special tokens that detokenization drops.
+
+Some templates open the block in the generation prompt (DeepSeek-R1, DeepSeek-V3.1 with
+`thinking`, Qwen3-Thinking-2507): the prompt ends with the start tag and the output holds only the
+end tag. Whether a request starts inside the block is read from its prompt ids. The split of a
+stream is a pure function of the tokens generated so far, so a stream resumed on another site
+splits exactly as an unbroken one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.tokenizer import ChatTokenizer
+from router.text_stream import WindowDetokenizer
+
+# parser name -> (start tag, end tag)
+PARSERS = {
+    "think": ("<think>", "</think>"),                      # DeepSeek-R1/V3.1, Qwen3, Kimi-K2-Thinking, SmolLM3
+    "command": ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command R7B / A
+}
+PARSER_ALIASES = {"deepseek_r1": "think", "deepseek_v3": "think", "qwen3": "think", "kimi_k2": "think",
+                  "smollm3": "think", "cohere_command": "command"}
+NO_PARSER = "none"
+
+
+def parser_names() -> list[str]:
+    return sorted({*PARSERS, *PARSER_ALIASES, NO_PARSER})
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    name: str
+    start_id: int
+    end_id: int
+
+    def starts_open(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
+        """Whether the prompt itself opened the block: its last non-blank token is the start tag."""
+        for token_id in reversed(prompt_ids):
+            if token_id == self.start_id:
+                return True
+            if tokenizer.decode([token_id], skip_special_tokens=False).strip():
+                return False
+        return False
+
+
+def reasoning_format(tokenizer: ChatTokenizer, setting: str | None = None) -> ReasoningFormat | None:
+    """The model's reasoning format from the operator's setting, else from its chat template; None for
+    models that do not reason."""
+    if setting is not None:
+        if setting == NO_PARSER:
+            return None
+        name = PARSER_ALIASES.get(setting, setting)
+        if name not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {setting!r}; known: {', '.join(parser_names())}")
+        found = _format(tokenizer, name)
+        if found is None:
+            raise ValueError(f"reasoning parser {setting!r} needs {' and '.join(PARSERS[name])} as single tokens "
+                             f"of the model's vocabulary")
+        return found
+    template = tokenizer.template
+    if template is None:
+        return None
+    text = "\n".join(template.sources.values())
+    for name, (start, end) in PARSERS.items():
+        if start in text and end in text:
+            return _format(tokenizer, name)
+    return None
+
+
+def _format(tokenizer: ChatTokenizer, name: str) -> ReasoningFormat | None:
+    start, end = PARSERS[name]
+    start_id, end_id = tokenizer.token_to_id(start), tokenizer.token_to_id(end)
+    if start_id is None or end_id is None:
+        return None
+    return ReasoningFormat(name, start_id, end_id)
+
+
+class ReasoningSplit:
+    """Routes each generated token to the reasoning or the answer; the tags themselves go to neither.
+
+    The start tag counts only as the first generated token (a model that does not think this time
+    answers directly); everything after the end tag is the answer.
+    """
+
+    def __init__(self, fmt: ReasoningFormat, starts_open: bool) -> None:
+        self.fmt = fmt
+        self.in_reasoning = starts_open
+        self.finished = False            # the end tag was seen (or the block never opened)
+        self.num_reasoning_tokens = 0
+        self._num_seen = 0
+
+    def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """(reasoning ids, answer ids) of the next generated tokens."""
+        reasoning, answer = [], []
+        for token_id in token_ids:
+            first = self._num_seen == 0
+            self._num_seen += 1
+            if self.in_reasoning:
+                self.num_reasoning_tokens += 1
+                if token_id == self.fmt.end_id:
+                    self.in_reasoning, self.finished = False, True
+                else:
+                    reasoning.append(token_id)
+            elif first and not self.finished and token_id == self.fmt.start_id:
+                self.in_reasoning = True
+                self.num_reasoning_tokens += 1
+            else:
+                self.finished = True
+                answer.append(token_id)
+        return reasoning, answer
+
+
+class ReasoningStream:
+    """One chat stream's reasoning text and answer tokens: `add(ids)` -> (reasoning text delta, answer ids)."""
+
+    def __init__(self, fmt: ReasoningFormat, starts_open: bool, tokenizer: ChatTokenizer) -> None:
+        self.split = ReasoningSplit(fmt, starts_open)
+        self._detokenizer = WindowDetokenizer(tokenizer)
+        self._answer_started = False
+        self.text = ""
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.split.num_reasoning_tokens
+
+    def add(self, token_ids: list[int]) -> tuple[str, list[int]]:
+        reasoning_ids, answer_ids = self.split.split(token_ids)
+        delta = self._detokenizer.add(reasoning_ids) if reasoning_ids else ""
+        if not self.text:
+            delta = delta.lstrip()  # the newline templates put after the start tag
+        self.text += delta
+        return delta, answer_ids
+
+    def answer_delta(self, delta: str) -> str:
+        """The answer's text, without the blank lines between the reasoning's end tag and the answer."""
+        if self._answer_started or not self.num_reasoning_tokens:
+            return delta
+        delta = delta.lstrip()
+        self._answer_started = bool(delta)
+        return delta
