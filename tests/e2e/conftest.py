@@ -47,8 +47,10 @@ def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
         agent={"heartbeat_interval_s": 1.0, "kv_cache_bytes": 8 << 20, "kv_lease_ttl_s": 5.0,
                "drain_timeout_s": 20.0, "device": "cpu", "dtype": "float32"},
         # A huge affinity slack lets a session key alone pick the first candidate: repeatable placement.
-        router={"affinity_slack": 1000.0, "snapshot_refresh_s": 0.2, "first_token_timeout_s": 10.0, "token_idle_timeout_s": 10.0,
-                "cooldown_s": 3.0})
+        # snapshot_max_age_s is short so the registry-outage test outlives it in seconds.
+        router={"affinity_slack": 1000.0, "snapshot_refresh_s": 0.2, "first_token_timeout_s": 10.0,
+                "token_idle_timeout_s": 10.0, "cooldown_s": 3.0, "snapshot_max_age_s": 2.0,
+                "site_check_interval_s": 0.5})
     cluster = Cluster(config)
     cluster.start(timeout_s=120)
     yield cluster

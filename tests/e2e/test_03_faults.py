@@ -1,11 +1,17 @@
-"""Faults through the real stack: sites killed with SIGKILL mid-request, and the registry stopped."""
+"""Faults through the real stack: sites killed with SIGKILL mid-request, and the registry stopped
+(for longer than the router's snapshot_max_age_s, with a site killed meanwhile)."""
 
 from __future__ import annotations
 
+import itertools
 import re
+import threading
 import time
 
-from tests.e2e.conftest import LONG_TOKENS, complete, completion_body, prompt_ids, router_log, stream
+import httpx
+
+from tests.e2e.conftest import (PREFILL_ONLY, LONG_TOKENS, complete, completion_body, prompt_ids, router_log,
+                                stream)
 
 
 def test_prefill_site_killed_request_served_elsewhere(cluster, http):
@@ -46,30 +52,71 @@ def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_pro
     assert failure is not None and 0 < int(failure.group(1)) < LONG_TOKENS
 
 
-def test_registry_outage_serves_from_last_snapshot_then_heartbeats_resume(cluster, http):
+class Requester(threading.Thread):
+    """Sends small completions through the router one after another until stopped; keeps every failure."""
+
+    def __init__(self, cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster = cluster
+        self.num_served = 0
+        self.failures: list[str] = []
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.cluster.api_key}"}
+        with httpx.Client(base_url=self.cluster.router_url, timeout=60.0, headers=headers) as http:
+            for i in itertools.count():
+                if self._stopping.is_set():
+                    return
+                try:
+                    response = http.post("/v1/completions",
+                                         json=completion_body(self.cluster, prompt_ids(20, start=i % 97), 4))
+                except httpx.HTTPError as exc:
+                    self.failures.append(f"{time.time():.2f} {exc!r}")
+                    continue
+                if response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4:
+                    self.num_served += 1
+                else:
+                    self.failures.append(f"{time.time():.2f} {response.status_code} {response.text[:200]}")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=60)
+
+
+def router_health(cluster) -> dict:
+    return httpx.get(f"{cluster.router_url}/healthz", timeout=5.0).json()
+
+
+def test_registry_outage_past_max_age_and_its_return_fail_no_request(cluster, http):
+    """The registry is away for longer than the router's snapshot_max_age_s: the router checks its
+    sites directly, drops one killed meanwhile and takes it back when it serves again; when the
+    registry returns, no request fails while the sites' heartbeats resume."""
     complete(http, cluster, prompt_ids(20), 4)  # the router has a snapshot and knows the key
+    requester = Requester(cluster)
+    requester.start()
     cluster.stop_registry()
     stopped_at = time.time()
     try:
-        during = [complete(http, cluster, prompt_ids(20, start=i), 4) for i in range(3)]
-        time.sleep(3.5)  # past the registry's liveness window: heartbeats are failing now
-        during.append(stream(http, cluster, prompt_ids(30), 8))
+        cluster.wait_for(lambda: router_health(cluster)["view"] == "checked", 15.0, "the router to check sites itself")
+        health = router_health(cluster)
+        assert health["ok"] and health["registry"] == "unreachable" and health["live_sites"] == 3, health
+        assert stream(http, cluster, prompt_ids(30), 8).text
+        cluster.kill_site(PREFILL_ONLY)
+        cluster.wait_for(lambda: router_health(cluster)["live_sites"] == 2, 15.0, f"the router to drop {PREFILL_ONLY}")
+        cluster.start_site(PREFILL_ONLY, wait=False)
+        cluster.wait_for(lambda: router_health(cluster)["live_sites"] == 3, 60.0, f"{PREFILL_ONLY} to pass its checks")
     finally:
         cluster.start_registry()
-    assert all(c.finish_reason in ("stop", "length") and c.text for c in during)
 
     def every_site_heartbeated_since_restart() -> bool:
         sites = cluster.snapshot()["sites"]
-        return all(s["alive"] and s["capacity"]["reported_at"] > stopped_at + 3.5 for s in sites)
+        return all(s["alive"] and s["capacity"]["reported_at"] > stopped_at for s in sites)
 
     cluster.wait_for(every_site_heartbeated_since_restart, 20.0, "heartbeats to resume")
-
-    # A freshly restarted registry first reports every site as dead (their heartbeats were backing
-    # off while it was down), and the router follows that view until it refreshes: the router
-    # answers 503 + Retry-After for that moment. Requests must be served again once it has caught up.
-    def router_serves_again() -> bool:
-        response = http.post("/v1/completions", json=completion_body(cluster, prompt_ids(20, start=9), 4))
-        assert response.status_code in (200, 503), response.text
-        return response.status_code == 200 and bool(response.json()["choices"][0]["text"])
-
-    cluster.wait_for(router_serves_again, 10.0, "the router to serve from the registry's new snapshot")
+    cluster.wait_for(lambda: router_health(cluster)["view"] == "registry", 10.0, "the router to take the new snapshot")
+    served_before = requester.num_served
+    cluster.wait_for(lambda: requester.num_served > served_before + 3, 20.0, "requests after the return")
+    requester.stop()
+    assert requester.failures == [], "\n".join(requester.failures)
+    assert requester.num_served > 10
