@@ -136,3 +136,19 @@ def test_named_templates_choose_tool_use_when_tools_are_given():
     no_default = ChatTokenizer(empty, {"chat_template": [{"name": "rag", "template": "x"}]})
     with pytest.raises(TemplateError, match="none named `default`"):
         no_default.apply_chat_template([USER])
+
+
+def test_generation_block_and_loop_controls_render_as_transformers():
+    """SmolLM3's Hub template (and other training-ready ones) wrap assistant text in {% generation %}."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}"
+                "{% if m['role'] == 'assistant' %}{% generation %}<a>{{ m['content'] }}</a>{% endgeneration %}"
+                "{% else %}<u>{{ m['content'] }}</u>{% endif %}{% if loop.index > 3 %}{% break %}{% endif %}"
+                "{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "never"}]
+    reference = _compile_jinja_template(template).render(messages=messages)
+    ours = ChatTokenizer('{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}', {}, template)
+    assert ours.apply_chat_template(messages) == reference == "<u>hi</u><a>hello</a><u>bye</u>"

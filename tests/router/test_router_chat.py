@@ -132,3 +132,14 @@ async def test_checkpoint_sampling_defaults_fill_what_the_request_leaves_unset(c
         1.0, 1.0, 0, 1.0, 3)
     params, _ = await sampling(temperature=0)
     assert params.temperature == 0 and params.top_k == 20
+
+
+async def test_reasoning_effort_reaches_the_template(cluster, make_router, http, tmp_path):
+    info, hf = _checkpoint(tmp_path / "gpt-oss", "openai-gpt-oss-120b")
+    agent, url, headers = await _serve(cluster, make_router, info)
+    for effort in ("low", "high"):
+        response = await http.post(f"{url}/v1/chat/completions", headers=headers, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "reasoning_effort": effort})
+        assert response.status_code == 200, response.text
+        assert f"Reasoning: {effort}" in hf.decode(_prompt_ids(agent))
