@@ -38,6 +38,8 @@ def add_parser(subparsers) -> None:
     up.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
                     help="the registry admin token (default $EDGEFIRE_ADMIN_TOKEN, else generated)")
     up.add_argument("--state-dir", type=Path, help=f"database, configs, logs, pid files (default {DEFAULT_STATE_DIR})")
+    up.add_argument("--planner", action="store_true", default=None,
+                    help="run the prefill/decode pool planner: it moves sites allowed both roles between the pools")
     up.add_argument("--demo-size", default="small", choices=["tiny", "small"], help="size of the demo model")
     up.set_defaults(func=run_up)
 
@@ -58,7 +60,7 @@ def add_parser(subparsers) -> None:
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     overrides = {"model_dir": args.model, "model_name": args.model_name, "router_port": args.port,
                  "registry_port": args.registry_port, "host": args.host, "api_key": args.api_key,
-                 "admin_token": args.admin_token, "state_dir": args.state_dir}
+                 "admin_token": args.admin_token, "state_dir": args.state_dir, "planner": args.planner}
     if args.sites is not None:
         overrides["sites"] = demo_sites(args.sites)
     if args.config is not None:

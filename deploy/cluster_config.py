@@ -9,6 +9,9 @@
     lon = -9.1
     [agent]                                    # any AgentConfig field, for every site
     kv_cache_bytes = 134217728
+    planner = true                             # optional: the prefill/decode pool planner (registry)
+    [planner_settings]                         # any registry.planner.PlannerSettings field
+    min_dwell_s = 60
     [[sites]]
     name = "lisbon"
     region = "eu-west"
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import typed_config
 from node_agent.config import ROLES, AgentConfig
+from registry.planner import PlannerSettings
 from router.config import RouterConfig
 
 DEFAULT_STATE_DIR = Path(".edgefire/cluster")
@@ -101,6 +105,8 @@ class ClusterConfig:
     api_key: str = ""
     router: dict = field(default_factory=dict)  # extra RouterConfig fields
     agent: dict = field(default_factory=dict)   # extra AgentConfig fields for every site
+    planner: bool = False                       # run the registry's prefill/decode pool planner
+    planner_settings: dict = field(default_factory=dict)  # PlannerSettings fields (registry.planner)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -129,6 +135,7 @@ class ClusterConfig:
             raise ClusterConfigError("sites: at least one site must prefill and one must decode")
         self.agent = _check_table("agent", self.agent, AgentConfig, LAUNCHER_AGENT_FIELDS)
         self.router = _check_table("router", self.router, RouterConfig, LAUNCHER_ROUTER_FIELDS)
+        self.planner_settings = _check_table("planner_settings", self.planner_settings, PlannerSettings, frozenset())
         if len(self.api_key) < 16:
             raise ClusterConfigError("api_key: must be at least 16 characters")
 

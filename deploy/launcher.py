@@ -268,8 +268,12 @@ class Cluster:
 
     def _start_registry(self) -> None:
         c = self.config
+        planner = []
+        if c.planner:
+            path = self._write_toml("planner", {"planner": c.planner_settings})
+            planner = ["--planner", "--planner-config", str(path)]
         self._process(REGISTRY_NAME, ["registry", "serve", "--db", self.db_url, "--host", c.host,
-                                      "--port", str(c.registry_port), "--no-migrate"],
+                                      "--port", str(c.registry_port), "--no-migrate", *planner],
                       {"EDGEFIRE_ADMIN_TOKEN": c.admin_token, "EDGEFIRE_ROUTER_TOKEN": c.router_token}).start()
         self.wait_for(self._registry_ready, 30.0, "the registry to answer")
 

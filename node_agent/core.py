@@ -66,6 +66,7 @@ class AgentCore:
         self.models = models
         self.metrics = metrics
         self.draining = False
+        self.active_role: str | None = None  # the pool planner's pick (registry.planner); None: as configured
         self.num_inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -85,9 +86,22 @@ class AgentCore:
             raise UnknownModelError(f"model {name!r} is not served here (this agent serves {', '.join(self.models)})")
         return hosted
 
+    @property
+    def role(self) -> str:
+        """The role new work is taken for: the configured one, narrowed by the pool planner's pick."""
+        if self.config.role == "both" and self.active_role in ("prefill", "decode"):
+            return self.active_role
+        return self.config.role
+
+    def set_active_role(self, active_role: str | None) -> None:
+        """The registry's answer names the planner's pick; requests already admitted run to the end."""
+        if active_role != self.active_role:
+            log.info("active role now %s (configured: %s)", active_role or "both", self.config.role)
+            self.active_role = active_role
+
     def _check_role(self, step: str) -> None:
-        if self.config.role != "both" and self.config.role != step:
-            raise WrongRoleError(f"this site's role is {self.config.role}; it does not {step}")
+        if self.role != "both" and self.role != step:
+            raise WrongRoleError(f"this site's role is {self.role}; it does not {step}")
 
     def _validate(self, model: HostedModel, prompt_ids: list[int], generated_ids: list[int],
                   params: SamplingParams) -> None:

@@ -155,6 +155,7 @@ class Agent:
     # -- reporting ---------------------------------------------------------------------------
 
     def _on_registry_status(self, status: dict) -> None:
+        self.core.set_active_role(status.get("active_role"))
         if status.get("state") == "draining" and not self.core.draining:
             deadline = status.get("drain_deadline")
             deadline_s = max(0.0, deadline - time.time()) if deadline else None

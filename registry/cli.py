@@ -1,4 +1,5 @@
-"""`edgefire registry migrate|serve`: create or upgrade the registry schema, and run the service."""
+"""`edgefire registry migrate|serve`: create or upgrade the registry schema, and run the service
+(with `--planner`, also the prefill/decode pool planner)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--workers", type=int, default=1,
                        help="worker processes sharing the port, each with its own heartbeat group commit (default 1)")
     serve.add_argument("--no-migrate", action="store_true", help="do not upgrade the schema before serving")
+    serve.add_argument("--planner", action="store_true",
+                       help="run the prefill/decode pool planner (one active across registry processes: a lease)")
+    serve.add_argument("--planner-dry-run", action="store_true", help="the planner only logs the changes it would make")
+    serve.add_argument("--planner-config", help="TOML file of planner settings (registry.planner.PlannerSettings: "
+                                                "min_dwell_s, settle_s, targets, high/low thresholds), top level "
+                                                "or a [planner] table")
     serve.set_defaults(func=run_serve)
 
 
@@ -57,10 +64,25 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         log.error("--workers must be at least 1")
         return 2
+    if (args.planner or args.planner_dry_run) and args.workers > 1:
+        log.error("--planner runs in single-worker mode; run it on one registry process (the lease keeps it single)")
+        return 2
     if not args.no_migrate:
         upgrade_to_head(args.db)
+    planner = None
+    if args.planner or args.planner_dry_run:
+        import typed_config
+
+        from registry.planner import PlannerSettings
+
+        try:
+            planner = typed_config.load(PlannerSettings, args.planner_config, table="planner",
+                                        overrides={"dry_run": True} if args.planner_dry_run else None)
+        except typed_config.ConfigError as exc:
+            log.error("%s", exc)
+            return 2
     if args.workers == 1:
-        app = create_app(args.db, args.admin_token, args.router_token)
+        app = create_app(args.db, args.admin_token, args.router_token, planner=planner)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
         return 0
     # uvicorn starts each worker from an import string; the settings travel in the environment.

@@ -11,6 +11,7 @@ from typing import Generic, TypeVar
 
 SITE_STATES = ("active", "cordoned", "draining")
 SITE_ROLES = ("prefill", "decode")
+ACTIVE_ROLES = SITE_ROLES  # what the planner may narrow a site that is allowed both to
 MODEL_ROLES = ("prefill", "decode", "both")
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 TTL_HEARTBEATS = 3  # a site is down after this many heartbeat intervals without one
@@ -54,6 +55,8 @@ class Site:
     heartbeat_interval_s: float
     created_at: float
     updated_at: float
+    active_role: str | None = None        # the planner's pick among `roles`; None: all of them
+    active_role_since: float | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -67,9 +70,10 @@ class SiteStatus:
 
     state: str
     drain_deadline: float | None
+    active_role: str | None = None  # the planner's pick: take only this role's new work; None: every allowed role
 
     def to_json(self) -> dict:
-        return {"state": self.state, "drain_deadline": self.drain_deadline}
+        return {"state": self.state, "drain_deadline": self.drain_deadline, "active_role": self.active_role}
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@
 
 The handlers are thin (routes_*.py); this module wires them to one RegistryService and owns its
 lifetime: the snapshot is built and the heartbeat group-commit loop started before serving, and the
-loop stops with the app. Heartbeats, nearly all of the traffic, are answered by heartbeat_endpoint
+loop stops with the app; so does the pool planner when it is on (`planner=`). Heartbeats, nearly all of the traffic, are answered by heartbeat_endpoint
 before FastAPI's middleware and routing (RegistryApp).
 """
 
@@ -23,6 +23,7 @@ from registry.app_state import RegistryService
 from registry.auth import Authenticator
 from registry.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from registry.heartbeat_batcher import HeartbeatBatcher
+from registry.planner import Planner, PlannerSettings
 from registry.routes_admin import router as admin_routes
 from registry.routes_agent import router as agent_routes
 from registry.routes_router import router as router_routes
@@ -33,8 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def create_app(db_url: str, admin_token: str, router_token: str, *,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, store: RegistryStore | None = None) -> FastAPI:
-    """The app for an already-migrated database. Pass `store` to share one (tests, a fake clock)."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, store: RegistryStore | None = None,
+               planner: PlannerSettings | None = None) -> FastAPI:
+    """The app for an already-migrated database. Pass `store` to share one (tests, a fake clock);
+    `planner` runs the prefill/decode pool planner (registry.planner) beside the API."""
     store = store or RegistryStore.open(db_url)
     service = RegistryService(
         store=store,
@@ -51,9 +54,17 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
         gc.freeze()
         await _warm_snapshot(service.snapshots)
         service.batcher.start()
+        stop_planner = asyncio.Event()
+        planner_task = None
+        if planner is not None:
+            pool_planner = Planner(store, lambda: service.snapshots.get().body, planner, clock=store.telemetry.now)
+            planner_task = asyncio.create_task(pool_planner.run(stop_planner), name="planner")
         try:
             yield
         finally:
+            stop_planner.set()
+            if planner_task is not None:
+                await planner_task
             await service.batcher.stop()
             await service.auth.close()
             store.close()

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from registry import audit, validate
 from registry.db import writer
 from registry.errors import Conflict, InvalidInput
-from registry.records import TTL_HEARTBEATS, ModelServed, Page, Site, SiteSpec
+from registry.records import ACTIVE_ROLES, SITE_ROLES, TTL_HEARTBEATS, ModelServed, Page, Site, SiteSpec
 from registry.sql import SITE_MODELS, SITES, bump_version, load_site, load_sites, site_id
 from registry.tables import CapacityRow
 
@@ -123,6 +123,25 @@ class SiteStore:
 
     def set_models(self, name: str, models: list[ModelServed], actor: str) -> Site:
         return self.update(name, {"models": models}, actor, "site.set_models")
+
+    def set_active_role(self, name: str, role: str | None, actor: str, detail: dict) -> Site:
+        """Narrows a site allowed both roles to one ("prefill" / "decode"), or back to both (None).
+
+        The planner's lever: routers place by it from the next snapshot, the agent learns it from its
+        next heartbeat's answer. `detail` (the reason and the figures behind it) goes to the audit log."""
+        if role is not None and role not in ACTIVE_ROLES:
+            raise InvalidInput(f"active role must be one of {list(ACTIVE_ROLES)} or null, got {role!r}")
+        with self._write.begin() as conn:
+            current = load_site(conn, site_id(conn, name, lock=True))
+            if role is not None and set(current.roles) != set(SITE_ROLES):
+                raise InvalidInput(f"site {name!r} is allowed only {current.roles}; its active role cannot change",
+                                   "fixed_role")
+            now = self._clock()
+            conn.execute(update(SITES).where(SITES.c.id == current.id).values(active_role=role, active_role_since=now))
+            audit.record(conn, now, actor, "site.active_role", name,
+                         {"from": current.active_role or "both", "to": role or "both", **detail})
+            bump_version(conn)
+            return load_site(conn, current.id)
 
     def _set_state(self, name: str, state: str, deadline: float | None, actor: str, action: str) -> Site:
         with self._write.begin() as conn:

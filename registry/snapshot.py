@@ -17,7 +17,7 @@ which at worst keeps a site that died just then listed for one extra TTL.
 
 Wire shape:
   {"version": str, "generated_at": float, "sites": [{"name", "region", "country", "lat", "lon",
-   "grpc_address", "state", "roles", "models": [{"model", "role"}], "alive": bool,
+   "grpc_address", "state", "roles", "active_role", "active_role_since", "models": [{"model", "role"}], "alive": bool,
    "heartbeat_age_s": float | null, "capacity": {...capacity fields, "reported_at"} | null}],
    "links": [{"src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at"}]}
 """
@@ -39,7 +39,7 @@ from registry.telemetry import CAPACITY_FIELDS
 CAPACITY = CapacityRow.__table__
 LINKS = LinkRow.__table__
 _SITE_COLUMNS = [SITES.c[n] for n in ("id", "name", "region", "country", "lat", "lon", "grpc_address", "state",
-                                      "roles", "heartbeat_interval_s")]
+                                      "roles", "heartbeat_interval_s", "active_role", "active_role_since")]
 _CAPACITY_COLUMNS = [CAPACITY.c.site_id, *(CAPACITY.c[n] for n in CAPACITY_FIELDS)]
 _PLAIN_CAPACITY_FIELDS = [n for n in CAPACITY_FIELDS if n != "prefix_cache_summary"]
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -234,5 +234,6 @@ def _head_json(row, models: list[tuple]) -> bytes:
     return _dumps({
         "name": row[1], "region": row[2], "country": row[3], "lat": row[4], "lon": row[5],
         "grpc_address": row[6], "state": row[7], "roles": json.loads(row[8]),
+        "active_role": row[10], "active_role_since": row[11],
         "models": [{"model": model, "role": role} for model, role in models],
     })[:-1].encode()

@@ -77,5 +77,6 @@ def _site(row, models: list[ModelServed]) -> Site:
         id=row.id, name=row.name, region=row.region, country=row.country, lat=row.lat, lon=row.lon,
         grpc_address=row.grpc_address, state=row.state, drain_deadline=row.drain_deadline,
         roles=json.loads(row.roles), models=models, heartbeat_interval_s=row.heartbeat_interval_s,
-        created_at=row.created_at, updated_at=row.updated_at,
+        created_at=row.created_at, updated_at=row.updated_at, active_role=row.active_role,
+        active_role_since=row.active_role_since,
     )

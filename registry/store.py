@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from registry.access import AccessStore
 from registry.audit import AuditLog
 from registry.db import make_engine
+from registry.leases import LeaseStore
 from registry.sites import SiteStore
 from registry.snapshot import SnapshotData, read_db_version, read_snapshot
 from registry.telemetry import TelemetryStore
@@ -27,6 +28,7 @@ class RegistryStore:
         self.access = AccessStore(engine, clock)
         self.telemetry = TelemetryStore(engine, clock)
         self.audit = AuditLog(engine)
+        self.leases = LeaseStore(engine, clock)
 
     @classmethod
     def open(cls, db_url: str, clock: Callable[[], float] = time.time) -> RegistryStore:

@@ -32,6 +32,9 @@ class SiteRow(Base):
     heartbeat_interval_s: Mapped[float] = mapped_column(Float, default=2.0)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    # The planner's choice among the allowed roles: "prefill" or "decode"; NULL means every allowed role.
+    active_role: Mapped[str | None] = mapped_column(String(16))
+    active_role_since: Mapped[float | None] = mapped_column(Float)
 
 
 class SiteModelRow(Base):
@@ -105,6 +108,16 @@ class AuditLogRow(Base):
     action: Mapped[str] = mapped_column(String(64))
     target: Mapped[str] = mapped_column(String(200))
     detail: Mapped[str] = mapped_column(Text)  # JSON object
+
+
+class LeaseRow(Base):
+    """A named lease: whoever holds an unexpired row may do that job (one active planner)."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[float] = mapped_column(Float)
 
 
 class RegistryVersionRow(Base):

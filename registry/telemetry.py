@@ -88,8 +88,9 @@ class TelemetryStore:
         latest = {row["site_id"]: row for row in rows}  # the last heartbeat of a site wins
         site_ids = sorted(latest)  # one lock order for every batch
         with self._write.begin() as conn:
-            query = select(SITES.c.id, SITES.c.state, SITES.c.drain_deadline).where(SITES.c.id.in_(site_ids))
-            statuses = {r.id: SiteStatus(r.state, r.drain_deadline) for r in conn.execute(query)}
+            query = (select(SITES.c.id, SITES.c.state, SITES.c.drain_deadline, SITES.c.active_role)
+                     .where(SITES.c.id.in_(site_ids)))
+            statuses = {r.id: SiteStatus(r.state, r.drain_deadline, r.active_role) for r in conn.execute(query)}
             rows = [latest[i] for i in site_ids if i in statuses]
             if rows:
                 self._store_capacity(conn, rows)

@@ -41,11 +41,13 @@ class Site:
     heartbeat_age_s: float | None
     capacity: SnapshotCapacity | None
     country: str | None = None
+    active_role: str | None = None      # the pool planner's pick among the allowed roles; None: all of them
 
     def serves(self, model: str, role: str) -> bool:
-        """role is "prefill" or "decode"; a "both" model entry serves either."""
+        """role is "prefill" or "decode"; a "both" model entry serves either; the active role narrows it."""
         model_role = self.models.get(model)
-        return model_role is not None and model_role in (role, "both") and role in self.roles
+        return (model_role is not None and model_role in (role, "both") and role in self.roles
+                and self.active_role in (None, role))
 
 
 @dataclass(slots=True)
@@ -103,6 +105,7 @@ def parse_site(doc: dict) -> Site:
         roles=tuple(_text_items(doc, "roles") or ("prefill", "decode")), models=models,
         alive=_bool(doc, "alive"), heartbeat_age_s=_optional_number(doc, "heartbeat_age_s"),
         capacity=None if capacity is None else SnapshotCapacity.model_validate(capacity),
+        active_role=_optional_text(doc, "active_role"),
     )
 
 

@@ -1,0 +1,140 @@
+"""The prefill/decode planner: load shifts move flexible sites between the pools, with hysteresis
+and a minimum dwell time (a fake clock, no sleeping); every change is audited; one planner at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from registry.planner import Planner, PlannerSettings, plan
+from registry.records import Capacity, ModelServed, SiteSpec
+from registry.snapshot_cache import SnapshotCache
+
+SETTINGS = PlannerSettings(min_dwell_s=60.0, settle_s=5.0)
+PREFILL_HEAVY = {"pre": dict(inflight_prefill_tokens=40_000, prefill_tokens_per_s=4000.0),
+                 "dec": dict(num_running=2, decode_tokens_per_s=500.0),
+                 "flex": dict(inflight_prefill_tokens=8000, prefill_tokens_per_s=4000.0)}
+DECODE_HEAVY = {"pre": dict(prefill_tokens_per_s=4000.0),
+                "dec": dict(num_running=150, decode_tokens_per_s=500.0),
+                "flex": dict(num_running=40, decode_tokens_per_s=500.0)}
+CALM = {"pre": {}, "dec": {}, "flex": {}}
+
+
+class Region:
+    """Three sites in one region: prefill-only, decode-only, and one allowed both."""
+
+    def __init__(self, store, clock):
+        self.store, self.clock = store, clock
+        self.site_ids = {}
+        for name, role in (("pre", "prefill"), ("dec", "decode"), ("flex", "both")):
+            spec = SiteSpec("eu-west", "PT", 38.7, -9.1, f"{name}:1", ["prefill", "decode"], [ModelServed("m", role)])
+            store.sites.create(name, spec, "ops")
+            token = store.access.issue_site_token(name, "ops")
+            self.site_ids[name] = store.access.site_for_token(token).site_id
+        self.snapshots = SnapshotCache(store.engine, clock=clock, max_body_age_s=0.0)
+        self.planner = Planner(store, lambda: self.snapshots.get().body, SETTINGS, clock=clock)
+
+    def load(self, load: dict) -> None:
+        for name, figures in load.items():
+            self.store.telemetry.record_heartbeat(self.site_ids[name], Capacity(1000, 900, 16, **figures))
+
+    def run(self, load: dict, seconds: float, step_s: float = 1.0) -> list[tuple[float, str, str]]:
+        """Heartbeats with this load and a planner tick every step_s; the changes made, with their times."""
+        changes = []
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.load(load)
+            changes += [(self.clock.now, c.site, c.role or "both") for c in self.planner.tick()]
+            self.clock.advance(step_s)
+        return changes
+
+    def active_role(self, name: str) -> str | None:
+        return self.store.sites.get(name).active_role
+
+
+@pytest.fixture
+def region(store, clock):
+    return Region(store, clock)
+
+
+def test_a_load_shift_flips_the_flexible_site_and_back_never_faster_than_the_dwell(region, store):
+    start = region.clock.now
+    changes = region.run(PREFILL_HEAVY, 10)
+    assert [(site, role) for _, site, role in changes] == [("flex", "prefill")]
+    assert region.active_role("flex") == "prefill"
+    first_at = changes[0][0]
+
+    changes = region.run(DECODE_HEAVY, 120)
+    assert [(site, role) for _, site, role in changes] == [("flex", "decode")]
+    assert changes[0][0] - first_at >= SETTINGS.min_dwell_s  # pressure said "decode" ~10 s in; the dwell held it
+    assert changes[0][0] - first_at < SETTINGS.min_dwell_s + 2
+
+    changes = region.run(PREFILL_HEAVY, 120)
+    assert [(site, role) for _, site, role in changes] == [("flex", "prefill")]
+
+    changes = region.run(CALM, 120)
+    assert [(site, role) for _, site, role in changes] == [("flex", "both")]
+    assert region.active_role("flex") is None
+
+    audit = [e for e in store.audit.list(100).items if e.action == "site.active_role"]
+    assert [(e.target, e.detail["from"], e.detail["to"]) for e in reversed(audit)] == [
+        ("flex", "both", "prefill"), ("flex", "prefill", "decode"), ("flex", "decode", "prefill"),
+        ("flex", "prefill", "both")]
+    assert all(e.actor == "planner" and e.detail["reason"] and e.at >= start for e in audit)
+    assert audit[-1].detail["prefill_backlog_s"] > 1.0  # the first change, and the figures behind it
+
+
+def test_the_band_between_low_and_high_holds_the_state(region):
+    region.run(PREFILL_HEAVY, 5)
+    assert region.active_role("flex") == "prefill"
+    # Backlog falls to 0.75 of target: under "high", above "low": no flip back, however long it lasts.
+    middling = {"pre": dict(inflight_prefill_tokens=6000, prefill_tokens_per_s=4000.0), "dec": {}, "flex": {}}
+    assert region.run(middling, 300, step_s=5.0) == []
+    assert region.active_role("flex") == "prefill"
+
+
+def test_the_snapshot_and_the_agents_heartbeat_answer_carry_the_active_role(region, store):
+    region.run(PREFILL_HEAVY, 2)
+    site = next(s for s in json.loads(region.snapshots.get().body)["sites"] if s["name"] == "flex")
+    assert site["active_role"] == "prefill" and site["active_role_since"] is not None
+    status = store.telemetry.record_heartbeat(region.site_ids["flex"], Capacity(1000, 900, 16))
+    assert status.to_json()["active_role"] == "prefill"
+
+
+def test_a_site_is_never_narrowed_when_no_other_site_keeps_the_role(region, store):
+    store.sites.cordon("dec", "ops")  # flex is now the region's only decode site
+    assert region.run(PREFILL_HEAVY, 30) == []
+    assert region.active_role("flex") is None
+
+
+def test_dry_run_only_logs(region, store, caplog):
+    region.planner.settings = PlannerSettings(min_dwell_s=60.0, settle_s=5.0, dry_run=True)
+    with caplog.at_level("INFO", logger="registry.planner"):
+        changes = region.run(PREFILL_HEAVY, 30)
+    assert [(site, role) for _, site, role in changes] == [("flex", "prefill")]  # decided once, not every tick
+    assert "would set flex (eu-west) to prefill" in caplog.text
+    assert region.active_role("flex") is None
+    assert not [e for e in store.audit.list(100).items if e.action == "site.active_role"]
+
+
+def test_one_planner_at_a_time(region, store, clock):
+    other = Planner(store, region.planner.read_snapshot, SETTINGS, clock=clock)
+    region.load(PREFILL_HEAVY)
+    assert region.planner.tick()  # holds the lease now
+    assert other.tick() == [] and other.num_changes == 0
+    clock.advance(3 * SETTINGS.interval_s + 1)  # the first planner died: its lease lapses
+    region.load(PREFILL_HEAVY)
+    assert store.leases.acquire("planner", other.holder, ttl_s=10)
+    assert not store.leases.acquire("planner", region.planner.holder, ttl_s=10)
+
+
+def test_plan_is_pure_over_a_snapshot():
+    def site(name, role, active=None, **cap):
+        return {"name": name, "region": "r", "roles": ["prefill", "decode"], "state": "active", "alive": True,
+                "models": [{"model": "m", "role": role}], "active_role": active, "active_role_since": None,
+                "capacity": {"kv_blocks_total": 100, "kv_blocks_free": 100, "draining": False, **cap}}
+    heavy = {"sites": [site("a", "prefill", inflight_prefill_tokens=50_000), site("b", "both"), site("c", "both"),
+                       site("d", "decode")]}
+    changes = plan(heavy, now=0.0, settings=SETTINGS)
+    assert [(c.site, c.role) for c in changes] == [("b", "prefill")]  # one change per region per tick
