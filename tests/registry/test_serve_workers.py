@@ -55,7 +55,7 @@ def test_two_workers_share_heartbeats_and_snapshots(db_url):
             for i, token in enumerate(tokens):  # a new connection per request: both workers take some
                 reply = httpx.post(f"{base}/v1/agent/heartbeat", headers={"Authorization": f"Bearer {token}"},
                                    json={"kv_blocks_total": 100, "kv_blocks_free": 10 * round_ + i, "block_size": 16})
-                assert reply.json() == {"state": "active", "drain_deadline": None}
+                assert reply.json() == {"state": "active", "drain_deadline": None, "active_role": None}
             for _ in range(4):
                 sites = httpx.get(f"{base}/v1/router/snapshot", headers=router).json()["sites"]
                 assert [s["capacity"]["kv_blocks_free"] for s in sites] == [10 * round_ + i for i in range(NUM_SITES)]

@@ -116,4 +116,4 @@ async def test_heartbeat_body_errors_match_the_rest_of_the_api(raw):
     ok = await raw.post("/v1/agent/heartbeat", headers=agent, json={"kv_blocks_total": 2, "kv_blocks_free": 1,
                                                                      "block_size": 16})
     assert (ok.status_code, ok.headers["content-type"], ok.json()) == (200, "application/json",
-                                                                        {"state": "active", "drain_deadline": None})
+                                                                        {"state": "active", "drain_deadline": None, "active_role": None})
