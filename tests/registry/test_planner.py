@@ -8,8 +8,10 @@ import json
 import pytest
 
 from registry.planner import Planner, PlannerSettings, plan
-from registry.records import Capacity, ModelServed, SiteSpec
+from registry.records import ModelServed, SiteSpec
 from registry.snapshot_cache import SnapshotCache
+
+from .conftest import capacity
 
 SETTINGS = PlannerSettings(min_dwell_s=60.0, settle_s=5.0)
 PREFILL_HEAVY = {"pre": dict(inflight_prefill_tokens=40_000, prefill_tokens_per_s=4000.0),
@@ -37,7 +39,7 @@ class Region:
 
     def load(self, load: dict) -> None:
         for name, figures in load.items():
-            self.store.telemetry.record_heartbeat(self.site_ids[name], Capacity(1000, 900, 16, **figures))
+            self.store.telemetry.record_heartbeat(self.site_ids[name], capacity(1000, 900, 16, **figures))
 
     def run(self, load: dict, seconds: float, step_s: float = 1.0) -> list[tuple[float, str, str]]:
         """Heartbeats with this load and a planner tick every step_s; the changes made, with their times."""
@@ -98,7 +100,7 @@ def test_the_snapshot_and_the_agents_heartbeat_answer_carry_the_active_role(regi
     region.run(PREFILL_HEAVY, 2)
     site = next(s for s in json.loads(region.snapshots.get().body)["sites"] if s["name"] == "flex")
     assert site["active_role"] == "prefill" and site["active_role_since"] is not None
-    status = store.telemetry.record_heartbeat(region.site_ids["flex"], Capacity(1000, 900, 16))
+    status = store.telemetry.record_heartbeat(region.site_ids["flex"], capacity(1000, 900, 16))
     assert status.to_json()["active_role"] == "prefill"
 
 
