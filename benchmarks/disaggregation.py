@@ -96,17 +96,17 @@ class RoundStats:
         }
 
 
-async def run_round(url: str, api_key: str, mode: str, workload: Workload, seed: int) -> RoundStats:
+async def run_round(cluster, mode: str, workload: Workload, seed: int) -> RoundStats:
     """One mode's run of the round's workload (the same prompts and arrival times for both modes)."""
     stats = RoundStats(mode)
     limits = httpx.Limits(max_connections=workload.streams + 64)
-    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits,
-                                 headers={"Authorization": f"Bearer {api_key}"}) as http:
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=300.0, limits=limits,
+                                 headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
         stats.window_start = time.perf_counter()
         deadline = stats.window_start + workload.seconds
 
         async def request(kind: str, prompt: list[int], max_tokens: int) -> None:
-            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "logprobs": 0}
             stats.results.append(await stream(http, "/v1/completions", body, kind))
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = Workload(4.0, 2, 32, 8, workload.long_prompt, 4, 2.0, workload.vocab)
         for mode, cluster in clusters.items():
             log(f"warming up {mode}")
-            asyncio.run(run_round(cluster.router_url, cluster.api_key, mode, warm, seed=-1))
+            asyncio.run(run_round(cluster, mode, warm, seed=-1))
         by_mode: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         log(f"{args.rounds} round(s) x {args.seconds:.0f}s per mode: {args.streams} streams of "
             f"{args.stream_prompt}+{args.stream_tokens} tokens, {args.long_prompt}-token prompts "
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.rounds):
             for mode in MODES if index % 2 == 0 else MODES[::-1]:
                 cluster = clusters[mode]
-                stats = asyncio.run(run_round(cluster.router_url, cluster.api_key, mode, workload, seed=index))
+                stats = asyncio.run(run_round(cluster, mode, workload, seed=index))
                 figures = stats.figures()
                 by_mode[mode].append(figures)
                 log(f"round {index + 1} {mode}: {summary(figures)}")
