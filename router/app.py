@@ -1,6 +1,7 @@
 """The HTTP edge: routes that read, authenticate and translate, then call CompletionService.
 
 Completions are served as raw ASGI in front of FastAPI (`RouterApp`); the rest are FastAPI routes.
+FastAPI keeps the completion routes for the OpenAPI spec, whose request bodies `router.openapi` states.
 
 Errors become OpenAI bodies here and only here (`ApiError` → JSON with its status and headers).
 A stream that breaks for good after its first byte ends with one SSE error event and no [DONE].
@@ -26,6 +27,7 @@ from router.completions import CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
+from router.openapi import describe_completions
 from router.placement import servable_models
 from router.responses import encode_json
 from router.sessions import session_key
@@ -86,6 +88,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+    app.openapi = lambda: describe_completions(FastAPI.openapi(app))
     return app
 
 

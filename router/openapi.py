@@ -1,0 +1,110 @@
+"""The OpenAPI description of the completion request bodies, for clients and schema-driven fuzzers.
+
+The bodies are parsed by hand (`router.openai_request`), so FastAPI cannot derive their schema; this
+module states it from the same limits. The parser stays the authority: a body this schema allows
+is accepted, and one it refuses gets a 400 naming the field. Unknown fields are allowed (OpenAI
+clients send parameters the router ignores, such as `frequency_penalty`).
+"""
+
+from __future__ import annotations
+
+from router.openai_request import (MAX_LOGPROBS_COMPLETIONS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS,
+                                   MAX_TOP_LOGPROBS_CHAT, MAX_UINT32, REASONING_EFFORTS, ROLES)
+
+
+def _nullable(schema: dict) -> dict:
+    """An optional parameter: null means "not given", as OpenAI clients send it."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TOOL_CALL = {"type": "object", "required": ["function"],
+              "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                             "function": {"type": "object", "required": ["name"],
+                                          "properties": {"name": {"type": "string"},
+                                                         "arguments": {"type": ["string", "object"]}}}}}
+_MESSAGE = {"type": "object", "required": ["role"],
+            "properties": {"role": {"enum": list(ROLES)},
+                           "content": _nullable({"anyOf": [{"type": "string"},
+                                                           {"type": "array", "items": _TEXT_PART}]}),
+                           "name": {"type": "string"},
+                           "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL}),
+                           "tool_call_id": {"type": "string"}}}
+_TOOL = {"type": "object", "required": ["function"],
+         "properties": {"type": {"const": "function"},
+                        "function": {"type": "object", "required": ["name"],
+                                     "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                                    "parameters": {"type": "object"}}}}}
+_STOP = _nullable({"anyOf": [{"type": "string"},
+                             {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}]})
+
+_SAMPLING = {
+    "model": {"type": "string", "minLength": 1, "description": "a model from GET /v1/models"},
+    "max_tokens": _nullable({"type": "integer", "minimum": 1,
+                             "description": "at most the model's context less the prompt; unset: up to the context"}),
+    "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": MAX_UINT32, "description": "0 or -1: off"}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}),
+    "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
+    "stop": _STOP,
+    "n": _nullable({"const": 1, "description": "only one completion per request"}),
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                                 "description": "only with stream: true"}),
+    "user": _nullable({"type": "string"}),
+}
+
+CHAT_COMPLETION_REQUEST = {
+    "title": "ChatCompletionRequest", "type": "object", "required": ["model", "messages"],
+    "properties": {
+        **_SAMPLING,
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS_CHAT,
+                                   "description": "only with logprobs: true"}),
+        "tools": _nullable({"type": "array", "items": _TOOL}),
+        "documents": _nullable({"type": "array", "items": {"type": "object"}}),
+        "chat_template_kwargs": _nullable({"type": "object", "description": "extra chat template variables"}),
+        "reasoning_effort": _nullable({"enum": list(REASONING_EFFORTS)}),
+    },
+}
+
+COMPLETION_REQUEST = {
+    "title": "CompletionRequest", "type": "object", "required": ["model", "prompt"],
+    "properties": {
+        **_SAMPLING,
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                              "maxItems": 1},
+                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}],
+                   "description": "one prompt: text, or token ids"},
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS_COMPLETIONS}),
+    },
+}
+
+_ERROR = {"type": "object", "required": ["error"],
+          "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
+                                   "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                                  "param": {"type": ["string", "null"]},
+                                                  "code": {"type": ["string", "null"]}}}}}
+_ERRORS = {str(status): {"description": meaning, "content": {"application/json": {"schema": _ERROR}}}
+           for status, meaning in ((400, "a parameter is invalid (`param` names it)"),
+                                   (401, "missing or unknown API key"), (404, "no live site serves the model"),
+                                   (413, "the body or the prompt is too long"), (429, "rate limited (Retry-After)"),
+                                   (503, "no site has capacity now (Retry-After)"))}
+
+
+def describe_completions(spec: dict) -> dict:
+    """FastAPI's spec with the completion routes' request bodies and error answers filled in.
+
+    Added to the finished spec rather than through `openapi_extra`, which would pass the schemas
+    through FastAPI's models and turn integer bounds (the uint64 seed) into floats."""
+    for path, body_schema in (("/v1/chat/completions", CHAT_COMPLETION_REQUEST), ("/v1/completions", COMPLETION_REQUEST)):
+        operation = spec["paths"][path]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}
+        operation["responses"] = {"200": {"description": "the completion; `text/event-stream` chunks with stream: true"},
+                                  **_ERRORS}
+    return spec
