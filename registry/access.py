@@ -97,9 +97,7 @@ class AccessStore:
         validate.page_limit(limit)
         query = API_KEYS.select().order_by(API_KEYS.c.id).limit(limit + 1)
         if cursor is not None:
-            if not cursor.isdigit():
-                raise InvalidInput("cursor must be the next_cursor of a previous page", "invalid_cursor")
-            query = query.where(API_KEYS.c.id > int(cursor))
+            query = query.where(API_KEYS.c.id > validate.id_cursor(cursor))
         with self._read.connect() as conn:
             rows = conn.execute(query).all()
         keys = [_api_key(r) for r in rows[:limit]]

@@ -6,15 +6,39 @@ Unknown fields are refused, so a misspelt field is a 422 that names it rather th
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from registry.records import DEFAULT_HEARTBEAT_INTERVAL_S, SITE_ROLES, ApiKeySpec, LinkMeasurement, ModelServed, SiteSpec
 
 MAX_LIST = 10_000
 
 
+# Lone surrogates (JSON "\ud800") cannot be encoded for the database or an answer; control
+# characters (NUL above all, which PostgreSQL refuses) belong in no name, id or key.
+UNFIT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_is_printable_unicode(cls, value):
+        if _has_unfit_text(value):
+            raise ValueError("text must be valid Unicode without control characters")
+        return value
+
+
+def _has_unfit_text(value) -> bool:
+    if isinstance(value, str):
+        return UNFIT_TEXT.search(value) is not None
+    if isinstance(value, list):
+        return any(_has_unfit_text(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_unfit_text(k) or _has_unfit_text(v) for k, v in value.items())
+    return False
 
 
 class ModelServedBody(Body):

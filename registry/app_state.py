@@ -1,5 +1,6 @@
-"""What the HTTP handlers share (store, auth, heartbeat batcher, snapshot cache) and the FastAPI
-dependencies that hand it to them."""
+"""What the HTTP handlers share (store, auth, heartbeat batcher, snapshot cache), the FastAPI
+dependencies that hand it to them, and `CredentialFirstRoute`, the route class of every API router:
+the caller's credential is checked before the request body is read."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 
 from registry.access import SiteIdentity
 from registry.auth import Authenticator
@@ -32,12 +35,52 @@ async def registry(request: Request) -> RegistryService:
 
 
 async def admin_actor(request: Request) -> str:
-    return await request.app.state.registry.auth.admin(request)
+    return await _checked_once(request, request.app.state.registry.auth.admin)
 
 
 async def router_caller(request: Request) -> None:
-    await request.app.state.registry.auth.router(request)
+    await _checked_once(request, request.app.state.registry.auth.router)
 
 
 async def site_caller(request: Request) -> SiteIdentity:
-    return await request.app.state.registry.auth.site(request)
+    return await _checked_once(request, request.app.state.registry.auth.site)
+
+
+CALLERS = (admin_actor, router_caller, site_caller)
+
+
+class CredentialFirstRoute(APIRoute):
+    """FastAPI parses a JSON body before it runs any dependency, so an unauthenticated request with
+    a malformed body would learn about body parsing (400) instead of getting its 401. This route
+    runs the route's credential dependency first; the dependency then reuses the result."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        caller = _caller_of(self.dependant)
+        if caller is None:
+            return handler
+
+        async def credential_first(request: Request):
+            await caller(request)
+            return await handler(request)
+
+        return credential_first
+
+
+def _caller_of(dependant: Dependant):
+    for dependency in dependant.dependencies:
+        if dependency.call in CALLERS:
+            return dependency.call
+        found = _caller_of(dependency)
+        if found is not None:
+            return found
+    return None
+
+
+async def _checked_once(request: Request, check):
+    """The credential check's result, computed once per request (CredentialFirstRoute, then the
+    route's own dependency); a refusal raises and ends the request."""
+    checked = request.scope.setdefault("edgefire.credentials", {})
+    if check not in checked:
+        checked[check] = await check(request)
+    return checked[check]

@@ -7,7 +7,6 @@ import json
 from sqlalchemy import Connection, Engine, insert, select
 
 from registry import validate
-from registry.errors import InvalidInput
 from registry.records import AuditEntry, Page
 from registry.tables import AuditLogRow
 
@@ -29,9 +28,7 @@ class AuditLog:
         validate.page_limit(limit)
         query = select(AUDIT).order_by(AUDIT.c.id.desc()).limit(limit + 1)
         if cursor is not None:
-            if not cursor.isdigit():
-                raise InvalidInput("cursor must be the next_cursor of a previous page", "invalid_cursor")
-            query = query.where(AUDIT.c.id < int(cursor))
+            query = query.where(AUDIT.c.id < validate.id_cursor(cursor))
         with self._engine.connect() as conn:
             rows = conn.execute(query).all()
         entries = [AuditEntry(r.id, r.at, r.actor, r.action, r.target, json.loads(r.detail)) for r in rows[:limit]]

@@ -33,6 +33,8 @@ class ApiError(Exception):
 
 
 def error_body(message: str, type_: str, code: str) -> dict:
+    # A message can quote the caller's input; a lone surrogate in it could not be encoded as UTF-8.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "code": code}}
 
 

@@ -4,18 +4,20 @@ API keys, and the audit log. Every change is audited by the store in the same tr
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from registry.api_models import (ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
                                  SitePatchBody, SiteTokenBody)
-from registry.app_state import RegistryService, admin_actor, registry
+from registry.app_state import CredentialFirstRoute, RegistryService, admin_actor, registry
 from registry.records import Page
+from registry.validate import MAX_ID
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=CredentialFirstRoute)
 
 Limit = Query(100, ge=1, le=1000, description="page size")
 Cursor = Query(None, description="next_cursor from the previous page")
+KeyId = Path(ge=1, le=MAX_ID, description="the API key's id")
 
 
 def _page(page: Page) -> dict:
@@ -119,12 +121,12 @@ def list_api_keys(limit: int = Limit, cursor: str | None = Cursor, _: str = Depe
 
 
 @router.get("/api-keys/{key_id}")
-def get_api_key(key_id: int, _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+def get_api_key(key_id: int = KeyId, _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
     return svc.store.access.get_api_key(key_id).to_json()
 
 
 @router.post("/api-keys/{key_id}/revoke")
-def revoke_api_key(key_id: int, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+def revoke_api_key(key_id: int = KeyId, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
     return svc.store.access.revoke_api_key(key_id, actor).to_json()
 
 

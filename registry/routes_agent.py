@@ -11,13 +11,13 @@ from pydantic import ValidationError
 
 from registry.access import SiteIdentity
 from registry.api_models import LinksBody, RegistrationBody
-from registry.app_state import RegistryService, registry, site_caller
+from registry.app_state import CredentialFirstRoute, RegistryService, registry, site_caller
 from registry.errors import InvalidInput
 from registry.http_errors import ApiError, validation_problem
 from registry.telemetry import HeartbeatWrite, capacity_row
 from registry.wire import CapacityReport
 
-router = APIRouter(prefix="/v1/agent", tags=["agent"])
+router = APIRouter(prefix="/v1/agent", tags=["agent"], route_class=CredentialFirstRoute)
 
 HEARTBEAT_OPENAPI = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": CapacityReport.model_json_schema(ref_template="#/components/schemas/{model}")}}}}

@@ -6,10 +6,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from registry.api_models import ApiKeyLookupBody
-from registry.app_state import RegistryService, registry, router_caller
+from registry.app_state import CredentialFirstRoute, RegistryService, registry, router_caller
 from registry.http_errors import ApiError
 
-router = APIRouter(prefix="/v1/router", tags=["router"], dependencies=[Depends(router_caller)])
+router = APIRouter(prefix="/v1/router", tags=["router"], dependencies=[Depends(router_caller)],
+                   route_class=CredentialFirstRoute)
 
 
 @router.get("/snapshot")

@@ -95,7 +95,7 @@ class SiteStore:
     def list(self, limit: int = 100, cursor: str | None = None) -> Page[Site]:
         """Sites by name; `cursor` is the next_cursor of the previous page."""
         validate.page_limit(limit)
-        where = SITES.c.name > cursor if cursor is not None else None
+        where = SITES.c.name > validate.name_cursor(cursor) if cursor is not None else None
         with self._read.connect() as conn:
             sites = load_sites(conn, where, limit=limit + 1)
         next_cursor = sites[limit - 1].name if len(sites) > limit else None

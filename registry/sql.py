@@ -9,6 +9,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from registry.errors import NotFound
 from registry.records import ModelServed, Site
+from registry.validate import SITE_NAME
 from registry.tables import RegistryVersionRow, SiteModelRow, SiteRow
 
 SITES = SiteRow.__table__
@@ -34,6 +35,8 @@ def upsert(engine: Engine | Connection, table):
 
 
 def site_id(conn: Connection, name: str, lock: bool = False) -> int:
+    if not SITE_NAME.fullmatch(name):  # no such site can exist; and PostgreSQL refuses some text (NUL)
+        raise NotFound(f"unknown site {name!r}", "site_not_found")
     query = select(SITES.c.id).where(SITES.c.name == name)
     if lock:
         query = query.with_for_update()  # PostgreSQL row lock; SQLite's BEGIN IMMEDIATE already serialises

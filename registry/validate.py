@@ -18,6 +18,7 @@ REGION = re.compile(r"[a-z0-9-]{1,63}")
 COUNTRY = re.compile(r"[A-Z]{2}")
 HOST = re.compile(r"[A-Za-z0-9.\-_]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 MAX_MODEL_ID = 200
+MAX_ID = 2**63 - 1  # ids are 64-bit integer columns
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
 
 
@@ -106,6 +107,20 @@ def api_key_spec(spec: ApiKeySpec) -> ApiKeySpec:
             raise InvalidInput(f"{name} must be >= 1, or null for unlimited")
     spec.allowed_regions = sorted(set(spec.allowed_regions))
     return spec
+
+
+def id_cursor(cursor: str) -> int:
+    """A next_cursor holding a row id. Only ASCII digits ('²' is a digit to str.isdigit, not to int)."""
+    if not (cursor.isascii() and cursor.isdigit()) or int(cursor) > MAX_ID:
+        raise InvalidInput("cursor must be the next_cursor of a previous page", "invalid_cursor")
+    return int(cursor)
+
+
+def name_cursor(cursor: str) -> str:
+    """A next_cursor holding a site name."""
+    if not SITE_NAME.fullmatch(cursor):
+        raise InvalidInput("cursor must be the next_cursor of a previous page", "invalid_cursor")
+    return cursor
 
 
 def page_limit(limit: int) -> int:

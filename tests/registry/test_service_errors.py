@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -117,3 +118,67 @@ async def test_heartbeat_body_errors_match_the_rest_of_the_api(raw):
                                                                      "block_size": 16})
     assert (ok.status_code, ok.headers["content-type"], ok.json()) == (200, "application/json",
                                                                         {"state": "active", "drain_deadline": None, "active_role": None})
+
+
+def _writes(app) -> list[tuple[str, str]]:
+    """(method, path) of every POST/PUT/PATCH route, path parameters filled in."""
+    return [(method.upper(), path.replace("{name}", "fra-1").replace("{key_id}", "1"))
+            for path, operations in app.openapi()["paths"].items() for method in operations
+            if method in ("post", "put", "patch")]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # no database is reached: one is enough
+async def test_credential_is_checked_before_the_body(app, raw):
+    """Issue 17, defect 9: an unauthenticated request learns nothing about body parsing (401, not
+    400/422), and a token of the wrong kind is 403 whatever the body."""
+    writes = _writes(app)
+    assert len(writes) >= 11
+    for method, path in writes:
+        for body in (b"{nope", b"\xff\xfe"):
+            response = await raw.request(method, path, content=body, headers={"Content-Type": "application/json"})
+            assert response.status_code == 401, (method, path, body, response.text)
+            assert response.json()["error"]["code"] == "missing_token"
+        wrong_kind = {"Authorization": "Bearer router-secret" if "/admin/" in path else "Bearer admin-secret",
+                      "Content-Type": "application/json"}
+        response = await raw.request(method, path, content=b"{nope", headers=wrong_kind)
+        assert response.status_code in (401, 403), (method, path, response.text)
+
+
+ROUTER = {"Authorization": "Bearer router-secret"}
+BEYOND_INT64 = "99999999999999999999"
+MALFORMED = [
+    ("GET", "/v1/admin/audit-log?cursor=%C2%B2", None),  # '²': str.isdigit() says yes, int() says no
+    ("GET", "/v1/admin/api-keys?cursor=%C2%B2", None),
+    ("GET", f"/v1/admin/api-keys?cursor={BEYOND_INT64}", None),
+    ("GET", f"/v1/admin/audit-log?cursor={BEYOND_INT64}", None),
+    ("GET", f"/v1/admin/api-keys?limit={BEYOND_INT64}", None),
+    ("GET", f"/v1/admin/api-keys/{BEYOND_INT64}", None),
+    ("GET", f"/v1/admin/api-keys/-{BEYOND_INT64}", None),
+    ("POST", f"/v1/admin/api-keys/{BEYOND_INT64}/revoke", None),
+    ("GET", "/v1/admin/sites?cursor=a%00b", None),
+    ("GET", "/v1/admin/sites/a%00b", None),
+    ("POST", "/v1/admin/sites/a%00b/cordon", None),
+    ("POST", "/v1/admin/api-keys", b'{"name": "\\ud800"}'),
+    ("POST", "/v1/admin/api-keys", b'{"name": "a\\u0000b"}'),
+    ("POST", "/v1/admin/sites", b'{"name": "\\udfff"}'),
+    ("POST", "/v1/admin/sites", b'{"name": "fra-2", "\\ud800": 1}'),
+    ("PUT", "/v1/admin/sites/fra-1/models", b'{"models": [{"model": "m\\ud800"}]}'),
+    ("PATCH", "/v1/admin/sites/fra-1", b'{"models": [{"model": "m\\u0000"}]}'),
+    ("POST", "/v1/router/api-keys/lookup", b'{"key": "\\ud800"}'),
+    ("POST", "/v1/router/api-keys/lookup", b'{"key": "a\\u0000"}'),
+]
+
+
+async def test_malformed_ids_cursors_and_text_are_4xx_never_500(app):
+    """Issue 17, defect 3 (registry): every malformed id, cursor or text answers a 4xx with the
+    registry's error body; nothing reaches the database that it cannot hold."""
+    raw = httpx.AsyncClient(transport=httpx.ASGITransport(app, raise_app_exceptions=False), base_url="http://registry")
+    assert (await raw.post("/v1/admin/sites", headers=ADMIN, json={"name": "fra-1"})).status_code == 201
+    for method, path, body in MALFORMED:
+        headers = {**(ROUTER if path.startswith("/v1/router/") else ADMIN), "Content-Type": "application/json"}
+        response = await raw.request(method, path, headers=headers, content=body)
+        assert response.status_code in (400, 404, 422), (method, path, body, response.status_code, response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"] and error["code"], (path, error)
+    assert [s["name"] for s in (await raw.get("/v1/admin/sites", headers=ADMIN)).json()["items"]] == ["fra-1"]
+    assert (await raw.get("/v1/admin/api-keys", headers=ADMIN)).json()["items"] == []
