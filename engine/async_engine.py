@@ -183,8 +183,12 @@ class AsyncEngine:
         return await self.call(lambda e: e.export_kv(handle))
 
     async def open_export(self, handle: str) -> KVExport:
-        """Hold a KV handle open for reading (read with `kv_chunks`); always close_export it."""
-        return await self.call(lambda e: e.open_export(handle))
+        """Hold a KV handle open for reading (read with `kv_chunks`); always close_export it.
+
+        Opened here, not on the engine thread: a pull starts at once, whatever step is running."""
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("engine is not running")
+        return self.engine.open_export(handle)
 
     def close_export(self, export: KVExport) -> None:
         # not awaited: this must run even when the caller is being cancelled

@@ -1,9 +1,11 @@
 """The synchronous engine core: requests in, one `step()` at a time, tokens out.
 
 Owns the model, the KV pool, the block manager and the scheduler. Also the disaggregation
-primitives: a prefill-only request ends with its blocks pinned under a KV handle, `export_kv`
-reads them into a payload, `import_kv` on another engine writes them and decoding continues.
-Not thread-safe: engine.async_engine drives it from one thread.
+primitives: a prefill-only request ends with its blocks held under a KV handle (a `Lease`),
+`export_kv` reads them into a payload, `import_kv` on another engine writes them and decoding
+continues. Not thread-safe: engine.async_engine drives it from one thread; the one exception is
+`open_export`, which transports call from their own threads so that a decode site's pull never
+waits for the prefill site's step in progress (a long prefill chunk).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import logging
 import random
 import secrets
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -75,6 +78,16 @@ class StepOutput:
 
 
 @dataclass(slots=True)
+class Lease:
+    """A finished prefill's blocks, held under a KV handle until read and released, or expired."""
+
+    seq: Sequence
+    expires_at: float                # monotonic; an open export holds it past this
+    num_readers: int = 0             # open exports reading the blocks
+    released: bool = False           # released while read: freed when the last reader closes
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_blocks_total: int
     num_blocks_free: int
@@ -135,9 +148,8 @@ class LLMEngine:
         limit = config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.model_config.max_position_embeddings, num_blocks * config.block_size)
         self.sequences: dict[str, Sequence] = {}
-        self.pinned: dict[str, tuple[Sequence, float]] = {}  # kv_handle -> (sequence, expiry monotonic time)
-        self.exporting: dict[str, int] = {}                  # kv_handle -> open exports reading it
-        self.release_after_export: set[str] = set()
+        self.leases: dict[str, Lease] = {}   # kv_handle -> lease
+        self._lease_lock = threading.Lock()  # open_export runs on transport threads
         self.prefill_rate = _Rate()
         self.decode_rate = _Rate()
         self.num_prefix_hit_tokens = 0
@@ -306,26 +318,33 @@ class LLMEngine:
         seq.status = SequenceStatus.PINNED
         self.sequences.pop(seq.request_id, None)
         handle = secrets.token_hex(16)
-        self.pinned[handle] = (seq, time.monotonic() + self.config.kv_handle_ttl_s)
+        with self._lease_lock:
+            self.leases[handle] = Lease(seq, time.monotonic() + self.config.kv_handle_ttl_s)
         return handle
 
     def release_kv(self, handle: str) -> None:
-        if handle not in self.pinned:
-            raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
-        if handle in self.exporting:
-            self.release_after_export.add(handle)  # freed when the open export closes
-            return
-        entry = self.pinned.pop(handle)
-        self.block_manager.free(entry[0])
-        entry[0].status = SequenceStatus.FINISHED
+        with self._lease_lock:
+            lease = self.leases.get(handle)
+            if lease is None or lease.released:
+                raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
+            if lease.num_readers:
+                lease.released = True  # freed when the open export closes
+                return
+            del self.leases[handle]
+        self._free_lease(lease)
+
+    def _free_lease(self, lease: Lease) -> None:
+        self.block_manager.free(lease.seq)
+        lease.seq.status = SequenceStatus.FINISHED
 
     def expire_handles(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
-        expired = [h for h, (_, deadline) in self.pinned.items()
-                   if deadline <= now and h not in self.exporting and h not in self.release_after_export]
+        with self._lease_lock:
+            expired = [handle for handle, lease in self.leases.items()
+                       if lease.expires_at <= now and not lease.num_readers and not lease.released]
         for handle in expired:
             log.info("KV handle %s expired unfetched; freeing its blocks", handle[:8])
-            self.release_kv(handle)
+            self.release_kv(handle)  # a reader that opened it meanwhile keeps it until it closes
         return len(expired)
 
     def kv_layout(self, num_tokens: int) -> KVLayout:
@@ -335,27 +354,29 @@ class LLMEngine:
                         num_tokens, self.fingerprint)
 
     def open_export(self, handle: str) -> KVExport:
-        """Hold a pinned handle open for reading (see engine.kv_export); close with close_export."""
-        entry = self.pinned.get(handle)
-        if entry is None:
-            raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
-        seq = entry[0]
+        """Hold a leased handle open for reading (see engine.kv_export); close with close_export.
+
+        Safe on any thread: a lease's sequence and block table no longer change."""
+        with self._lease_lock:
+            lease = self.leases.get(handle)
+            if lease is None or lease.released:
+                raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
+            lease.num_readers += 1
+        seq = lease.seq
         layout = self.kv_layout(seq.num_prompt_tokens)
         bs = self.config.block_size
         tokens_per_chunk = max(bs, (self.config.kv_chunk_bytes // layout.bytes_per_token_per_layer) // bs * bs)
         table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
-        self.exporting[handle] = self.exporting.get(handle, 0) + 1
         return KVExport(handle, layout, seq.token_ids[: seq.num_prompt_tokens], self.kv_cache, table, tokens_per_chunk)
 
     def close_export(self, export: KVExport) -> None:
-        remaining = self.exporting.get(export.handle, 0) - 1
-        if remaining > 0:
-            self.exporting[export.handle] = remaining
-            return
-        self.exporting.pop(export.handle, None)
-        if export.handle in self.release_after_export:
-            self.release_after_export.discard(export.handle)
-            self.release_kv(export.handle)
+        with self._lease_lock:
+            lease = self.leases[export.handle]  # a lease with readers is never removed
+            lease.num_readers -= 1
+            if lease.num_readers or not lease.released:
+                return
+            del self.leases[export.handle]
+        self._free_lease(lease)
 
     def export_kv(self, handle: str) -> KVPayload:
         """Copy a pinned prompt's K/V out of the pool; the handle stays pinned until released."""
@@ -440,7 +461,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_running=len(running),
             num_waiting=len(waiting),
-            num_pinned_handles=len(self.pinned),
+            num_pinned_handles=len(self.leases),
             inflight_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in [*running, *waiting]
                                         if s.num_tokens - s.num_computed_tokens > 1),
             inflight_decode_tokens=sum(s.max_total_tokens - s.num_tokens for s in running),

@@ -336,7 +336,7 @@ class AgentCore:
     async def release_all_leases(self) -> int:
         released = 0
         for model in self.models.values():
-            handles = await model.engine.call(lambda engine: list(engine.pinned))
+            handles = await model.engine.call(lambda engine: list(engine.leases))
             for handle in handles:
                 released += await self.release_kv(f"{model.name}/{handle}")
         return released

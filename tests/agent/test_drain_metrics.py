@@ -35,7 +35,7 @@ async def test_drain_finishes_inflight_refuses_new_and_releases_leases(start_age
     assert len(first.tokens) + len(rest) == 60  # the in-flight request ran to its end
     await asyncio.wait_for(agent.wait_stopped(), 10)
     # the unfetched lease was released at the drain deadline, before the engine stopped
-    assert agent.models[MODEL].engine.engine.pinned == {}
+    assert agent.models[MODEL].engine.engine.leases == {}
 
 
 async def test_metrics_endpoint_per_agent(start_agent, connect):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.engine import EngineConfig, LLMEngine
+from engine.kv_transfer import KVPayload
 from engine.sampling import SamplingParams
 
 
@@ -56,3 +58,30 @@ async def test_errors_reach_the_caller(engines):
     with pytest.raises(InvalidRequestError, match="empty"):
         async for _ in a.generate([], SamplingParams()):
             pass
+
+
+async def test_a_kv_pull_starts_while_the_engine_is_in_a_long_step(engines):
+    """The decode site reads a lease at once, even while the prefill site's engine is busy (a long
+    prefill chunk): opening an export does not wait for the engine thread. The lease still ends
+    only on the engine thread, and the blocks come back once it does."""
+    a, b = engines
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 60))
+    expected = [e.token_id async for e in a.generate(prompt, params)]
+    first = await a.prefill(prompt, params)
+    release = threading.Event()
+    busy = asyncio.ensure_future(a.call(lambda _engine: release.wait(30)))  # a step that does not end
+    try:
+        export = await asyncio.wait_for(a.open_export(first.kv_handle), timeout=5)
+        chunks = await asyncio.to_thread(lambda: list(export.chunks()))
+        assert not busy.done()
+    finally:
+        release.set()
+        await busy
+    a.close_export(export)
+    await a.release_kv(first.kv_handle)
+    payload = KVPayload(export.layout, export.token_ids, chunks)
+    assert [first.token_id] + [e.token_id async for e in b.generate_from_kv(payload, params, [first.token_id])] \
+        == expected
+    stats = await a.stats()
+    assert stats.num_pinned_handles == 0 and stats.num_blocks_free == stats.num_blocks_total

@@ -31,7 +31,7 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
-    assert not engine.pinned and not engine.sequences
+    assert not engine.leases and not engine.sequences
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
