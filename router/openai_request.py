@@ -49,51 +49,60 @@ class CompletionRequest:
 
 
 def parse_json(body: bytes) -> dict:
-    """The body as a JSON object, or a 400 saying why it is not one.
+    """The body as a JSON object, or a 400 saying why it is not one (see `decode_json`)."""
+    document = decode_json(body, "The request body")
+    if not isinstance(document, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    return document
+
+
+def decode_json(text: bytes | str, what: str, param: str | None = None):
+    """JSON text as Python values, or a 400 naming `what` (and `param`) that says why it is not usable.
 
     Beyond syntax this refuses what Python's json accepts but nothing downstream can use: nesting
     past the interpreter's recursion limit, integers past its digit limit, and lone UTF-16
     surrogates (from a `\\ud800` escape or raw bytes), which no tokenizer or encoder takes.
     """
     try:
-        document = json.loads(body)
+        document = json.loads(text)
     except RecursionError:
-        raise bad_request("The request body nests arrays or objects too deeply; send a flatter JSON object.",
-                          None, "invalid_json") from None
+        raise bad_request(f"{what} nests arrays or objects too deeply; send flatter JSON.", param,
+                          "invalid_json") from None
     except json.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON ({exc.msg} at line {exc.lineno} column "
-                          f"{exc.colno}); send a JSON object.", None, "invalid_json") from None
+        raise bad_request(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}).", param,
+                          "invalid_json") from None
     except UnicodeDecodeError:
-        raise bad_request("The request body is not valid UTF-8 JSON; send a JSON object encoded as UTF-8.",
-                          None, "invalid_json") from None
+        raise bad_request(f"{what} is not valid UTF-8; send JSON encoded as UTF-8.", param, "invalid_json") from None
     except ValueError:  # Python's limit on the digits of an integer (sys.get_int_max_str_digits)
-        raise bad_request("The request body holds an integer with too many digits; no parameter takes more "
-                          "than 20.", None, "invalid_json") from None
-    if not isinstance(document, dict):
-        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
-    if _MAY_HOLD_SURROGATE.search(body):  # a cheap scan first: nearly every body has none
-        _refuse_lone_surrogates(document)
+        raise bad_request(f"{what} holds an integer with too many digits; no parameter takes more than 20.",
+                          param, "invalid_json") from None
+    pattern = _MAY_HOLD_SURROGATE if isinstance(text, bytes) else _MAY_HOLD_SURROGATE_TEXT
+    if pattern.search(text):  # a cheap scan first: nearly every body has none
+        _refuse_lone_surrogates(document, param)
     return document
 
 
 # A \uD800-\uDFFF escape, or a surrogate encoded as (invalid) UTF-8 bytes, which json.loads lets through.
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_MAY_HOLD_SURROGATE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _refuse_lone_surrogates(document: dict) -> None:
-    """A 400 naming the first field holding a lone surrogate (json.loads joins valid pairs itself)."""
+def _refuse_lone_surrogates(document, param: str | None = None) -> None:
+    """A 400 naming the first field (or `param`) holding a lone surrogate (json.loads joins valid pairs)."""
     stack: list[tuple[tuple, object]] = [((), document)]
     while stack:  # iterative: the document may nest as deep as json.loads allowed
         path, value = stack.pop()
         if isinstance(value, str):
             if _has_surrogate(value):
-                raise bad_request(f"`{_param(path)}` holds a lone UTF-16 surrogate, which is not text; send "
-                                  f"valid Unicode.", _param(path))
+                name = param or _param(path)
+                raise bad_request(f"`{name}` holds a lone UTF-16 surrogate, which is not text; send valid Unicode.",
+                                  name)
         elif isinstance(value, dict):
             for key, item in value.items():
                 if _has_surrogate(key):
-                    raise bad_request(f"`{_param(path) or 'the body'}` has a key holding a lone UTF-16 "
-                                      f"surrogate; send valid Unicode.", _param(path) or None)
+                    name = param or _param(path) or None
+                    raise bad_request(f"`{name or 'the body'}` has a key holding a lone UTF-16 surrogate; send "
+                                      f"valid Unicode.", name)
                 stack.append(((*path, key), item))
         elif isinstance(value, list):
             stack.extend(((*path, i), item) for i, item in enumerate(value))
@@ -227,11 +236,8 @@ def _tool_calls(value, param: str) -> list[dict]:
                               f"\"arguments\"}}}}.", f"{param}[{j}]")
         arguments = function.get("arguments")
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise bad_request(f"`{param}[{j}].function.arguments` is not valid JSON ({exc.msg}).",
-                                  f"{param}[{j}].function.arguments") from exc
+            name = f"{param}[{j}].function.arguments"
+            arguments = decode_json(arguments, f"`{name}`", name) if arguments.strip() else {}
         calls.append({**call, "function": {**function, "arguments": arguments}})
     return calls
 

@@ -24,6 +24,13 @@ def chat(**fields) -> dict:
     return {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
 
 
+def tool_call(arguments: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}
+
+
+ARGUMENTS = "messages[0].tool_calls[0].function.arguments"
+
+
 def splice(body: dict, name: str, raw: str) -> bytes:
     """`body` as JSON with the value of `name` replaced by raw JSON text (what no encoder would write)."""
     return json.dumps({**body, name: "@@"}).replace('"@@"', raw).encode()
@@ -72,6 +79,11 @@ MALFORMED = [
     ("chat", json.dumps(chat(repetition_penalty="1")).encode(), "repetition_penalty"),
     ("chat", splice(chat(), "tools", '[{"type": "function", "function": {"name": "f\\ud800"}}]'), "tools[0].function"),
     ("chat", json.dumps(chat(tools="f")).encode(), "tools"),
+    # Tool-call arguments are JSON inside a string: the same limits apply to what the router decodes there.
+    ("chat", json.dumps(chat(messages=[tool_call("[" * 5000 + "]" * 5000)])).encode(), ARGUMENTS),
+    ("chat", json.dumps(chat(messages=[tool_call("1" * 5000)])).encode(), ARGUMENTS),
+    ("chat", json.dumps(chat(messages=[tool_call('{"a": "\\ud800"}')])).encode(), ARGUMENTS),
+    ("chat", json.dumps(chat(messages=[tool_call("{nope")])).encode(), ARGUMENTS),
     ("chat", json.dumps(chat(chat_template_kwargs=[1])).encode(), "chat_template_kwargs"),
     ("chat", json.dumps(chat(max_completion_tokens=[3])).encode(), "max_completion_tokens"),
     ("completions", json.dumps({"model": MODEL, "prompt": [1, 2 ** 64]}).encode(), "prompt"),
