@@ -88,6 +88,9 @@ class Generation:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     _failed: set[str] = field(default_factory=set)
+    # (site, "prefill" | "decode") an agent refused for its role: the pool planner moved it and this
+    # router's snapshot is behind. The site is fine for its other role, so it is not a failure.
+    _wrong_role: set[tuple[str, str]] = field(default_factory=set)
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         while True:
@@ -134,6 +137,12 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE_CODES:
                     raise AgentRejected(exc.details() or exc.code().name, bool(self.generated_ids)) from exc
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    role = "prefill" if not candidate.colocated and site is candidate.prefill_site else "decode"
+                    self._wrong_role.add((site.name, role))
+                    log.info("request %s: site %s no longer takes %s work (%s); next candidate", self.request_id,
+                             site.name, role, exc.details())
+                    continue
                 self._fail(site.name, exc.code().name)
             except TimeoutError:
                 self._fail(site.name, "timeout")
@@ -151,10 +160,11 @@ class Generation:
         if self.num_attempts >= self.policy.max_attempts:
             return None
         for candidate in self.candidates:
-            if candidate.decode_site.name in self._failed:
+            if candidate.decode_site.name in self._failed or (candidate.decode_site.name, "decode") in self._wrong_role:
                 continue
             # A resume needs only a decode site; a fresh start needs both of the pair.
-            if not self.generated_ids and candidate.prefill_site.name in self._failed:
+            if not self.generated_ids and (candidate.prefill_site.name in self._failed
+                                           or (candidate.prefill_site.name, "prefill") in self._wrong_role):
                 continue
             return candidate
         return None

@@ -46,6 +46,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.eos_id = info.eos_token_ids[0]
         self.eos_at: int | None = None        # emit EOS at this output position (finish "stop")
         self.refuse: grpc.StatusCode | None = None
+        self.refuse_methods: frozenset[str] | None = None  # refuse only these RPCs (None: every one)
         self.die_after: int | None = None
         self.hang = False
         self.stall_after: int | None = None
@@ -83,7 +84,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         if self.hang:
             await asyncio.sleep(3600)
-        if self.refuse is not None:
+        if self.refuse is not None and (self.refuse_methods is None or method in self.refuse_methods):
             await context.abort(self.refuse, f"{self.name} refuses")
 
     async def _stream(self, request, context, start: int):

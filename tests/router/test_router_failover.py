@@ -50,6 +50,22 @@ async def test_refusal_before_first_token_moves_to_next_site(two_sites, http, co
     assert response.json()["choices"][0]["message"]["content"] == reference
 
 
+async def test_a_site_moved_to_the_prefill_pool_still_prefills_the_request(cluster, make_router, http):
+    # The planner narrowed fra to prefill; this router's snapshot does not show it yet.
+    near = await cluster.add_site("fra", *FRA)
+    await cluster.add_site("lon", *LON, role="decode")
+    key = await cluster.create_key()
+    _router, url = await make_router()
+    near.refuse, near.refuse_methods = grpc.StatusCode.FAILED_PRECONDITION, frozenset({"Generate"})
+    for _ in range(4):  # more than failures_to_cool_down: a role refusal is no failure
+        response = await post(http, url, key)
+        assert response.status_code == 200
+        assert (response.headers["x-edgefire-prefill-site"], response.headers["x-edgefire-decode-site"]) == \
+            ("fra", "lon")
+        assert response.headers["x-edgefire-attempts"] == "2"
+    assert [method for method, _ in near.calls[-2:]] == ["Generate", "Prefill"]  # fra still goes first
+
+
 async def test_hung_site_times_out_and_next_site_answers(cluster, make_router, http):
     near = await cluster.add_site("fra", *FRA)
     await cluster.add_site("par", *PAR)
