@@ -53,6 +53,7 @@ def run_migrate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from registry.http_head import HeadLimitedHttp
     from registry.migrate import upgrade_to_head
     from registry.service import create_app
 
@@ -83,13 +84,13 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
     if args.workers == 1:
         app = create_app(args.db, args.admin_token, args.router_token, planner=planner)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(app, http=HeadLimitedHttp, host=args.host, port=args.port, log_level="warning", access_log=False)
         return 0
     # uvicorn starts each worker from an import string; the settings travel in the environment.
     os.environ.update({DB_URL_ENV: args.db, "EDGEFIRE_ADMIN_TOKEN": args.admin_token,
                        "EDGEFIRE_ROUTER_TOKEN": args.router_token})
-    uvicorn.run("registry.cli:app_from_environment", factory=True, workers=args.workers, host=args.host,
-                port=args.port, log_level="warning", access_log=False)
+    uvicorn.run("registry.cli:app_from_environment", factory=True, http=HeadLimitedHttp, workers=args.workers,
+                host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
 

@@ -16,6 +16,7 @@ import uvicorn
 
 from node_agent.client import AgentPool
 from registry.client import RegistryClient
+from registry.http_head import HeadLimitedHttp
 from router.api_keys import ANONYMOUS, ApiKey, ApiKeyCache, bearer_token
 from router.app import create_app
 from router.completions import CompletionService, Limits
@@ -71,7 +72,7 @@ class Router:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host or self.config.host, self.config.port if port is None else port))
         sock.listen(2048)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(self.app, http=HeadLimitedHttp, log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30, backlog=2048)
         self._server = uvicorn.Server(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]))

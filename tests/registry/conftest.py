@@ -22,6 +22,7 @@ import uvicorn
 
 from registry.client import RegistryClient
 from registry.db import make_engine
+from registry.http_head import HeadLimitedHttp
 from registry.migrate import upgrade_to_head
 from registry.service import create_app
 from registry.store import RegistryStore
@@ -171,7 +172,7 @@ class ServerThread:
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(app, http=HeadLimitedHttp, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> ServerThread:

@@ -46,6 +46,8 @@ def test_two_workers_share_heartbeats_and_snapshots(db_url):
     process = start_workers(db_url, port)
     try:
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        many_headers = {f"x-h{i}": "v" for i in range(200)}  # the served head limits (registry.http_head)
+        assert httpx.get(f"{base}/healthz", headers=many_headers).status_code == 431
         tokens = []
         for i in range(NUM_SITES):
             httpx.post(f"{base}/v1/admin/sites", headers=admin, json={"name": f"site-{i}"}).raise_for_status()
