@@ -209,6 +209,8 @@ def status_table(sites: list[dict]) -> str:
     for site in sites:
         cap = site.get("capacity") or {}
         roles = sorted({m["role"] for m in site.get("models", ())}) or site.get("roles", [])
+        if site.get("active_role"):
+            roles = [*roles[:-1], f"{roles[-1]} (now {site['active_role']})"] if roles else [site["active_role"]]
         kv = (f"{cap['kv_blocks_free']}/{cap['kv_blocks_total']} "
               f"({100 * cap['kv_blocks_free'] / max(1, cap['kv_blocks_total']):.0f}%)") if cap else "-"
         load = f"{cap.get('num_running', 0)}/{cap.get('num_waiting', 0)}" if cap else "-"

@@ -80,6 +80,13 @@ def test_status_table_shows_state_role_load_kv_and_heartbeat_age():
     assert lines[3].split()[:4] == ["warsaw", "active", "no", "both"] and "never" in lines[3]
 
 
+def test_status_table_shows_the_planners_active_role():
+    site = {"name": "warsaw", "state": "active", "alive": True, "region": "eu", "grpc_address": "h:1",
+            "models": [{"model": "m", "role": "both"}], "active_role": "prefill", "heartbeat_age_s": 1.0,
+            "capacity": None}
+    assert "both (now prefill)" in status_table([site]).splitlines()[2]
+
+
 def test_links_matrix_shows_rtt_throughput_and_age_per_measured_pair():
     links = [{"src": "lisbon", "dst": "warsaw", "rtt_ms": 41.23, "bandwidth_mbps": 850.0, "measured_at": 990.0},
              {"src": "warsaw", "dst": "lisbon", "rtt_ms": 40.0, "bandwidth_mbps": 2500.0, "measured_at": 400.0}]
