@@ -175,3 +175,5 @@ class Agent:
     async def refresh_metrics(self) -> None:
         for model in self.models.values():
             self.metrics.observe_stats(model.name, await model.engine.stats())
+        self.metrics.observe_links(self.core.links.peers)
+        self.metrics.observe_role(self.core.role)

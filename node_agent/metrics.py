@@ -42,6 +42,12 @@ class AgentMetrics:
                                     registry=r)
         self.rejected = Counter("edgefire_agent_rejected_requests", "Requests refused at admission", ["reason"],
                                 registry=r)
+        self.link_rtt = Gauge("edgefire_agent_link_rtt_milliseconds", "Measured round trip to a peer site",
+                              ["peer"], registry=r)
+        self.link_bandwidth = Gauge("edgefire_agent_link_bandwidth_mbps", "Measured throughput from a peer site",
+                                    ["peer"], registry=r)
+        self.active_role = Gauge("edgefire_agent_active_role", "1 for each role this site takes new work for",
+                                 ["role"], registry=r)
 
     def observe_stats(self, model: str, stats: EngineStats) -> None:
         self.num_running.labels(model).set(stats.num_running)
@@ -52,6 +58,18 @@ class AgentMetrics:
         self.prefix_hit_tokens.labels(model).set(stats.prefix_cache_hit_tokens)
         self.prefill_rate.labels(model).set(stats.prefill_tokens_per_s)
         self.decode_rate.labels(model).set(stats.decode_tokens_per_s)
+
+    def observe_links(self, links: dict) -> None:
+        """links: peer site -> node_agent.links.PeerLink."""
+        for peer, link in links.items():
+            if link.rtt_ms is not None:
+                self.link_rtt.labels(peer).set(link.rtt_ms)
+            if link.bandwidth_mbps is not None:
+                self.link_bandwidth.labels(peer).set(link.bandwidth_mbps)
+
+    def observe_role(self, role: str) -> None:
+        for name in ("prefill", "decode"):
+            self.active_role.labels(name).set(1 if role in (name, "both") else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

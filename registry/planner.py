@@ -34,11 +34,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from registry.errors import RegistryStoreError
-from typed_config import ConfigError
+from registry.log_limit import LogLimiter
 from registry.store import RegistryStore
+from typed_config import ConfigError
 
 log = logging.getLogger(__name__)
+_db_errors = LogLimiter(log, interval_s=60.0)
 
 LEASE_NAME = "planner"
 ACTOR = "planner"
@@ -251,7 +255,9 @@ class Planner:
         while not stop.is_set():
             try:
                 await asyncio.to_thread(self.tick)
-            except Exception:  # the planner must outlive a bad tick (database away, ...); the next one retries
+            except SQLAlchemyError as exc:  # the database is away: the next tick retries
+                _db_errors.warning("database", "planner: no tick while the database is unreachable (%s)", exc)
+            except Exception:  # a bug must not end planning for good; it is logged in full
                 log.exception("planner tick failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.settings.interval_s)

@@ -3,6 +3,7 @@ registry, whose snapshot hands it to routers."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from engine.errors import KVTransferError
@@ -52,10 +53,15 @@ async def test_a_probe_is_authenticated_and_bounded(start_agent, connect):
 
 
 async def test_probe_peer_measures_both_figures(start_agent):
-    a, b = await start_agent("site-a"), await start_agent("site-b", link_probe_bytes=128 << 10)
+    a = await start_agent("site-a")
+    b = await start_agent("site-b", link_probe_bytes=128 << 10, metrics_listen="127.0.0.1:0")
     await b.core.probe_peer("site-a", a.address)
     link = b.core.links.peers["site-a"]
     assert link.rtt_ms > 0 and link.bandwidth_mbps > 0
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://127.0.0.1:{b.metrics_port}/metrics")).text
+    assert 'edgefire_agent_link_bandwidth_mbps{peer="site-a"}' in metrics
+    assert 'edgefire_agent_link_rtt_milliseconds{peer="site-a"}' in metrics
     assert b.core.links.take_reports() == [{"peer": "site-a", "rtt_ms": link.rtt_ms,
                                             "bandwidth_mbps": link.bandwidth_mbps}]
     assert b.core.links.take_reports() == []  # reported once until sampled again
