@@ -33,7 +33,7 @@ from tests.router.router_fake_agent import MODEL, FakeAgent, model_info_from_dir
 
 ADMIN_TOKEN = "fuzz-admin-token"
 ROUTER_TOKEN = "fuzz-router-token"
-EXAMPLES = int(os.environ.get("EDGEFIRE_FUZZ_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("EDGEFIRE_FUZZ_EXAMPLES", "5"))
 REQUEST_TIMEOUT_S = 20
 
 
@@ -145,3 +145,16 @@ def test_router_spec_describes_completion_bodies_and_fuzzing_finds_no_server_err
     assert not errors, "\n".join(errors)
     for path in ("/v1/chat/completions", "/v1/completions"):  # the fuzzer got through, and was refused too
         assert statuses.get((path, 200)) and statuses.get((path, 400)), statuses
+
+
+def test_registry_spec_fuzzing_finds_no_server_error(services):
+    def token_for(path: str) -> str:
+        if path.startswith("/v1/agent"):
+            return services.site_token
+        return ROUTER_TOKEN if path.startswith("/v1/router") else ADMIN_TOKEN
+
+    statuses: dict[tuple[str, int], int] = {}
+    errors = fuzz(spec_of(services.registry_url), services.registry_url, token_for, statuses)
+    assert not errors, "\n".join(errors)
+    answered = {status for _path, status in statuses}
+    assert any(200 <= status < 300 for status in answered) and answered & {400, 422}, statuses
