@@ -85,8 +85,7 @@ def ensure_model(config: ClusterConfig, demo_size: str) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from deploy.launcher import Cluster, ClusterError
 
-    for noisy in ("httpx", "alembic"):  # the launcher's polling and migration are not news
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # the launcher's migration is not news
     try:
         config = config_from_args(args)
         ensure_model(config, args.demo_size)
@@ -171,8 +170,6 @@ def run_status(args: argparse.Namespace) -> int:
     import httpx
 
     from registry.client import RegistryError, SyncRegistryClient
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     registry_url, admin_token = args.registry_url, args.admin_token
     if registry_url is None or admin_token is None:

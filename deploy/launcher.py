@@ -317,6 +317,7 @@ class Cluster:
 def _write_private(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # the mode above applies only to a new file; one left by an older run may be readable
     with os.fdopen(fd, "w") as f:
         f.write(text)
 

@@ -138,6 +138,11 @@ def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_pa
         os.killpg(first.pid, signal.SIGKILL)  # the launcher crashes; its children live on, holding the ports
         first.wait()
     assert all(is_ours(pid) for pid in stale)
+    secret_files = [state_dir / "cluster.json", *(state_dir / "config").glob("*.toml")]
+    assert len(secret_files) == 3  # cluster.json, the agent's and the router's configs
+    for path in secret_files:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+        path.chmod(0o644)  # as an older launcher or a careless copy left them: rewriting must close them again
 
     second = start_up(state_dir, tiny_model_dir, port, registry_port, tmp_path / "second.log")
     try:
@@ -152,6 +157,9 @@ def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_pa
         assert "lisbon" in status.stdout and "yes" in status.stdout
         saved = json.loads((state_dir / "cluster.json").read_text())
         assert saved["admin_token"] == "admin-test-token"
+        assert all(path.stat().st_mode & 0o777 == 0o600 for path in secret_files)
+        logs = {path.name: path.read_text() for path in (state_dir / "logs").glob("*.log")}
+        assert logs and not [name for name, text in logs.items() if "HTTP Request:" in text]  # no line per heartbeat
         children = child_pids(state_dir)
         second.send_signal(signal.SIGINT)
         assert second.wait(60) == 0
