@@ -60,8 +60,8 @@ class RouterConfig:
     default_prefill_tokens_per_s: float = 4000.0
     default_decode_tokens_per_s: float = 500.0
     default_kv_bytes_per_token: int = 131072   # until an agent has told the model's own (GetModelInfo)
-    decode_step_fixed: float = 8.0    # a decode step's fixed cost in sequences' worth (see router/placement.py)
-    decode_seq_kv_bytes: float = float(256 << 20)  # KV bytes read per step costing one sequence's work
+    decode_step_fixed: float = 32.0   # a decode step's fixed cost in sequences' worth (see router/placement.py)
+    decode_seq_kv_bytes: float = float(512 << 20)  # KV bytes read per step costing one sequence's work
     link_max_age_s: float = 300.0      # a measured link older than this gives way to the distance estimate
     # Model -> reasoning parser ("think", "command", an alias such as "deepseek_r1", or "none"); models not
     # named here are detected from their chat template (see router/reasoning.py).

@@ -39,8 +39,9 @@ costs less than what it saves. With `allow_split` off only colocated pairs are c
 operator who wants no KV moving between sites; prefill-only and decode-only sites then get no work).
 
 Only the best `shortlist` prefill sites and decode sites are paired, which keeps ranking linear in
-the number of sites. The ranked list is the failover order; pairs touching a cooling site (passive
-health) go last rather than vanishing, so a request still has somewhere to go.
+the number of sites. The ranked list is the failover order, its best `max_candidates` pairs; pairs
+touching a cooling site (passive health) go last rather than vanishing, so a request still has
+somewhere to go.
 
 Sessions. A request with a session key (`x-session-affinity`, else the OpenAI `user` field) whose
 router remembers where the session last ran (`session_pair`) stays on that pair while its score is
@@ -49,6 +50,15 @@ prefix cache but not onto an overloaded site. A session this router does not kno
 seen by another router) goes, among the candidates within `affinity_slack` of the best, to the
 one with the highest rendezvous hash of (session, pair): every router picks the same pair for it
 without sharing state.
+
+Speed. A router places every request against the same snapshot for about a second, and a
+snapshot may list hundreds of sites, so what depends only on the snapshot (which sites may serve
+a model, their figures and decode calibration, locations, fresh links, region masks) is built
+once per snapshot, model and cost model, as arrays (`_ModelSites`, kept in
+`Snapshot.placement_cache`); a request then costs a few array operations over all sites, a
+prefix-cache check of the sites whose summary holds its first block, and `Candidate` objects for
+the pairs it returns. The cost functions below take numbers or arrays alike. Measured by
+benchmarks/placement_sim.py (300 sites; figures in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -56,27 +66,32 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from itertools import takewhile
+from dataclasses import dataclass, field
 
-from engine.prefix_hash import prefix_hashes
-from registry.wire import SnapshotCapacity
-from router.geometry import rtt_ms_between
+import numpy as np
+
+from engine.prefix_hash import ROOT_HASH, block_hash
+from router.geometry import UNKNOWN_DISTANCE_RTT_MS, rtt_ms_arrays, rtt_ms_between
 from router.snapshot import Site, Snapshot
 
 DEFAULT_BANDWIDTH_MBPS = 1000.0
+OWN_SITE_RTT_MS = 0.5  # client RTT to the site the router runs beside
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class CostModel:
     expected_output_tokens: int = 128
     default_prefill_tokens_per_s: float = 4000.0
     default_decode_tokens_per_s: float = 500.0
     kv_bytes_per_token: int = 131072   # only for a model whose agents have not said theirs
-    # A decode step's fixed cost in sequences' worth of work: ~1 where compute dominates (CPU
-    # engines), tens on GPUs, where the weights are read once per step for the whole batch.
-    decode_step_fixed: float = 8.0
-    # KV bytes a step reads in the time it spends on one sequence's own work.
-    decode_seq_kv_bytes: float = float(256 << 20)
+    # A decode step's cost in units of one sequence's own work: a fixed part (reading the weights once
+    # per step for the whole batch), one unit per sequence, and one unit per `decode_seq_kv_bytes` of
+    # KV read. On a GPU a unit is about the time to read 512 MiB, so an 8B model's 16 GiB of bf16
+    # weights is a fixed part of ~32 units: batching is nearly free until the KV adds up. A
+    # compute-bound CPU engine is closer to 1. The agents do not report the split yet (issue 12).
+    decode_step_fixed: float = 32.0
+    decode_seq_kv_bytes: float = float(512 << 20)
     heartbeat_max_age_s: float = 15.0
     affinity_slack: float = 0.2        # near-equal candidates for a session this router does not know
     session_margin: float = 0.5        # a known session stays while its pair is within 50% of the best
@@ -84,6 +99,7 @@ class CostModel:
     link_max_age_s: float = 300.0      # older link measurements give way to the distance estimate
     shortlist: int = 8
     allow_split: bool = True
+    max_candidates: int = 16           # the failover order's length
 
 
 @dataclass(slots=True)
@@ -110,9 +126,6 @@ class PendingLoad:
     kv_tokens: int = 0        # KV they hold once admitted (their prompts)
 
 
-NO_PENDING = PendingLoad()
-
-
 @dataclass(slots=True)
 class Candidate:
     prefill_site: Site
@@ -132,64 +145,70 @@ class Candidate:
         return self.prefill_site.name, self.decode_site.name
 
 
-@dataclass(slots=True)
-class _SiteCost:
-    site: Site
-    client_rtt_ms: float
-    ttft_ms: float
-    tpot_ms: float
-    num_cached_tokens: int
+# -- the cost model: numbers or arrays alike ------------------------------------------------------
+
+def prefill_queue_ms(inflight_prefill_tokens, prefill_rate):
+    """Prefill work ahead of this request (reported plus what this router sent since)."""
+    return 1000.0 * inflight_prefill_tokens / prefill_rate
 
 
-def rank(snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
-         cooling: frozenset[str] | set[str] = frozenset(),
-         pending: Mapping[str, PendingLoad] | None = None) -> list[Candidate]:
-    """Every viable (prefill, decode) pair, best first; the failover order."""
-    horizon = max(1, min(request.max_tokens, cost.expected_output_tokens))
-    kv_bytes_per_token = request.kv_bytes_per_token or cost.kv_bytes_per_token
-    pending = pending or {}
-    hashes_by_block_size: dict[int, list[int]] = {}
-    prefill, decode = [], []
-    for site in snapshot.sites:
-        if not _usable(site, request, cost):
-            continue
-        load = pending.get(site.name, NO_PENDING)
-        site_cost = _site_cost(site, load, snapshot, request, cost, horizon, kv_bytes_per_token,
-                               hashes_by_block_size)
-        if site.serves(request.model, "prefill") and _fits_prefill(site, load, request, site_cost.num_cached_tokens):
-            prefill.append(site_cost)
-        if site.serves(request.model, "decode") and _fits_decode(site, load, request, horizon):
-            decode.append(site_cost)
-    prefill.sort(key=lambda c: c.ttft_ms)
-    decode.sort(key=lambda c: c.client_rtt_ms + horizon * c.tpot_ms)
-    candidates = _pairs(prefill, decode, snapshot, request, cost, horizon, kv_bytes_per_token)
-    candidates.sort(key=lambda c: (c.prefill_site.name in cooling or c.decode_site.name in cooling, c.score_ms))
-    if request.session_key:
-        _apply_session(candidates, request, cost, cooling)
-    return candidates
+def prefill_ms(num_uncached_tokens, prefill_rate):
+    return 1000.0 * num_uncached_tokens / prefill_rate
 
 
-def _pairs(prefill: list[_SiteCost], decode: list[_SiteCost], snapshot: Snapshot, request: PlacementRequest,
-           cost: CostModel, horizon: int, kv_bytes_per_token: int) -> list[Candidate]:
-    decode_by_name = {c.site.name: c for c in decode}
-    short_prefill, short_decode = prefill[:cost.shortlist], decode[:cost.shortlist]
-    pairs = {(p.site.name, d.site.name): (p, d) for p in short_prefill for d in short_decode
-             if cost.allow_split or p.site.name == d.site.name}
-    for p in prefill:  # colocation on any site that can do both, shortlisted or not
-        if p.site.name in decode_by_name:
-            pairs[(p.site.name, p.site.name)] = (p, decode_by_name[p.site.name])
-    kv_bytes = len(request.prompt_ids) * kv_bytes_per_token
-    candidates = []
-    for p, d in pairs.values():
-        if p.site.name == d.site.name:
-            transfer_ms, handoff_ms = 0.0, 0.0
-        else:
-            transfer_ms = kv_transfer_ms(p.site, d.site, snapshot, kv_bytes, cost)
-            handoff_ms = transfer_ms + d.client_rtt_ms
-        score = p.ttft_ms + handoff_ms + horizon * d.tpot_ms
-        candidates.append(Candidate(p.site, d.site, p.ttft_ms, d.tpot_ms, transfer_ms, score, p.num_cached_tokens))
-    return candidates
+def decode_step_ms(num_running, kv_tokens, inflight_decode_tokens, unit_ms, num_context_tokens, horizon: int,
+                   kv_bytes_per_token: int, cost: CostModel):
+    """One decode step with this request in the batch: its time per output token.
 
+    The batch it decodes beside, on average over its horizon: sequences finish as the site's
+    in-flight decode tokens run out (an agent that reports none is taken to keep them all), and
+    they bring their share of the KV in use."""
+    staying = np.where(inflight_decode_tokens > 0, np.minimum(num_running, inflight_decode_tokens / horizon),
+                       num_running)
+    kv_staying = np.where(num_running > 0, kv_tokens * staying / np.maximum(num_running, 1), 0.0)
+    return unit_ms * step_work(staying + 1, kv_staying + num_context_tokens, kv_bytes_per_token, cost)
+
+
+def step_work(num_seqs, kv_tokens, kv_bytes_per_token: int, cost: CostModel):
+    """A decode step's work in sequences' worth: its fixed part, its sequences, the KV they read."""
+    return cost.decode_step_fixed + num_seqs + kv_tokens * kv_bytes_per_token / cost.decode_seq_kv_bytes
+
+
+def work_unit_ms(num_running, kv_tokens, decode_tokens_per_s, kv_bytes_per_token: int, cost: CostModel):
+    """Milliseconds per unit of step work, from the decode rate the site measured (0: none yet).
+
+    The rate was measured under about the load the site reports: its running sequences each get
+    one token per step, so a step took num_running ÷ rate. An idle site reports no load to pair its
+    rate with; the rate is read as one sequence's alone."""
+    rate = np.where(decode_tokens_per_s > 0, decode_tokens_per_s, cost.default_decode_tokens_per_s)
+    lone = 1000.0 / rate / step_work(1, 0, kv_bytes_per_token, cost)
+    loaded = 1000.0 * num_running / rate / step_work(num_running, kv_tokens, kv_bytes_per_token, cost)
+    return np.where((decode_tokens_per_s > 0) & (num_running > 0), loaded, lone)
+
+
+def transfer_ms(rtt_ms, bandwidth_mbps, kv_bytes: int):
+    """Moving kv_bytes over a link: one round trip plus the bytes at the link's rate."""
+    return rtt_ms + 1000.0 * kv_bytes * 8 / (bandwidth_mbps * 1e6)
+
+
+def link_figures(src: Site, dst: Site, snapshot: Snapshot, cost: CostModel) -> tuple[float, float]:
+    """(RTT ms, bandwidth Mbps) between two sites.
+
+    The agents measure each pair (KV pulls, and small probes when idle); a measurement older than
+    `link_max_age_s` says little about the path now, so distance and the default bandwidth stand in.
+    """
+    link = snapshot.link(src.name, dst.name, cost.link_max_age_s)
+    if link is not None and link.bandwidth_mbps > 0:
+        return link.rtt_ms, link.bandwidth_mbps
+    return rtt_ms_between(src.lat, src.lon, dst.lat, dst.lon), cost.default_bandwidth_mbps
+
+
+def kv_transfer_ms(src: Site, dst: Site, snapshot: Snapshot, kv_bytes: int, cost: CostModel) -> float:
+    """Moving `kv_bytes` of KV from src to dst (see `link_figures`)."""
+    return transfer_ms(*link_figures(src, dst, snapshot, cost), kv_bytes)
+
+
+# -- liveness ------------------------------------------------------------------------------------
 
 def is_live(site: Site, cost: CostModel) -> bool:
     """The site takes new work: active, alive with a fresh heartbeat, not draining, reachable."""
@@ -203,157 +222,304 @@ def servable_models(snapshot: Snapshot, cost: CostModel, allowed_regions: frozen
     """The models live sites in the allowed regions (empty: all) can serve, sorted: some site
     prefills each and some site decodes it. Free capacity does not matter here: a model whose
     sites are full is still served (503 and retry), one missing from this list is not (404)."""
-    prefill, decode = set(), set()
-    for site in snapshot.sites:
-        if not is_live(site, cost) or (allowed_regions and site.region not in allowed_regions):
+    key = ("servable", cost, allowed_regions)
+    models = snapshot.placement_cache.get(key)
+    if models is None:
+        prefill, decode = set(), set()
+        for site in snapshot.sites:
+            if not is_live(site, cost) or (allowed_regions and site.region not in allowed_regions):
+                continue
+            prefill.update(m for m in site.models if site.serves(m, "prefill"))
+            decode.update(m for m in site.models if site.serves(m, "decode"))
+        models = snapshot.placement_cache[key] = sorted(prefill & decode)
+    return models
+
+
+# -- per snapshot: the sites that may serve a model, as arrays -----------------------------------
+
+@dataclass(slots=True)
+class _ModelSites:
+    sites: list[Site]
+    index: dict[str, int]
+    regions: list[str | None]
+    lat_rad: np.ndarray
+    lon_rad: np.ndarray
+    cos_lat: np.ndarray
+    located: np.ndarray           # has coordinates
+    can_prefill: np.ndarray
+    can_decode: np.ndarray
+    kv_blocks_free: np.ndarray
+    block_size: np.ndarray
+    inflight_prefill_tokens: np.ndarray
+    prefill_rate: np.ndarray      # measured, else the default
+    num_running: np.ndarray
+    kv_tokens: np.ndarray         # KV in use: what the site's decode steps read
+    inflight_decode_tokens: np.ndarray
+    decode_rate: np.ndarray       # measured; 0 when not yet
+    summaries: dict[int, list[tuple[int, frozenset[int]]]]  # block size -> (position, hashes) of sites with one
+    links: dict[tuple[int, int], tuple[float, float]]  # fresh measured (RTT, bandwidth) by position pair
+    derived: dict = field(default_factory=dict)  # region masks, client RTT overrides, unit costs
+
+
+def _model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _ModelSites | None:
+    key = ("sites", model, cost)
+    if key not in snapshot.placement_cache:
+        snapshot.placement_cache[key] = _build_model_sites(snapshot, model, cost)
+    return snapshot.placement_cache[key]
+
+
+def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _ModelSites | None:
+    sites = [s for s in snapshot.sites if is_live(s, cost) and (s.serves(model, "prefill") or s.serves(model, "decode"))]
+    if not sites:
+        return None
+    caps = [s.capacity for s in sites]
+
+    def column(values, dtype=np.float64) -> np.ndarray:
+        return np.fromiter(values, dtype, len(sites))
+
+    lat = np.radians(column(s.lat if s.lat is not None else 0.0 for s in sites))
+    index = {s.name: i for i, s in enumerate(sites)}
+    return _ModelSites(
+        sites=sites, index=index, regions=[s.region for s in sites], lat_rad=lat,
+        lon_rad=np.radians(column(s.lon if s.lon is not None else 0.0 for s in sites)), cos_lat=np.cos(lat),
+        located=column((s.lat is not None and s.lon is not None for s in sites), bool),
+        can_prefill=column((s.serves(model, "prefill") for s in sites), bool),
+        can_decode=column((s.serves(model, "decode") for s in sites), bool),
+        kv_blocks_free=column(c.kv_blocks_free for c in caps), block_size=column(c.block_size for c in caps),
+        inflight_prefill_tokens=column(c.inflight_prefill_tokens for c in caps),
+        prefill_rate=column(c.prefill_tokens_per_s or cost.default_prefill_tokens_per_s for c in caps),
+        num_running=column(c.num_running for c in caps),
+        kv_tokens=column(max(0, c.kv_blocks_total - c.kv_blocks_free) * c.block_size for c in caps),
+        inflight_decode_tokens=column(c.inflight_decode_tokens for c in caps),
+        decode_rate=column(c.decode_tokens_per_s for c in caps),
+        summaries=_summaries(caps),
+        links=_fresh_links(snapshot, sites, index, cost))
+
+
+def _summaries(caps: list) -> dict[int, list[tuple[int, frozenset[int]]]]:
+    by_block_size: dict[int, list[tuple[int, frozenset[int]]]] = {}
+    for i, cap in enumerate(caps):
+        if cap.cached_hashes and cap.cache_block_size > 0:
+            by_block_size.setdefault(cap.cache_block_size, []).append((i, cap.cached_hashes))
+    return by_block_size
+
+
+def _fresh_links(snapshot: Snapshot, sites: list[Site], index: dict[str, int],
+                 cost: CostModel) -> dict[tuple[int, int], tuple[float, float]]:
+    links = {}
+    for src, dst in snapshot.links:
+        i, j = index.get(src), index.get(dst)
+        if i is None or j is None or (i, j) in links:
             continue
-        prefill.update(m for m in site.models if site.serves(m, "prefill"))
-        decode.update(m for m in site.models if site.serves(m, "decode"))
-    return sorted(prefill & decode)
+        link = snapshot.link(src, dst, cost.link_max_age_s)
+        if link is not None and link.bandwidth_mbps > 0:
+            links[(i, j)] = links[(j, i)] = link_figures(sites[i], sites[j], snapshot, cost)
+    return links
 
 
-def _usable(site: Site, request: PlacementRequest, cost: CostModel) -> bool:
-    return is_live(site, cost) and (not request.allowed_regions or site.region in request.allowed_regions)
+def _derived(sites: _ModelSites, key, build):
+    value = sites.derived.get(key)
+    if value is None:
+        value = sites.derived[key] = build()
+    return value
 
 
-def _free_blocks(cap: SnapshotCapacity, load: PendingLoad) -> int:
-    return cap.kv_blocks_free - math.ceil(load.kv_tokens / cap.block_size)
+# -- per request ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _SiteCosts:
+    client_rtt_ms: np.ndarray
+    ttft_ms: np.ndarray
+    tpot_ms: np.ndarray
+    num_cached_tokens: np.ndarray
+    prefill_ok: np.ndarray        # may prefill this request (role, region, room)
+    decode_ok: np.ndarray
 
 
-def _fits_prefill(site: Site, load: PendingLoad, request: PlacementRequest, num_cached_tokens: int) -> bool:
-    cap = site.capacity
-    return math.ceil((len(request.prompt_ids) - num_cached_tokens) / cap.block_size) + 1 <= _free_blocks(cap, load)
+@dataclass(slots=True)
+class _Pairs:
+    prefill: np.ndarray           # site positions
+    decode: np.ndarray
+    transfer_ms: np.ndarray
+    score_ms: np.ndarray
 
 
-def _fits_decode(site: Site, load: PendingLoad, request: PlacementRequest, horizon: int) -> bool:
-    cap = site.capacity
-    return math.ceil((len(request.prompt_ids) + horizon) / cap.block_size) <= _free_blocks(cap, load)
+def rank(snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
+         cooling: frozenset[str] | set[str] = frozenset(),
+         pending: Mapping[str, PendingLoad] | None = None) -> list[Candidate]:
+    """The best viable (prefill, decode) pairs, best first: the failover order."""
+    sites = _model_sites(snapshot, request.model, cost)
+    if sites is None:
+        return []
+    horizon = max(1, min(request.max_tokens, cost.expected_output_tokens))
+    kv_bytes_per_token = request.kv_bytes_per_token or cost.kv_bytes_per_token
+    costs = _site_costs(sites, request, cost, pending or {}, horizon, kv_bytes_per_token)
+    pairs = _pairs(sites, costs, cost, horizon, len(request.prompt_ids) * kv_bytes_per_token)
+    if not len(pairs.score_ms):
+        return []
+    cooling_sites = np.zeros(len(sites.sites), bool)
+    cooling_sites[[sites.index[name] for name in cooling if name in sites.index]] = True
+    pair_cooling = cooling_sites[pairs.prefill] | cooling_sites[pairs.decode]
+    order = np.lexsort((pairs.score_ms, pair_cooling))
+    first = int(order[0])
+    if request.session_key and not pair_cooling[first]:
+        first = _session_choice(sites, pairs, pair_cooling, first, request, cost)
+    chosen = [first] + [i for i in order[:cost.max_candidates].tolist() if i != first][:cost.max_candidates - 1]
+    return [_candidate(sites, costs, pairs, i) for i in chosen]
 
 
-def _site_cost(site: Site, load: PendingLoad, snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
-               horizon: int, kv_bytes_per_token: int, hashes_by_block_size: dict[int, list[int]]) -> _SiteCost:
-    cap = site.capacity
-    client_rtt = _client_rtt_ms(site, snapshot, request, cost)
-    num_cached = _cached_tokens(request.prompt_ids, cap.cache_block_size, cap.cached_hashes, hashes_by_block_size)
+def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, pending: Mapping[str, PendingLoad],
+                horizon: int, kv_bytes_per_token: int) -> _SiteCosts:
+    prefill_tokens, num_seqs, decode_tokens, kv_tokens = _pending_arrays(sites, pending)
     num_prompt = len(request.prompt_ids)
-    ttft = client_rtt + prefill_queue_ms(cap, load, cost) + prefill_ms(cap, num_prompt - num_cached, cost)
-    tpot = decode_step_ms(cap, load, num_prompt + horizon // 2, horizon, kv_bytes_per_token, cost)
-    return _SiteCost(site, client_rtt, ttft, tpot, num_cached)
+    client_rtt = _client_rtt_ms(sites, request)
+    num_cached = _cached_tokens(sites, request.prompt_ids)
+    ttft = (client_rtt + prefill_queue_ms(sites.inflight_prefill_tokens + prefill_tokens, sites.prefill_rate)
+            + prefill_ms(num_prompt - num_cached, sites.prefill_rate))
+    unit_ms = _derived(sites, ("unit_ms", kv_bytes_per_token), lambda: work_unit_ms(
+        sites.num_running, sites.kv_tokens, sites.decode_rate, kv_bytes_per_token, cost))
+    tpot = decode_step_ms(sites.num_running + num_seqs, sites.kv_tokens + kv_tokens,
+                          sites.inflight_decode_tokens + decode_tokens, unit_ms, num_prompt + horizon // 2, horizon,
+                          kv_bytes_per_token, cost)
+    free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
+    allowed = _region_mask(sites, request.allowed_regions)
+    prefill_ok = sites.can_prefill & allowed & (np.ceil((num_prompt - num_cached) / sites.block_size) + 1 <= free_blocks)
+    decode_ok = sites.can_decode & allowed & (np.ceil((num_prompt + horizon) / sites.block_size) <= free_blocks)
+    return _SiteCosts(client_rtt, ttft, tpot, num_cached, prefill_ok, decode_ok)
 
 
-def prefill_queue_ms(cap: SnapshotCapacity, load: PendingLoad, cost: CostModel) -> float:
-    """Prefill work ahead of this request: what the site reported plus what this router sent since."""
-    return 1000.0 * (cap.inflight_prefill_tokens + load.prefill_tokens) / _prefill_rate(cap, cost)
+def _pending_arrays(sites: _ModelSites, pending: Mapping[str, PendingLoad]):
+    """(prefill tokens, sequences, decode tokens, KV tokens) this router added per site; zeros when none."""
+    rows = [(sites.index[name], load) for name, load in pending.items() if name in sites.index]
+    if not rows:
+        return 0, 0, 0, 0
+    arrays = np.zeros((4, len(sites.sites)))
+    for i, load in rows:
+        arrays[:, i] = (load.prefill_tokens, load.num_seqs, load.decode_tokens, load.kv_tokens)
+    return arrays[0], arrays[1], arrays[2], arrays[3]
 
 
-def prefill_ms(cap: SnapshotCapacity, num_uncached_tokens: int, cost: CostModel) -> float:
-    return 1000.0 * num_uncached_tokens / _prefill_rate(cap, cost)
+def _client_rtt_ms(sites: _ModelSites, request: PlacementRequest) -> np.ndarray:
+    """From distance, except where the router's own site has a fresh measured link to the site."""
+    rtt = rtt_ms_arrays(math.radians(request.client_lat), math.radians(request.client_lon), sites.lat_rad,
+                        sites.lon_rad, cos_lat2=sites.cos_lat)
+    rtt = np.where(sites.located, rtt, UNKNOWN_DISTANCE_RTT_MS)
+    if request.client_site is None:
+        return rtt
+    measured = _derived(sites, ("client_site", request.client_site), lambda: _measured_from(sites, request.client_site))
+    return np.where(np.isnan(measured), rtt, measured)
 
 
-def _prefill_rate(cap: SnapshotCapacity, cost: CostModel) -> float:
-    return cap.prefill_tokens_per_s or cost.default_prefill_tokens_per_s
+def _measured_from(sites: _ModelSites, own_site: str) -> np.ndarray:
+    measured = np.full(len(sites.sites), np.nan)
+    own = sites.index.get(own_site)
+    for (i, j), (rtt_ms, _bandwidth) in sites.links.items():
+        if i == own:
+            measured[j] = rtt_ms
+    if own is not None:
+        measured[own] = OWN_SITE_RTT_MS
+    return measured
 
 
-def decode_step_ms(cap: SnapshotCapacity, load: PendingLoad, num_context_tokens: int, horizon: int,
-                   kv_bytes_per_token: int, cost: CostModel) -> float:
-    """One decode step on the site with this request in the batch: its time per output token."""
-    num_running = cap.num_running + load.num_seqs
-    kv_tokens = kv_tokens_in_use(cap) + load.kv_tokens
-    decode_tokens = cap.inflight_decode_tokens + load.decode_tokens
-    # The batch this request decodes beside, on average over its horizon: sequences finish as the
-    # site's in-flight decode tokens run out. An agent that reports none is taken to keep them all.
-    staying = min(num_running, decode_tokens / horizon) if decode_tokens > 0 else num_running
-    kv_staying = kv_tokens * staying / num_running if num_running else 0.0
-    work = _step_work(staying + 1, kv_staying + num_context_tokens, kv_bytes_per_token, cost)
-    return _work_unit_ms(cap, kv_bytes_per_token, cost) * work
+def _region_mask(sites: _ModelSites, allowed_regions: frozenset[str]) -> np.ndarray | bool:
+    if not allowed_regions:
+        return True
+    return _derived(sites, ("regions", allowed_regions), lambda: np.fromiter(
+        (region in allowed_regions for region in sites.regions), bool, len(sites.regions)))
 
 
-def kv_tokens_in_use(cap: SnapshotCapacity) -> int:
-    """KV the site's sequences hold now: what its decode steps read."""
-    return max(0, cap.kv_blocks_total - cap.kv_blocks_free) * cap.block_size
+def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
+    """Prompt tokens each site's prefix cache holds: the leading run of prompt blocks in its summary.
+
+    Only sites holding the prompt's first block count, and blocks are hashed only as deep as one
+    of them holds the chain, so a prompt no site has seen costs one hash per block size. The last
+    prompt token is always recomputed: its logits pick the first output token."""
+    num_cached = np.zeros(len(sites.sites))
+    for block_size, summaries in sites.summaries.items():
+        if len(prompt_ids) < block_size:
+            continue
+        hashes = [block_hash(ROOT_HASH, prompt_ids[:block_size])]
+        holders = [(i, cached) for i, cached in summaries if hashes[0] in cached]
+        end = 2 * block_size
+        while holders and end <= len(prompt_ids) and any(hashes[-1] in cached for _i, cached in holders):
+            hashes.append(block_hash(hashes[-1], prompt_ids[end - block_size:end]))
+            end += block_size
+        for i, cached in holders:
+            num_cached[i] = block_size * _leading_run(hashes, cached)
+    return np.minimum(num_cached, max(0, len(prompt_ids) - 1))
 
 
-def _step_work(num_seqs: float, kv_tokens: float, kv_bytes_per_token: int, cost: CostModel) -> float:
-    """A decode step's work in sequences' worth: its fixed part, its sequences, the KV they read."""
-    return cost.decode_step_fixed + num_seqs + kv_tokens * kv_bytes_per_token / cost.decode_seq_kv_bytes
+def _leading_run(hashes: list[int], cached: frozenset[int]) -> int:
+    """How many of hashes, from the first, cached holds (set operations in C: the common case,
+    a summary holding the run and nothing after it, needs no Python loop)."""
+    num_held = len(cached.intersection(hashes))
+    if cached.issuperset(hashes[:num_held]):
+        return num_held
+    return sum(1 for _h in takewhile(cached.__contains__, hashes))
 
 
-def _work_unit_ms(cap: SnapshotCapacity, kv_bytes_per_token: int, cost: CostModel) -> float:
-    """Milliseconds per unit of step work, from the decode rate the site measured.
-
-    The rate (tokens per second of decoding) was measured under about the load the site reports:
-    b₀ running sequences each get one token per step, so a step took b₀ ÷ rate. An idle site
-    reports no load to pair its rate with; it is read as the rate of one sequence alone.
-    """
-    rate = cap.decode_tokens_per_s or cost.default_decode_tokens_per_s
-    num_running = cap.num_running if cap.decode_tokens_per_s else 0
-    if num_running == 0:
-        return 1000.0 / rate / _step_work(1, 0, kv_bytes_per_token, cost)
-    step_ms = 1000.0 * num_running / rate
-    return step_ms / _step_work(num_running, kv_tokens_in_use(cap), kv_bytes_per_token, cost)
-
-
-def _client_rtt_ms(site: Site, snapshot: Snapshot, request: PlacementRequest, cost: CostModel) -> float:
-    if request.client_site is not None:
-        if request.client_site == site.name:
-            return 0.5
-        link = snapshot.link(request.client_site, site.name, cost.link_max_age_s)
-        if link is not None:
-            return link.rtt_ms
-    return rtt_ms_between(request.client_lat, request.client_lon, site.lat, site.lon)
+def _pairs(sites: _ModelSites, costs: _SiteCosts, cost: CostModel, horizon: int, kv_bytes: int) -> _Pairs:
+    """Colocation on every site that may do both, and the shortlisted split pairs."""
+    both = np.flatnonzero(costs.prefill_ok & costs.decode_ok)
+    colocated_ms = costs.ttft_ms[both] + horizon * costs.tpot_ms[both]
+    if not cost.allow_split:
+        return _Pairs(both, both, np.zeros(len(both)), colocated_ms)
+    prefill = _shortlist(np.flatnonzero(costs.prefill_ok), costs.ttft_ms, cost.shortlist)
+    decode = _shortlist(np.flatnonzero(costs.decode_ok), costs.client_rtt_ms + horizon * costs.tpot_ms,
+                        cost.shortlist)
+    p, d = np.repeat(prefill, len(decode)), np.tile(decode, len(prefill))
+    p, d = p[p != d], d[p != d]
+    rtt_ms, bandwidth_mbps = _link_arrays(sites, p, d, cost)
+    transfer = transfer_ms(rtt_ms, bandwidth_mbps, kv_bytes)
+    split_ms = costs.ttft_ms[p] + transfer + costs.client_rtt_ms[d] + horizon * costs.tpot_ms[d]
+    return _Pairs(np.concatenate([both, p]), np.concatenate([both, d]),
+                  np.concatenate([np.zeros(len(both)), transfer]), np.concatenate([colocated_ms, split_ms]))
 
 
-def kv_transfer_ms(src: Site, dst: Site, snapshot: Snapshot, kv_bytes: int, cost: CostModel) -> float:
-    """Moving `kv_bytes` of KV from src to dst: one round trip plus the bytes at the link's rate.
-
-    The agents measure each pair (KV pulls, and small probes when idle); a measurement older than
-    `link_max_age_s` says little about the path now, so distance and the default bandwidth stand in.
-    """
-    link = snapshot.link(src.name, dst.name, cost.link_max_age_s)
-    if link is not None and link.bandwidth_mbps > 0:
-        rtt_ms, bandwidth_mbps = link.rtt_ms, link.bandwidth_mbps
-    else:
-        rtt_ms, bandwidth_mbps = rtt_ms_between(src.lat, src.lon, dst.lat, dst.lon), cost.default_bandwidth_mbps
-    return rtt_ms + 1000.0 * kv_bytes * 8 / (bandwidth_mbps * 1e6)
+def _shortlist(positions: np.ndarray, key_ms: np.ndarray, size: int) -> np.ndarray:
+    return positions[np.argsort(key_ms[positions], kind="stable")[:size]]
 
 
-def _cached_tokens(prompt_ids: list[int], block_size: int, cached: frozenset[int],
-                   hashes_by_block_size: dict[int, list[int]]) -> int:
-    if not cached or block_size <= 0:
-        return 0
-    hashes = hashes_by_block_size.get(block_size)
-    if hashes is None:  # one hashing pass per block size, shared by every site using it
-        hashes = hashes_by_block_size[block_size] = prefix_hashes(prompt_ids, block_size)
-    num_blocks = 0
-    for h in hashes:
-        if h not in cached:
-            break
-        num_blocks += 1
-    # The last prompt token is always recomputed: its logits pick the first output token.
-    return min(num_blocks * block_size, max(0, len(prompt_ids) - 1))
+def _link_arrays(sites: _ModelSites, src: np.ndarray, dst: np.ndarray, cost: CostModel):
+    """`link_figures` for many pairs: measured where fresh, else distance and the default bandwidth."""
+    rtt_ms = rtt_ms_arrays(sites.lat_rad[src], sites.lon_rad[src], sites.lat_rad[dst], sites.lon_rad[dst],
+                           sites.cos_lat[src], sites.cos_lat[dst])
+    rtt_ms = np.where(sites.located[src] & sites.located[dst], rtt_ms, UNKNOWN_DISTANCE_RTT_MS)
+    bandwidth_mbps = np.full(len(src), cost.default_bandwidth_mbps)
+    if sites.links:
+        for k, pair in enumerate(zip(src.tolist(), dst.tolist())):
+            measured = sites.links.get(pair)
+            if measured is not None:
+                rtt_ms[k], bandwidth_mbps[k] = measured
+    return rtt_ms, bandwidth_mbps
 
 
-def _apply_session(candidates: list[Candidate], request: PlacementRequest, cost: CostModel, cooling) -> None:
-    if not candidates or _touches(candidates[0], cooling):
-        return
-    best_ms = candidates[0].score_ms
-    if request.session_pair is not None:
-        for i, candidate in enumerate(candidates):
-            if candidate.site_names == request.session_pair:
-                if candidate.score_ms <= best_ms * (1.0 + cost.session_margin) + 1.0 and not _touches(candidate, cooling):
-                    candidates.insert(0, candidates.pop(i))
-                    return
-                break  # its pair is now too costly (or cooling): the session moves
-    limit = best_ms * (1.0 + cost.affinity_slack) + 1.0
-    near = [i for i, c in enumerate(candidates) if c.score_ms <= limit and not _touches(c, cooling)]
-    chosen = max(near, key=lambda i: _rendezvous(request.session_key, candidates[i]))
-    candidates.insert(0, candidates.pop(chosen))
+def _candidate(sites: _ModelSites, costs: _SiteCosts, pairs: _Pairs, i: int) -> Candidate:
+    p, d = int(pairs.prefill[i]), int(pairs.decode[i])
+    return Candidate(sites.sites[p], sites.sites[d], float(costs.ttft_ms[p]), float(costs.tpot_ms[d]),
+                     float(pairs.transfer_ms[i]), float(pairs.score_ms[i]), int(costs.num_cached_tokens[p]))
 
 
-def _touches(candidate: Candidate, sites: frozenset[str] | set[str]) -> bool:
-    return candidate.prefill_site.name in sites or candidate.decode_site.name in sites
+def _session_choice(sites: _ModelSites, pairs: _Pairs, pair_cooling: np.ndarray, best: int,
+                    request: PlacementRequest, cost: CostModel) -> int:
+    """The pair a session goes to: its last pair while within the margin, else its rendezvous pick."""
+    best_ms = float(pairs.score_ms[best])
+    home = _pair_position(sites, pairs, request.session_pair)
+    if (home is not None and not pair_cooling[home]
+            and pairs.score_ms[home] <= best_ms * (1.0 + cost.session_margin) + 1.0):
+        return home
+    near = np.flatnonzero((pairs.score_ms <= best_ms * (1.0 + cost.affinity_slack) + 1.0) & ~pair_cooling)
+    return int(max(near.tolist(), key=lambda i: _rendezvous(
+        request.session_key, sites.sites[pairs.prefill[i]].name, sites.sites[pairs.decode[i]].name)))
 
 
-def _rendezvous(session_key: str, candidate: Candidate) -> int:
-    text = f"{session_key}\x00{candidate.prefill_site.name}\x00{candidate.decode_site.name}"
+def _pair_position(sites: _ModelSites, pairs: _Pairs, names: tuple[str, str] | None) -> int | None:
+    if names is None or names[0] not in sites.index or names[1] not in sites.index:
+        return None
+    found = np.flatnonzero((pairs.prefill == sites.index[names[0]]) & (pairs.decode == sites.index[names[1]]))
+    return int(found[0]) if len(found) else None
+
+
+def _rendezvous(session_key: str, prefill_site: str, decode_site: str) -> int:
+    text = f"{session_key}\x00{prefill_site}\x00{decode_site}"
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

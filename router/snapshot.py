@@ -65,6 +65,9 @@ class Snapshot:
     generated_at: float
     sites: list[Site]
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    # What placement derives once per snapshot (router/placement.py); a copy made with
+    # dataclasses.replace (another view of the sites) starts with an empty one.
+    placement_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def link(self, src: str, dst: str, max_age_s: float | None = None) -> Link | None:
         """The newest measured link in either direction (measurements are taken one way); with
