@@ -41,6 +41,8 @@ def add_parser(subparsers) -> None:
     up.add_argument("--planner", action="store_true", default=None,
                     help="run the prefill/decode pool planner: it moves sites allowed both roles between the pools")
     up.add_argument("--demo-size", default="small", choices=["tiny", "small"], help="size of the demo model")
+    up.add_argument("--tls", action="store_true", default=None,
+                    help="run every hop over TLS (HTTPS, gRPC, KV data port) with a local CA made in the state dir")
     up.set_defaults(func=run_up)
 
     status = subparsers.add_parser("status", help="a table of sites: state, role, load, KV free, heartbeat age")
@@ -52,6 +54,7 @@ def add_parser(subparsers) -> None:
     status.add_argument("--json", action="store_true", help="print the raw site list (or links) as JSON")
     status.add_argument("--links", action="store_true",
                         help="the measured links instead: RTT, throughput and age for each pair of sites")
+    status.add_argument("--ca", help="CA bundle verifying an https registry (default: the `edgefire up` cluster's)")
     status.set_defaults(func=run_status)
 
 
@@ -60,7 +63,8 @@ def add_parser(subparsers) -> None:
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     overrides = {"model_dir": args.model, "model_name": args.model_name, "router_port": args.port,
                  "registry_port": args.registry_port, "host": args.host, "api_key": args.api_key,
-                 "admin_token": args.admin_token, "state_dir": args.state_dir, "planner": args.planner}
+                 "admin_token": args.admin_token, "state_dir": args.state_dir, "planner": args.planner,
+                 "tls": args.tls}
     if args.sites is not None:
         overrides["sites"] = demo_sites(args.sites)
     if args.config is not None:
@@ -134,27 +138,33 @@ def banner(cluster, startup_s: float) -> str:
     rows.append(("registry", cluster.registry_url, "sites, capacity, admin API", "sqlite: registry.db",
                  "logs/registry.log"))
     for site in c.sites:
-        rows.append((f"agent {site.name}", f"grpc://{cluster.site_address(site.name)}", site.role,
+        rows.append((f"agent {site.name}", f"grpc{'s' if c.tls else ''}://{cluster.site_address(site.name)}", site.role,
                      f"{site.name} ({site.lat:.2f}, {site.lon:.2f})", f"logs/{site.name}.log"))
     rows.append(("router", cluster.router_url, "OpenAI-compatible endpoint",
                  f"({c.router['lat']:.2f}, {c.router['lon']:.2f})", "logs/router.log"))
-    url = cluster.router_url
+    url, ca = cluster.router_url, cluster.ca_path
+    curl_ca = f" --cacert {ca}" if ca else ""
+    python_client = (f'OpenAI(base_url="{url}/v1", api_key="{c.api_key}",\n'
+                     f'                http_client=httpx.Client(verify=ssl.create_default_context(cafile="{ca}")))'
+                     if ca else f'OpenAI(base_url="{url}/v1", api_key="{c.api_key}")')
+    python_imports = "import ssl\n\nimport httpx\nfrom openai import OpenAI" if ca else "from openai import OpenAI"
+    tls_line = f"\n  CA bundle     {ca}   (every hop is TLS: HTTPS, gRPC and KV with client certificates)" if ca else ""
     return f"""
 edgefire is up in {startup_s:.0f}s: model `{cluster.model}` from {c.model_dir}
 {format_table(rows)}
 
   state dir     {cluster.state_dir}
   admin token   {c.admin_token}
-  API key       {c.api_key}
+  API key       {c.api_key}{tls_line}
 
 Try it:
-  curl -sN {url}/v1/chat/completions \\
+  curl -sN{curl_ca} {url}/v1/chat/completions \\
     -H "Authorization: Bearer {c.api_key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{cluster.model}", "messages": [{{"role": "user", "content": "Hello from the edge"}}], "max_tokens": 32, "stream": true}}'
 
   python - <<'EOF'
-from openai import OpenAI
-client = OpenAI(base_url="{url}/v1", api_key="{c.api_key}")
+{python_imports}
+client = {python_client}
 reply = client.chat.completions.create(model="{cluster.model}", max_tokens=32,
                                        messages=[{{"role": "user", "content": "Hello from the edge"}}])
 print(reply.choices[0].message.content)
@@ -169,9 +179,10 @@ Ctrl-C stops everything."""
 def run_status(args: argparse.Namespace) -> int:
     import httpx
 
+    from node_agent.tls import client_context
     from registry.client import RegistryError, SyncRegistryClient
 
-    registry_url, admin_token = args.registry_url, args.admin_token
+    registry_url, admin_token, ca = args.registry_url, args.admin_token, args.ca
     if registry_url is None or admin_token is None:
         try:
             saved = json.loads((args.state_dir / "cluster.json").read_text())
@@ -181,8 +192,9 @@ def run_status(args: argparse.Namespace) -> int:
             return 2
         registry_url = registry_url or saved["registry_url"]
         admin_token = admin_token or saved["admin_token"]
+        ca = ca or saved.get("ca")
     try:
-        with SyncRegistryClient(registry_url, admin_token) as registry:
+        with SyncRegistryClient(registry_url, admin_token, verify=client_context(ca) if ca else True) as registry:
             snapshot = registry.admin_snapshot()
     except RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -107,6 +107,7 @@ class ClusterConfig:
     agent: dict = field(default_factory=dict)   # extra AgentConfig fields for every site
     planner: bool = False                       # run the registry's prefill/decode pool planner
     planner_settings: dict = field(default_factory=dict)  # PlannerSettings fields (registry.planner)
+    tls: bool = False                    # every hop over TLS, with a local CA made at start
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

@@ -7,7 +7,10 @@
 
 `edgefire up` and the end-to-end tests both drive this class. Everything it writes lives in the state
 directory: `registry.db`, `config/<process>.toml` (0600: they hold tokens), `logs/<process>.log`,
-`run/<process>.pid`, and `cluster.json` (URLs and tokens, for `edgefire status`).
+`run/<process>.pid`, and `cluster.json` (URLs and tokens, for `edgefire status`). With `tls`, a
+fresh local CA (deploy.tls) signs one certificate per process into `tls/` (keys 0600; the CA's key
+is never written), and every hop is TLS: HTTPS to the registry and router, gRPC and the KV data
+port with client certificates demanded by the agents.
 A start first kills whatever a crashed launcher left behind (from its pid files) and starts the
 registry from an empty database, so a second `up` after a crash starts cleanly.
 """
@@ -23,10 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import httpx
 
 from deploy.cluster_config import ClusterConfig, SiteSpec
 from deploy.processes import ManagedProcess, free_port, is_ours, kill_stale, wait_ports_free
+from deploy.tls import LocalCA, local_hosts
+from node_agent.tls import channel_credentials, client_context
 from registry.client import SyncRegistryClient
 
 log = logging.getLogger(__name__)
@@ -51,16 +57,36 @@ class Cluster:
         self.state_dir = config.state_dir.resolve()
         self.processes: dict[str, ManagedProcess] = {}
         self._admin: SyncRegistryClient | None = None
+        self._verify = True  # how HTTPS clients check the cluster's certificates; an SSLContext under tls
 
     # -- addresses ---------------------------------------------------------------------------
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.config.tls else "http"
+
+    @property
     def registry_url(self) -> str:
-        return f"http://{self.config.host}:{self.config.registry_port}"
+        return f"{self.scheme}://{self.config.host}:{self.config.registry_port}"
 
     @property
     def router_url(self) -> str:
-        return f"http://{self.config.host}:{self.config.router_port}"
+        return f"{self.scheme}://{self.config.host}:{self.config.router_port}"
+
+    @property
+    def ca_path(self) -> Path | None:
+        """The CA bundle clients verify the cluster with (None without tls)."""
+        return self.state_dir / "tls" / "ca.pem" if self.config.tls else None
+
+    def agent_credentials(self) -> grpc.ChannelCredentials | None:
+        """For calling the cluster's agents directly (tools, tests): the router's identity under tls."""
+        if not self.config.tls:
+            return None
+        return channel_credentials(str(self.ca_path), *self.tls_files(ROUTER_NAME))
+
+    def http_client(self, **options) -> httpx.Client:
+        """An httpx client that trusts this cluster's certificates."""
+        return httpx.Client(verify=self._verify, **options)
 
     @property
     def api_key(self) -> str:
@@ -82,7 +108,8 @@ class Cluster:
 
     def admin(self) -> SyncRegistryClient:
         if self._admin is None:
-            self._admin = SyncRegistryClient(self.registry_url, self.config.admin_token, actor="launcher")
+            self._admin = SyncRegistryClient(self.registry_url, self.config.admin_token, actor="launcher",
+                                             verify=self._verify)
         return self._admin
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -90,6 +117,8 @@ class Cluster:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """From nothing to serving; on failure everything started is stopped again."""
         self._prepare_state_dir()
+        if self.config.tls:
+            self._make_certificates()
         self._assign_ports()
         self._seed_registry()
         try:
@@ -108,6 +137,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Router first (no new requests), then agents (they drain and deregister), then the registry."""
+        self._close_admin()
         order = [ROUTER_NAME] + [s.name for s in self.config.sites] + [REGISTRY_NAME]
         for name in order:
             process = self.processes.get(name)
@@ -115,10 +145,14 @@ class Cluster:
                 code = process.stop(signal.SIGTERM)
                 if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
                     log.info("%s exited with %s (log: %s)", name, code, process.log_path)
+        (self.state_dir / "launcher.pid").unlink(missing_ok=True)
+
+    def _close_admin(self) -> None:
+        # An idle keep-alive TLS connection holds up the registry's graceful shutdown (it waits for
+        # the client's TLS close): hang up before stopping it. admin() opens a new one when needed.
         if self._admin is not None:
             self._admin.close()
             self._admin = None
-        (self.state_dir / "launcher.pid").unlink(missing_ok=True)
 
     def __enter__(self) -> Cluster:
         self.start()
@@ -142,6 +176,7 @@ class Cluster:
             self.wait_for(lambda: self.site_alive(name), timeout_s, f"site {name} to heartbeat again")
 
     def stop_registry(self) -> None:
+        self._close_admin()
         self.processes[REGISTRY_NAME].stop(signal.SIGTERM)
 
     def start_registry(self, timeout_s: float = 30.0) -> None:
@@ -188,10 +223,10 @@ class Cluster:
         return httpx.get(url, timeout=2.0).status_code == 200
 
     def _registry_ready(self) -> bool:
-        return httpx.get(f"{self.registry_url}/healthz", timeout=2.0).status_code == 200
+        return httpx.get(f"{self.registry_url}/healthz", timeout=2.0, verify=self._verify).status_code == 200
 
     def _router_ready(self) -> bool:
-        response = httpx.get(f"{self.router_url}/v1/models", timeout=2.0,
+        response = httpx.get(f"{self.router_url}/v1/models", timeout=2.0, verify=self._verify,
                              headers={"Authorization": f"Bearer {self.api_key}"})
         return response.status_code == 200 and any(m["id"] == self.model for m in response.json()["data"])
 
@@ -222,6 +257,25 @@ class Cluster:
         if pid is not None and pid != os.getpid() and is_ours(pid):
             raise ClusterError(f"another launcher (pid {pid}) runs a cluster in {self.state_dir}; stop it first")
         pid_path.write_text(str(os.getpid()))
+
+    def _make_certificates(self) -> None:
+        ca = LocalCA(f"edgefire local CA ({self.state_dir})")
+        directory = self.state_dir / "tls"
+        directory.mkdir(exist_ok=True)
+        for path in directory.glob("*.pem"):
+            path.unlink()  # a new CA: nothing signed by an earlier one stays around
+        self.ca_path.write_bytes(ca.cert_pem)
+        hosts = local_hosts(self.config.host)
+        for name in (REGISTRY_NAME, ROUTER_NAME, *(s.name for s in self.config.sites)):
+            cert, key = ca.issue(name, hosts)
+            (directory / f"{name}.pem").write_bytes(cert)
+            _write_private(directory / f"{name}-key.pem", key.decode())
+        self._verify = client_context(str(self.ca_path))
+
+    def tls_files(self, name: str) -> tuple[str, str]:
+        """(certificate, key) paths of a process's TLS identity."""
+        directory = self.state_dir / "tls"
+        return str(directory / f"{name}.pem"), str(directory / f"{name}-key.pem")
 
     def _assign_ports(self) -> None:
         c, host = self.config, self.config.host
@@ -272,8 +326,10 @@ class Cluster:
         if c.planner:
             path = self._write_toml("planner", {"planner": c.planner_settings})
             planner = ["--planner", "--planner-config", str(path)]
+        cert, key = self.tls_files(REGISTRY_NAME)
+        tls = ["--tls-cert", cert, "--tls-key", key] if c.tls else []
         self._process(REGISTRY_NAME, ["registry", "serve", "--db", self.db_url, "--host", c.host,
-                                      "--port", str(c.registry_port), "--no-migrate", *planner],
+                                      "--port", str(c.registry_port), "--no-migrate", *planner, *tls],
                       {"EDGEFIRE_ADMIN_TOKEN": c.admin_token, "EDGEFIRE_ROUTER_TOKEN": c.router_token}).start()
         self.wait_for(self._registry_ready, 30.0, "the registry to answer")
 
@@ -284,12 +340,27 @@ class Cluster:
                 "lon": site.lon, "role": site.role, "models": {self.model: str(c.model_dir.resolve())},
                 "grpc_listen": f"{c.host}:{site.grpc_port}", "metrics_listen": f"{c.host}:{site.metrics_port}",
                 "registry_url": self.registry_url, "site_token": self._site_tokens[site.name],
-                "peer_token": c.peer_token}
+                "peer_token": c.peer_token, **self._agent_tls(site.name)}
 
     def router_settings(self) -> dict:
         c = self.config
         return {**ROUTER_DEFAULTS, **c.router, "host": c.host, "port": c.router_port,
-                "registry_url": self.registry_url, "registry_token": c.router_token, "peer_token": c.peer_token}
+                "registry_url": self.registry_url, "registry_token": c.router_token, "peer_token": c.peer_token,
+                **self._router_tls()}
+
+    def _agent_tls(self, name: str) -> dict:
+        if not self.config.tls:
+            return {}
+        cert, key = self.tls_files(name)
+        ca = str(self.ca_path)
+        return {"tls_cert": cert, "tls_key": key, "tls_ca": ca, "tls_client_ca": ca}
+
+    def _router_tls(self) -> dict:
+        if not self.config.tls:
+            return {}
+        cert, key = self.tls_files(ROUTER_NAME)
+        return {"tls_cert": cert, "tls_key": key, "tls_ca": str(self.ca_path), "agent_tls": True,
+                "agent_client_cert": cert, "agent_client_key": key}
 
     def _start_agent(self, site: SiteSpec) -> None:
         path = self._write_toml(site.name, self.agent_settings(site))
@@ -307,6 +378,7 @@ class Cluster:
     def _write_cluster_json(self) -> None:
         c = self.config
         document = {"registry_url": self.registry_url, "router_url": self.router_url, "model": self.model,
+                    "ca": str(self.ca_path) if self.ca_path else None,
                     "admin_token": c.admin_token, "api_key": c.api_key, "launcher_pid": os.getpid(),
                     "sites": {s.name: {"role": s.role, "city": s.name, "grpc_address": self.site_address(s.name),
                                        "metrics": f"http://{c.host}:{s.metrics_port}/metrics",

@@ -36,9 +36,12 @@ class AgentConfig:
     registry_url: str | None = None             # None: run without a registry
     site_token: str | None = None
     peer_token: str = ""
+    # TLS: with tls_cert/tls_key the gRPC port and the KV data port speak only TLS, and peers are called
+    # over TLS too (presenting this certificate, for peers that demand client certificates).
     tls_cert: str | None = None
     tls_key: str | None = None
-    tls_ca: str | None = None                   # roots for calling TLS peers
+    tls_ca: str | None = None                   # CA bundle verifying peers and an https registry (None: system roots)
+    tls_client_ca: str | None = None            # callers (routers, peers) must present a certificate signed by it
     kv_cache_bytes: int = 256 << 20             # KV pool per model
     kv_lease_ttl_s: float = 30.0
     kv_chunk_bytes: int = 1 << 20
@@ -60,6 +63,11 @@ class AgentConfig:
     def grpc_address(self) -> str:
         return self.advertise_address or self.grpc_listen
 
+    @property
+    def peers_over_tls(self) -> bool:
+        """A site with a certificate (or a CA to check others by) expects its peers to speak TLS too."""
+        return bool(self.tls_cert or self.tls_ca)
+
     def validate(self) -> None:
         if not self.site:
             raise ConfigError("site: the site name must not be empty")
@@ -76,7 +84,9 @@ class AgentConfig:
             raise ConfigError("site_token: required when registry_url is set")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert / tls_key: give both or neither")
-        for name in ("tls_cert", "tls_key", "tls_ca"):
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca: client certificates need TLS; set tls_cert and tls_key too")
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")

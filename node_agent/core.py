@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
-import grpc
 from grpc import aio
 
 from engine.async_engine import TokenEvent
@@ -30,6 +29,7 @@ from node_agent.metrics import AgentMetrics
 from node_agent.kv_data import KVDataServer, KVSourceUnreachable, probe, receive_bulk
 from node_agent.links import LinkTable
 from node_agent.models import HostedModel
+from node_agent.tls import channel_credentials, client_context
 from node_agent.transfer import receive_payload
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ class PrefillOutcome:
 
 
 class AgentCore:
-    def __init__(self, config: AgentConfig, models: dict[str, HostedModel], metrics: AgentMetrics,
-                 peer_credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, config: AgentConfig, models: dict[str, HostedModel], metrics: AgentMetrics):
         self.config = config
         self.models = models
         self.metrics = metrics
@@ -70,8 +69,9 @@ class AgentCore:
         self.num_inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._peer_tls = peer_credentials is not None
-        self._peers = AgentPool(config.peer_token, peer_credentials)
+        tls = (config.tls_ca, config.tls_cert, config.tls_key)
+        self._peers = AgentPool(config.peer_token, channel_credentials(*tls) if config.peers_over_tls else None)
+        self._peer_ssl = client_context(*tls) if config.peers_over_tls else None  # for peers' KV data ports
         self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
         # Decodes admitted but not yet held by their engine (pulling KV): they count against max_num_seqs.
         self._decode_reserved: dict[str, int] = {}
@@ -245,7 +245,8 @@ class AgentCore:
             try:
                 started = time.perf_counter()
                 payload = await receive_bulk(peer.data_address, self.config.peer_token, source.kv_handle, layout,
-                                             prompt_ids, timeout, lambda s: self.links.observe_rtt(peer.site, s))
+                                             prompt_ids, timeout, self._peer_ssl,
+                                             lambda s: self.links.observe_rtt(peer.site, s))
                 self.links.observe_transfer(peer.site, payload.num_bytes, time.perf_counter() - started)
                 return payload
             except KVSourceUnreachable as exc:
@@ -265,7 +266,7 @@ class AgentCore:
             except aio.AioRpcError as exc:
                 raise KVTransferError(f"KV source {address} is unreachable: {exc.code().name}") from exc
             port = health.kv_data_port
-            data_address = f"{address.rpartition(':')[0]}:{port}" if port and not self._peer_tls else None
+            data_address = f"{address.rpartition(':')[0]}:{port}" if port else None
             self._peer_info[address] = Peer(health.site, data_address)
         return self._peer_info[address]
 
@@ -276,7 +277,8 @@ class AgentCore:
         try:
             peer = await self._peer_health(client, address, timeout)
             if peer.data_address:
-                result = await probe(peer.data_address, self.config.peer_token, self.config.link_probe_bytes, timeout)
+                result = await probe(peer.data_address, self.config.peer_token, self.config.link_probe_bytes, timeout,
+                                     self._peer_ssl)
                 self.links.observe_rtt(site, result.rtt_s)
                 self.links.observe_transfer(site, result.num_bytes, result.seconds)
             else:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
-import grpc
 from grpc import aio
 
 from node_agent.auth import TokenAuthInterceptor
@@ -30,6 +28,7 @@ from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.models import HostedModel, load_model
 from node_agent.proto import agent_pb2_grpc
 from node_agent.service import AgentServicer
+from node_agent.tls import client_context, server_context, server_credentials
 from registry.wire import CapacityReport
 
 log = logging.getLogger(__name__)
@@ -59,15 +58,14 @@ class Agent:
         cfg = self.config
         loaded = await asyncio.gather(*(load_model(name, path, cfg) for name, path in cfg.models.items()))
         self.models = {m.name: m for m in loaded}
-        peer_credentials = grpc.ssl_channel_credentials(Path(cfg.tls_ca).read_bytes()) if cfg.tls_ca else None
-        self.core = AgentCore(cfg, self.models, self.metrics, peer_credentials)
+        self.core = AgentCore(cfg, self.models, self.metrics)
         self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
         self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)], options=MESSAGE_OPTIONS)
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
         port = self._bind(cfg.grpc_listen)
         self.address = f"{cfg.grpc_listen.rpartition(':')[0]}:{port}"
         await self._server.start()
-        if cfg.kv_data_port is not None and not cfg.tls_cert:
+        if cfg.kv_data_port is not None:
             await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port)
         if cfg.metrics_listen:
             self._metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
@@ -79,16 +77,18 @@ class Agent:
 
     async def _start_kv_data(self, host: str, port: int) -> None:
         core = self.core
-        server = KVDataServer(self.config.peer_token, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc)
+        cfg = self.config
+        ssl_context = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+        server = KVDataServer(cfg.peer_token, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc,
+                              ssl_context)
         await server.start(host or "0.0.0.0", port)
         core.kv_data_server = server
-        log.info("KV data port %d", server.port)
+        log.info("KV data port %d%s", server.port, " (TLS)" if ssl_context else "")
 
     def _bind(self, listen: str) -> int:
         cfg = self.config
         if cfg.tls_cert:
-            credentials = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            return self._server.add_secure_port(listen, credentials)
+            return self._server.add_secure_port(listen, server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
         return self._server.add_insecure_port(listen)
 
     def _start_heartbeats(self) -> None:
@@ -98,7 +98,8 @@ class Agent:
         address = cfg.advertise_address or self.address
         registration = Registration(cfg.site, address, [{"model": m, "role": cfg.role} for m in self.models],
                                     cfg.heartbeat_interval_s, cfg.region, cfg.country, cfg.lat, cfg.lon)
-        client = RegistryClient(cfg.registry_url, cfg.site_token)
+        client = RegistryClient(cfg.registry_url, cfg.site_token,
+                                verify=client_context(cfg.tls_ca) if cfg.tls_ca else True)
         self.heartbeats = HeartbeatLoop(client, registration, self.capacity, self._on_registry_status)
         self.heartbeats.start()
         settings = LinkSettings(cfg.link_probe_interval_s, cfg.link_probe_bytes, cfg.link_report_interval_s)

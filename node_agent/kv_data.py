@@ -17,8 +17,16 @@ the peer token.
 
 Any failure on either side is one closed connection or an error header; the puller's checks
 (layout, sizes, coverage, every checksum) turn it into a KVTransferError and Decode recomputes.
-A lease is single use here too: the stream that reads it ends it. Sites with TLS keep KV on
-gRPC (this port is plaintext), and so does a puller whose peer has no data port.
+A lease is single use here too: the stream that reads it ends it. A puller whose peer has no data
+port (or whose connection or TLS handshake fails) uses gRPC's FetchKV.
+
+TLS: a site with a certificate serves this port only over TLS (the handshake comes before the
+request frame, so the peer token never crosses in clear), and pullers that call their peers over
+TLS speak TLS here too (probes included, so a probe measures the path KV will take). The request
+and header move on the event loop through non-blocking sockets (`ssl` signals "want read/write",
+answered by waiting on the loop); the bulk of the bytes moves on a worker thread with blocking
+`sendall`/`recv_into`, which release the GIL while OpenSSL encrypts. The cost against plaintext is
+measured in benchmarks/kv_transfer.py.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import hmac
 import json
 import logging
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -65,8 +74,10 @@ class KVDataServer:
     """Serves KV exports on a TCP port. open_export/end_export come from AgentCore."""
 
     def __init__(self, peer_token: str, open_export: Callable[[str], Awaitable[KVExport]],
-                 end_export: Callable[[str, KVExport], None], on_bytes_sent: Callable[[int], None]):
+                 end_export: Callable[[str, KVExport], None], on_bytes_sent: Callable[[int], None],
+                 ssl_context: ssl.SSLContext | None = None):
         self._peer_token = peer_token.encode()
+        self._ssl = ssl_context
         self._open_export = open_export
         self._end_export = end_export
         self._on_bytes_sent = on_bytes_sent
@@ -102,27 +113,29 @@ class KVDataServer:
             self._spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                if self._ssl is not None:
+                    conn = self._ssl.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                    await _retry(conn, conn.do_handshake)
                 kind = bytearray(KIND.size)
-                await _recv_into(loop, conn, memoryview(kind))
-                token = await _recv_field(loop, conn)
-                body = (await _recv_field(loop, conn)).decode("utf-8", "replace")
+                await _recv_into(conn, memoryview(kind))
+                token = await _recv_field(conn)
+                body = (await _recv_field(conn)).decode("utf-8", "replace")
             if not hmac.compare_digest(token, self._peer_token):
-                await _send_header(loop, conn, {"error": "missing or wrong peer token"})
+                await _send_header(conn, {"error": "missing or wrong peer token"})
                 return
             if KIND.unpack(kind)[0] == PROBE:
-                await self._answer_probe(loop, conn, body)
+                await self._answer_probe(conn, body)
                 return
             if KIND.unpack(kind)[0] != FETCH:
-                await _send_header(loop, conn, {"error": f"unknown request kind {KIND.unpack(kind)[0]}"})
+                await _send_header(conn, {"error": f"unknown request kind {KIND.unpack(kind)[0]}"})
                 return
             kv_handle = body
             try:
                 export = await self._open_export(kv_handle)
             except EngineError as exc:
-                await _send_header(loop, conn, {"error": str(exc)})
+                await _send_header(conn, {"error": str(exc)})
                 return
             ended = False
 
@@ -134,10 +147,10 @@ class KVDataServer:
                     ended = True
                     self._end_export(kv_handle, export)
             try:
-                await _send_header(loop, conn, {"kv_layout": export.layout.to_json(), "token_ids": export.token_ids,
+                await _send_header(conn, {"kv_layout": export.layout.to_json(), "token_ids": export.token_ids,
                                                 "num_chunks": export.num_chunks})
                 if self.chunk_hook is not None:
-                    await self._send_hooked(loop, conn, export, end)
+                    await self._send_hooked(conn, export, end)
                 else:
                     conn.setblocking(True)
                     conn.settimeout(REQUEST_TIMEOUT_S)
@@ -149,15 +162,15 @@ class KVDataServer:
         finally:
             conn.close()
 
-    async def _answer_probe(self, loop, conn: socket.socket, body: str) -> None:
+    async def _answer_probe(self, conn: socket.socket, body: str) -> None:
         if not body.isdigit() or not 0 < int(body) <= MAX_PROBE_BYTES:
-            await _send_header(loop, conn, {"error": f"a probe asks for 1 to {MAX_PROBE_BYTES} bytes, not {body!r}"})
+            await _send_header(conn, {"error": f"a probe asks for 1 to {MAX_PROBE_BYTES} bytes, not {body!r}"})
             return
         num_bytes = int(body)
-        await _send_header(loop, conn, {"probe_bytes": num_bytes})
+        await _send_header(conn, {"probe_bytes": num_bytes})
         while num_bytes:
             piece = min(num_bytes, len(_PROBE_FILL))
-            await loop.sock_sendall(conn, memoryview(_PROBE_FILL)[:piece])
+            await _sendall(conn, memoryview(_PROBE_FILL)[:piece])
             num_bytes -= piece
 
     def _send_blocking(self, conn: socket.socket, export: KVExport, before_last: Callable[[], None]) -> None:
@@ -175,7 +188,7 @@ class KVDataServer:
                 self._on_bytes_sent(len(chunk.data))
                 index += 1
 
-    async def _send_hooked(self, loop, conn: socket.socket, export: KVExport, before_last: Callable[[], None]) -> None:
+    async def _send_hooked(self, conn: socket.socket, export: KVExport, before_last: Callable[[], None]) -> None:
         """Tests: each chunk passes the hook, which may corrupt it or end the stream."""
         index = 0
         async for chunk in kv_chunks(export):
@@ -185,30 +198,72 @@ class KVDataServer:
             if msg is None:
                 return
             hooked = KVChunk(msg.layer, msg.first_token, msg.num_tokens, msg.data, msg.checksum)
-            await loop.sock_sendall(conn, hooked.header())
-            await loop.sock_sendall(conn, hooked.data)
+            await _sendall(conn, hooked.header())
+            await _sendall(conn, hooked.data)
             index += 1
 
 
-async def _recv_field(loop, conn: socket.socket) -> bytes:
+# Non-blocking socket I/O on the event loop for plain and TLS sockets alike (asyncio's sock_* helpers
+# refuse SSLSocket): try the call, and when the socket (or TLS) must wait, wait on the loop.
+
+async def _recv_field(conn: socket.socket) -> bytes:
     size = bytearray(LENGTH.size)
-    await _recv_into(loop, conn, memoryview(size))
+    await _recv_into(conn, memoryview(size))
     value = bytearray(LENGTH.unpack(size)[0])
-    await _recv_into(loop, conn, memoryview(value))
+    await _recv_into(conn, memoryview(value))
     return bytes(value)
 
 
-async def _recv_into(loop, conn: socket.socket, view: memoryview) -> None:
+async def _recv_into(conn: socket.socket, view: memoryview) -> None:
     while view:
-        n = await loop.sock_recv_into(conn, view)
+        n = await _retry(conn, conn.recv_into, view)
         if not n:
             raise KVTransferError("the puller closed the KV data connection early")
         view = view[n:]
 
 
-async def _send_header(loop, conn: socket.socket, header: dict) -> None:
+async def _sendall(conn: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[await _retry(conn, conn.send, view, writing=True):]
+
+
+async def _retry(conn: socket.socket, operation, *args, writing: bool = False):
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return operation(*args)
+        except ssl.SSLWantReadError:
+            await _ready(loop.add_reader, loop.remove_reader, conn)
+        except ssl.SSLWantWriteError:
+            await _ready(loop.add_writer, loop.remove_writer, conn)
+        except BlockingIOError:
+            if writing:
+                await _ready(loop.add_writer, loop.remove_writer, conn)
+            else:
+                await _ready(loop.add_reader, loop.remove_reader, conn)
+
+
+async def _ready(add, remove, conn: socket.socket) -> None:
+    future = asyncio.get_running_loop().create_future()
+    fd = conn.fileno()
+    add(fd, lambda: future.done() or future.set_result(None))
+    try:
+        await future
+    finally:
+        remove(fd)
+
+
+async def _send_header(conn: socket.socket, header: dict) -> None:
     body = json.dumps(header).encode()
-    await loop.sock_sendall(conn, HEADER.pack(len(body)) + body)
+    await _sendall(conn, HEADER.pack(len(body)) + body)
+
+
+@dataclass(slots=True)
+class ProbeResult:
+    rtt_s: float          # request sent to the answer's header received: one round trip
+    num_bytes: int
+    seconds: float        # header received to the last byte
 
 
 @dataclass(slots=True)
@@ -219,14 +274,14 @@ class ProbeResult:
 
 
 async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_layout: KVLayout,
-                       prompt_ids: list[int], timeout: float,
+                       prompt_ids: list[int], timeout: float, ssl_context: ssl.SSLContext | None = None,
                        on_connected: Callable[[float], None] | None = None) -> KVPayload:
-    """Pull a KV handle from a peer's data port (host:port) into a verified payload.
+    """Pull a KV handle from a peer's data port (host:port, TLS with `ssl_context`) into a verified payload.
 
     on_connected gets the TCP connect time in seconds: one round trip, a free RTT sample."""
-    conn = await _connect(address, timeout, on_connected)
+    conn = await _connect(address, timeout, ssl_context, on_connected)
     try:
-        # Blocking reads on a worker thread: MSG_WAITALL fills a whole frame in one system call.
+        # Blocking reads on a worker thread: MSG_WAITALL (plain) fills a whole frame in one system call.
         return await asyncio.to_thread(_pull, conn, peer_token, kv_handle, PayloadAssembler(expected_layout, prompt_ids))
     except TimeoutError as exc:
         raise KVTransferError(f"KV data stream from {address} stalled for {timeout:.0f}s") from exc
@@ -236,9 +291,10 @@ async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_l
         conn.close()  # also ends the reading thread's wait if we were cancelled
 
 
-async def probe(address: str, peer_token: str, num_bytes: int, timeout: float) -> ProbeResult:
+async def probe(address: str, peer_token: str, num_bytes: int, timeout: float,
+                ssl_context: ssl.SSLContext | None = None) -> ProbeResult:
     """Ask a peer's data port for num_bytes of filler and time the answer (see node_agent.links)."""
-    conn = await _connect(address, timeout)
+    conn = await _connect(address, timeout, ssl_context)
     try:
         return await asyncio.to_thread(_probe, conn, peer_token, num_bytes)
     except OSError as exc:  # TimeoutError included
@@ -247,16 +303,25 @@ async def probe(address: str, peer_token: str, num_bytes: int, timeout: float) -
         conn.close()
 
 
-async def _connect(address: str, timeout: float, on_connected: Callable[[float], None] | None = None) -> socket.socket:
+async def _connect(address: str, timeout: float, ssl_context: ssl.SSLContext | None = None,
+                   on_connected: Callable[[float], None] | None = None) -> socket.socket:
+    """A connected socket (TLS handshake done when `ssl_context`); on_connected gets the TCP connect time."""
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     started = time.perf_counter()
     try:
-        conn = await asyncio.to_thread(socket.create_connection, (host.strip("[]"), int(port)), timeout)
+        conn = await asyncio.to_thread(socket.create_connection, (host, int(port)), timeout)
     except OSError as exc:
         raise KVSourceUnreachable(f"cannot reach the KV data port {address}: {exc}") from exc
     if on_connected is not None:
         on_connected(time.perf_counter() - started)
-    return conn
+    if ssl_context is None:
+        return conn
+    try:
+        return await asyncio.to_thread(ssl_context.wrap_socket, conn, server_hostname=host)  # verifies the peer
+    except OSError as exc:  # ssl.SSLError included: FetchKV over gRPC may still work
+        conn.close()
+        raise KVSourceUnreachable(f"no TLS session with the KV data port {address}: {exc}") from exc
 
 
 def _send_request(conn: socket.socket, kind: int, peer_token: str, body: str) -> None:
@@ -318,8 +383,9 @@ def _pull(conn: socket.socket, peer_token: str, kv_handle: str, assembler: Paylo
 
 
 def _read_exactly(conn: socket.socket, view: memoryview) -> None:
+    flags = 0 if isinstance(conn, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS reads one record at a time
     while view:
-        n = conn.recv_into(view, len(view), socket.MSG_WAITALL)
+        n = conn.recv_into(view, len(view), flags)
         if not n:
             raise KVTransferError("the KV data stream closed early")
         view = view[n:]

@@ -9,6 +9,7 @@ import os
 
 DEFAULT_DB_URL = "sqlite:///.edgefire/registry.db"
 DEFAULT_PORT = 8500
+SHUTDOWN_GRACE_S = 5.0
 DB_URL_ENV = "EDGEFIRE_REGISTRY_DB"  # how `serve --workers N` hands the database URL to its workers
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--planner-config", help="TOML file of planner settings (registry.planner.PlannerSettings: "
                                                 "min_dwell_s, settle_s, targets, high/low thresholds), top level "
                                                 "or a [planner] table")
+    serve.add_argument("--tls-cert", default=os.environ.get("EDGEFIRE_REGISTRY_TLS_CERT"),
+                       help="PEM certificate (chain): serve HTTPS (default $EDGEFIRE_REGISTRY_TLS_CERT)")
+    serve.add_argument("--tls-key", default=os.environ.get("EDGEFIRE_REGISTRY_TLS_KEY"),
+                       help="PEM private key of --tls-cert (default $EDGEFIRE_REGISTRY_TLS_KEY)")
     serve.set_defaults(func=run_serve)
 
 
@@ -68,6 +73,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if (args.planner or args.planner_dry_run) and args.workers > 1:
         log.error("--planner runs in single-worker mode; run it on one registry process (the lease keeps it single)")
         return 2
+    if bool(args.tls_cert) != bool(args.tls_key):
+        log.error("--tls-cert and --tls-key: give both or neither")
+        return 2
+    # Idle keep-alive clients over TLS would hold a graceful stop until their TLS close (30 s): the
+    # registry's requests are short, so a stop waits at most SHUTDOWN_GRACE_S for them.
+    options = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "timeout_graceful_shutdown": SHUTDOWN_GRACE_S}
     if not args.no_migrate:
         upgrade_to_head(args.db)
     planner = None
@@ -84,13 +95,14 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
     if args.workers == 1:
         app = create_app(args.db, args.admin_token, args.router_token, planner=planner)
-        uvicorn.run(app, http=HeadLimitedHttp, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(app, http=HeadLimitedHttp, host=args.host, port=args.port, log_level="warning", access_log=False,
+                    **options)
         return 0
     # uvicorn starts each worker from an import string; the settings travel in the environment.
     os.environ.update({DB_URL_ENV: args.db, "EDGEFIRE_ADMIN_TOKEN": args.admin_token,
                        "EDGEFIRE_ROUTER_TOKEN": args.router_token})
     uvicorn.run("registry.cli:app_from_environment", factory=True, http=HeadLimitedHttp, workers=args.workers,
-                host=args.host, port=args.port, log_level="warning", access_log=False)
+                host=args.host, port=args.port, log_level="warning", access_log=False, **options)
     return 0
 
 

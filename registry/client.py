@@ -8,11 +8,13 @@ operators (admin token).
 `SyncRegistryClient` has the same methods, blocking, for the command line. Every operation is
 written once below (`RegistryOperations`); each client supplies only how a request is sent.
 A 4xx/5xx answer raises RegistryError; connection failures surface as httpx exceptions so the
-caller can retry with backoff.
+caller can retry with backoff. Over HTTPS, `verify` checks the registry's certificate: an
+`ssl.SSLContext` loaded with the deployment's CA bundle, or True for the system roots.
 """
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import httpx
@@ -181,9 +183,9 @@ class RegistryClient(RegistryOperations):
     """Async client (httpx.AsyncClient); every operation is awaited."""
 
     def __init__(self, base_url: str, token: str, timeout: float = DEFAULT_TIMEOUT_S, *, actor: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token, actor), timeout=timeout,
-                                       transport=transport)
+                                       transport=transport, verify=verify)
 
     async def _call(self, method, path, *, json=None, params=None, headers=None, decode=_json):
         response = await self._http.request(method, path, json=json, params=params, headers=headers)
@@ -203,9 +205,9 @@ class SyncRegistryClient(RegistryOperations):
     """Blocking client (httpx.Client) with the same operations, for the command line."""
 
     def __init__(self, base_url: str, token: str, timeout: float = DEFAULT_TIMEOUT_S, *, actor: str | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
         self._http = httpx.Client(base_url=base_url, headers=_headers(token, actor), timeout=timeout,
-                                  transport=transport)
+                                  transport=transport, verify=verify)
 
     def _call(self, method, path, *, json=None, params=None, headers=None, decode=_json):
         return decode(self._http.request(method, path, json=json, params=params, headers=headers))

@@ -22,6 +22,15 @@ class RouterConfig:
     registry_url: str = "http://127.0.0.1:8500"
     registry_token: str = ""          # the registry's router token
     peer_token: str = ""              # bearer token sent to agents
+    # TLS. tls_cert/tls_key: serve HTTPS. tls_ca: the CA bundle that verifies agents and an https
+    # registry (None: the system roots). agent_tls: call agents over TLS; agent_client_cert/key answer
+    # agents that demand client certificates (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    agent_tls: bool = False
+    agent_client_cert: str | None = None
+    agent_client_key: str | None = None
     # Where this router stands: the location of clients we cannot place (anycast puts them near us).
     lat: float = 0.0
     lon: float = 0.0
@@ -96,7 +105,19 @@ class RouterConfig:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ConfigError(f"trusted_proxies: {cidr!r} is not an address or CIDR") from None
+        self._validate_tls()
         return self
+
+    def _validate_tls(self) -> None:
+        for cert, key in (("tls_cert", "tls_key"), ("agent_client_cert", "agent_client_key")):
+            if bool(getattr(self, cert)) != bool(getattr(self, key)):
+                raise ConfigError(f"{cert} / {key}: give both or neither")
+        if self.agent_client_cert and not self.agent_tls:
+            raise ConfigError("agent_client_cert: client certificates need agent_tls = true")
+        for name in ("tls_cert", "tls_key", "tls_ca", "agent_client_cert", "agent_client_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path!r}")
 
 
 def config_from_dict(values: dict, where: str = "router config") -> RouterConfig:

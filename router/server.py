@@ -12,9 +12,11 @@ import asyncio
 import gc
 import socket
 
+import grpc
 import uvicorn
 
 from node_agent.client import AgentPool
+from node_agent.tls import channel_credentials, client_context
 from registry.client import RegistryClient
 from registry.http_head import HeadLimitedHttp
 from router.api_keys import ANONYMOUS, ApiKey, ApiKeyCache, bearer_token
@@ -36,8 +38,9 @@ class Router:
     def __init__(self, config: RouterConfig, registry: RegistryClient | None = None) -> None:
         self.config = config
         self._owns_registry = registry is None
-        self.registry = registry or RegistryClient(config.registry_url, config.registry_token)
-        self.agents = AgentPool(config.peer_token)
+        self.registry = registry or RegistryClient(config.registry_url, config.registry_token,
+                                                   verify=client_context(config.tls_ca) if config.tls_ca else True)
+        self.agents = AgentPool(config.peer_token, agent_credentials(config))
         self.feed = SnapshotFeed(self.registry.snapshot, config.snapshot_refresh_s, config.snapshot_max_age_s,
                                  SiteChecks(self._check_health, config.site_check_interval_s))
         self.keys = ApiKeyCache(self.registry.lookup_api_key, config.api_key_cache_s)
@@ -67,13 +70,14 @@ class Router:
         await self.feed.start()
 
     async def start_server(self, host: str | None = None, port: int | None = None) -> str:
-        """Serves HTTP in this event loop; returns the base URL (port 0 picks a free one)."""
+        """Serves HTTP (HTTPS with tls_cert) in this event loop; returns the base URL (port 0 picks a free one)."""
         sock = socket.socket(socket.AF_INET6 if ":" in (host or self.config.host) else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host or self.config.host, self.config.port if port is None else port))
         sock.listen(2048)
         config = uvicorn.Config(self.app, http=HeadLimitedHttp, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, backlog=2048)
+                                timeout_keep_alive=30, backlog=2048, ssl_certfile=self.config.tls_cert,
+                                ssl_keyfile=self.config.tls_key)
         self._server = uvicorn.Server(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -85,7 +89,7 @@ class Router:
         # the process; frozen, the cyclic collector stops rescanning it (a full pass took ~14 ms).
         gc.freeze()
         bound_host, bound_port = sock.getsockname()[:2]
-        return f"http://{bound_host}:{bound_port}"
+        return f"{'https' if self.config.tls_cert else 'http'}://{bound_host}:{bound_port}"
 
     async def serve_forever(self) -> None:
         if self._server_task is not None:
@@ -108,6 +112,12 @@ class Router:
 
     async def __aexit__(self, *_exc) -> None:
         await self.stop()
+
+
+def agent_credentials(config: RouterConfig) -> grpc.ChannelCredentials | None:
+    if not config.agent_tls:
+        return None
+    return channel_credentials(config.tls_ca, config.agent_client_cert, config.agent_client_key)
 
 
 def cost_model(config: RouterConfig) -> CostModel:

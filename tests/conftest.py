@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,26 @@ def tiny_model_dir(tmp_path_factory):
     from engine.demo import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("tiny-model"), size="tiny")
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    ca: str     # the CA bundle (PEM) that signed cert
+    cert: str   # valid for 127.0.0.1 and localhost, for serving and as a client certificate
+    key: str
+
+
+@pytest.fixture(scope="session")
+def local_tls(tmp_path_factory) -> TLSFiles:
+    """A local CA and one certificate it signed, as PEM files (deploy.tls, as `edgefire up --tls` makes them)."""
+    from deploy.tls import LocalCA
+
+    directory = tmp_path_factory.mktemp("tls")
+    ca = LocalCA()
+    cert, key = ca.issue("test", ["127.0.0.1", "localhost"])
+    for name, pem in (("ca.pem", ca.cert_pem), ("cert.pem", cert), ("key.pem", key)):
+        (directory / name).write_bytes(pem)
+    return TLSFiles(*(str(Path(directory) / name) for name in ("ca.pem", "cert.pem", "key.pem")))
 
 
 _exit_status = 0

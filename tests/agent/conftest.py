@@ -43,11 +43,11 @@ async def start_agent(tiny_model_dir):
 
 @pytest.fixture
 async def connect():
-    """connect(agent or address, token=PEER_TOKEN) -> AgentClient, closed after the test."""
+    """connect(agent or address, token=PEER_TOKEN, credentials=None) -> AgentClient, closed after the test."""
     clients: list[AgentClient] = []
 
-    def make(target, token: str = PEER_TOKEN) -> AgentClient:
-        client = AgentClient(target if isinstance(target, str) else target.address, token)
+    def make(target, token: str = PEER_TOKEN, credentials=None) -> AgentClient:
+        client = AgentClient(target if isinstance(target, str) else target.address, token, credentials=credentials)
         clients.append(client)
         return client
 

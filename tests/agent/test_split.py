@@ -49,34 +49,6 @@ async def test_decode_without_source_resumes_like_generate(start_agent, connect)
     assert reference[:5] + resumed == reference
 
 
-async def test_split_over_tls(start_agent, tmp_path):
-    import subprocess
-
-    import grpc
-
-    from node_agent.client import AgentClient
-    from tests.agent.conftest import PEER_TOKEN
-
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    tls = dict(tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
-    a, b = await start_agent("site-a", **tls), await start_agent("site-b", **tls)
-    params, prompt_ids = sampling(temperature=0.5, seed=5), prompt(33)
-    credentials = grpc.ssl_channel_credentials(cert.read_bytes())
-    async with AgentClient(a.address, PEER_TOKEN, credentials=credentials) as client_a, \
-            AgentClient(b.address, PEER_TOKEN, credentials=credentials) as client_b:
-        reference = await collect(client_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
-                                                                              sampling=params)))
-        result = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
-        decoded = await collect(client_b.decode(agent_pb2.DecodeRequest(
-            model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
-            kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
-    assert [result.first_token.token_id, *decoded] == reference
-    assert b.metrics.kv_fallbacks._value.get() == 0 and b.metrics.kv_bytes_received._value.get() > 0
-
-
 async def test_decode_beyond_max_num_seqs_is_refused_with_resource_exhausted(start_agent, connect):
     """A full decode site says RESOURCE_EXHAUSTED (the router then moves on); it never runs more than its limit."""
     a, b = await start_agent("site-a"), await start_agent("site-b", max_num_seqs=2)

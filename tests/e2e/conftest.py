@@ -36,14 +36,13 @@ def endless_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return model_dir
 
 
-@pytest.fixture(scope="session")
-def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
+def cluster_config(model_dir: Path, state_dir: Path, tls: bool = False) -> ClusterConfig:
     sites = demo_sites(3)
     for site in sites:
         site.grpc_port = site.metrics_port = 0
-    config = ClusterConfig(
-        model_dir=endless_model_dir, model_name="tiny", sites=sites, state_dir=tmp_path_factory.mktemp("cluster"),
-        router_port=0, registry_port=0,
+    return ClusterConfig(
+        model_dir=model_dir, model_name="tiny", sites=sites, state_dir=state_dir, router_port=0, registry_port=0,
+        tls=tls,
         agent={"heartbeat_interval_s": 1.0, "kv_cache_bytes": 8 << 20, "kv_lease_ttl_s": 5.0,
                "drain_timeout_s": 20.0, "device": "cpu", "dtype": "float32"},
         # A huge affinity slack lets a session key alone pick the first candidate: repeatable placement.
@@ -51,7 +50,11 @@ def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
         router={"affinity_slack": 1000.0, "snapshot_refresh_s": 0.2, "first_token_timeout_s": 10.0,
                 "token_idle_timeout_s": 10.0, "cooldown_s": 3.0, "snapshot_max_age_s": 2.0,
                 "site_check_interval_s": 0.5})
-    cluster = Cluster(config)
+
+
+@pytest.fixture(scope="session")
+def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
+    cluster = Cluster(cluster_config(endless_model_dir, tmp_path_factory.mktemp("cluster")))
     cluster.start(timeout_s=120)
     yield cluster
     cluster.stop()
@@ -59,9 +62,13 @@ def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
 
 @pytest.fixture
 def http(cluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=cluster.router_url, timeout=60.0,
-                      headers={"Authorization": f"Bearer {cluster.api_key}"}) as client:
+    with router_client(cluster) as client:
         yield client
+
+
+def router_client(cluster: Cluster, timeout_s: float = 60.0) -> httpx.Client:
+    return cluster.http_client(base_url=cluster.router_url, timeout=timeout_s,
+                               headers={"Authorization": f"Bearer {cluster.api_key}"})
 
 
 @dataclass(slots=True)
@@ -126,8 +133,7 @@ class LongPrompt:
 @pytest.fixture(scope="session")
 def long_prompt(cluster) -> LongPrompt:
     """A prompt and its fault-free greedy completion of DRAIN_TOKENS tokens (a stream of seconds)."""
-    with httpx.Client(base_url=cluster.router_url, timeout=120.0,
-                      headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
+    with router_client(cluster, timeout_s=120.0) as http:
         prompt = prompt_ids(40, start=171)
         return LongPrompt(prompt, complete(http, cluster, prompt, DRAIN_TOKENS))
 
@@ -142,7 +148,8 @@ def settle() -> None:
 
 def agent_health(cluster: Cluster, site: str):
     async def ask():
-        async with AgentClient(cluster.site_address(site), cluster.config.peer_token) as agent:
+        async with AgentClient(cluster.site_address(site), cluster.config.peer_token,
+                               credentials=cluster.agent_credentials()) as agent:
             return await agent.health(timeout=5.0)
     return asyncio.run(ask())
 

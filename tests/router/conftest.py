@@ -58,8 +58,9 @@ class Cluster:
         return client
 
     async def add_site(self, name: str, lat: float, lon: float, region: str = "eu", role: str = "both",
-                       heartbeat: bool = True, **capacity) -> FakeAgent:
-        agent = await FakeAgent(name, self.model_info, self.words).start()
+                       heartbeat: bool = True, credentials=None, **capacity) -> FakeAgent:
+        """A site whose FakeAgent serves plaintext gRPC, or TLS with `credentials` (grpc.ServerCredentials)."""
+        agent = await FakeAgent(name, self.model_info, self.words).start(credentials)
         self.agents[name] = agent
         await self.admin.create_site(name, region=region, country="XX", lat=lat, lon=lon,
                                      grpc_address=agent.address, models=[{"model": MODEL, "role": role}],

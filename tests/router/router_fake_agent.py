@@ -67,10 +67,13 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         seed = sum(prompt_ids) * 31 + len(prompt_ids)
         return self.words[(seed + 7 * position * position + position) % len(self.words)]
 
-    async def start(self) -> FakeAgent:
+    async def start(self, credentials: grpc.ServerCredentials | None = None) -> FakeAgent:
         self.server = grpc.aio.server()
         agent_pb2_grpc.add_AgentServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        if credentials is not None:
+            port = self.server.add_secure_port("127.0.0.1:0", credentials)
+        else:
+            port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         await self.server.start()
         return self
