@@ -13,11 +13,12 @@ and a fresh prompt of the same length; prompts are random token ids. Both are st
 same `max_tokens`, one at a time; the reported TTFT is the median over trials, and the cached
 tokens come from each response's `usage.prompt_tokens_details.cached_tokens`.
 
-Part 2, hit rate. `--conversations` chats run at once, each `--turns` turns of /v1/chat/completions:
-every turn sends the whole conversation so far (a system prompt of its own, the user messages, the
-assistant's answers as returned) plus a new user message, after a random think time. Hit rate =
-cached prompt tokens / prompt tokens over every turn; its ceiling (every turn finds the previous
-turn's prompt cached) is printed beside it, as the first turn of a chat can hit nothing. With affinity each conversation sends its own
+Part 2, hit rate. `--conversations` chats start within a few seconds of each other, each `--turns`
+turns of /v1/chat/completions: every turn sends the whole conversation so far (the run's system
+prompt, shared by its chats as an application's is, the user messages, the assistant's answers as
+returned) plus a new user message, after a random think time. Hit rate = cached prompt tokens /
+prompt tokens over every turn. An answer's text does not always re-tokenize to the tokens the
+random-weight model produced, so the answers themselves rarely hit; a real model's mostly would. With affinity each conversation sends its own
 `x-session-affinity` header; without, nothing identifies it (no header, no `user`), so only the
 sites' cache summaries in the registry can steer it. Rounds alternate which goes first; every
 conversation has its own text, so neither run warms the other's cache.
@@ -33,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -102,46 +104,49 @@ def sentence(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-async def conversation(http: httpx.AsyncClient, model: str, name: str, turns: int, user_words: int, max_tokens: int,
-                       think_s: tuple[float, float], affinity: bool) -> list[StreamResult]:
+@dataclass(slots=True)
+class ChatWorkload:
+    conversations: int = 6
+    turns: int = 8
+    system_words: int = 120      # one system prompt shared by every chat of a run, as an app's would be
+    user_words: int = 25
+    answer_tokens: int = 32
+    think_s: tuple[float, float] = (0.5, 2.0)
+    stagger_s: float = 3.0       # chats start at random within this window
+
+
+async def conversation(http: httpx.AsyncClient, model: str, name: str, system_prompt: str, workload: ChatWorkload,
+                       affinity: bool) -> list[StreamResult]:
     rng = random.Random(name)
-    messages = [{"role": "system", "content": f"You are assistant {name}. " + sentence(rng, 60)}]
+    messages = [{"role": "system", "content": system_prompt}]
     headers = {"x-session-affinity": name} if affinity else None
     results = []
-    for _ in range(turns):
-        messages.append({"role": "user", "content": sentence(rng, user_words)})
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    await asyncio.sleep(rng.uniform(0, workload.stagger_s))
+    for _ in range(workload.turns):
+        messages.append({"role": "user", "content": sentence(rng, workload.user_words)})
+        body = {"model": model, "messages": messages, "max_tokens": workload.answer_tokens, "temperature": 0}
         result = await stream(http, "/v1/chat/completions", body, headers=headers)
         if result.error:
             raise RuntimeError(f"conversation {name}: {result.error}")
         results.append(result)
         messages.append({"role": "assistant", "content": result.text})
-        await asyncio.sleep(rng.uniform(*think_s))
+        await asyncio.sleep(rng.uniform(*workload.think_s))
     return results
 
 
-async def chat_run(cluster, label: str, args: argparse.Namespace, affinity: bool) -> list[StreamResult]:
+async def chat_run(cluster, label: str, workload: ChatWorkload, affinity: bool) -> list[StreamResult]:
+    """Every chat of one run, in order (turns of a chat together); `label` seeds all its text."""
+    system_prompt = f"You are the assistant of {label}. " + sentence(random.Random(label), workload.system_words)
     async with httpx.AsyncClient(base_url=cluster.router_url, timeout=120.0,
-                                 limits=httpx.Limits(max_connections=args.conversations + 4),
+                                 limits=httpx.Limits(max_connections=workload.conversations + 4),
                                  headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
-        runs = await asyncio.gather(*(
-            conversation(http, cluster.model, f"{label}-{i}", args.turns, args.user_words, args.answer_tokens,
-                         (args.think_min, args.think_max), affinity) for i in range(args.conversations)))
+        runs = await asyncio.gather(*(conversation(http, cluster.model, f"{label}-{i}", system_prompt, workload,
+                                                   affinity) for i in range(workload.conversations)))
     return [r for run in runs for r in run]
 
 
 def hit_rate(results: list[StreamResult]) -> float:
     return sum(r.cached_tokens for r in results) / max(1, sum(r.prompt_tokens for r in results))
-
-
-def hit_rate_ceiling(results: list[StreamResult], turns: int, block_size: int = 16) -> float:
-    """What a perfect router would get: every turn finds its conversation's previous prompt cached
-    (whole blocks; the previous answer, re-tokenized from its text, may or may not match)."""
-    cached = 0
-    for start in range(0, len(results), turns):
-        chat = results[start:start + turns]
-        cached += sum(previous.prompt_tokens // block_size * block_size for previous in chat[:-1])
-    return cached / max(1, sum(r.prompt_tokens for r in results))
 
 
 def sites_per_conversation(results: list[StreamResult], turns: int) -> float:
@@ -157,11 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=2000, help="prompt tokens of the TTFT trials (default 2000)")
     parser.add_argument("--cached-share", type=float, default=0.9, help="share of it already cached (default 0.9)")
     parser.add_argument("--conversations", type=int, default=6, help="concurrent chats (default 6)")
-    parser.add_argument("--turns", type=int, default=6, help="turns per chat (default 6)")
-    parser.add_argument("--user-words", type=int, default=40, help="words per user message (default 40)")
+    parser.add_argument("--turns", type=int, default=8, help="turns per chat (default 8)")
+    parser.add_argument("--system-words", type=int, default=120, help="words of the shared system prompt (default 120)")
+    parser.add_argument("--user-words", type=int, default=25, help="words per user message (default 25)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="tokens per answer (default 32)")
-    parser.add_argument("--think-min", type=float, default=0.5, help="think time between turns, from (default 0.5 s)")
-    parser.add_argument("--think-max", type=float, default=2.0, help="... to (default 2 s)")
+    parser.add_argument("--think", type=float, nargs=2, default=(0.5, 2.0), metavar=("MIN", "MAX"),
+                        help="think time between turns, uniform in seconds (default 0.5 2)")
     parser.add_argument("--rounds", type=int, default=2, help="chat rounds, each with and without affinity (default 2)")
     parser.add_argument("--size", default="small", choices=sorted(SIZES), help="demo model size (default small)")
     parser.add_argument("--model", type=Path, help="a checkpoint to use instead of the demo model")
@@ -182,13 +188,12 @@ def report(warm: list[StreamResult], cold: list[StreamResult], chats: dict[str, 
                   f"TTFT cold / cached prefix: {cold_ttft / warm_ttft:.1f}x lower with the cache (target >= 5x)", ""]
     if chats:
         rows = [("chat", "turns", "prompt tokens", "cached tokens", "hit rate (median of rounds)",
-                 "ceiling", "sites per conversation")]
+                 "sites per conversation")]
         rates = {}
         for label, runs in chats.items():
             rates[label] = statistics.median(hit_rate(run) for run in runs)
             rows.append((label, str(sum(len(run) for run in runs)), str(sum(r.prompt_tokens for run in runs for r in run)),
                          str(sum(r.cached_tokens for run in runs for r in run)), f"{100 * rates[label]:.0f}%",
-                         f"{100 * statistics.median(hit_rate_ceiling(run, turns) for run in runs):.0f}%",
                          f"{statistics.median(sites_per_conversation(run, turns) for run in runs):.1f}"))
         lines += [markdown_table(rows), "",
                   f"hit rate without / with x-session-affinity: {100 * rates['without affinity']:.0f}% -> "
@@ -208,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"part 1: {args.trials} trials of a {args.prompt}-token prompt, {100 * args.cached_share:.0f}% "
                 f"cached vs cold")
             warm, cold = asyncio.run(ttft_trials(cluster, args.trials, args.prompt, args.cached_share, vocab, 2))
+            chat = ChatWorkload(args.conversations, args.turns, args.system_words, args.user_words,
+                                args.answer_tokens, tuple(args.think))
             log(f"part 2: {args.rounds} round(s) of {args.conversations} chats x {args.turns} turns, with and "
                 f"without x-session-affinity")
             chats: dict[str, list[list[StreamResult]]] = {"without affinity": [], "with affinity": []}
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(chats) if index % 2 == 0 else list(chats)[::-1]
                 for label in order:
                     affinity = label == "with affinity"
-                    results = asyncio.run(chat_run(cluster, f"r{index}-{'sticky' if affinity else 'free'}", args,
+                    results = asyncio.run(chat_run(cluster, f"r{index}-{'sticky' if affinity else 'free'}", chat,
                                                    affinity))
                     chats[label].append(results)
                     log(f"round {index + 1} {label}: hit rate {100 * hit_rate(results):.0f}% over {len(results)} "

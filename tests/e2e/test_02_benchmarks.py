@@ -7,8 +7,6 @@ setting) yields figures, and the report names both sides. The figures come from 
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import disaggregation, prefix_cache
 from benchmarks.harness import vocab_size
 from tests.e2e.conftest import BOTH, DECODE_ONLY, PREFILL_ONLY
@@ -37,10 +35,10 @@ async def test_prefix_cache_benchmark_reports_cached_ttft_and_both_chat_settings
     warm, cold = await prefix_cache.ttft_trials(cluster, trials=1, prompt_len=96, cached_share=0.9,
                                                 vocab=vocab_size(cluster.config.model_dir), max_tokens=2)
     assert warm[0].cached_tokens >= 80 and cold[0].cached_tokens == 0  # the prefix's 5 whole blocks
-    args = argparse.Namespace(conversations=2, turns=2, user_words=6, answer_tokens=3, think_min=0.0,
-                              think_max=0.05)
-    chats = {label: [await prefix_cache.chat_run(cluster, f"smoke-{i}", args, affinity=label == "with affinity")]
+    chat = prefix_cache.ChatWorkload(conversations=2, turns=2, system_words=10, user_words=6, answer_tokens=3,
+                                     think_s=(0.0, 0.05), stagger_s=0.1)
+    chats = {label: [await prefix_cache.chat_run(cluster, f"smoke-{i}", chat, affinity=label == "with affinity")]
              for i, label in enumerate(("without affinity", "with affinity"))}
     assert all(len(runs[0]) == 4 and all(r.prompt_tokens for r in runs[0]) for runs in chats.values())
-    report = prefix_cache.report(warm, cold, chats, args.turns)
+    report = prefix_cache.report(warm, cold, chats, chat.turns)
     assert "prefix cached" in report and "without affinity" in report and "with affinity" in report
