@@ -8,6 +8,7 @@ import json
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 
 from registry.access import SiteIdentity
 from registry.api_models import LinksBody, RegistrationBody
@@ -19,8 +20,12 @@ from registry.wire import CapacityReport
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"], route_class=CredentialFirstRoute)
 
+# The heartbeat's body is read by the fast path, not by FastAPI, so its schemas (the wire contract's
+# models) are described here and added to the spec's components (RegistryApp.openapi).
+_REFS, _SCHEMAS = models_json_schema([(CapacityReport, "validation")], ref_template="#/components/schemas/{model}")
+HEARTBEAT_SCHEMAS: dict = _SCHEMAS["$defs"]
 HEARTBEAT_OPENAPI = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": CapacityReport.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+    "application/json": {"schema": _REFS[(CapacityReport, "validation")]}}}}
 
 
 @router.put("/registration")

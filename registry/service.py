@@ -25,6 +25,7 @@ from registry.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from registry.heartbeat_batcher import HeartbeatBatcher
 from registry.planner import Planner, PlannerSettings
 from registry.routes_admin import router as admin_routes
+from registry.routes_agent import HEARTBEAT_SCHEMAS
 from registry.routes_agent import router as agent_routes
 from registry.routes_router import router as router_routes
 from registry.snapshot_cache import SnapshotCache
@@ -86,6 +87,12 @@ class RegistryApp(FastAPI):
     """FastAPI, except that heartbeats are answered before its middleware and routing (heartbeat_endpoint)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def openapi(self) -> dict:
+        if self.openapi_schema is None:
+            components = super().openapi().setdefault("components", {}).setdefault("schemas", {})
+            components.update(HEARTBEAT_SCHEMAS)
+        return self.openapi_schema
 
     async def __call__(self, scope, receive, send) -> None:
         if heartbeat_endpoint.is_heartbeat(scope):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 import pytest
 from pydantic import ValidationError
 
 from registry.client import RegistryError
 from registry.records import SiteSpec
+from registry.service import create_app
 from registry.wire import MAX_BLOCK_SIZE, MAX_CACHE_HASHES, MAX_INT32, MAX_JSON_INT, MAX_TOKENS_PER_S, CapacityReport
 
 from .conftest import new_site
@@ -111,3 +113,14 @@ async def test_rejections_are_logged_once_per_site_and_interval(admin, connect, 
     lines = [r for r in caplog.records if "fra-1" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and lines[0].exc_info is None
     assert "prefix_cache_summary" in lines[0].getMessage()
+
+
+def test_the_spec_describes_the_heartbeat_with_the_contract(tmp_path):
+    """The heartbeat is read outside FastAPI; its body schema still comes from the wire contract,
+    and every schema it refers to is in the spec (schema-driven fuzzers resolve them)."""
+    spec = create_app(f"sqlite:///{tmp_path / 'registry.db'}", "admin", "router").openapi()
+    body = spec["paths"]["/v1/agent/heartbeat"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CapacityReport"}
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert {"CapacityReport", "PrefixCacheSummary"} <= refs <= set(spec["components"]["schemas"])
+    assert spec["components"]["schemas"]["PrefixCacheSummary"]["properties"]["hashes"]["maxItems"] == MAX_CACHE_HASHES
