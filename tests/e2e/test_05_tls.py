@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from deploy.cluster import banner
 from deploy.launcher import Cluster
 from node_agent.tls import client_context
 from tests.e2e.conftest import DECODE_ONLY, LongPrompt, cluster_config, prompt_ids, router_client
@@ -75,3 +79,17 @@ def test_keys_in_the_state_dir_are_private(tls_cluster):
     keys = sorted((tls_cluster.state_dir / "tls").glob("*-key.pem"))
     assert len(keys) == len(tls_cluster.config.sites) + 2  # each site, the registry and the router
     assert {os.stat(key).st_mode & 0o777 for key in keys} == {0o600}
+
+
+def test_the_banners_examples_work_with_its_ca(tls_cluster):
+    """`edgefire up --tls` prints the CA bundle and a curl and a python example that use it: both work."""
+    text = banner(tls_cluster, 0.0)
+    assert f"CA bundle     {tls_cluster.ca_path}" in text
+    python_example = text.split("python - <<'EOF'\n")[1].split("\nEOF")[0]
+    answer = subprocess.run([sys.executable, "-c", python_example], capture_output=True, text=True, timeout=60)
+    assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
+    curl_example = text.split("Try it:\n")[1].split("\n\n")[0].replace("\\\n", " ")
+    assert f"--cacert {tls_cluster.ca_path}" in curl_example
+    if shutil.which("curl"):
+        streamed = subprocess.run(["sh", "-c", curl_example], capture_output=True, text=True, timeout=60)
+        assert streamed.returncode == 0 and "data: [DONE]" in streamed.stdout, streamed.stderr
