@@ -32,7 +32,6 @@ import dataclasses
 import os
 import secrets
 import shutil
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,7 +180,7 @@ def load_cluster_toml(path: str | Path, **overrides) -> ClusterConfig:
     """A cluster file; `overrides` (flags given on the command line) win over its values."""
     document = typed_config.read_toml(path)
     sites = []
-    for i, table in enumerate(document.pop("sites", [])):
+    for i, table in enumerate(typed_config.check_value(list[dict], document.pop("sites", []), f"{path}: sites")):
         where = f"{path}: sites[{i}]"
         sites.append(typed_config.build(SiteSpec, typed_config.check_values(SiteSpec, table, where), where))
     values = {"sites": sites}

@@ -203,7 +203,7 @@ def _strip_none(hint):
 def _describe(hint) -> str:
     origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
     if origin is list:
-        return f"a list of {_describe(args[0])}"
+        return f"a list of {_describe(args[0]).removeprefix('a ')}"
     if origin is dict:
         return f"a table of {_describe(args[1])}" if args else "a table"
     return getattr(origin, "__name__", str(origin))

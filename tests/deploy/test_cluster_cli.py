@@ -43,6 +43,7 @@ def test_demo_sites_mix_roles_in_real_cities():
     ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\n', r"sites\[0\]: missing required setting\(s\): lon"),
     ('[router]\nmax_attempts = "3"\n', "router: max_attempts: must be int, got str '3'"),
     ('[agent]\nmax_num_seqs = 1.5\n', "agent: max_num_seqs: must be int, got float 1.5"),
+    ('sites = 3  # not [[sites]] tables\n', "sites: must be a list of table, got int 3"),
     ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\ncpus = [4096]\n',
      r"sites.a.cpus: CPU\(s\) \[4096\] are not available"),
     ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\ncpus = [-1]\n',
