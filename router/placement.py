@@ -77,6 +77,7 @@ from router.snapshot import Site, Snapshot
 
 DEFAULT_BANDWIDTH_MBPS = 1000.0
 OWN_SITE_RTT_MS = 0.5  # client RTT to the site the router runs beside
+MAX_FIRST_BLOCKS = 4096  # first blocks whose holders a snapshot remembers (then it starts over)
 
 
 @dataclass(slots=True, frozen=True)
@@ -238,6 +239,13 @@ def servable_models(snapshot: Snapshot, cost: CostModel, allowed_regions: frozen
 # -- per snapshot: the sites that may serve a model, as arrays -----------------------------------
 
 @dataclass(slots=True)
+class _Summaries:
+    sites: list[tuple[int, frozenset[int]]]   # (position, cached block hashes) of the sites with one
+    any_site: frozenset[int]                  # every hash any of them holds
+    holders: dict[int, list[tuple[int, frozenset[int]]]] = field(default_factory=dict)  # by first block
+
+
+@dataclass(slots=True)
 class _ModelSites:
     sites: list[Site]
     index: dict[str, int]
@@ -256,8 +264,10 @@ class _ModelSites:
     kv_tokens: np.ndarray         # KV in use: what the site's decode steps read
     inflight_decode_tokens: np.ndarray
     decode_rate: np.ndarray       # measured; 0 when not yet
-    summaries: dict[int, list[tuple[int, frozenset[int]]]]  # block size -> (position, hashes) of sites with one
+    summaries: dict[int, _Summaries]  # prefix-cache summaries by their block size
     links: dict[tuple[int, int], tuple[float, float]]  # fresh measured (RTT, bandwidth) by position pair
+    link_rtt_ms: np.ndarray | None    # the same as [src, dst] matrices (NaN: none), when there are any
+    link_bandwidth_mbps: np.ndarray | None
     derived: dict = field(default_factory=dict)  # region masks, client RTT overrides, unit costs
 
 
@@ -292,20 +302,19 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         kv_tokens=column(max(0, c.kv_blocks_total - c.kv_blocks_free) * c.block_size for c in caps),
         inflight_decode_tokens=column(c.inflight_decode_tokens for c in caps),
         decode_rate=column(c.decode_tokens_per_s for c in caps),
-        summaries=_summaries(caps),
-        links=_fresh_links(snapshot, sites, index, cost))
+        summaries=_summaries(caps), **_fresh_links(snapshot, sites, index, cost))
 
 
-def _summaries(caps: list) -> dict[int, list[tuple[int, frozenset[int]]]]:
+def _summaries(caps: list) -> dict[int, _Summaries]:
     by_block_size: dict[int, list[tuple[int, frozenset[int]]]] = {}
     for i, cap in enumerate(caps):
         if cap.cached_hashes and cap.cache_block_size > 0:
             by_block_size.setdefault(cap.cache_block_size, []).append((i, cap.cached_hashes))
-    return by_block_size
+    return {block_size: _Summaries(sites, frozenset().union(*(cached for _i, cached in sites)))
+            for block_size, sites in by_block_size.items()}
 
 
-def _fresh_links(snapshot: Snapshot, sites: list[Site], index: dict[str, int],
-                 cost: CostModel) -> dict[tuple[int, int], tuple[float, float]]:
+def _fresh_links(snapshot: Snapshot, sites: list[Site], index: dict[str, int], cost: CostModel) -> dict:
     links = {}
     for src, dst in snapshot.links:
         i, j = index.get(src), index.get(dst)
@@ -314,7 +323,12 @@ def _fresh_links(snapshot: Snapshot, sites: list[Site], index: dict[str, int],
         link = snapshot.link(src, dst, cost.link_max_age_s)
         if link is not None and link.bandwidth_mbps > 0:
             links[(i, j)] = links[(j, i)] = link_figures(sites[i], sites[j], snapshot, cost)
-    return links
+    if not links:
+        return {"links": links, "link_rtt_ms": None, "link_bandwidth_mbps": None}
+    rtt_ms, bandwidth_mbps = np.full((2, len(sites), len(sites)), np.nan)
+    pairs = tuple(np.array(list(links)).T)
+    rtt_ms[pairs], bandwidth_mbps[pairs] = np.array(list(links.values())).T
+    return {"links": links, "link_rtt_ms": rtt_ms, "link_bandwidth_mbps": bandwidth_mbps}
 
 
 def _derived(sites: _ModelSites, key, build):
@@ -431,30 +445,40 @@ def _region_mask(sites: _ModelSites, allowed_regions: frozenset[str]) -> np.ndar
 def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
     """Prompt tokens each site's prefix cache holds: the leading run of prompt blocks in its summary.
 
-    Only sites holding the prompt's first block count, and blocks are hashed only as deep as one
-    of them holds the chain, so a prompt no site has seen costs one hash per block size. The last
-    prompt token is always recomputed: its logits pick the first output token."""
+    Only sites holding the prompt's first block count (found once per snapshot for each first
+    block: a shared system prompt or a conversation's opening), and blocks are hashed only as deep
+    as one of them holds the chain, so a prompt no site has seen costs one hash per block size.
+    The last prompt token is always recomputed: its logits pick the first output token."""
     num_cached = np.zeros(len(sites.sites))
     for block_size, summaries in sites.summaries.items():
         if len(prompt_ids) < block_size:
             continue
         hashes = [block_hash(ROOT_HASH, prompt_ids[:block_size])]
-        holders = [(i, cached) for i, cached in summaries if hashes[0] in cached]
+        if hashes[0] not in summaries.any_site:
+            continue
+        holders = summaries.holders.get(hashes[0])
+        if holders is None:
+            if len(summaries.holders) >= MAX_FIRST_BLOCKS:
+                summaries.holders.clear()
+            holders = summaries.holders[hashes[0]] = [(i, c) for i, c in summaries.sites if hashes[0] in c]
         end = 2 * block_size
-        while holders and end <= len(prompt_ids) and any(hashes[-1] in cached for _i, cached in holders):
+        while end <= len(prompt_ids) and any(hashes[-1] in cached for _i, cached in holders):
             hashes.append(block_hash(hashes[-1], prompt_ids[end - block_size:end]))
             end += block_size
+        all_but_last = hashes[:-1]
         for i, cached in holders:
-            num_cached[i] = block_size * _leading_run(hashes, cached)
+            num_cached[i] = block_size * _leading_run(hashes, all_but_last, cached)
     return np.minimum(num_cached, max(0, len(prompt_ids) - 1))
 
 
-def _leading_run(hashes: list[int], cached: frozenset[int]) -> int:
-    """How many of hashes, from the first, cached holds (set operations in C: the common case,
-    a summary holding the run and nothing after it, needs no Python loop)."""
-    num_held = len(cached.intersection(hashes))
-    if cached.issuperset(hashes[:num_held]):
-        return num_held
+def _leading_run(hashes: list[int], all_but_last: list[int], cached: frozenset[int]) -> int:
+    """How many of hashes, from the first, cached holds. The common cases (all but the block where
+    the chain was stopped, or the whole chain) are set operations in C; gaps take the loop."""
+    if hashes[-1] not in cached:
+        if cached.issuperset(all_but_last):
+            return len(all_but_last)
+    elif cached.issuperset(hashes):
+        return len(hashes)
     return sum(1 for _h in takewhile(cached.__contains__, hashes))
 
 
@@ -485,13 +509,12 @@ def _link_arrays(sites: _ModelSites, src: np.ndarray, dst: np.ndarray, cost: Cos
     rtt_ms = rtt_ms_arrays(sites.lat_rad[src], sites.lon_rad[src], sites.lat_rad[dst], sites.lon_rad[dst],
                            sites.cos_lat[src], sites.cos_lat[dst])
     rtt_ms = np.where(sites.located[src] & sites.located[dst], rtt_ms, UNKNOWN_DISTANCE_RTT_MS)
-    bandwidth_mbps = np.full(len(src), cost.default_bandwidth_mbps)
-    if sites.links:
-        for k, pair in enumerate(zip(src.tolist(), dst.tolist())):
-            measured = sites.links.get(pair)
-            if measured is not None:
-                rtt_ms[k], bandwidth_mbps[k] = measured
-    return rtt_ms, bandwidth_mbps
+    if sites.link_rtt_ms is None:
+        return rtt_ms, cost.default_bandwidth_mbps
+    measured_rtt_ms, measured_bandwidth_mbps = sites.link_rtt_ms[src, dst], sites.link_bandwidth_mbps[src, dst]
+    measured = ~np.isnan(measured_rtt_ms)
+    return (np.where(measured, measured_rtt_ms, rtt_ms),
+            np.where(measured, measured_bandwidth_mbps, cost.default_bandwidth_mbps))
 
 
 def _candidate(sites: _ModelSites, costs: _SiteCosts, pairs: _Pairs, i: int) -> Candidate:

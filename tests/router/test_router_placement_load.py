@@ -163,3 +163,13 @@ def test_array_round_trip_estimate_matches_the_scalar_one():
     lon = np.radians([p[1] for p in points])
     arrays = rtt_ms_arrays(math.radians(PARIS[0]), math.radians(PARIS[1]), lat, lon)
     assert np.allclose(arrays, [rtt_ms_between(*PARIS, *p) for p in points], rtol=1e-12)
+
+
+def test_prefix_cache_counts_only_the_leading_run_of_blocks():
+    prompt = list(range(1, 201))
+    hashes = prefix_hashes(prompt, 16)
+    gap = {"block_size": 16, "hashes": [f"{h:016x}" for h in hashes[:2] + hashes[3:]]}  # block 2 evicted
+    whole = {"block_size": 16, "hashes": [f"{h:016x}" for h in hashes]}
+    snap = snapshot(site("par", PARIS, prefix_cache_summary=gap), site("lyo", LYON, prefix_cache_summary=whole))
+    cached = {c.prefill_site.name: c.num_cached_tokens for c in rank(snap, request(PARIS, prompt_len=200), CostModel())}
+    assert cached == {"par": 32, "lyo": 192}
