@@ -137,6 +137,8 @@ def check_value(hint, value, where: str):
         if not math.isfinite(value):
             raise ConfigError(f"{where}: must be a finite number, got {value!r}")
         return float(value)
+    if not isinstance(origin, type):
+        raise TypeError(f"typed_config cannot check the annotation {hint!r} ({where}); use one listed in its docstring")
     if origin is int and isinstance(value, bool) or not isinstance(value, origin):
         raise _wrong_type(where, origin.__name__, value)
     return value
