@@ -93,3 +93,11 @@ def test_the_banners_examples_work_with_its_ca(tls_cluster):
     if shutil.which("curl"):
         streamed = subprocess.run(["sh", "-c", curl_example], capture_output=True, text=True, timeout=60)
         assert streamed.returncode == 0 and "data: [DONE]" in streamed.stdout, streamed.stderr
+
+
+def test_status_verifies_the_registry_with_the_clusters_ca(tls_cluster):
+    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--state-dir", str(tls_cluster.state_dir)],
+                            capture_output=True, text=True, timeout=60,
+                            env={k: v for k, v in os.environ.items() if k != "EDGEFIRE_ADMIN_TOKEN"})  # cluster.json's
+    assert status.returncode == 0, status.stderr
+    assert all(site.name in status.stdout for site in tls_cluster.config.sites)
