@@ -7,11 +7,12 @@ import itertools
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.e2e.conftest import (PREFILL_ONLY, LONG_TOKENS, complete, completion_body, prompt_ids, router_log,
-                                stream)
+from tests.e2e.conftest import (DECODE_ONLY, LONG_TOKENS, PREFILL_ONLY, agent_health, complete, completion_body,
+                                prompt_ids, router_client, router_log, stream)
 
 
 def test_prefill_site_killed_request_served_elsewhere(cluster, http):
@@ -52,6 +53,35 @@ def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_pro
     assert failure is not None and 0 < int(failure.group(1)) < LONG_TOKENS
 
 
+def test_full_decode_site_refuses_and_the_router_serves_elsewhere(cluster):
+    """The decode-only site runs at most its max_num_seqs (2 here) sequences: a Decode beyond that is
+    refused with RESOURCE_EXHAUSTED and the router serves the request on another site."""
+    most_running, watching = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal most_running
+        while not watching.is_set():
+            most_running = max(most_running, agent_health(cluster, DECODE_ONLY).num_running)
+
+    def one(i: int) -> int:
+        with router_client(cluster, timeout_s=120.0) as client:
+            response = client.post("/v1/completions", json=completion_body(cluster, prompt_ids(24, start=i), 48),
+                                   headers={"x-session-affinity": f"full-{i}"})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["completion_tokens"]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(12) as pool:
+        completion_tokens = list(pool.map(one, range(12)))
+    watching.set()
+    watcher.join()
+    assert completion_tokens == [48] * 12
+    assert most_running <= 2
+    refusals = re.findall(rf"site {DECODE_ONLY} failed \(RESOURCE_EXHAUSTED\)", router_log(cluster))
+    assert refusals, "no decode was refused: the test did not fill the decode site"
+
+
 class Requester(threading.Thread):
     """Sends small completions through the router one after another until stopped; keeps every failure."""
 
@@ -63,8 +93,7 @@ class Requester(threading.Thread):
         self._stopping = threading.Event()
 
     def run(self) -> None:
-        headers = {"Authorization": f"Bearer {self.cluster.api_key}"}
-        with httpx.Client(base_url=self.cluster.router_url, timeout=60.0, headers=headers) as http:
+        with router_client(self.cluster) as http:
             for i in itertools.count():
                 if self._stopping.is_set():
                     return
@@ -85,7 +114,8 @@ class Requester(threading.Thread):
 
 
 def router_health(cluster) -> dict:
-    return httpx.get(f"{cluster.router_url}/healthz", timeout=5.0).json()
+    with cluster.http_client(timeout=5.0) as client:
+        return client.get(f"{cluster.router_url}/healthz").json()
 
 
 def test_registry_outage_past_max_age_and_its_return_fail_no_request(cluster, http):
@@ -98,7 +128,8 @@ def test_registry_outage_past_max_age_and_its_return_fail_no_request(cluster, ht
     cluster.stop_registry()
     stopped_at = time.time()
     try:
-        cluster.wait_for(lambda: router_health(cluster)["view"] == "checked", 15.0, "the router to check sites itself")
+        cluster.wait_for(lambda: router_health(cluster)["view"] == "checked", 15.0,
+                         "the router to check its sites itself")
         health = router_health(cluster)
         assert health["ok"] and health["registry"] == "unreachable" and health["live_sites"] == 3, health
         assert stream(http, cluster, prompt_ids(30), 8).text
