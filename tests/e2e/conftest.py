@@ -40,8 +40,6 @@ def cluster_config(model_dir: Path, state_dir: Path, tls: bool = False) -> Clust
     sites = demo_sites(3)
     for site in sites:
         site.grpc_port = site.metrics_port = 0
-        if site.name == DECODE_ONLY:
-            site.agent = {"max_num_seqs": 2}  # small, so a test can fill it (the other tests send one at a time)
     return ClusterConfig(
         model_dir=model_dir, model_name="tiny", sites=sites, state_dir=state_dir, router_port=0, registry_port=0,
         tls=tls,

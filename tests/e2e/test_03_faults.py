@@ -7,12 +7,11 @@ import itertools
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.e2e.conftest import (DECODE_ONLY, LONG_TOKENS, PREFILL_ONLY, agent_health, complete, completion_body,
-                                prompt_ids, router_client, router_log, stream)
+from tests.e2e.conftest import (LONG_TOKENS, PREFILL_ONLY, complete, completion_body, prompt_ids, router_client,
+                                router_log, stream)
 
 
 def test_prefill_site_killed_request_served_elsewhere(cluster, http):
@@ -51,35 +50,6 @@ def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_pro
     request_id = faulty.headers["x-request-id"]
     failure = re.search(rf"request {request_id}: site {killed[0]} failed \(\w+\) after (\d+) token", router_log(cluster))
     assert failure is not None and 0 < int(failure.group(1)) < LONG_TOKENS
-
-
-def test_full_decode_site_refuses_and_the_router_serves_elsewhere(cluster):
-    """The decode-only site runs at most its max_num_seqs (2 here) sequences: a Decode beyond that is
-    refused with RESOURCE_EXHAUSTED and the router serves the request on another site."""
-    most_running, watching = 0, threading.Event()
-
-    def watch() -> None:
-        nonlocal most_running
-        while not watching.is_set():
-            most_running = max(most_running, agent_health(cluster, DECODE_ONLY).num_running)
-
-    def one(i: int) -> int:
-        with router_client(cluster, timeout_s=120.0) as client:
-            response = client.post("/v1/completions", json=completion_body(cluster, prompt_ids(24, start=i), 48),
-                                   headers={"x-session-affinity": f"full-{i}"})
-        assert response.status_code == 200, response.text
-        return response.json()["usage"]["completion_tokens"]
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    with ThreadPoolExecutor(12) as pool:
-        completion_tokens = list(pool.map(one, range(12)))
-    watching.set()
-    watcher.join()
-    assert completion_tokens == [48] * 12
-    assert most_running <= 2
-    refusals = re.findall(rf"site {DECODE_ONLY} failed \(RESOURCE_EXHAUSTED\)", router_log(cluster))
-    assert refusals, "no decode was refused: the test did not fill the decode site"
 
 
 class Requester(threading.Thread):
