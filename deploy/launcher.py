@@ -84,6 +84,9 @@ class Cluster:
             return None
         return channel_credentials(str(self.ca_path), *self.tls_files(ROUTER_NAME))
 
+    def metrics_url(self, name: str) -> str:
+        return f"{self.scheme}://{self.config.host}:{self.site(name).metrics_port}/metrics"
+
     def http_client(self, **options) -> httpx.Client:
         """An httpx client that trusts this cluster's certificates."""
         return httpx.Client(verify=self._verify, **options)
@@ -219,8 +222,7 @@ class Cluster:
 
     def _agent_serving(self, name: str) -> bool:
         """The agent's metrics endpoint answers only after its engines loaded and its gRPC server started."""
-        url = f"http://{self.config.host}:{self.site(name).metrics_port}/metrics"
-        return httpx.get(url, timeout=2.0).status_code == 200
+        return httpx.get(self.metrics_url(name), timeout=2.0, verify=self._verify).status_code == 200
 
     def _registry_ready(self) -> bool:
         return httpx.get(f"{self.registry_url}/healthz", timeout=2.0, verify=self._verify).status_code == 200
@@ -353,7 +355,7 @@ class Cluster:
             return {}
         cert, key = self.tls_files(name)
         ca = str(self.ca_path)
-        return {"tls_cert": cert, "tls_key": key, "tls_ca": ca, "tls_client_ca": ca}
+        return {"tls_cert": cert, "tls_key": key, "tls_ca": ca, "tls_client_ca": ca, "metrics_tls": True}
 
     def _router_tls(self) -> dict:
         if not self.config.tls:
@@ -381,7 +383,7 @@ class Cluster:
                     "ca": str(self.ca_path) if self.ca_path else None,
                     "admin_token": c.admin_token, "api_key": c.api_key, "launcher_pid": os.getpid(),
                     "sites": {s.name: {"role": s.role, "city": s.name, "grpc_address": self.site_address(s.name),
-                                       "metrics": f"http://{c.host}:{s.metrics_port}/metrics",
+                                       "metrics": self.metrics_url(s.name),
                                        "log": str(self.processes[s.name].log_path)} for s in c.sites}}
         _write_private(self.state_dir / "cluster.json", json.dumps(document, indent=2) + "\n")
 

@@ -42,6 +42,7 @@ class AgentConfig:
     tls_key: str | None = None
     tls_ca: str | None = None                   # CA bundle verifying peers and an https registry (None: system roots)
     tls_client_ca: str | None = None            # callers (routers, peers) must present a certificate signed by it
+    metrics_tls: bool = False                   # serve /metrics over HTTPS with tls_cert (scrapers need no certificate)
     kv_cache_bytes: int = 256 << 20             # KV pool per model
     kv_lease_ttl_s: float = 30.0
     kv_chunk_bytes: int = 1 << 20
@@ -86,6 +87,8 @@ class AgentConfig:
             raise ConfigError("tls_cert / tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca: client certificates need TLS; set tls_cert and tls_key too")
+        if self.metrics_tls and not self.tls_cert:
+            raise ConfigError("metrics_tls: HTTPS needs a certificate; set tls_cert and tls_key too")
         for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
             path = getattr(self, name)
             if path and not Path(path).is_file():

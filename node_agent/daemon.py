@@ -69,7 +69,8 @@ class Agent:
             await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port)
         if cfg.metrics_listen:
             self._metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
-            await self._metrics_server.start(cfg.metrics_listen)
+            await self._metrics_server.start(cfg.metrics_listen,
+                                             server_context(cfg.tls_cert, cfg.tls_key) if cfg.metrics_tls else None)
             self.metrics_port = self._metrics_server.port
         if cfg.registry_url:
             self._start_heartbeats()

@@ -1,13 +1,15 @@
 """Prometheus metrics of one agent, on its own CollectorRegistry (two agents can share a process).
 
 Engine gauges are refreshed from `stats()` when scraped, so they are never stale; latencies and
-byte counts are recorded where they happen. `MetricsServer` serves `/metrics` with asyncio.
+byte counts are recorded where they happen. `MetricsServer` serves `/metrics` with asyncio (HTTPS
+with `metrics_tls`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -84,9 +86,10 @@ class MetricsServer:
         self._server: asyncio.Server | None = None
         self.port: int | None = None
 
-    async def start(self, listen: str) -> None:
+    async def start(self, listen: str, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Serves on host:port; HTTPS with `ssl_context`."""
         host, _, port = listen.rpartition(":")
-        self._server = await asyncio.start_server(self._handle, host or "127.0.0.1", int(port))
+        self._server = await asyncio.start_server(self._handle, host or "127.0.0.1", int(port), ssl=ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -102,7 +105,7 @@ class MetricsServer:
             writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype +
                          b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             await writer.drain()
-        except (TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, ConnectionError, ssl.SSLError) as exc:
             log.debug("metrics request dropped: %r", exc)
         finally:
             writer.close()

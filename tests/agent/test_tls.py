@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 
 import grpc
+import httpx
 import pytest
 
 from engine.errors import KVTransferError
@@ -119,3 +120,13 @@ async def test_nothing_crosses_in_clear(start_agent, connect, local_tls):
         assert result.kv_handle.encode() not in seen
     kv_sample = bytes(payload.chunks[0].data[:64])
     assert len(set(kv_sample)) > 8 and kv_sample not in data_relay.seen  # a stretch of real KV bytes
+
+
+async def test_metrics_over_https(start_agent, local_tls):
+    agent = await start_agent("site-a", metrics_listen="127.0.0.1:0", metrics_tls=True, **tls_settings(local_tls))
+    async with httpx.AsyncClient(verify=client_context(local_tls.ca), timeout=5) as https:
+        scraped = await https.get(f"https://127.0.0.1:{agent.metrics_port}/metrics")
+    assert scraped.status_code == 200 and "edgefire_agent_kv_blocks_free" in scraped.text
+    async with httpx.AsyncClient(timeout=5) as plain:
+        with pytest.raises(httpx.HTTPError):
+            await plain.get(f"http://127.0.0.1:{agent.metrics_port}/metrics")

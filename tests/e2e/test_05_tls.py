@@ -58,8 +58,8 @@ def test_plaintext_and_unverified_clients_are_refused(tls_cluster):
 
 def test_split_run_over_tls_moves_kv_over_the_tls_data_port(tls_cluster, tls_http):
     check_split_run(tls_cluster, tls_http)
-    decode_metrics = httpx.get(f"http://{tls_cluster.config.host}:{tls_cluster.site(DECODE_ONLY).metrics_port}/metrics",
-                               timeout=5.0).text
+    with tls_cluster.http_client(timeout=5.0) as http:  # /metrics over HTTPS too
+        decode_metrics = http.get(tls_cluster.metrics_url(DECODE_ONLY)).text
     received = re.search(r"^edgefire_agent_kv_bytes_received_total (\S+)", decode_metrics, re.M)
     fallbacks = re.search(r"^edgefire_agent_kv_transfer_fallbacks_total (\S+)", decode_metrics, re.M)
     assert float(received.group(1)) > 0 and float(fallbacks.group(1)) == 0  # KV moved, none recomputed
