@@ -164,7 +164,9 @@ async def stream(http: httpx.AsyncClient, path: str, body: dict, kind: str = "",
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     if finish not in ("stop", "length"):
-        result.error = f"stream ended without a finish reason after {len(result.token_times)} chunks"
+        result.error = f"stream ended without a finish reason after {len(result.token_times)} tokens"
+    elif result.ttft_s is None:
+        result.error = "no token was seen (ask for logprobs to see tokens whose text is held back)"
     return result
 
 

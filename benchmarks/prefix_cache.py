@@ -72,7 +72,8 @@ async def ttft_trials(cluster, trials: int, prompt_len: int, cached_share: float
     async with httpx.AsyncClient(base_url=cluster.router_url, timeout=120.0,
                                  headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
         async def completion(prompt: list[int]) -> StreamResult:
-            body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "logprobs": 0}  # every token is then seen, even one whose text is held back
             result = await stream(http, "/v1/completions", body)
             if result.error:
                 raise RuntimeError(f"request failed: {result.error}")

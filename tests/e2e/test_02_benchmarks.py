@@ -28,7 +28,7 @@ async def test_disaggregation_benchmark_reports_both_modes(cluster):
         uncordon_all(cluster)
     assert by_mode["colocated"][0]["split_share"] == 0 and by_mode["split"][0]["split_share"] == 1
     report = disaggregation.report(by_mode)
-    assert "| colocated |" in report and "| split " in report and "ITL p90 colocated / split" in report
+    assert "| colocated |" in report and "| split " in report and "colocated vs split: ITL p90" in report
 
 
 async def test_prefix_cache_benchmark_reports_cached_ttft_and_both_chat_settings(cluster):
