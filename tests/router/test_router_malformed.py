@@ -118,3 +118,14 @@ async def test_an_escaped_backslash_before_u_d800_is_plain_text(served, http):
     body = splice(chat(), "messages", '[{"role": "user", "content": "path C:\\\\ud800"}]')
     response = await http.post(f"{url}/v1/chat/completions", content=body, headers=headers)
     assert response.status_code == 200, response.text
+
+
+def test_an_error_quoting_unencodable_client_text_is_still_an_openai_body():
+    # The parser refuses lone surrogates before any error can quote one; this is the belt under
+    # those braces: a message holding one (a model name in a 404) used to become a plain-text 500.
+    from router.app import _error_response
+    from router.errors import unknown_model
+
+    response = _error_response(unknown_model("tiny\ud800"))
+    assert response.status_code == 404
+    assert json.loads(response.body)["error"]["code"] == "model_not_found"
