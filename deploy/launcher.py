@@ -151,8 +151,8 @@ class Cluster:
         (self.state_dir / "launcher.pid").unlink(missing_ok=True)
 
     def _close_admin(self) -> None:
-        # An idle keep-alive TLS connection holds up the registry's graceful shutdown (it waits for
-        # the client's TLS close): hang up before stopping it. admin() opens a new one when needed.
+        # Hang up before stopping the registry rather than leave it a connection to cut; admin()
+        # opens a new one when needed.
         if self._admin is not None:
             self._admin.close()
             self._admin = None

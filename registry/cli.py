@@ -76,8 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         log.error("--tls-cert and --tls-key: give both or neither")
         return 2
-    # Idle keep-alive clients over TLS would hold a graceful stop until their TLS close (30 s): the
-    # registry's requests are short, so a stop waits at most SHUTDOWN_GRACE_S for them.
+    # The registry's requests are short: a stop waits at most SHUTDOWN_GRACE_S for those in flight.
     options = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "timeout_graceful_shutdown": SHUTDOWN_GRACE_S}
     if not args.no_migrate:
         upgrade_to_head(args.db)

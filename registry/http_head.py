@@ -13,6 +13,10 @@ before any application code runs, so before authentication:
   arrived: 408 Request Timeout (a connection that sent nothing is just closed).
 Each refusal closes the connection, after a short linger that drains what the client is still
 sending: closing with unread input would reset the connection and could destroy the answer.
+
+Over TLS, closing a connection waits for the client's TLS close (up to 30 s in asyncio and uvloop),
+and an idle keep-alive client never sends one: a server stopping would wait that long for each.
+So at shutdown an idle TLS connection is aborted instead; there is no answer in flight to lose.
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ class HeadLimitedHttp(HttpToolsProtocol):
         self._refusal: int | None = None
         self._head_deadline: asyncio.TimerHandle | None = None
         self._start_head_deadline()
+
+    def shutdown(self) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        super().shutdown()
+        if idle and self.transport.get_extra_info("sslcontext") is not None:
+            self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()

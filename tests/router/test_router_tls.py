@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
 from router_fake_agent import MODEL
 
 from node_agent.tls import client_context, server_credentials
+
+STOP_GUARD_S = 15.0  # a hang guard, not a measurement: without the fix the stop takes asyncio's 30 s TLS close
 
 
 @pytest.fixture
@@ -45,3 +49,11 @@ async def test_router_without_a_client_certificate_is_refused_by_the_agent(clust
     response = await http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                                json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
     assert response.status_code == 503, response.text
+
+
+async def test_https_router_stops_while_a_keep_alive_client_idles(cluster, make_router, local_tls):
+    """An idle TLS client never sends its TLS close: the router must not wait for it (30 s) to stop."""
+    router, url = await make_router(tls_cert=local_tls.cert, tls_key=local_tls.key, require_api_key=False)
+    async with httpx.AsyncClient(verify=client_context(local_tls.ca)) as idle:
+        assert (await idle.get(f"{url}/healthz")).status_code == 200  # its connection stays open, idle
+        await asyncio.wait_for(router.stop(), STOP_GUARD_S)  # raises TimeoutError if the router waits for it
