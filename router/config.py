@@ -57,6 +57,7 @@ class RouterConfig:
     first_token_timeout_s: float = 30.0
     token_idle_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
+    max_full_wait_s: float = 5.0      # a request whose every candidate is full waits this long for room, then 503
     failures_to_cool_down: int = 3
     cooldown_s: float = 30.0
     retry_after_s: float = 1.0
@@ -91,8 +92,8 @@ class RouterConfig:
                      "decode_seq_kv_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens", "session_margin",
-                     "decode_step_fixed"):
+        for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens", "max_full_wait_s",
+                     "session_margin", "decode_step_fixed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:

@@ -1,10 +1,14 @@
 """One request's token stream across sites: placement's ranked candidates, failover and resume.
 
 Before the first token, a site that cannot connect, times out, is full (RESOURCE_EXHAUSTED) or is
-draining (UNAVAILABLE) is skipped for the next candidate. After tokens have reached the client, a
-lost decode site is replaced by the next candidate's decode site with `Decode(prompt_ids,
-generated_ids)` and no KV source: it re-prefills prompt + everything already sent and continues, so
-the stream the caller sees has no gap and no repeat. `sampling.max_tokens` always counts every
+draining (UNAVAILABLE) is skipped for the next candidate. When the only candidates left are sites
+that answered RESOURCE_EXHAUSTED (full, not broken), the request waits and tries them again, backing
+off from 50 ms to 1 s, for up to `max_full_wait_s` (and never past the first-token timeout, or the
+token idle timeout once tokens were sent); refusals for fullness do not count as attempts.
+
+After tokens have reached the client, a lost decode site is replaced by the next candidate's decode
+site with `Decode(prompt_ids, generated_ids)` and no KV source: it re-prefills prompt + everything
+already sent and continues, so the stream the caller sees has no gap and no repeat. `sampling.max_tokens` always counts every
 output token, those already sent included. Attempts (fresh starts and resumes) are bounded.
 """
 
@@ -34,6 +38,7 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION,
 })
 RELEASE_TIMEOUT_S = 5.0
+FULL_RETRY_S, FULL_RETRY_MAX_S = 0.05, 1.0  # the wait before trying full sites again, doubling to the cap
 
 
 @dataclass(slots=True)
@@ -42,6 +47,7 @@ class FailoverPolicy:
     first_token_timeout_s: float = 30.0
     token_idle_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
+    max_full_wait_s: float = 5.0  # how long full sites are waited for (within the first-token / idle timeout)
 
 
 @dataclass(slots=True)
@@ -91,12 +97,18 @@ class Generation:
     # (site, "prefill" | "decode") an agent refused for its role: the pool planner moved it and this
     # router's snapshot is behind. The site is fine for its other role, so it is not a failure.
     _wrong_role: set[tuple[str, str]] = field(default_factory=set)
+    _full: set[str] = field(default_factory=set)   # sites that answered RESOURCE_EXHAUSTED since the last wait
+    _num_full_refusals: int = 0
+    _num_full_waits: int = 0
+    _full_since: float | None = None
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         while True:
             candidate = self._next_candidate()
             if candidate is None:
-                raise GenerationFailed(f"all {self.num_attempts} attempt(s) failed", bool(self.generated_ids))
+                if await self._waited_for_room():
+                    continue
+                raise GenerationFailed(self._failure_summary(), bool(self.generated_ids))
             self.num_attempts += 1
             attempt = self._record_attempt(candidate)
             site, call, lease = None, None, None
@@ -143,6 +155,9 @@ class Generation:
                     log.info("request %s: site %s no longer takes %s work (%s); next candidate", self.request_id,
                              site.name, role, exc.details())
                     continue
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._refused_as_full(site.name, exc.details())
+                    continue
                 self._fail(site.name, exc.code().name)
             except TimeoutError:
                 self._fail(site.name, "timeout")
@@ -157,7 +172,7 @@ class Generation:
                     self.ledger.finished(attempt)
 
     def _next_candidate(self) -> Candidate | None:
-        if self.num_attempts >= self.policy.max_attempts:
+        if self.num_attempts - self._num_full_refusals >= self.policy.max_attempts:
             return None
         for candidate in self.candidates:
             if candidate.decode_site.name in self._failed or (candidate.decode_site.name, "decode") in self._wrong_role:
@@ -168,6 +183,32 @@ class Generation:
                 continue
             return candidate
         return None
+
+    async def _waited_for_room(self) -> bool:
+        """Every candidate left is full: wait a little and let them be tried again (False: no time left)."""
+        if not self._full:
+            return False
+        now = asyncio.get_running_loop().time()
+        if self._full_since is None:
+            self._full_since = now
+        timeout_s = self.policy.token_idle_timeout_s if self.generated_ids else self.policy.first_token_timeout_s
+        budget_s = min(self.policy.max_full_wait_s, timeout_s)
+        delay_s = min(FULL_RETRY_S * 2 ** self._num_full_waits, FULL_RETRY_MAX_S)
+        if now + delay_s - self._full_since > budget_s:
+            return False
+        self._num_full_waits += 1
+        log.info("request %s: every candidate left is full (%s); trying again in %.2f s", self.request_id,
+                 ", ".join(sorted(self._full)), delay_s)
+        await asyncio.sleep(delay_s)
+        self._failed -= self._full
+        self._full.clear()
+        return True
+
+    def _failure_summary(self) -> str:
+        if self._full:
+            return (f"every site that can take this request is full ({self._num_full_refusals} refusal(s) "
+                    f"over {self._num_full_waits} wait(s))")
+        return f"all {self.num_attempts} attempt(s) failed"
 
     def _record_attempt(self, candidate: Candidate) -> Attempt | None:
         if self.ledger is None:
@@ -224,6 +265,14 @@ class Generation:
         self.health.record_failure(site)
         log.warning("request %s: site %s failed (%s) after %d token(s); attempt %d of %d", self.request_id, site,
                     reason, len(self.generated_ids), self.num_attempts, self.policy.max_attempts)
+
+    def _refused_as_full(self, site: str, details: str | None) -> None:
+        self._failed.add(site)
+        self._full.add(site)
+        self._num_full_refusals += 1
+        self.health.record_failure(site)
+        log.info("request %s: site %s is full (%s) after %d token(s); next candidate", self.request_id, site,
+                 details or "RESOURCE_EXHAUSTED", len(self.generated_ids))
 
     def _release_later(self, address: str, kv_handle: str) -> None:
         # A lease the decode site never took must be ended now rather than left to expire.

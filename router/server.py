@@ -133,4 +133,4 @@ def cost_model(config: RouterConfig) -> CostModel:
 
 def failover_policy(config: RouterConfig) -> FailoverPolicy:
     return FailoverPolicy(config.max_attempts, config.first_token_timeout_s, config.token_idle_timeout_s,
-                          config.request_timeout_s)
+                          config.request_timeout_s, config.max_full_wait_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -174,3 +175,31 @@ async def test_failing_site_cools_down_and_is_skipped(cluster, make_router, http
     response = await post(http, url, key)
     assert response.headers["x-edgefire-attempts"] == "1"
     assert len(near.calls) == calls_before
+
+
+async def test_the_only_decode_site_full_for_a_moment_is_waited_for_not_failed(cluster, make_router, http):
+    """RESOURCE_EXHAUSTED from every candidate means full, not broken: the router retries after a
+    short wait (within the first-token / idle timeout) instead of failing the stream."""
+    await cluster.add_site("fra-p", *FRA, role="prefill")
+    decode = await cluster.add_site("fra-d", *FRA, role="decode")  # the only decode site
+    key = await cluster.create_key()
+    _router, url = await make_router()
+    reference = (await post(http, url, key)).json()["choices"][0]["message"]["content"]
+    decode.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
+    asyncio.get_running_loop().call_later(0.5, setattr, decode, "refuse", None)
+    response, lines = await stream(http, url, key)
+    text, events = stream_text(lines)
+    assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert not any("error" in e for e in events) and text == reference
+    assert sum(1 for method, _ in decode.calls if method == "Decode") >= 3  # refused, waited, refused ... served
+
+
+async def test_a_decode_site_full_past_the_timeout_ends_with_a_clear_error(cluster, make_router, http):
+    await cluster.add_site("fra-p", *FRA, role="prefill")
+    decode = await cluster.add_site("fra-d", *FRA, role="decode")
+    key = await cluster.create_key()
+    _router, url = await make_router(first_token_timeout_s=0.6, token_idle_timeout_s=0.6)
+    decode.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
+    response = await post(http, url, key)
+    assert response.status_code == 503, response.text
+    assert "full" in response.json()["error"]["message"]
