@@ -8,8 +8,9 @@ token idle timeout once tokens were sent); refusals for fullness do not count as
 
 After tokens have reached the client, a lost decode site is replaced by the next candidate's decode
 site with `Decode(prompt_ids, generated_ids)` and no KV source: it re-prefills prompt + everything
-already sent and continues, so the stream the caller sees has no gap and no repeat. `sampling.max_tokens` always counts every
-output token, those already sent included. Attempts (fresh starts and resumes) are bounded.
+already sent and continues, so the stream the caller sees has no gap and no repeat.
+`sampling.max_tokens` always counts every output token, those already sent included. Attempts
+(fresh starts and resumes) are bounded.
 """
 
 from __future__ import annotations
