@@ -105,16 +105,10 @@ async def test_malformed_bodies_are_400s_naming_the_field(served, http):
         except (AssertionError, ValueError):
             wrong.append((body[:100], response.status_code, response.text[:200]))
     assert not wrong, "\n".join(map(repr, wrong))
-
-
-async def test_the_largest_seed_is_served(served, http):
-    url, headers = served
+    # What is valid at the edges is still served.
     response = await http.post(f"{url}/v1/chat/completions", json=chat(seed=2 ** 64 - 1), headers=headers)
     assert response.status_code == 200, response.text
-
-
-async def test_an_escaped_backslash_before_u_d800_is_plain_text(served, http):
-    url, headers = served  # "\\ud800" in JSON is a backslash and five letters, not a surrogate
+    # "\\ud800" in JSON is a backslash and five letters, not a surrogate.
     body = splice(chat(), "messages", '[{"role": "user", "content": "path C:\\\\ud800"}]')
     response = await http.post(f"{url}/v1/chat/completions", content=body, headers=headers)
     assert response.status_code == 200, response.text
