@@ -15,8 +15,9 @@ from deploy.cluster_config import ClusterConfig, SiteSpec
 from deploy.launcher import Cluster
 
 FLEX, DECODE_ONLY = "warsaw", "frankfurt"
-# A planner tuned for a test: any queued prefill is "heavy", decode never is, short dwell and settle.
-PLANNER = {"interval_s": 0.2, "min_dwell_s": 2.0, "settle_s": 0.5, "target_prefill_backlog_s": 0.001,
+# A planner tuned for a test: any queued prefill is "heavy", decode never is, short settle; the dwell
+# outlasts the requests checked while warsaw is in the prefill pool, even on a loaded machine.
+PLANNER = {"interval_s": 0.2, "min_dwell_s": 5.0, "settle_s": 0.5, "target_prefill_backlog_s": 0.001,
            "target_inter_token_s": 1000.0, "target_kv_used": 1.0}
 
 
