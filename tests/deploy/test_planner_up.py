@@ -1,6 +1,6 @@
 """`edgefire up` with the pool planner on: a prefill-heavy burst moves the site allowed both roles
 into the prefill pool, routers place by it, it comes back once the burst is over, and no request
-fails on the way."""
+fails on the way. The same cluster's agents measure the link between them (`edgefire status --links`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 
 from deploy.cluster import config_from_args
 from deploy.cli import build_parser
+from deploy.cli import main as edgefire
 from deploy.cluster_config import ClusterConfig, SiteSpec
 from deploy.launcher import Cluster
 
@@ -49,12 +50,13 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-async def test_a_prefill_heavy_burst_moves_the_flexible_site_and_no_request_fails(tiny_model_dir, tmp_path):
+async def test_a_prefill_heavy_burst_moves_the_flexible_site_and_no_request_fails(tiny_model_dir, tmp_path, capsys):
     sites = [SiteSpec(DECODE_ONLY, "eu", "DE", 50.11, 8.68, "decode"), SiteSpec(FLEX, "eu", "PL", 52.23, 21.01, "both")]
     config = ClusterConfig(
         model_dir=tiny_model_dir, model_name="tiny", sites=sites, state_dir=tmp_path / "cluster", router_port=0,
         registry_port=0, planner=True, planner_settings=PLANNER,
-        agent={"heartbeat_interval_s": 0.2, "kv_cache_bytes": 16 << 20, "device": "cpu", "dtype": "float32"},
+        agent={"heartbeat_interval_s": 0.2, "kv_cache_bytes": 16 << 20, "device": "cpu", "dtype": "float32",
+               "link_report_interval_s": 0.5},
         router={"snapshot_refresh_s": 0.2})
     cluster = Cluster(config)
     cluster.start(timeout_s=120)
@@ -79,6 +81,13 @@ async def test_a_prefill_heavy_burst_moves_the_flexible_site_and_no_request_fail
         wait_for(lambda: (FLEX, "prefill", "both") in role_changes(cluster), 30, "warsaw to return to both roles")
         entry = next(e for e in cluster.admin().audit_log(limit=100)["items"] if e["action"] == "site.active_role")
         assert entry["actor"] == "planner" and entry["detail"]["reason"]
+
+        # The agents measured the path between them (probes at start, then the split's KV pulls).
+        wait_for(lambda: len(cluster.snapshot()["links"]) == 2, 10, "both sites to report their link")
+        assert edgefire(["status", "--links", "--state-dir", str(config.state_dir)]) == 0
+        matrix = capsys.readouterr().out.splitlines()
+        assert matrix[0].split() == ["from", "\\", "to", DECODE_ONLY, FLEX]
+        assert "Mbps" in matrix[2] or "Gbps" in matrix[2]
     finally:
         for process in cluster.processes.values():
             process.kill()  # a clean stop is not under test here, and draining costs seconds
