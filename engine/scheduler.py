@@ -3,8 +3,12 @@
 Every step has a token budget. Running sequences go first in arrival order (a decode costs one
 token, an unfinished prefill continues with as many tokens as the budget allows), then waiting
 sequences are admitted first come, first served. So a long prompt is cut into chunks and never
-holds decoding up for more than one budget. When a running sequence needs a block and none is
-free, the most recently admitted sequence is preempted: its blocks are freed and it goes back
+holds decoding up for more than one budget. One exception to first come, first served: short
+prompts at the head of the queue (each at most a quarter of the budget, together at most half)
+keep their share of the step from a running prefill, so a 50-token question is answered in the
+next step instead of after every chunk of a 2,000-token document ahead of it; the long prompt
+still advances by at least half a budget per step. When a running sequence needs a block and none
+is free, the most recently admitted sequence is preempted: its blocks are freed and it goes back
 to the front of the queue to be recomputed (its cached prefix blocks usually make that cheap).
 """
 
@@ -64,10 +68,16 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        reserved = self._short_prompts_ahead()
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new > 1:  # a prefill chunk leaves the short prompts their share
+                num_new = min(num_new, budget - reserved)
+                if num_new < 1:
+                    index += 1
+                    continue
             if not self._make_room(seq, seq.num_computed_tokens + num_new):
                 break  # seq itself was preempted; everything after it already was
             scheduled.append(ScheduledSeq(seq, num_new))
@@ -89,6 +99,19 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _short_prompts_ahead(self) -> int:
+        """Tokens of the short prompts at the head of the queue that this step should admit."""
+        limit, room = self.config.max_num_batched_tokens // 4, self.config.max_num_batched_tokens // 2
+        seats = self.config.max_num_seqs - len(self.running)
+        reserved = 0
+        for seq in self.waiting:
+            pending = seq.num_tokens - seq.num_computed_tokens
+            if seats < 1 or pending > limit or reserved + pending > room:
+                break
+            reserved += pending
+            seats -= 1
+        return reserved
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Ensure seq has blocks for num_tokens, preempting the newest others; False if seq itself went."""

@@ -278,3 +278,24 @@ def test_imports_never_run_more_sequences_than_max_num_seqs(ckpt):
         assert len(target.scheduler.running) <= 2
     assert outputs == plain
     assert_no_leak(target)
+
+
+def test_a_short_prompt_is_answered_while_a_long_one_is_still_prefilling(ckpt):
+    """Short prompts keep a share of each step from a long prefill (which still moves by at least half
+    a budget per step), and both answers are what each would get alone."""
+    engine = make_engine(ckpt, max_num_batched_tokens=64)
+    alone = {rid: run(engine, {rid: (p, GREEDY)})[rid]
+             for rid, p in (("long", prompt(300, seed=1)), ("short", prompt(12, seed=2)))}
+    engine = make_engine(ckpt, max_num_batched_tokens=64, enable_prefix_caching=False)
+    engine.add_request("long", prompt(300, seed=1), GREEDY)
+    assert engine.step() == []  # the first 64-token chunk of the long prompt
+    engine.add_request("short", prompt(12, seed=2), GREEDY)
+    step = engine.step()
+    assert [out.request_id for out in step] == ["short"]
+    assert engine.sequences["long"].num_computed_tokens >= 64 + 32
+    outputs = {"long": [], "short": [step[0].token.token_id]}
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].append(out.token.token_id)
+    assert outputs == alone
+    assert_no_leak(engine)
