@@ -99,6 +99,10 @@ class EngineStats:
     inflight_decode_tokens: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    # The load the decode rate was measured under (averaged like it): sequences per decode step and
+    # the KV tokens those sequences held, which the step read. Routers calibrate their cost model by it.
+    decode_batch_size: float
+    decode_kv_tokens: float
     num_preemptions: int
     prefix_cache_hit_tokens: int
 
@@ -114,6 +118,17 @@ class _Rate:
         if tokens and seconds > 0:
             rate = tokens / seconds
             self.value = rate if not self.value else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+@dataclass(slots=True)
+class _Average:
+    """Exponentially averaged value, weighted like _Rate."""
+
+    value: float = 0.0
+    alpha: float = 0.2
+
+    def update(self, value: float) -> None:
+        self.value = value if not self.value else (1 - self.alpha) * self.value + self.alpha * value
 
 
 def _pick_device(name: str) -> torch.device:
@@ -152,6 +167,8 @@ class LLMEngine:
         self._lease_lock = threading.Lock()  # open_export runs on transport threads
         self.prefill_rate = _Rate()
         self.decode_rate = _Rate()
+        self.decode_batch_size = _Average()
+        self.decode_kv_tokens = _Average()
         self.num_prefix_hit_tokens = 0
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks, config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len)
@@ -276,6 +293,9 @@ class LLMEngine:
         num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
         self.prefill_rate.update(num_prefill, elapsed * num_prefill / max(1, num_prefill + num_decode))
         self.decode_rate.update(num_decode, elapsed * num_decode / max(1, num_prefill + num_decode))
+        if num_decode and elapsed > 0:
+            self.decode_batch_size.update(num_decode)
+            self.decode_kv_tokens.update(sum(i.seq.num_tokens for i in scheduled if i.num_new_tokens == 1))
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
@@ -467,6 +487,8 @@ class LLMEngine:
             inflight_decode_tokens=sum(s.max_total_tokens - s.num_tokens for s in running),
             prefill_tokens_per_s=self.prefill_rate.value,
             decode_tokens_per_s=self.decode_rate.value,
+            decode_batch_size=self.decode_batch_size.value,
+            decode_kv_tokens=self.decode_kv_tokens.value,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
         )

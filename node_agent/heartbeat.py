@@ -61,6 +61,8 @@ class EngineFigures(Protocol):
     inflight_decode_tokens: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    decode_batch_size: float
+    decode_kv_tokens: float
 
 
 def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineFigures],
@@ -75,6 +77,8 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineFig
         inflight_decode_tokens=sum(e.inflight_decode_tokens for e in engines),
         prefill_tokens_per_s=float(sum(e.prefill_tokens_per_s for e in engines)),
         decode_tokens_per_s=float(sum(e.decode_tokens_per_s for e in engines)),
+        decode_batch_size=float(sum(e.decode_batch_size for e in engines)),
+        decode_kv_tokens=float(sum(e.decode_kv_tokens for e in engines)),
         prefix_cache_summary=PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:MAX_CACHE_HASHES])),
         draining=draining,
     )

@@ -60,6 +60,8 @@ class CapacityRow(Base):
     inflight_decode_tokens: Mapped[int] = mapped_column(BigInteger)
     prefill_tokens_per_s: Mapped[float] = mapped_column(Float)
     decode_tokens_per_s: Mapped[float] = mapped_column(Float)
+    decode_batch_size: Mapped[float] = mapped_column(Float, server_default="0")
+    decode_kv_tokens: Mapped[float] = mapped_column(Float, server_default="0")
     prefix_cache_summary: Mapped[str | None] = mapped_column(Text)  # opaque JSON text
     draining: Mapped[bool] = mapped_column(Boolean)
     reported_at: Mapped[float] = mapped_column(Float)

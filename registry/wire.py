@@ -66,6 +66,10 @@ class CapacityReport(WireModel):
     inflight_decode_tokens: LargeCount = 0
     prefill_tokens_per_s: TokensPerSecond = 0.0
     decode_tokens_per_s: TokensPerSecond = 0.0
+    # The load decode_tokens_per_s was measured under, averaged like it: sequences per decode step
+    # and the KV tokens they held (what each step read). 0: not measured yet.
+    decode_batch_size: float = Field(0.0, ge=0.0, le=MAX_INT32, allow_inf_nan=False)
+    decode_kv_tokens: float = Field(0.0, ge=0.0, le=MAX_JSON_INT, allow_inf_nan=False)
     prefix_cache_summary: PrefixCacheSummary | None = None
     draining: bool = False
 

@@ -21,9 +21,11 @@ Cost model, in milliseconds (the router sits near its clients, so router↔site 
                   b sequences reading k KV tokens: each sequence costs one unit, a step's fixed
                   cost (weights read once per step) `decode_step_fixed` units, and reading KV
                   one unit per `decode_seq_kv_bytes` bytes. unit(d) is calibrated from the decode
-                  rate the site measured under the load it reports (rate = b₀ tokens per step of
-                  step(b₀, k₀), k₀ = its KV blocks in use); an idle site's rate is read as one
-                  sequence's. This request joins the sequences still decoding over its horizon
+                  rate the site measured and the load it measured it under (the agent reports
+                  both: b₀ sequences per step holding k₀ KV tokens, so rate = b₀ ÷ step(b₀, k₀));
+                  an agent that does not report the load is taken to have measured under its
+                  current one (running sequences, KV blocks in use), and with none, as one
+                  sequence alone. This request joins the sequences still decoding over its horizon
                   (running, capped at in-flight decode tokens ÷ horizon, with their share of the
                   KV) and reads its own prompt + half the horizon.
   transfer(p, d)  link RTT + KV bytes ÷ link bandwidth: the agents' measurement of the pair when
@@ -175,16 +177,15 @@ def step_work(num_seqs, kv_tokens, kv_bytes_per_token: int, cost: CostModel):
     return cost.decode_step_fixed + num_seqs + kv_tokens * kv_bytes_per_token / cost.decode_seq_kv_bytes
 
 
-def work_unit_ms(num_running, kv_tokens, decode_tokens_per_s, kv_bytes_per_token: int, cost: CostModel):
-    """Milliseconds per unit of step work, from the decode rate the site measured (0: none yet).
-
-    The rate was measured under about the load the site reports: its running sequences each get
-    one token per step, so a step took num_running ÷ rate. An idle site reports no load to pair its
-    rate with; the rate is read as one sequence's alone."""
+def work_unit_ms(batch_size, kv_tokens, decode_tokens_per_s, kv_bytes_per_token: int, cost: CostModel):
+    """Milliseconds per unit of step work, from a decode rate (0: none measured yet) and the load
+    it was measured under: batch_size sequences each got one token per step, so a step of
+    step_work(batch_size, kv_tokens) took batch_size ÷ rate. With no load to pair it with, the
+    rate is read as one sequence's alone."""
     rate = np.where(decode_tokens_per_s > 0, decode_tokens_per_s, cost.default_decode_tokens_per_s)
     lone = 1000.0 / rate / step_work(1, 0, kv_bytes_per_token, cost)
-    loaded = 1000.0 * num_running / rate / step_work(num_running, kv_tokens, kv_bytes_per_token, cost)
-    return np.where((decode_tokens_per_s > 0) & (num_running > 0), loaded, lone)
+    loaded = 1000.0 * batch_size / rate / step_work(batch_size, kv_tokens, kv_bytes_per_token, cost)
+    return np.where((decode_tokens_per_s > 0) & (batch_size > 0), loaded, lone)
 
 
 def transfer_ms(rtt_ms, bandwidth_mbps, kv_bytes: int):
@@ -264,6 +265,8 @@ class _ModelSites:
     kv_tokens: np.ndarray         # KV in use: what the site's decode steps read
     inflight_decode_tokens: np.ndarray
     decode_rate: np.ndarray       # measured; 0 when not yet
+    rate_batch_size: np.ndarray   # the load it was measured under: sequences per step...
+    rate_kv_tokens: np.ndarray    # ...and the KV they held (the current load where not reported)
     summaries: dict[int, _Summaries]  # prefix-cache summaries by their block size
     links: dict[tuple[int, int], tuple[float, float]]  # fresh measured (RTT, bandwidth) by position pair
     link_rtt_ms: np.ndarray | None    # the same as [src, dst] matrices (NaN: none), when there are any
@@ -299,10 +302,17 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         inflight_prefill_tokens=column(c.inflight_prefill_tokens for c in caps),
         prefill_rate=column(c.prefill_tokens_per_s or cost.default_prefill_tokens_per_s for c in caps),
         num_running=column(c.num_running for c in caps),
-        kv_tokens=column(max(0, c.kv_blocks_total - c.kv_blocks_free) * c.block_size for c in caps),
+        kv_tokens=column(_kv_in_use(c) for c in caps),
         inflight_decode_tokens=column(c.inflight_decode_tokens for c in caps),
         decode_rate=column(c.decode_tokens_per_s for c in caps),
+        rate_batch_size=column(c.decode_batch_size or c.num_running for c in caps),
+        rate_kv_tokens=column(c.decode_kv_tokens if c.decode_batch_size else _kv_in_use(c) for c in caps),
         summaries=_summaries(caps), **_fresh_links(snapshot, sites, index, cost))
+
+
+def _kv_in_use(cap) -> int:
+    """KV tokens the site's sequences hold now: what its decode steps read."""
+    return max(0, cap.kv_blocks_total - cap.kv_blocks_free) * cap.block_size
 
 
 def _summaries(caps: list) -> dict[int, _Summaries]:
@@ -391,7 +401,7 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
     ttft = (client_rtt + prefill_queue_ms(sites.inflight_prefill_tokens + prefill_tokens, sites.prefill_rate)
             + prefill_ms(num_prompt - num_cached, sites.prefill_rate))
     unit_ms = _derived(sites, ("unit_ms", kv_bytes_per_token), lambda: work_unit_ms(
-        sites.num_running, sites.kv_tokens, sites.decode_rate, kv_bytes_per_token, cost))
+        sites.rate_batch_size, sites.rate_kv_tokens, sites.decode_rate, kv_bytes_per_token, cost))
     tpot = decode_step_ms(sites.num_running + num_seqs, sites.kv_tokens + kv_tokens,
                           sites.inflight_decode_tokens + decode_tokens, unit_ms, num_prompt + horizon // 2, horizon,
                           kv_bytes_per_token, cost)

@@ -10,7 +10,8 @@ from registry.wire import MAX_CACHE_HASHES, CapacityReport
 def stats(blocks_free: int, running: int, rate: float) -> EngineStats:
     return EngineStats(num_blocks_total=100, num_blocks_free=blocks_free, block_size=16, num_running=running,
                        num_waiting=1, num_pinned_handles=0, inflight_prefill_tokens=40, inflight_decode_tokens=7,
-                       prefill_tokens_per_s=rate, decode_tokens_per_s=rate / 10, num_preemptions=0,
+                       prefill_tokens_per_s=rate, decode_tokens_per_s=rate / 10, decode_batch_size=running + 0.5,
+                       decode_kv_tokens=100.0 * running, num_preemptions=0,
                        prefix_cache_hit_tokens=0)
 
 
@@ -20,6 +21,7 @@ def test_report_sums_engines_and_caps_the_hash_list():
     wire = report.to_json()
     assert (wire["kv_blocks_total"], wire["kv_blocks_free"], wire["num_running"], wire["num_waiting"]) == (200, 90, 5, 2)
     assert wire["prefill_tokens_per_s"] == 1500.0 and wire["inflight_decode_tokens"] == 14
+    assert (wire["decode_batch_size"], wire["decode_kv_tokens"]) == (6.0, 500.0)  # the rate's load, summed too
     assert wire["prefix_cache_summary"]["hashes"] == hashes[:MAX_CACHE_HASHES]  # most recently used kept
     assert CapacityReport.model_validate_json(report.model_dump_json()) == report  # what the registry accepts
 

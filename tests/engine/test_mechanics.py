@@ -299,3 +299,15 @@ def test_a_short_prompt_is_answered_while_a_long_one_is_still_prefilling(ckpt):
             outputs[out.request_id].append(out.token.token_id)
     assert outputs == alone
     assert_no_leak(engine)
+
+
+def test_stats_report_the_load_the_decode_rate_was_measured_under(ckpt):
+    engine = make_engine(ckpt)
+    assert (engine.stats().decode_batch_size, engine.stats().decode_kv_tokens) == (0.0, 0.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    run(engine, {"a": (prompt(20, seed=1), params), "b": (prompt(30, seed=2), params)})
+    stats = engine.stats()
+    assert stats.decode_tokens_per_s > 0
+    # Two sequences decoded side by side, holding 20-55 tokens of KV between them at each step.
+    assert 1.5 < stats.decode_batch_size <= 2.0
+    assert 50 <= stats.decode_kv_tokens <= 62

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from registry.client import RegistryError
 from registry.records import SiteSpec
 from registry.service import create_app
+from registry.telemetry import HeartbeatWrite, capacity_row
 from registry.wire import MAX_BLOCK_SIZE, MAX_CACHE_HASHES, MAX_INT32, MAX_JSON_INT, MAX_TOKENS_PER_S, CapacityReport
 
 from .conftest import new_site
@@ -93,8 +94,8 @@ async def test_a_row_the_database_refuses_fails_alone(app, admin, connect, route
     now = service.store.telemetry.now()
 
     def row(name: str, **change) -> dict:
-        return {"site_id": ids[name], **CAPACITY, "prefix_cache_summary": None, "reported_at": now,
-                "kv_blocks_free": 7, **change}
+        write = HeartbeatWrite(ids[name], CapacityReport.model_validate({**CAPACITY, "kv_blocks_free": 7}), now)
+        return {**capacity_row(write), **change}  # every column, as the service builds it
 
     results = await asyncio.gather(service.batcher.submit(row("fra-1")),
                                    service.batcher.submit(row("ams-1", kv_blocks_total=2**63)),

@@ -173,3 +173,15 @@ def test_prefix_cache_counts_only_the_leading_run_of_blocks():
     snap = snapshot(site("par", PARIS, prefix_cache_summary=gap), site("lyo", LYON, prefix_cache_summary=whole))
     cached = {c.prefill_site.name: c.num_cached_tokens for c in rank(snap, request(PARIS, prompt_len=200), CostModel())}
     assert cached == {"par": 32, "lyo": 192}
+
+
+def test_decode_rate_is_read_with_the_load_it_was_measured_under():
+    # Both sites are idle now. par measured 1,600 tokens/s while decoding 16 sequences at a time
+    # (about 10 ms a step); mad measured 200 tokens/s with one sequence (5 ms a step), so mad is the
+    # faster site for a request decoding alone, despite par's larger figure and shorter round trip.
+    par = site("par", PARIS, decode_tokens_per_s=1600.0, decode_batch_size=16.0, decode_kv_tokens=16 * 300.0)
+    mad = site("mad", MADRID, decode_tokens_per_s=200.0, decode_batch_size=1.0, decode_kv_tokens=300.0)
+    assert rank(snapshot(par, mad), request(PARIS), CostModel())[0].site_names == ("mad", "mad")
+    # An agent that does not report the load leaves its rate to be read as one sequence's alone.
+    par_unreported = site("par", PARIS, decode_tokens_per_s=1600.0)
+    assert rank(snapshot(par_unreported, mad), request(PARIS), CostModel())[0].site_names == ("par", "par")
