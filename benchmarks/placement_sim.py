@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/placement_sim.py [--placements 100000] [--refresh-every 1000] [--seed 1]
 
 One site in each of the 300 most populous cities below (real latitude and longitude), each with synthetic load drawn per
-snapshot: running sequences, in-flight prefill and decode tokens, KV in use, measured prefill and
+snapshot, a fleet at moderate and uneven use: running sequences (0-32, median 4), in-flight prefill and decode tokens, KV in use, measured prefill and
 decode rates (three hardware classes within ±20% of each other), a prefix-cache summary of some of the shared system
 prompts, and measured links between some sites of one region. One site in ten serves only
 prefill, one in ten only decode. A fresh snapshot is drawn every `--refresh-every` placements (a
@@ -16,9 +16,10 @@ max_tokens 16–512; the model's KV bytes per token is 128 KiB (a Llama-3-8B-lik
 Printed, all from the same run: p50/p99/max wall time per `rank()` call and p50/p99 of the CPU
 time this process spent in it (on a loaded machine the wall time includes waiting for a core;
 the first call after each refresh, which builds the snapshot's arrays, is shown apart), the mean
-client round trip to the chosen decode site against a
-nearest-site oracle (the nearest site that could take the request at all, by distance), how
-often the chosen site is that nearest one, and the share of split vs colocated placements.
+client round trip to the chosen decode site against a nearest-site oracle (the nearest site that
+could take the request at all, by distance), how often the chosen site is that nearest one and
+by how much the cost model prefers its choice (score: expected time to first token plus the
+decode horizon), and the share of split vs colocated placements.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path[:0] = [str(ROOT)]
 from engine.prefix_hash import prefix_hashes  # noqa: E402
 from router.geometry import rtt_ms_between  # noqa: E402
 from router.placement import CostModel, PlacementRequest, is_live, rank  # noqa: E402
-from router.snapshot import parse_snapshot  # noqa: E402
+from router.snapshot import Snapshot, parse_snapshot  # noqa: E402
 
 MODEL = "llama-3-8b"
 KV_BYTES_PER_TOKEN = 131072
@@ -189,12 +190,12 @@ def site_doc(index: int, city: tuple, rng: random.Random, now: float) -> dict:
     name, lat, lon, region, _weight = city
     prefill_rate, lone_decode_rate, blocks = HARDWARE[index % len(HARDWARE)]
     role = "prefill" if index % 10 == 3 else "decode" if index % 10 == 7 else "both"
-    num_running = rng.choice([0, 0, 1, 2, 4, 8, 16, 24, 32, 48, 64])
+    num_running = rng.choice([0, 0, 1, 2, 2, 4, 4, 8, 8, 16, 32])
     context = rng.randint(200, 3000)
     blocks_used = min(blocks - 100, num_running * math.ceil(context / BLOCK_SIZE) + rng.randint(0, blocks // 10))
     fixed = CostModel().decode_step_fixed
-    decode_rate = (num_running * lone_decode_rate * (fixed + 1) / (fixed + num_running)) if num_running else (
-        lone_decode_rate if rng.random() < 0.8 else 0.0)
+    # The rate an engine of this class measures under that load.
+    decode_rate = num_running * lone_decode_rate * (fixed + 1) / (fixed + max(1, num_running)) or lone_decode_rate
     cached = rng.sample(SYSTEM_PROMPTS, rng.randint(0, 6))
     hashes = [f"{h:016x}" for prompt in cached for h in prefix_hashes(prompt, BLOCK_SIZE)]
     return {
@@ -205,9 +206,11 @@ def site_doc(index: int, city: tuple, rng: random.Random, now: float) -> dict:
         "capacity": {
             "kv_blocks_total": blocks, "kv_blocks_free": blocks - blocks_used, "block_size": BLOCK_SIZE,
             "num_running": num_running, "num_waiting": 0,
-            "inflight_prefill_tokens": rng.choice([0, 0, 0, 500, 2000, 8000, 30_000]),
+            "inflight_prefill_tokens": rng.choice([0, 0, 0, 0, 500, 1000, 4000]),
             "inflight_decode_tokens": num_running * rng.randint(1, 400),
             "prefill_tokens_per_s": prefill_rate * rng.uniform(0.8, 1.2), "decode_tokens_per_s": decode_rate,
+            # The load the rate was measured under (an idle site: its last request, alone).
+            "decode_batch_size": float(max(1, num_running)), "decode_kv_tokens": float(max(1, num_running) * context),
             "draining": False, "prefix_cache_summary": {"block_size": BLOCK_SIZE, "hashes": hashes},
             "reported_at": now - 1.0,
         },
@@ -242,13 +245,19 @@ def client_request(rng: random.Random, weights: list[int]) -> PlacementRequest:
     return PlacementRequest(MODEL, prompt, rng.randint(16, 512), lat, lon, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
 
 
-def nearest_rtt_ms(request: PlacementRequest, snapshot, cost: CostModel) -> float:
-    """The oracle: the round trip to the nearest live site serving the model in the decode role
-    with room for the request, by distance alone (the best any placement could do on RTT)."""
+def nearest_site(request: PlacementRequest, snapshot, cost: CostModel):
+    """The oracle: the nearest live site serving the model in the decode role with room for the
+    request, by distance alone (the best any placement could do on round trip)."""
     blocks = math.ceil((len(request.prompt_ids) + min(request.max_tokens, cost.expected_output_tokens)) / BLOCK_SIZE)
-    return min(rtt_ms_between(request.client_lat, request.client_lon, site.lat, site.lon)
-               for site in snapshot.sites
-               if is_live(site, cost) and site.serves(MODEL, "decode") and site.capacity.kv_blocks_free >= blocks)
+    viable = [site for site in snapshot.sites
+              if is_live(site, cost) and site.serves(MODEL, "decode") and site.capacity.kv_blocks_free >= blocks]
+    return min(viable, key=lambda site: rtt_ms_between(request.client_lat, request.client_lon, site.lat, site.lon))
+
+
+def score_alone_ms(request: PlacementRequest, snapshot, site, cost: CostModel) -> float | None:
+    """The cost model's score for the request on that one site (colocated), as rank() computes it."""
+    ranked = rank(Snapshot(snapshot.version, snapshot.generated_at, [site], snapshot.links), request, cost)
+    return ranked[0].score_ms if ranked else None
 
 
 def main() -> None:
@@ -263,7 +272,7 @@ def main() -> None:
     weights = [city[4] for city in CITIES]
     print(f"{len(SITE_CITIES)} sites, {args.placements} placements, a fresh snapshot every {args.refresh_every}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    wall_ns, cpu_ns, first_wall_ns, rtt_chosen, rtt_oracle = [], [], [], [], []
+    wall_ns, cpu_ns, first_wall_ns, rtt_chosen, rtt_oracle, score_gain = [], [], [], [], [], []
     num_split = num_nearest = num_none = 0
     snapshot, fresh = None, False
     for i in range(args.placements):
@@ -289,7 +298,11 @@ def main() -> None:
         if i % max(1, args.placements // args.oracle_sample) == 0:
             decode = best.decode_site
             chosen = rtt_ms_between(request.client_lat, request.client_lon, decode.lat, decode.lon)
-            oracle = nearest_rtt_ms(request, snapshot, cost)
+            nearest = nearest_site(request, snapshot, cost)
+            oracle = rtt_ms_between(request.client_lat, request.client_lon, nearest.lat, nearest.lon)
+            nearest_score = score_alone_ms(request, snapshot, nearest, cost)
+            if nearest_score is not None:
+                score_gain.append(nearest_score - best.score_ms)
             rtt_chosen.append(chosen)
             rtt_oracle.append(oracle)
             num_nearest += chosen <= oracle + 1e-9
@@ -303,7 +316,9 @@ def main() -> None:
           f"({len(first_wall_ns)} calls)")
     print(f"client RTT to the decode site (sample of {len(rtt_chosen)}): chosen mean "
           f"{statistics.fmean(rtt_chosen):.1f} ms, nearest-site oracle mean {statistics.fmean(rtt_oracle):.1f} ms; "
-          f"the nearest site chosen {100 * num_nearest / len(rtt_chosen):.0f}% of the time")
+          f"the nearest site chosen {100 * num_nearest / len(rtt_chosen):.0f}% of the time; the cost model "
+          f"scores the chosen pair {statistics.fmean(score_gain):.0f} ms (median {statistics.median(score_gain):.0f} ms) "
+          f"better than the nearest site alone")
     print(f"placed {placed}, no site {num_none}; split {100 * num_split / placed:.1f}%, "
           f"colocated {100 * (placed - num_split) / placed:.1f}%; load average {os.getloadavg()[0]:.2f}")
 

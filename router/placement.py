@@ -27,7 +27,8 @@ Cost model, in milliseconds (the router sits near its clients, so router↔site 
                   current one (running sequences, KV blocks in use), and with none, as one
                   sequence alone. This request joins the sequences still decoding over its horizon
                   (running, capped at in-flight decode tokens ÷ horizon, with their share of the
-                  KV) and reads its own prompt + half the horizon.
+                  KV: running × the measured KV per sequence, else the KV blocks in use) and
+                  reads its own prompt + half the horizon.
   transfer(p, d)  link RTT + KV bytes ÷ link bandwidth: the agents' measurement of the pair when
                   fresh (measured at most `link_max_age_s` before the snapshot), else the RTT
                   implied by distance and `default_bandwidth_mbps` (see `kv_transfer_ms`);
@@ -262,7 +263,7 @@ class _ModelSites:
     inflight_prefill_tokens: np.ndarray
     prefill_rate: np.ndarray      # measured, else the default
     num_running: np.ndarray
-    kv_tokens: np.ndarray         # KV in use: what the site's decode steps read
+    kv_tokens: np.ndarray         # KV its running sequences hold: what its decode steps read
     inflight_decode_tokens: np.ndarray
     decode_rate: np.ndarray       # measured; 0 when not yet
     rate_batch_size: np.ndarray   # the load it was measured under: sequences per step...
@@ -302,7 +303,7 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         inflight_prefill_tokens=column(c.inflight_prefill_tokens for c in caps),
         prefill_rate=column(c.prefill_tokens_per_s or cost.default_prefill_tokens_per_s for c in caps),
         num_running=column(c.num_running for c in caps),
-        kv_tokens=column(_kv_in_use(c) for c in caps),
+        kv_tokens=column(_decoding_kv_tokens(c) for c in caps),
         inflight_decode_tokens=column(c.inflight_decode_tokens for c in caps),
         decode_rate=column(c.decode_tokens_per_s for c in caps),
         rate_batch_size=column(c.decode_batch_size or c.num_running for c in caps),
@@ -311,8 +312,16 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
 
 
 def _kv_in_use(cap) -> int:
-    """KV tokens the site's sequences hold now: what its decode steps read."""
     return max(0, cap.kv_blocks_total - cap.kv_blocks_free) * cap.block_size
+
+
+def _decoding_kv_tokens(cap) -> float:
+    """KV the site's running sequences hold: what its decode steps read. From the KV per sequence
+    its decode steps measured; an agent that does not report it gives its KV blocks in use (which
+    also count prefills and KV leases)."""
+    if cap.decode_batch_size:
+        return cap.num_running * cap.decode_kv_tokens / cap.decode_batch_size
+    return _kv_in_use(cap)
 
 
 def _summaries(caps: list) -> dict[int, _Summaries]:
