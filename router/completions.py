@@ -63,8 +63,7 @@ class CompletionService:
 
     async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun:
         snapshot = self.feed.current()
-        if request.model not in servable_models(snapshot, self.cost, ctx.api_key.allowed_regions):
-            raise unknown_model(request.model)
+        self._check_served(request.model, snapshot, ctx.api_key.allowed_regions)
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
         prompt_ids = await self._tokenize(request, assets)
         max_tokens = self._check_lengths(request, prompt_ids, assets)
@@ -102,6 +101,16 @@ class CompletionService:
         generation = Generation(ctx.request_id, request.model, prompt_ids, sampling, candidates, self.agents,
                                 self.health, self.policy, self.ledger)
         return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s)
+
+    def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
+        """404 for a model no site offers; 503 + Retry-After for one whose sites served it lately but
+        none is live now (stale heartbeats, restarts): that is a wait, not an unknown model."""
+        if model in servable_models(snapshot, self.cost, allowed_regions):
+            return
+        if model in servable_models(snapshot, self.cost, allowed_regions, recently=True):
+            raise no_capacity(f"No site serving `{model}` is live right now; retry after the Retry-After delay.",
+                              self.limits.retry_after_s)
+        raise unknown_model(model)
 
     async def _tokenize(self, request: CompletionRequest, assets: ModelAssets) -> list[int]:
         tokenizer = assets.tokenizer

@@ -46,6 +46,7 @@ class RouterConfig:
     snapshot_max_age_s: float = 60.0
     site_check_interval_s: float = 2.0
     heartbeat_max_age_s: float = 15.0
+    recently_served_s: float = 600.0   # a model served this recently is 503 (retry) while no site is live, not 404
     # Keys and limits.
     require_api_key: bool = True
     api_key_cache_s: float = 30.0
@@ -87,7 +88,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("snapshot_refresh_s", "snapshot_max_age_s", "site_check_interval_s", "heartbeat_max_age_s",
-                     "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s", "retry_after_s",
+                     "recently_served_s", "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s", "retry_after_s",
                      "default_prefill_tokens_per_s", "default_decode_tokens_per_s", "link_max_age_s", "session_ttl_s",
                      "decode_seq_kv_bytes"):
             if getattr(self, name) <= 0:

@@ -97,6 +97,10 @@ class CostModel:
     decode_step_fixed: float = 32.0
     decode_seq_kv_bytes: float = float(512 << 20)
     heartbeat_max_age_s: float = 15.0
+    # A model some site served within this long is still the router's to offer: while its sites are
+    # stale (a slow registry, every site restarting) requests get 503 + Retry-After, not a 404 that
+    # clients take as final. A model no site has served for longer is unknown (404).
+    recently_served_s: float = 600.0
     affinity_slack: float = 0.2        # near-equal candidates for a session this router does not know
     session_margin: float = 0.5        # a known session stays while its pair is within 50% of the best
     default_bandwidth_mbps: float = DEFAULT_BANDWIDTH_MBPS
@@ -221,16 +225,25 @@ def is_live(site: Site, cost: CostModel) -> bool:
             and bool(site.grpc_address))
 
 
-def servable_models(snapshot: Snapshot, cost: CostModel, allowed_regions: frozenset[str] = frozenset()) -> list[str]:
+def served_recently(site: Site, cost: CostModel) -> bool:
+    """The site took work lately: active and heard from within `recently_served_s`, live or not now."""
+    return (site.state == "active" and site.capacity is not None and site.heartbeat_age_s is not None
+            and site.heartbeat_age_s <= cost.recently_served_s)
+
+
+def servable_models(snapshot: Snapshot, cost: CostModel, allowed_regions: frozenset[str] = frozenset(),
+                    recently: bool = False) -> list[str]:
     """The models live sites in the allowed regions (empty: all) can serve, sorted: some site
     prefills each and some site decodes it. Free capacity does not matter here: a model whose
-    sites are full is still served (503 and retry), one missing from this list is not (404)."""
-    key = ("servable", cost, allowed_regions)
+    sites are full is still served (503 and retry), one missing from this list is not (404).
+    `recently`: sites that served within `cost.recently_served_s` count too, live now or not."""
+    key = ("servable", cost, allowed_regions, recently)
     models = snapshot.placement_cache.get(key)
     if models is None:
+        counts = served_recently if recently else is_live
         prefill, decode = set(), set()
         for site in snapshot.sites:
-            if not is_live(site, cost) or (allowed_regions and site.region not in allowed_regions):
+            if not counts(site, cost) or (allowed_regions and site.region not in allowed_regions):
                 continue
             prefill.update(m for m in site.models if site.serves(m, "prefill"))
             decode.update(m for m in site.models if site.serves(m, "decode"))

@@ -127,6 +127,7 @@ def cost_model(config: RouterConfig) -> CostModel:
         default_decode_tokens_per_s=config.default_decode_tokens_per_s,
         kv_bytes_per_token=config.default_kv_bytes_per_token, decode_step_fixed=config.decode_step_fixed,
         decode_seq_kv_bytes=config.decode_seq_kv_bytes, heartbeat_max_age_s=config.heartbeat_max_age_s,
+        recently_served_s=config.recently_served_s,
         affinity_slack=config.affinity_slack, session_margin=config.session_margin,
         link_max_age_s=config.link_max_age_s, allow_split=config.allow_split)
 

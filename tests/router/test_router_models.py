@@ -4,6 +4,8 @@ request for any other model is a 404 `model_not_found`, not a 503 that invites r
 
 from __future__ import annotations
 
+import asyncio
+
 from router_fake_agent import MODEL
 from test_router_errors import CHAT, assert_openai_error
 
@@ -51,3 +53,28 @@ async def test_a_served_model_whose_sites_are_full_is_listed_and_503(cluster, ma
     response = await ask(http, url, key, MODEL)
     assert assert_openai_error(response, 503)["code"] == "no_capacity"
     assert int(response.headers["retry-after"]) >= 1
+
+
+async def test_a_model_whose_sites_went_stale_is_503_and_retry_not_404(cluster, make_router, http):
+    """A slow registry or sites restarting can leave no live site for a while (the soak saw such a window
+    turn into 404s for the cluster's only model). The model is still the router's: 503 + Retry-After."""
+    await cluster.add_site("fra", 50.1, 8.7)
+    await cluster.add_site("lis", 38.7, -9.1, role="prefill")   # keeps the registry's view changing
+    key = await cluster.create_key()
+    _router, url = await make_router(heartbeat_max_age_s=0.3)
+    await asyncio.sleep(0.8)
+    await cluster.heartbeat("lis")   # a new snapshot, in which fra's heartbeat is older than 0.3 s
+    await asyncio.sleep(0.5)
+    response = await ask(http, url, key, MODEL)
+    assert assert_openai_error(response, 503)["code"] == "no_capacity"
+    assert int(response.headers["retry-after"]) >= 1
+    assert await models(http, url, key) == []   # not offered while no site can decode it
+    await cluster.heartbeat("fra")
+    await asyncio.sleep(0.5)  # the router's snapshot refresh (0.2 s) takes the new heartbeat in
+    assert (await ask(http, url, key, MODEL)).status_code == 200
+    # Heard from longer ago than recently_served_s: the model is no longer the router's to offer.
+    _router, url = await make_router(heartbeat_max_age_s=0.3, recently_served_s=0.3)
+    await asyncio.sleep(0.8)
+    await cluster.heartbeat("lis")
+    await asyncio.sleep(0.5)
+    assert_openai_error(await ask(http, url, key, MODEL), 404, "model")
