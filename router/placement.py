@@ -296,7 +296,8 @@ def _model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _ModelSites
 
 
 def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _ModelSites | None:
-    sites = [s for s in snapshot.sites if is_live(s, cost) and (s.serves(model, "prefill") or s.serves(model, "decode"))]
+    sites = [s for s in snapshot.sites
+             if is_live(s, cost) and (s.serves(model, "prefill") or s.serves(model, "decode"))]
     if not sites:
         return None
     caps = [s.capacity for s in sites]
@@ -429,7 +430,8 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
                           kv_bytes_per_token, cost)
     free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
     allowed = _region_mask(sites, request.allowed_regions)
-    prefill_ok = sites.can_prefill & allowed & (np.ceil((num_prompt - num_cached) / sites.block_size) + 1 <= free_blocks)
+    prefill_blocks = np.ceil((num_prompt - num_cached) / sites.block_size) + 1
+    prefill_ok = sites.can_prefill & allowed & (prefill_blocks <= free_blocks)
     decode_ok = sites.can_decode & allowed & (np.ceil((num_prompt + horizon) / sites.block_size) <= free_blocks)
     return _SiteCosts(client_rtt, ttft, tpot, num_cached, prefill_ok, decode_ok)
 
