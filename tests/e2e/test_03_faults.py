@@ -32,24 +32,32 @@ def test_prefill_site_killed_request_served_elsewhere(cluster, http):
 
 def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_prompt):
     reference = stream(http, cluster, long_prompt.prompt, LONG_TOKENS)
-    killed: list[str] = []
+    resumed_after = None
+    # On a loaded machine the site can finish all its tokens before the kill lands; then the stream is
+    # whole without a resume, and the kill is tried again on a fresh request.
+    for _attempt in range(3):
+        killed: list[str] = []
 
-    def kill_decode_site(headers) -> None:
-        killed.append(headers["x-edgefire-decode-site"])
-        cluster.kill_site(killed[0])
+        def kill_decode_site(headers) -> None:
+            killed.append(headers["x-edgefire-decode-site"])
+            cluster.kill_site(killed[0])
 
-    try:
-        faulty = stream(http, cluster, long_prompt.prompt, LONG_TOKENS, on_first_chunk=kill_decode_site)
-    finally:
-        for site in killed:
-            cluster.start_site(site)
-    assert faulty.text == reference.text
-    assert faulty.finish_reason == reference.finish_reason == "length"
-    assert faulty.usage["completion_tokens"] == reference.usage["completion_tokens"] == LONG_TOKENS
+        try:
+            faulty = stream(http, cluster, long_prompt.prompt, LONG_TOKENS, on_first_chunk=kill_decode_site)
+        finally:
+            for site in killed:
+                cluster.start_site(site)
+        assert faulty.text == reference.text
+        assert faulty.finish_reason == reference.finish_reason == "length"
+        assert faulty.usage["completion_tokens"] == reference.usage["completion_tokens"] == LONG_TOKENS
+        request_id = faulty.headers["x-request-id"]
+        failure = re.search(rf"request {request_id}: site {killed[0]} failed \(\w+\) after (\d+) token",
+                            router_log(cluster))
+        if failure is not None:
+            resumed_after = int(failure.group(1))
+            break
     # The kill really landed mid-stream: the router resumed after some tokens had been sent.
-    request_id = faulty.headers["x-request-id"]
-    failure = re.search(rf"request {request_id}: site {killed[0]} failed \(\w+\) after (\d+) token", router_log(cluster))
-    assert failure is not None and 0 < int(failure.group(1)) < LONG_TOKENS
+    assert resumed_after is not None and 0 < resumed_after < LONG_TOKENS
 
 
 class Requester(threading.Thread):
