@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -141,6 +140,19 @@ def table(runs: list[RunStats]) -> str:
     return "\n".join(lines)
 
 
+def demo_cluster_config(tmp: Path, model_dir: Path | None, size: str, **agent) -> ClusterConfig:
+    """The demo's three sites (prefill-only, decode-only, both) on free ports under `tmp`, CPU float32,
+    serving `model_dir` or a fresh demo model of `size`; `agent` settings override the defaults."""
+    if model_dir is None:
+        from engine.demo import make_demo_model
+        model_dir = make_demo_model(tmp / "demo-model", size)
+    sites = demo_sites(3)
+    for site in sites:
+        site.grpc_port = site.metrics_port = 0
+    return ClusterConfig(model_dir=model_dir, model_name="demo", sites=sites, state_dir=tmp / "state",
+                         router_port=0, registry_port=0, agent={"device": "cpu", "dtype": "float32", **agent})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -151,17 +163,9 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="edgefire-load-") as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from engine.demo import make_demo_model
-            model_dir = make_demo_model(Path(tmp) / "demo-model", args.size)
-        sites = demo_sites(3)
-        for site in sites:
-            site.grpc_port = site.metrics_port = 0
-        config = ClusterConfig(model_dir=model_dir, model_name="demo", sites=sites, state_dir=Path(tmp) / "state",
-                               router_port=0, registry_port=0, agent={"device": "cpu", "dtype": "float32"})
+        config = demo_cluster_config(Path(tmp), args.model, args.size)
         cluster = Cluster(config)
-        print(f"starting a 3-site cluster ({', '.join(f'{s.name}:{s.role}' for s in sites)}) ...", flush=True)
+        print(f"starting a 3-site cluster ({', '.join(f'{s.name}:{s.role}' for s in config.sites)}) ...", flush=True)
         cluster.start()
         try:
             print(f"{args.clients} streaming clients x {args.seconds:.0f}s, max_tokens {args.max_tokens}, greedy",

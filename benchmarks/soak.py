@@ -34,8 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cluster_load import RunStats, client_loop  # noqa: E402
-from deploy.cluster_config import ClusterConfig, demo_sites  # noqa: E402
+from benchmarks.cluster_load import RunStats, client_loop, demo_cluster_config  # noqa: E402
 from deploy.launcher import Cluster  # noqa: E402
 from node_agent.client import AgentClient  # noqa: E402
 
@@ -219,18 +218,9 @@ def main() -> int:
         parser.error("--registry-outage-minutes must be shorter than --minutes (the outage sits mid-run)")
 
     with tempfile.TemporaryDirectory(prefix="edgefire-soak-") as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from engine.demo import make_demo_model
-            model_dir = make_demo_model(Path(tmp) / "demo-model", args.size)
-        sites = demo_sites(3)
-        for site in sites:
-            site.grpc_port = site.metrics_port = 0
-        config = ClusterConfig(model_dir=model_dir, model_name="demo", sites=sites, state_dir=Path(tmp) / "state",
-                               router_port=0, registry_port=0,
-                               agent={"device": "cpu", "dtype": "float32", "kv_lease_ttl_s": LEASE_TTL_S})
+        config = demo_cluster_config(Path(tmp), args.model, args.size, kv_lease_ttl_s=LEASE_TTL_S)
         cluster = Cluster(config)
-        print(f"starting a 3-site cluster ({', '.join(f'{s.name}:{s.role}' for s in sites)}) ...", flush=True)
+        print(f"starting a 3-site cluster ({', '.join(f'{s.name}:{s.role}' for s in config.sites)}) ...", flush=True)
         cluster.start()
         try:
             stats, chaos = asyncio.run(soak(cluster, args))
