@@ -13,12 +13,15 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 
 from registry.client import RegistryClient, RegistryError
 from registry.wire import MAX_CACHE_HASHES, CapacityReport, PrefixCacheSummary
+
+if TYPE_CHECKING:  # the agent's engines; only their figures are read here
+    from engine.engine import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +53,7 @@ class Registration:
     lon: float | None = None
 
 
-class EngineFigures(Protocol):
-    """What a heartbeat sums over a site's engines (engine.engine.EngineStats has these)."""
-
-    num_blocks_total: int
-    num_blocks_free: int
-    num_running: int
-    num_waiting: int
-    inflight_prefill_tokens: int
-    inflight_decode_tokens: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    decode_batch_size: float
-    decode_kv_tokens: float
-
-
-def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineFigures],
+def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineStats],
                     cached_hashes: Sequence[str]) -> CapacityReport:
     """The site's heartbeat: every engine's figures summed. The prefix-cache hashes (most recently
     used first, per engine) are cut to the contract's maximum rather than refused for the lot."""
