@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typed_config
+from registry.client import registry_urls
 from typed_config import ConfigError
 
 ENV_PREFIX = "EDGEFIRE_AGENT_"
@@ -33,7 +34,8 @@ class AgentConfig:
     grpc_listen: str = "127.0.0.1:50051"
     advertise_address: str | None = None        # what the registry tells routers; default grpc_listen
     metrics_listen: str | None = "127.0.0.1:9400"  # None: no metrics endpoint
-    registry_url: str | None = None             # None: run without a registry
+    # None: run without a registry. Several replicas: a list (or comma-separated), tried in order on failure.
+    registry_url: str | list[str] | None = None
     site_token: str | None = None
     peer_token: str = ""
     # TLS: with tls_cert/tls_key the gRPC port and the KV data port speak only TLS, and peers are called
@@ -83,6 +85,11 @@ class AgentConfig:
             raise ConfigError("peer_token: a shared token for agent and router calls is required")
         if self.registry_url and not self.site_token:
             raise ConfigError("site_token: required when registry_url is set")
+        if self.registry_url:
+            try:
+                registry_urls(self.registry_url)
+            except ValueError as exc:
+                raise ConfigError(f"registry_url: {exc}") from None
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert / tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:

@@ -1,7 +1,8 @@
 """Registration and heartbeats to the registry, resilient to the registry being away.
 
-One retry policy (`Backoff`) for both: a failed call waits, doubling up to a cap, then tries again;
-a success resets it. Nothing here ever stops serving: the loop only logs, waits and retries.
+The project's one retry policy (`registry.retry.Backoff`) for both: a failed call waits, doubling up
+to a cap, then tries again; a success resets it. With several registry URLs the client itself moves
+on to the next replica within a call (registry/client.py). Nothing here ever stops serving: the loop only logs, waits and retries.
 The heartbeat body is the wire contract's `CapacityReport` (registry.wire), built by
 `capacity_report` from the engines' figures, so what the agent sends is what the registry accepts.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,27 +18,13 @@ from typing import TYPE_CHECKING
 import httpx
 
 from registry.client import RegistryClient, RegistryError
+from registry.retry import Backoff
 from registry.wire import MAX_CACHE_HASHES, CapacityReport, PrefixCacheSummary
 
 if TYPE_CHECKING:  # the agent's engines; only their figures are read here
     from engine.engine import EngineStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Backoff:
-    initial_s: float = 0.2
-    max_s: float = 10.0
-    factor: float = 2.0
-    _next_s: float = 0.0
-
-    def next_delay(self) -> float:
-        self._next_s = min(self.max_s, self._next_s * self.factor if self._next_s else self.initial_s)
-        return self._next_s * random.uniform(0.8, 1.2)  # jitter, so many agents do not retry in lockstep
-
-    def reset(self) -> None:
-        self._next_s = 0.0
 
 
 @dataclass(slots=True)

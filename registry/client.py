@@ -10,16 +10,36 @@ written once below (`RegistryOperations`); each client supplies only how a reque
 A 4xx/5xx answer raises RegistryError; connection failures surface as httpx exceptions so the
 caller can retry with backoff. Over HTTPS, `verify` checks the registry's certificate: an
 `ssl.SSLContext` loaded with the deployment's CA bundle, or True for the system roots.
+
+Replicas. The base URL may be several (a list, or one string of comma-separated URLs): registry
+replicas over one database, interchangeable for every call. A call goes to the replica that answered
+last; when it cannot be reached, or answers 502/503/504 (its database or its proxy is away), the
+same call moves on to the next replica at once, and the failed one rests (`Backoff`, doubling from
+0.5 s to 30 s) before it is tried first again. Only requests that cannot have been carried out are
+sent again where they might have been: a connection that never opened always moves on, a request
+cut off after it was sent moves on only for idempotent operations (reads, PUT/DELETE, heartbeats,
+fleet reports, which carry their own report id). When every replica fails, the last failure is
+raised, as with one URL; the caller backs off.
 """
 
 from __future__ import annotations
 
 import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from registry.retry import Backoff
+
 DEFAULT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0   # a replica that does not accept within this is passed over for the next
+FAILOVER_STATUSES = frozenset({502, 503, 504})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+# Errors raised before a request left this process: resending it anywhere is always safe.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class RegistryError(Exception):
@@ -73,11 +93,80 @@ def _drop_none(fields: dict) -> dict:
     return {k: v for k, v in fields.items() if v is not None}
 
 
+def registry_urls(urls: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The replica URLs of a `registry_url` setting (a URL, a comma-separated string, or a list), checked."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    found = [item.strip().rstrip("/") for item in items if item and item.strip()]
+    if not found:
+        raise ValueError("no registry URL given; set registry_url to http(s)://host:port (or a list of them)")
+    for url in found:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"registry URL {url!r} must start with http:// or https://")
+    return list(dict.fromkeys(found))
+
+
+@dataclass(slots=True)
+class _Replica:
+    url: str
+    backoff: Backoff = field(default_factory=lambda: Backoff(initial_s=0.5, max_s=30.0))
+    rest_until: float = 0.0
+
+
+class Replicas:
+    """Which registry replica to call first, and which rest after failing (see the module docstring)."""
+
+    def __init__(self, urls: str | list[str], clock: Callable[[], float] = time.monotonic) -> None:
+        self._replicas = [_Replica(url) for url in registry_urls(urls)]
+        self._current = 0
+        self._clock = clock
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self._replicas]
+
+    @property
+    def current(self) -> str:
+        return self._replicas[self._current].url
+
+    def attempts(self) -> list[tuple[_Replica, bool]]:
+        """(replica, is_last) for one call: every replica once, the current one first, then the rest in
+        configured order; resting ones last (soonest back first), so a call still reaches a replica
+        when all of them are resting."""
+        n = len(self._replicas)
+        ring = [self._replicas[(self._current + i) % n] for i in range(n)]
+        now = self._clock()
+        order = [r for r in ring if r.rest_until <= now] + sorted((r for r in ring if r.rest_until > now),
+                                                                   key=lambda r: r.rest_until)
+        return [(replica, i == n - 1) for i, replica in enumerate(order)]
+
+    def unreachable(self, replica: _Replica, exc: httpx.TransportError, last: bool, idempotent: bool) -> None:
+        """The call could not reach `replica`: rest it; raise `exc` unless the call may go on to the next."""
+        self._rest(replica)
+        if last or not (isinstance(exc, _NOT_SENT) or idempotent):
+            raise exc
+
+    def accept(self, replica: _Replica, response: httpx.Response, last: bool) -> bool:
+        """Whether the call ends with `response`; False: the replica is away (502/503/504), try the next."""
+        if response.status_code in FAILOVER_STATUSES and not last:
+            self._rest(replica)
+            return False
+        if response.status_code not in FAILOVER_STATUSES:
+            replica.backoff.reset()
+            replica.rest_until = 0.0
+            self._current = self._replicas.index(replica)
+        return True
+
+    def _rest(self, replica: _Replica) -> None:
+        replica.rest_until = self._clock() + replica.backoff.next_delay()
+        if len(self._replicas) > 1 and replica is self._replicas[self._current]:
+            self._current = (self._current + 1) % len(self._replicas)
+
+
 class RegistryOperations:
     """The registry API, one method per operation. `_call` returns an awaitable in the async client."""
 
     def _call(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-              headers: dict | None = None, decode=_json):
+              headers: dict | None = None, decode=_json, idempotent: bool = False):
         raise NotImplementedError
 
     # Agent (site token).
@@ -91,11 +180,11 @@ class RegistryOperations:
 
     def heartbeat(self, capacity: dict):
         """Returns {"state", "drain_deadline"}: what the operator wants of this site."""
-        return self._call("POST", "/v1/agent/heartbeat", json=capacity)
+        return self._call("POST", "/v1/agent/heartbeat", json=capacity, idempotent=True)
 
     def post_links(self, links: list[dict]):
         """links: [{"peer", "rtt_ms", "bandwidth_mbps"}], this site's measurements of its paths."""
-        return self._call("POST", "/v1/agent/links", json={"links": links})
+        return self._call("POST", "/v1/agent/links", json={"links": links}, idempotent=True)
 
     def peers(self):
         """{"peers": [{"name", "grpc_address"}]}: live sites serving one of this site's models."""
@@ -112,7 +201,8 @@ class RegistryOperations:
 
     def lookup_api_key(self, key: str):
         """{"id", "name", "allowed_regions", "requests_per_minute", "tokens_per_minute", ...} or None."""
-        return self._call("POST", "/v1/router/api-keys/lookup", json={"key": key}, decode=_found_or_none)
+        return self._call("POST", "/v1/router/api-keys/lookup", json={"key": key}, decode=_found_or_none,
+                          idempotent=True)
 
     # Operator (admin token).
     def create_site(self, name: str, **fields):
@@ -182,14 +272,23 @@ class RegistryOperations:
 class RegistryClient(RegistryOperations):
     """Async client (httpx.AsyncClient); every operation is awaited."""
 
-    def __init__(self, base_url: str, token: str, timeout: float = DEFAULT_TIMEOUT_S, *, actor: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token, actor), timeout=timeout,
-                                       transport=transport, verify=verify)
+    def __init__(self, base_url: str | list[str], token: str, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 actor: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
+        self.replicas = Replicas(base_url)
+        self._http = httpx.AsyncClient(headers=_headers(token, actor), transport=transport, verify=verify,
+                                       timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)))
 
-    async def _call(self, method, path, *, json=None, params=None, headers=None, decode=_json):
-        response = await self._http.request(method, path, json=json, params=params, headers=headers)
-        return decode(response)
+    async def _call(self, method, path, *, json=None, params=None, headers=None, decode=_json, idempotent=False):
+        for replica, last in self.replicas.attempts():
+            try:
+                response = await self._http.request(method, replica.url + path, json=json, params=params,
+                                                    headers=headers)
+            except httpx.TransportError as exc:
+                self.replicas.unreachable(replica, exc, last, method in IDEMPOTENT_METHODS or idempotent)
+                continue
+            if self.replicas.accept(replica, response, last):
+                return decode(response)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -204,13 +303,22 @@ class RegistryClient(RegistryOperations):
 class SyncRegistryClient(RegistryOperations):
     """Blocking client (httpx.Client) with the same operations, for the command line."""
 
-    def __init__(self, base_url: str, token: str, timeout: float = DEFAULT_TIMEOUT_S, *, actor: str | None = None,
-                 transport: httpx.BaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
-        self._http = httpx.Client(base_url=base_url, headers=_headers(token, actor), timeout=timeout,
-                                  transport=transport, verify=verify)
+    def __init__(self, base_url: str | list[str], token: str, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 actor: str | None = None, transport: httpx.BaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
+        self.replicas = Replicas(base_url)
+        self._http = httpx.Client(headers=_headers(token, actor), transport=transport, verify=verify,
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)))
 
-    def _call(self, method, path, *, json=None, params=None, headers=None, decode=_json):
-        return decode(self._http.request(method, path, json=json, params=params, headers=headers))
+    def _call(self, method, path, *, json=None, params=None, headers=None, decode=_json, idempotent=False):
+        for replica, last in self.replicas.attempts():
+            try:
+                response = self._http.request(method, replica.url + path, json=json, params=params, headers=headers)
+            except httpx.TransportError as exc:
+                self.replicas.unreachable(replica, exc, last, method in IDEMPOTENT_METHODS or idempotent)
+                continue
+            if self.replicas.accept(replica, response, last):
+                return decode(response)
 
     def close(self) -> None:
         self._http.close()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typed_config
+from registry.client import registry_urls
 from router.reasoning import parser_names
 from typed_config import ConfigError
 
@@ -19,7 +20,8 @@ from typed_config import ConfigError
 class RouterConfig:
     host: str = "0.0.0.0"
     port: int = 8000
-    registry_url: str = "http://127.0.0.1:8500"
+    # The registry: one URL, or several replicas (a list, or comma-separated) tried in order on failure.
+    registry_url: str | list[str] = "http://127.0.0.1:8500"
     registry_token: str = ""          # the registry's router token
     peer_token: str = ""              # bearer token sent to agents
     # TLS. tls_cert/tls_key: serve HTTPS. tls_ca: the CA bundle that verifies agents and an https
@@ -79,6 +81,10 @@ class RouterConfig:
     reasoning_parsers: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> RouterConfig:
+        try:
+            registry_urls(self.registry_url)
+        except ValueError as exc:
+            raise ConfigError(f"registry_url: {exc}") from None
         for model, parser in self.reasoning_parsers.items():
             if parser not in parser_names():
                 raise ConfigError(f"reasoning_parsers.{model}: unknown parser {parser!r}; "

@@ -11,8 +11,9 @@ Which view requests are placed with:
   sites are healthy, and a site that dies meanwhile is dropped within a few check intervals.
 
 The refresh task never dies: every failure is caught, counted and logged (the first of a streak,
-then at most once a minute), the next try backs off (doubling from `refresh_s` up to 5 s), and a
-task that ends anyway is started again. Site checks run in a second task, supervised alike.
+then at most once a minute), the next try backs off (`registry.retry.Backoff`, doubling from twice
+`refresh_s` up to 5 s), and a task that ends anyway is started again. Site checks run in a second
+task, supervised alike. With several registry replicas the client moves to the next within a call.
 
 Health (`status()`, served as /healthz). A load balancer drops an unhealthy router, and a registry
 outage is shared by every router: reporting it would drop them all while they are all serving. So
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import httpx
 
 from registry.client import RegistryError
+from registry.retry import Backoff
 from router.errors import no_capacity
 from router.site_checks import SiteChecks
 from router.snapshot import Snapshot, parse_snapshot
@@ -92,6 +94,7 @@ class SnapshotFeed:
         self._last_error: str | None = None
         self._num_errors = 0
         self._streak = 0                        # failed refreshes in a row
+        self._backoff = Backoff(initial_s=2 * refresh_s, max_s=max(refresh_s, MAX_BACKOFF_S))
         self._last_logged = -math.inf
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopping = False
@@ -171,6 +174,7 @@ class SnapshotFeed:
             log.warning("registry snapshot refresh: %s after %d failed refresh(es)%s", state, self._streak,
                         "; keeping the last good view until its sites are live" if state == REGISTRY_WARMING_UP else "")
         self._registry, self._streak = state, 0
+        self._backoff.reset()
 
     def _failed(self, state: str, message: str, exc: Exception | None = None) -> None:
         self._num_errors += 1
@@ -184,9 +188,7 @@ class SnapshotFeed:
         self._registry, self._last_error = state, message
 
     def _next_delay_s(self) -> float:
-        if not self._streak:
-            return self._refresh_s
-        return min(self._refresh_s * 2 ** min(self._streak, 16), max(self._refresh_s, MAX_BACKOFF_S))
+        return self._backoff.next_delay() if self._streak else self._refresh_s
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -6,9 +6,10 @@ is loaded, so a misspelt key, a string where a number belongs or a missing requi
 start with a message naming the file, the key and the expected type, rather than later with
 "'<' not supported". A field without a default is required.
 
-Supported annotations: str, int, float, bool, Path, `X | None`, list[X], dict[str, X] and a bare
-dict (a table passed through). TOML has no null, so `X | None` is None only when left out or given
-as "none" in the environment or on the command line.
+Supported annotations: str, int, float, bool, Path, `X | None`, list[X], dict[str, X], a bare dict
+(a table passed through) and `X | list[X]` (one value or several; as text, commas separate several).
+TOML has no null, so `X | None` is None only when left out or given as "none" in the environment or
+on the command line.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def hint_of(cls, name: str):
 
 
 def base_type(cls, name: str) -> type:
-    """The field's type without `| None` and without its parameters (list, dict, int, ...)."""
+    """The field's type without `| None` and without its parameters (list, dict, int, ...); of
+    `X | list[X]`, X."""
     hint = _strip_none(hint_of(cls, name))
+    if _is_union(hint):
+        hint = typing.get_args(hint)[0]
     return typing.get_origin(hint) or hint
 
 
@@ -114,6 +118,8 @@ def check_value(hint, value, where: str):
     if _is_optional(hint) and value is None:
         return None
     hint = _strip_none(hint)
+    if _is_union(hint):
+        return _check_union(hint, value, where)
     origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
     if origin is list:
         if not isinstance(value, (list, tuple)):
@@ -169,6 +175,9 @@ def parse_pairs(items: list[str], where: str) -> dict[str, str]:
 
 
 def _text_value(hint, text: str, where: str):
+    if _is_union(hint):  # X | list[X]: several values when the text has commas
+        one, many = typing.get_args(hint)
+        return _text_value(many if "," in text else one, text, where)
     origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
     if origin is list:
         return [_text_value(args[0], item.strip(), where) for item in text.split(",") if item.strip()]
@@ -193,6 +202,21 @@ def _required(f: dataclasses.Field) -> bool:
 
 def _is_optional(hint) -> bool:
     return isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _is_union(hint) -> bool:
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+
+
+def _check_union(hint, value, where: str):
+    members = typing.get_args(hint)
+    for member in members:
+        try:
+            return check_value(member, value, where)
+        except ConfigError:
+            continue
+    expected = " or ".join(_describe(m) for m in members)
+    raise _wrong_type(where, expected, value)
 
 
 def _strip_none(hint):

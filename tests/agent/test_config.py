@@ -54,6 +54,7 @@ def test_toml_env_and_flags_layer(tmp_path, tiny_model_dir):
     ("lat = 123.0", "lat: must be in [-90, 90]"),
     ('registry_url = "http://registry:8500"', "site_token: required when registry_url is set"),
     ('tls_cert = "/nope/cert.pem"', "tls_cert / tls_key: give both or neither"),
+    ('registry_url = ["http://a:8500", "ftp://b"]\nsite_token = "t"', "registry_url: registry URL 'ftp://b' must start"),
 ])
 def test_bad_settings_name_the_field(tmp_path, tiny_model_dir, extra, words):
     with pytest.raises(ConfigError) as error:
@@ -80,3 +81,13 @@ def test_missing_required_site_and_bad_flags_are_named(tmp_path, tiny_model_dir)
         load_config(args.config, overrides_from_args(args), environ={})
     with pytest.raises(ConfigError, match="EDGEFIRE_AGENT_LAT: must be a finite number"):
         load_config(path, environ={"EDGEFIRE_AGENT_LAT": "nan"})
+
+
+def test_several_registry_replicas_from_file_or_environment(tmp_path, tiny_model_dir):
+    path = write(tmp_path, site_toml(tiny_model_dir, 'registry_url = ["http://a:8500", "http://b:8500"]\n'
+                                                     'site_token = "t"'))
+    assert load_config(path, environ={}).registry_url == ["http://a:8500", "http://b:8500"]
+    env = {"EDGEFIRE_AGENT_REGISTRY_URL": "http://c:8500,http://d:8500"}
+    assert load_config(path, environ=env).registry_url == ["http://c:8500", "http://d:8500"]
+    env = {"EDGEFIRE_AGENT_REGISTRY_URL": "http://c:8500"}
+    assert load_config(path, environ=env).registry_url == "http://c:8500"

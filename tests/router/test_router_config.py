@@ -59,3 +59,16 @@ def test_flags_are_type_checked_like_the_file(tmp_path):
         load_config(path, {"port": "80"})
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_registry_url_takes_one_url_or_several_replicas(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text('[router]\nregistry_url = ["http://registry-a:8500", "http://registry-b:8500"]\n')
+    assert load_config(path).registry_url == ["http://registry-a:8500", "http://registry-b:8500"]
+    assert load_config(path, {"registry_url": "http://a:8500,http://b:8500"}).registry_url == "http://a:8500,http://b:8500"
+    path.write_text('[router]\nregistry_url = ["http://registry-a:8500", "registry-b:8500"]\n')
+    with pytest.raises(ConfigError, match="registry_url: registry URL 'registry-b:8500' must start with http"):
+        load_config(path)
+    path.write_text('[router]\nregistry_url = 8500\n')
+    with pytest.raises(ConfigError, match="registry_url: must be str or a list of str, got int 8500"):
+        load_config(path)
