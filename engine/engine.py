@@ -28,8 +28,9 @@ from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleErr
 from engine.kv_export import KVExport
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.loader import load_model, resolve_dtype
+from engine.grammar import GrammarCompiler
 from engine.runner import prepare_step
-from engine.sampling import SampledToken, SamplingParams, sample
+from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.config import read_json
@@ -170,6 +171,7 @@ class LLMEngine:
         self.decode_batch_size = _Average()
         self.decode_kv_tokens = _Average()
         self.num_prefix_hit_tokens = 0
+        self._grammar_compiler: GrammarCompiler | None = None
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks, config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len)
         self.decode_graphs = self._capture_decode_graphs()
@@ -249,7 +251,23 @@ class LLMEngine:
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         seq = Sequence(request_id, prompt_ids, params, seed, max_total, prefill_only)
         seq.token_ids.extend(generated_ids)
+        if params.grammar is not None:
+            seq.matcher = self.grammar_compiler().matcher(params.grammar, generated_ids)
+            if seq.matcher.done:
+                raise InvalidRequestError("the tokens already generated complete the request's grammar; "
+                                          "there is nothing left to generate")
         return seq
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request (only those need the tokenizer's token bytes)."""
+        if self._grammar_compiler is None:
+            path = self.model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise InvalidRequestError("this model has no tokenizer.json, which constrained output "
+                                          "(response_format, tool_choice) needs")
+            self._grammar_compiler = GrammarCompiler(path.read_text(encoding="utf-8"), self.model_config.vocab_size,
+                                                     sorted(self.eos_token_ids))
+        return self._grammar_compiler
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     generated_ids: list[int] | None = None, prefill_only: bool = False) -> None:
@@ -287,7 +305,8 @@ class LLMEngine:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
             seqs = [item.seq for item in inputs.sample_seqs]
             sampled = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                             [s.num_output_tokens for s in seqs], [s.token_ids for s in seqs])
+                             [s.num_output_tokens for s in seqs], [s.token_ids for s in seqs],
+                             [s.num_prompt_tokens for s in seqs], self._allowed_tokens(seqs, logits))
         elapsed = time.perf_counter() - started
         num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
         num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
@@ -301,6 +320,20 @@ class LLMEngine:
             self.block_manager.register_full_blocks(item.seq)
         return [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)]
 
+    def _allowed_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
+        """The grammar masks of the constrained rows (bool [rows, vocab]); None when no row has a grammar."""
+        if self._grammar_compiler is None:
+            return None
+        bitmask = self._grammar_compiler.fill_masks([s.matcher for s in seqs])
+        if bitmask is None:
+            return None
+        allowed = allowed_from_bitmask(bitmask, logits.shape[-1], logits.device)
+        # A matcher in an error state allows nothing; end-of-sequence then ends the row cleanly.
+        stuck = ~allowed.any(dim=-1)
+        if bool(stuck.any()):
+            allowed[stuck.nonzero().flatten(), sorted(self.eos_token_ids)[0]] = True
+        return allowed
+
     def _append_token(self, seq: Sequence, token: SampledToken) -> StepOutput:
         if seq.num_output_tokens == 0 and not seq.prefill_only:
             self.num_prefix_hit_tokens += seq.num_cached_tokens
@@ -311,6 +344,8 @@ class LLMEngine:
         if not seq.params.ignore_eos:
             stops |= self.eos_token_ids
         if token.token_id in stops:
+            out.finish_reason = "stop"
+        elif seq.matcher is not None and self._grammar_done(seq, token.token_id):
             out.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_tokens:
             out.finish_reason = "length"
@@ -323,6 +358,15 @@ class LLMEngine:
             out.finished = True
             self._finish(seq, out.finish_reason)
         return out
+
+    @staticmethod
+    def _grammar_done(seq: Sequence, token_id: int) -> bool:
+        """Advance the matcher; True once the grammar is complete (only end-of-sequence could follow)."""
+        if not seq.matcher.consume(token_id):
+            log.error("request %s: token %d broke its grammar (%s); ending it", seq.request_id, token_id,
+                      seq.matcher.matcher.get_error())
+            return True
+        return seq.matcher.done
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)

@@ -3,6 +3,13 @@
 Randomness is a pure function of (request seed, output index): each draw seeds its own generator
 from both. A request's tokens therefore depend on nothing else in the batch, survive preemption
 and recompute, and come out the same when decode continues on another engine after a KV transfer.
+
+Before drawing, `process_logits` turns the model's logits into the ones sampled from, as whole-batch
+tensor operations with per-row parameters: logit_bias, the repetition penalty (transformers'
+definition, over prompt and output), presence and frequency penalties (OpenAI's definition, over the
+output only), then the grammar's allowed-token mask. Each depends only on the row's own tokens,
+which every engine holding the sequence has, so determinism survives KV moves and resumes.
+Temperature, top-k, top-p and min-p then apply per row.
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 10.0
+MAX_PRESENCE_PENALTY = 2.0     # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0         # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(slots=True)
@@ -29,6 +39,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; n >= 0: the sampled token's logprob plus the top n
     repetition_penalty: float = 1.0  # 1 means off; >1 discourages tokens already in the prompt or output
+    presence_penalty: float = 0.0    # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0   # subtracted per occurrence in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0               # 0 means off; drops tokens below min_p x the top token's probability
+    grammar: GrammarSpec | None = None  # the output must follow it (engine.grammar)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -43,6 +58,22 @@ class SamplingParams:
         if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                                       f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PRESENCE_PENALTY <= value <= MAX_PRESENCE_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}], "
+                                          f"got {value!r}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {token_id!r} is outside the vocabulary "
+                                          f"(size {vocab_size})")
+            if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                          f"got {bias!r} for token {token_id}")
+        if self.grammar is not None:
+            self.grammar.validate()
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -71,8 +102,8 @@ def _draw_seed(seed: int, output_index: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] with everything outside top-k / top-p set to -inf."""
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """logits [V] with everything outside top-k / top-p / min-p set to -inf."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -83,7 +114,36 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    rows, ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token_id, bias in p.logit_bias.items():
+            rows.append(row)
+            ids.append(token_id)
+            values.append(bias)
+    if not rows:
+        return logits
+    bias = torch.zeros_like(logits)
+    bias[torch.tensor(rows), torch.tensor(ids)] = torch.tensor(values, dtype=logits.dtype)
+    return logits + bias
+
+
+def _padded(histories: list[list[int]], rows: list[int], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [len(rows), longest] of histories[row][start:], right-padded with 0, and the valid mask."""
+    slices = [histories[row][start:] for row, start in zip(rows, starts)]
+    width = max(1, max(len(ids) for ids in slices))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, tokens in enumerate(slices):
+        ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        valid[i, :len(tokens)] = True
+    return ids.to(device), valid.to(device)
 
 
 def _penalize_repetition(logits: torch.Tensor, params: list[SamplingParams],
@@ -95,29 +155,74 @@ def _penalize_repetition(logits: torch.Tensor, params: list[SamplingParams],
         return logits
     if histories is None:
         raise ValueError("a repetition penalty needs the sequences' token histories")
+    ids, valid = _padded(histories, rows, [0] * len(rows), logits.device)
+    seen = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, ids, valid)
+    penalty = torch.tensor([params[row].repetition_penalty for row in rows], dtype=logits.dtype,
+                           device=logits.device).unsqueeze(1)
+    picked = logits[rows]
+    penalized = torch.where(picked < 0, picked * penalty, picked / penalty)
     logits = logits.clone()
-    for row in rows:
-        ids = torch.tensor(histories[row], dtype=torch.long, device=logits.device)
-        scores = logits[row].gather(0, ids)
-        penalty = params[row].repetition_penalty
-        logits[row].scatter_(0, ids, torch.where(scores < 0, scores * penalty, scores / penalty))
+    logits[rows] = torch.where(seen, penalized, picked)
+    return logits
+
+
+def _penalize_presence(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None,
+                       prompt_lens: list[int] | None) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over the tokens generated so far:
+    logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty."""
+    rows = [row for row, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    if not rows:
+        return logits
+    if histories is None or prompt_lens is None:
+        raise ValueError("presence and frequency penalties need the sequences' token histories and prompt lengths")
+    ids, valid = _padded(histories, rows, [prompt_lens[row] for row in rows], logits.device)
+    counts = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, ids, valid.to(logits.dtype))
+    frequency = torch.tensor([params[row].frequency_penalty for row in rows], dtype=logits.dtype,
+                             device=logits.device).unsqueeze(1)
+    presence = torch.tensor([params[row].presence_penalty for row in rows], dtype=logits.dtype,
+                            device=logits.device).unsqueeze(1)
+    logits = logits.clone()
+    logits[rows] -= counts * frequency + (counts > 0).to(logits.dtype) * presence
+    return logits
+
+
+def allowed_from_bitmask(bitmask, vocab_size: int, device) -> torch.Tensor:
+    """Bool [rows, vocab_size] from an int32 bitmask [rows, ceil(vocab/32)] (bit t: token t allowed)."""
+    words = torch.from_numpy(bitmask).to(device)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None = None,
+                   prompt_lens: list[int] | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits [N, V] sampling draws from: logit_bias, then the repetition, presence and frequency
+    penalties, then `allowed` (bool [N, V], the grammar's mask: disallowed tokens get -inf).
+    `histories` (each row's prompt + output ids) and `prompt_lens` are needed only by penalized rows."""
+    logits = _add_logit_bias(logits, params)
+    logits = _penalize_repetition(logits, params, histories)
+    logits = _penalize_presence(logits, params, histories, prompt_lens)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     return logits
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           output_indices: list[int], histories: list[list[int]] | None = None) -> list[SampledToken]:
-    """One token per row of logits [N, V] (float32). `histories` (each row's prompt + output ids) is
-    needed only for rows with a repetition penalty. Logprobs are those of the model, before any penalty."""
+           output_indices: list[int], histories: list[list[int]] | None = None,
+           prompt_lens: list[int] | None = None, allowed: torch.Tensor | None = None) -> list[SampledToken]:
+    """One token per row of logits [N, V] (float32), drawn from `process_logits`' result. Logprobs are
+    those of the model, before any penalty, bias or mask."""
     results = []
     want_logprobs = any(p.logprobs is not None for p in params)
     logprobs_all = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    logits = _penalize_repetition(logits, params, histories)
+    logits = process_logits(logits, params, histories, prompt_lens, allowed)
     greedy_ids = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
         if p.greedy:
             token_id = greedy_ids[row]
         else:
-            scaled = _filter(logits[row] / p.temperature, p.top_k, p.top_p)
+            scaled = _filter(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = scaled.softmax(-1)
             generator = torch.Generator(device=logits.device)
             generator.manual_seed(_draw_seed(seeds[row], output_indices[row]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.async_engine import TokenEvent
+from engine.grammar import GrammarSpec
 from engine.sampling import SamplingParams
 from node_agent.proto import agent_pb2
 
@@ -19,13 +20,32 @@ def sampling_from_proto(msg: agent_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=dict(msg.logit_bias),
+        min_p=msg.min_p,
+        grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
     )
+
+
+def grammar_from_proto(msg: agent_pb2.Grammar) -> GrammarSpec | None:
+    kind = msg.WhichOneof("source")
+    return GrammarSpec(kind, getattr(msg, kind)) if kind else None
+
+
+def grammar_to_proto(spec: GrammarSpec) -> agent_pb2.Grammar:
+    return agent_pb2.Grammar(**{spec.kind: spec.source})
 
 
 def sampling_to_proto(params: SamplingParams) -> agent_pb2.SamplingParams:
     msg = agent_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                                    top_k=params.top_k, top_p=params.top_p, stop_token_ids=params.stop_token_ids,
-                                   ignore_eos=params.ignore_eos, repetition_penalty=params.repetition_penalty)
+                                   ignore_eos=params.ignore_eos, repetition_penalty=params.repetition_penalty,
+                                   presence_penalty=params.presence_penalty,
+                                   frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias,
+                                   min_p=params.min_p)
+    if params.grammar is not None:
+        msg.grammar.CopyFrom(grammar_to_proto(params.grammar))
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

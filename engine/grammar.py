@@ -1,0 +1,144 @@
+"""Grammar-constrained decoding: which tokens a sequence may sample next so its output follows a grammar.
+
+A request's `GrammarSpec` is a JSON schema (`response_format`, tool arguments) or a Lark grammar
+(tool-call formats that wrap JSON in the model's own markers). `GrammarCompiler` (one per engine)
+turns it into a matcher that lives on the sequence: every sampled token is consumed by it, and
+before each sampling step `fill_masks` writes the allowed-token bitmask of every constrained row
+at once (the sampler applies it to the logits). The matcher is rebuilt from the tokens generated
+so far whenever a sequence starts on an engine with some already generated (KV imported on a
+decode site, a mid-stream resume): the state is a pure function of those tokens, so the output
+after a move is the one an unmoved run gives.
+
+The library is llguidance rather than xgrammar. Both compile JSON schemas and grammars to token
+masks in native code, but llguidance's package depends on nothing (xgrammar's requires
+`transformers`, `torch`, `triton` and pydantic, and `transformers` must never be a runtime
+dependency of the engine), builds its tokenizer from a `tokenizers` tokenizer.json string alone,
+compiles lazily (no per-vocabulary precomputation before the first token, so a new schema costs
+milliseconds), and computes a batch's masks on its own threads with the GIL released. Measured
+cost: `benchmarks/structured_output.py`.
+
+This module is torch-free: the router imports `check_grammar` to answer a bad schema with a 400
+before any site sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+
+from engine.errors import InvalidRequestError
+
+GRAMMAR_KINDS = ("json_schema", "lark")
+MAX_GRAMMAR_BYTES = 1 << 20
+COMPILED_CACHE_SIZE = 64
+# Compact JSON with the usual separators: no free whitespace for a noisy model to wander into. Schema
+# keywords llguidance cannot enforce stay errors (lenient is off), so a compiled schema's output validates.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    kind: str     # json_schema | lark
+    source: str   # the schema as JSON text, or the Lark grammar
+
+    def validate(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if len(self.source.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequestError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes; send a smaller schema")
+
+
+def to_llguidance(spec: GrammarSpec) -> str:
+    """The llguidance grammar text of a spec (InvalidRequestError when the schema is not JSON)."""
+    spec.validate()
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=_JSON_OPTIONS)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the JSON schema is not a JSON object: {exc}") from None
+
+
+def check_grammar(spec: GrammarSpec) -> str | None:
+    """None when the grammar compiles; else what is wrong with it, in the library's words."""
+    try:
+        grammar = to_llguidance(spec)
+    except InvalidRequestError as exc:
+        return str(exc)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
+
+
+def json_schema_spec(schema: dict | bool) -> GrammarSpec:
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def consume(self, token_id: int) -> bool:
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but end-of-sequence may follow."""
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """One engine's grammars: the model's tokenizer as llguidance sees it, compiled grammars (LRU),
+    and the executor that fills a batch's masks in parallel."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], num_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        except (ValueError, RuntimeError) as exc:
+            raise InvalidRequestError(f"this model's tokenizer cannot be used for constrained output: {exc}") from exc
+        self.executor = llguidance.LLExecutor(num_threads=num_threads)
+        self.mask_words = (vocab_size + 31) // 32
+        self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the agent checks grammars off the engine thread
+
+    def matcher(self, spec: GrammarSpec, generated_ids: list[int] = ()) -> GrammarMatcher:
+        """A fresh matcher for the spec, advanced over the tokens already generated."""
+        matcher = self._compile(spec).deep_copy()
+        if generated_ids and not matcher.consume_tokens(list(generated_ids)):
+            raise InvalidRequestError(f"the tokens already generated do not follow the request's grammar "
+                                      f"({matcher.get_error()}); resume with the tokens this grammar produced")
+        return GrammarMatcher(matcher)
+
+    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        compiled = llguidance.LLMatcher(self.tokenizer, to_llguidance(spec), log_level=0)
+        if compiled.is_error():
+            raise InvalidRequestError(f"the grammar does not compile: {compiled.get_error()}")
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def fill_masks(self, matchers: list[GrammarMatcher | None]) -> np.ndarray | None:
+        """Allowed-token bitmasks [rows, ceil(vocab/32)] int32 (bit t of a row: token t allowed), all
+        ones for unconstrained rows; None when no row is constrained."""
+        rows = [(m.matcher, row) for row, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        bitmask = np.full((len(matchers), self.mask_words), -1, dtype=np.int32)
+        self.executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, self.mask_words * 4, len(matchers))
+        return bitmask
