@@ -26,8 +26,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/edgefire up $(UP_ARGS)
 
+# The suite runs on TEST_WORKERS pytest-xdist workers: many tests wait on processes and sockets, so more
+# workers than cores pays. Each test file stays on one worker; the end-to-end files share one (tests/conftest.py).
+TEST_WORKERS ?= 3
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

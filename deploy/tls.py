@@ -12,6 +12,7 @@ The CA's key lives only in memory: restarting `edgefire up` makes a new CA.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 
 from cryptography import x509
@@ -22,10 +23,22 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 VALID_DAYS = 30
 
 
+MAX_COMMON_NAME = 64  # X.509's upper bound on a common name
+
+
+def _common_name(name: str) -> str:
+    """name, or where longer than X.509 allows (a CA named after a deep state directory) its head and a
+    digest of the whole, so two long names still differ."""
+    if len(name) <= MAX_COMMON_NAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return f"{name[:MAX_COMMON_NAME - len(digest) - 4]}... {digest}"
+
+
 class LocalCA:
     def __init__(self, name: str = "edgefire local CA") -> None:
         self._key = ec.generate_private_key(ec.SECP256R1())
-        self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _common_name(name))])
         now = _now()
         self.certificate = (
             _builder(self._name, self._key.public_key(), now)

@@ -58,3 +58,13 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (`make test` runs `--dist loadgroup`), a test file's tests stay on one worker so
+    # its module fixtures (a router, an agent, a cluster) start once; the end-to-end files share one
+    # cluster and run in their file order (the drain test last), so they form one group.
+    for item in items:
+        path = Path(str(item.fspath))
+        group = "e2e" if path.parent.name == "e2e" else f"{path.parent.name}/{path.name}"
+        item.add_marker(pytest.mark.xdist_group(group))
