@@ -50,7 +50,7 @@ DEFAULT_METRICS_PORT = 9400
 # Settings the launcher writes itself: a cluster file may not override them.
 LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
                                    "advertise_address", "metrics_listen", "registry_url", "site_token", "peer_token"})
-LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "peer_token"})
+LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "peer_token", "metrics_listen"})
 
 
 # The cluster description is unusable; the message says what to change.
@@ -98,6 +98,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     router_port: int = DEFAULT_ROUTER_PORT
     registry_port: int = DEFAULT_REGISTRY_PORT
+    router_metrics_port: int = 0         # the router's Prometheus port (0: a free one)
     admin_token: str = ""                # generated when empty
     router_token: str = ""
     peer_token: str = ""

@@ -87,6 +87,10 @@ class Cluster:
     def metrics_url(self, name: str) -> str:
         return f"{self.scheme}://{self.config.host}:{self.site(name).metrics_port}/metrics"
 
+    @property
+    def router_metrics_url(self) -> str:
+        return f"{self.scheme}://{self.config.host}:{self.config.router_metrics_port}/metrics"
+
     def http_client(self, **options) -> httpx.Client:
         """An httpx client that trusts this cluster's certificates."""
         return httpx.Client(verify=self._verify, **options)
@@ -241,7 +245,7 @@ class Cluster:
         killed = kill_stale(self.state_dir / "run")
         if killed:
             log.warning("stopped processes left by an earlier launcher: %s", ", ".join(killed))
-        ports = [self.config.registry_port, self.config.router_port]
+        ports = [self.config.registry_port, self.config.router_port, self.config.router_metrics_port]
         ports += [p for s in self.config.sites for p in (s.grpc_port, s.metrics_port)]
         busy = wait_ports_free(self.config.host, ports, timeout_s=10.0 if killed else 0.5)
         if busy:
@@ -283,6 +287,7 @@ class Cluster:
         c, host = self.config, self.config.host
         c.registry_port = c.registry_port or free_port(host)
         c.router_port = c.router_port or free_port(host)
+        c.router_metrics_port = c.router_metrics_port or free_port(host)
         for site in c.sites:
             site.grpc_port = site.grpc_port or free_port(host)
             site.metrics_port = site.metrics_port or free_port(host)
@@ -347,6 +352,7 @@ class Cluster:
     def router_settings(self) -> dict:
         c = self.config
         return {**ROUTER_DEFAULTS, **c.router, "host": c.host, "port": c.router_port,
+                "metrics_listen": f"{c.host}:{c.router_metrics_port}",
                 "registry_url": self.registry_url, "registry_token": c.router_token, "peer_token": c.peer_token,
                 **self._router_tls()}
 
@@ -362,7 +368,7 @@ class Cluster:
             return {}
         cert, key = self.tls_files(ROUTER_NAME)
         return {"tls_cert": cert, "tls_key": key, "tls_ca": str(self.ca_path), "agent_tls": True,
-                "agent_client_cert": cert, "agent_client_key": key}
+                "agent_client_cert": cert, "agent_client_key": key, "metrics_tls": True}
 
     def _start_agent(self, site: SiteSpec) -> None:
         path = self._write_toml(site.name, self.agent_settings(site))
@@ -379,7 +385,9 @@ class Cluster:
 
     def _write_cluster_json(self) -> None:
         c = self.config
-        document = {"registry_url": self.registry_url, "router_url": self.router_url, "model": self.model,
+        document = {"registry_url": self.registry_url, "router_url": self.router_url,
+                    "router_metrics": self.router_metrics_url,
+                    "model": self.model,
                     "ca": str(self.ca_path) if self.ca_path else None,
                     "admin_token": c.admin_token, "api_key": c.api_key, "launcher_pid": os.getpid(),
                     "sites": {s.name: {"role": s.role, "city": s.name, "grpc_address": self.site_address(s.name),

@@ -174,7 +174,7 @@ class AgentCore:
         with self.inflight():
             model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
             events = model.engine.generate(prompt_ids, params, request_id, generated_ids)
-            async for event in self._observed(model.name, "generate", events):
+            async for event in self._observed(model.name, "generate", events, prefills=True):
                 yield event
 
     async def prefill(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
@@ -184,6 +184,7 @@ class AgentCore:
             started = time.perf_counter()
             event = await model.engine.prefill(prompt_ids, params, request_id)
             self.metrics.ttft.labels(model.name, "prefill").observe(time.perf_counter() - started)
+            self.metrics.observe_prompt(model.name, event.num_prompt_tokens, event.num_cached_tokens)
             if event.finish_reason:
                 await model.engine.release_kv(event.kv_handle)  # nothing left to decode
                 return PrefillOutcome(event, "", 0, "")
@@ -200,16 +201,18 @@ class AgentCore:
                 payload = None
                 if source is not None and generated_ids:
                     payload = await self._pull(model, source, prompt_ids, request_id, time_left)
-                events = await self._start_decode(model, payload, prompt_ids, generated_ids, params, request_id)
+                events, imported = await self._start_decode(model, payload, prompt_ids, generated_ids, params,
+                                                             request_id)
             finally:
                 self._end_reservation(model)  # the engine holds the sequence now (or it failed to start)
-            async for event in self._observed(model.name, "decode", events):
+            async for event in self._observed(model.name, "decode", events, prefills=not imported):
                 yield event
 
     async def _start_decode(self, model: HostedModel, payload: KVPayload | None, prompt_ids: list[int],
                             generated_ids: list[int], params: SamplingParams,
-                            request_id: str | None) -> AsyncIterator[TokenEvent]:
-        """The event stream, primed: an import the engine refuses falls back to recompute here."""
+                            request_id: str | None) -> tuple[AsyncIterator[TokenEvent], bool]:
+        """The event stream, primed, and whether it runs on the imported KV: an import the engine
+        refuses falls back to recompute here."""
         if payload is not None:
             events = model.engine.generate_from_kv(payload, params, generated_ids, request_id)
             try:
@@ -218,8 +221,8 @@ class AgentCore:
                 log.warning("request %s: engine refused the imported KV (%s); recomputing", request_id, exc)
                 self.metrics.kv_fallbacks.inc()
             else:
-                return _prepend(first, events)
-        return model.engine.generate(prompt_ids, params, request_id, generated_ids)
+                return _prepend(first, events), True
+        return model.engine.generate(prompt_ids, params, request_id, generated_ids), False
 
     async def _pull(self, model: HostedModel, source: KVSource, prompt_ids: list[int], request_id: str | None,
                     time_left: float | None) -> KVPayload | None:
@@ -247,7 +250,9 @@ class AgentCore:
                 payload = await receive_bulk(peer.data_address, self.config.peer_token, source.kv_handle, layout,
                                              prompt_ids, timeout, self._peer_ssl,
                                              lambda s: self.links.observe_rtt(peer.site, s))
-                self.links.observe_transfer(peer.site, payload.num_bytes, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self.links.observe_transfer(peer.site, payload.num_bytes, seconds)
+                self.metrics.observe_pull(peer.site, "data_port", payload.num_bytes, seconds)
                 return payload
             except KVSourceUnreachable as exc:
                 log.info("request %s: %s; using FetchKV", request_id, exc)
@@ -255,7 +260,9 @@ class AgentCore:
         started = time.perf_counter()
         call = client.fetch_kv(source.kv_handle, timeout=timeout, request_id=request_id)
         payload = await receive_payload(call, layout, prompt_ids)
-        self.links.observe_transfer(peer.site, payload.num_bytes, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.links.observe_transfer(peer.site, payload.num_bytes, seconds)
+        self.metrics.observe_pull(peer.site, "grpc", payload.num_bytes, seconds)
         return payload
 
     async def _peer_health(self, client: AgentClient, address: str, timeout: float) -> Peer:
@@ -289,7 +296,10 @@ class AgentCore:
             log.info("link probe of %s (%s) failed: %s", site, address, exc)
             self._peer_info.pop(address, None)
 
-    async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent],
+                        prefills: bool) -> AsyncIterator[TokenEvent]:
+        """The events, timed; `prefills`: this site computed the prompt (not imported), so it counts
+        toward the prefix-cache hit ratio."""
         started = last = time.perf_counter()
         first = True
         async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
@@ -297,6 +307,8 @@ class AgentCore:
                 now = time.perf_counter()
                 if first:
                     self.metrics.ttft.labels(model, rpc).observe(now - started)
+                    if prefills:
+                        self.metrics.observe_prompt(model, event.num_prompt_tokens, event.num_cached_tokens)
                     first = False
                 else:
                     self.metrics.inter_token.labels(model).observe(now - last)

@@ -24,7 +24,8 @@ from node_agent.core import AgentCore
 from node_agent.kv_data import KVDataServer
 from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report
 from node_agent.links import LinkLoop, LinkSettings
-from node_agent.metrics import AgentMetrics, MetricsServer
+from node_agent.metrics import AgentMetrics
+from node_agent.metrics_server import MetricsServer
 from node_agent.models import HostedModel, load_model
 from node_agent.proto import agent_pb2_grpc
 from node_agent.service import AgentServicer
@@ -68,7 +69,7 @@ class Agent:
         if cfg.kv_data_port is not None:
             await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port)
         if cfg.metrics_listen:
-            self._metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
+            self._metrics_server = MetricsServer(self.metrics.registry, self.refresh_metrics)
             await self._metrics_server.start(cfg.metrics_listen,
                                              server_context(cfg.tls_cert, cfg.tls_key) if cfg.metrics_tls else None)
             self.metrics_port = self._metrics_server.port

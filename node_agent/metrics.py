@@ -1,22 +1,15 @@
 """Prometheus metrics of one agent, on its own CollectorRegistry (two agents can share a process).
 
 Engine gauges are refreshed from `stats()` when scraped, so they are never stale; latencies and
-byte counts are recorded where they happen. `MetricsServer` serves `/metrics` with asyncio (HTTPS
-with `metrics_tls`).
+byte counts are recorded where they happen. `node_agent.metrics_server` serves them on the metrics
+port (HTTPS with `metrics_tls`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import ssl
-from collections.abc import Awaitable, Callable
-
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.engine import EngineStats
-
-log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -29,9 +22,17 @@ class AgentMetrics:
         self.num_waiting = Gauge("edgefire_agent_waiting_requests", "Sequences queued", ["model"], registry=r)
         self.kv_blocks_used = Gauge("edgefire_agent_kv_blocks_used", "KV blocks in use", ["model"], registry=r)
         self.kv_blocks_free = Gauge("edgefire_agent_kv_blocks_free", "KV blocks free or evictable", ["model"], registry=r)
+        self.kv_usage = Gauge("edgefire_agent_kv_usage_ratio", "Share of the model's KV pool in use (0-1)", ["model"],
+                              registry=r)
         self.kv_leases = Gauge("edgefire_agent_kv_leases", "KV handles pinned awaiting fetch", ["model"], registry=r)
         self.prefix_hit_tokens = Gauge("edgefire_agent_prefix_cache_hit_tokens",
                                        "Prompt tokens served from the prefix cache since start", ["model"], registry=r)
+        self.prompt_tokens = Counter("edgefire_agent_prompt_tokens", "Prompt tokens of requests this site "
+                                     "prefilled (a decode that imported its KV has none)", ["model"], registry=r)
+        self.cached_prompt_tokens = Counter("edgefire_agent_cached_prompt_tokens", "Of those, tokens served from "
+                                            "the prefix cache", ["model"], registry=r)
+        self.prefix_hit_ratio = Gauge("edgefire_agent_prefix_cache_hit_ratio", "Cached share of the prompt tokens "
+                                      "prefilled since start (0-1)", ["model"], registry=r)
         self.prefill_rate = Gauge("edgefire_agent_prefill_tokens_per_second", "Measured prefill rate", ["model"], registry=r)
         self.decode_rate = Gauge("edgefire_agent_decode_tokens_per_second", "Measured decode rate", ["model"], registry=r)
         self.ttft = Histogram("edgefire_agent_ttft_seconds", "Time to first token", ["model", "rpc"],
@@ -40,6 +41,12 @@ class AgentMetrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.kv_bytes_sent = Counter("edgefire_agent_kv_bytes_sent", "KV bytes sent by FetchKV", registry=r)
         self.kv_bytes_received = Counter("edgefire_agent_kv_bytes_received", "KV bytes pulled from peers", registry=r)
+        self.kv_pull_bytes = Counter("edgefire_agent_kv_pull_bytes", "KV bytes pulled, by the peer site they came "
+                                     "from", ["peer"], registry=r)
+        self.kv_pull_seconds = Counter("edgefire_agent_kv_pull_seconds", "Seconds spent pulling KV, by peer site "
+                                       "(bytes / seconds: the throughput)", ["peer"], registry=r)
+        self.kv_pulls = Counter("edgefire_agent_kv_pulls", "KV pulls completed, by peer site and transport "
+                                "(data_port or grpc)", ["peer", "transport"], registry=r)
         self.kv_fallbacks = Counter("edgefire_agent_kv_transfer_fallbacks", "KV pulls that failed and were recomputed",
                                     registry=r)
         self.rejected = Counter("edgefire_agent_rejected_requests", "Requests refused at admission", ["reason"],
@@ -50,16 +57,32 @@ class AgentMetrics:
                                     ["peer"], registry=r)
         self.active_role = Gauge("edgefire_agent_active_role", "1 for each role this site takes new work for",
                                  ["role"], registry=r)
+        self._prompt_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]: the hit ratio
 
     def observe_stats(self, model: str, stats: EngineStats) -> None:
         self.num_running.labels(model).set(stats.num_running)
         self.num_waiting.labels(model).set(stats.num_waiting)
         self.kv_blocks_used.labels(model).set(stats.num_blocks_total - stats.num_blocks_free)
         self.kv_blocks_free.labels(model).set(stats.num_blocks_free)
+        self.kv_usage.labels(model).set(1 - stats.num_blocks_free / max(1, stats.num_blocks_total))
         self.kv_leases.labels(model).set(stats.num_pinned_handles)
         self.prefix_hit_tokens.labels(model).set(stats.prefix_cache_hit_tokens)
         self.prefill_rate.labels(model).set(stats.prefill_tokens_per_s)
         self.decode_rate.labels(model).set(stats.decode_tokens_per_s)
+
+    def observe_prompt(self, model: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One request's prefill: how much of its prompt the prefix cache held."""
+        self.prompt_tokens.labels(model).inc(num_prompt_tokens)
+        self.cached_prompt_tokens.labels(model).inc(num_cached_tokens)
+        totals = self._prompt_totals.setdefault(model, [0, 0])
+        totals[0] += num_prompt_tokens
+        totals[1] += num_cached_tokens
+        self.prefix_hit_ratio.labels(model).set(totals[1] / max(1, totals[0]))
+
+    def observe_pull(self, peer: str, transport: str, num_bytes: int, seconds: float) -> None:
+        self.kv_pull_bytes.labels(peer).inc(num_bytes)
+        self.kv_pull_seconds.labels(peer).inc(seconds)
+        self.kv_pulls.labels(peer, transport).inc()
 
     def observe_links(self, links: dict) -> None:
         """links: peer site -> node_agent.links.PeerLink."""
@@ -75,42 +98,3 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class MetricsServer:
-    """A minimal HTTP/1.0 server for Prometheus scrapes: any GET answers the metrics text."""
-
-    def __init__(self, metrics: AgentMetrics, refresh: Callable[[], Awaitable[None]]):
-        self._metrics = metrics
-        self._refresh = refresh
-        self._server: asyncio.Server | None = None
-        self.port: int | None = None
-
-    async def start(self, listen: str, ssl_context: ssl.SSLContext | None = None) -> None:
-        """Serves on host:port; HTTPS with `ssl_context`."""
-        host, _, port = listen.rpartition(":")
-        self._server = await asyncio.start_server(self._handle, host or "127.0.0.1", int(port), ssl=ssl_context)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)).strip():
-                pass  # headers are not needed
-            if request_line.startswith(b"GET "):
-                await self._refresh()
-                body, status, ctype = self._metrics.render(), b"200 OK", CONTENT_TYPE_LATEST.encode()
-            else:
-                body, status, ctype = b"only GET is served\n", b"405 Method Not Allowed", b"text/plain"
-            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype +
-                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, ssl.SSLError) as exc:
-            log.debug("metrics request dropped: %r", exc)
-        finally:
-            writer.close()
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()

@@ -15,6 +15,7 @@ from registry.access import SiteIdentity
 from registry.auth import Authenticator
 from registry.heartbeat_batcher import HeartbeatBatcher
 from registry.log_limit import LogLimiter
+from registry.metrics import RegistryMetrics
 from registry.snapshot_cache import SnapshotCache
 from registry.store import RegistryStore
 
@@ -27,6 +28,7 @@ class RegistryService:
     snapshots: SnapshotCache
     # One line per site and interval for rejected heartbeats: a site looping a bad one must not flood the log.
     rejections: LogLimiter = field(default_factory=lambda: LogLimiter(logging.getLogger("registry.heartbeats")))
+    metrics: RegistryMetrics = field(default_factory=RegistryMetrics)
 
 
 async def registry(request: Request) -> RegistryService:
@@ -36,6 +38,10 @@ async def registry(request: Request) -> RegistryService:
 
 async def admin_actor(request: Request) -> str:
     return await _checked_once(request, request.app.state.registry.auth.admin)
+
+
+async def metrics_caller(request: Request) -> None:
+    await request.app.state.registry.auth.metrics(request)
 
 
 async def router_caller(request: Request) -> None:

@@ -1,4 +1,5 @@
-"""Who may call what: the admin and router tokens given at start-up, and per-site agent tokens.
+"""Who may call what: the admin, router and (optional) metrics tokens given at start-up, and
+per-site agent tokens. The metrics token only scrapes `/metrics` (the admin token may too).
 
 Missing or unknown tokens get 401; a valid token of the wrong kind gets 403. Site tokens are
 cached for a few seconds so a heartbeat costs no database read; a token revoked on another
@@ -28,12 +29,13 @@ ACTOR = re.compile(r"[\w.@:+-]{1,100}")
 
 
 class Authenticator:
-    def __init__(self, access: AccessStore, admin_token: str, router_token: str) -> None:
+    def __init__(self, access: AccessStore, admin_token: str, router_token: str, metrics_token: str | None = None) -> None:
         if not admin_token or not router_token:
             raise ValueError("the registry needs both an admin token and a router token")
         self._access = access
         self._admin_token = admin_token
         self._router_token = router_token
+        self._metrics_token = metrics_token or None
         self._site_tokens: dict[str, tuple[SiteIdentity, float]] = {}
         self._lookups: dict[str, asyncio.Future] = {}  # tokens waiting for the next batched query
         self._lookup_task: asyncio.Task | None = None
@@ -52,6 +54,13 @@ class Authenticator:
         if not ACTOR.fullmatch(named):
             raise ApiError(400, "X-Edgefire-Actor must be 1-100 characters of letters, digits and ._@:+-", "invalid_actor")
         return f"admin:{named}"
+
+    async def metrics(self, request: Request) -> None:
+        """Scrapes: the metrics token (read-only, for Prometheus) or the admin token."""
+        token = _bearer(request)
+        if not (same_secret(token, self._admin_token)
+                or (self._metrics_token is not None and same_secret(token, self._metrics_token))):
+            await self._refuse(token, "the metrics endpoint")
 
     async def router(self, request: Request) -> None:
         token = _bearer(request)
@@ -141,7 +150,8 @@ class Authenticator:
             self._site_tokens[token] = (identity, expires_at)
 
     async def _refuse(self, token: str, api: str, site_checked: bool = False) -> None:
-        known = same_secret(token, self._admin_token) or same_secret(token, self._router_token)
+        known = (same_secret(token, self._admin_token) or same_secret(token, self._router_token)
+                 or (self._metrics_token is not None and same_secret(token, self._metrics_token)))
         if not known and not site_checked:
             known = await self._site_identity(token) is not None
         if known:

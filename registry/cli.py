@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import tempfile
 
 DEFAULT_DB_URL = "sqlite:///.edgefire/registry.db"
 DEFAULT_PORT = 8500
 SHUTDOWN_GRACE_S = 5.0
 DB_URL_ENV = "EDGEFIRE_REGISTRY_DB"  # how `serve --workers N` hands the database URL to its workers
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess switch (registry.metrics)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ def add_parser(subparsers) -> None:
                        help="operator token (default $EDGEFIRE_ADMIN_TOKEN)")
     serve.add_argument("--router-token", default=os.environ.get("EDGEFIRE_ROUTER_TOKEN"),
                        help="routers' token (default $EDGEFIRE_ROUTER_TOKEN)")
+    serve.add_argument("--metrics-token", default=os.environ.get("EDGEFIRE_METRICS_TOKEN"),
+                       help="a token that may only scrape GET /metrics, for Prometheus (default "
+                            "$EDGEFIRE_METRICS_TOKEN; the admin token may scrape too)")
     serve.add_argument("--workers", type=int, default=1,
                        help="worker processes sharing the port, each with its own heartbeat group commit (default 1)")
     serve.add_argument("--no-migrate", action="store_true", help="do not upgrade the schema before serving")
@@ -93,15 +98,20 @@ def run_serve(args: argparse.Namespace) -> int:
             log.error("%s", exc)
             return 2
     if args.workers == 1:
-        app = create_app(args.db, args.admin_token, args.router_token, planner=planner)
+        app = create_app(args.db, args.admin_token, args.router_token, planner=planner,
+                         metrics_token=args.metrics_token)
         uvicorn.run(app, http=HeadLimitedHttp, host=args.host, port=args.port, log_level="warning", access_log=False,
                     **options)
         return 0
     # uvicorn starts each worker from an import string; the settings travel in the environment.
     os.environ.update({DB_URL_ENV: args.db, "EDGEFIRE_ADMIN_TOKEN": args.admin_token,
-                       "EDGEFIRE_ROUTER_TOKEN": args.router_token})
-    uvicorn.run("registry.cli:app_from_environment", factory=True, http=HeadLimitedHttp, workers=args.workers,
-                host=args.host, port=args.port, log_level="warning", access_log=False, **options)
+                       "EDGEFIRE_ROUTER_TOKEN": args.router_token, "EDGEFIRE_METRICS_TOKEN": args.metrics_token or ""})
+    with tempfile.TemporaryDirectory(prefix="edgefire-registry-metrics-") as metrics_dir:
+        # Each worker records its metrics in this directory and a scrape sums them (registry.metrics);
+        # set before the workers start, since prometheus-client reads it when it is imported.
+        os.environ[MULTIPROCESS_ENV] = metrics_dir
+        uvicorn.run("registry.cli:app_from_environment", factory=True, http=HeadLimitedHttp, workers=args.workers,
+                    host=args.host, port=args.port, log_level="warning", access_log=False, **options)
     return 0
 
 
@@ -109,7 +119,8 @@ def app_from_environment():
     """The app of one `serve --workers N` worker."""
     from registry.service import create_app
 
-    return create_app(os.environ[DB_URL_ENV], os.environ["EDGEFIRE_ADMIN_TOKEN"], os.environ["EDGEFIRE_ROUTER_TOKEN"])
+    return create_app(os.environ[DB_URL_ENV], os.environ["EDGEFIRE_ADMIN_TOKEN"], os.environ["EDGEFIRE_ROUTER_TOKEN"],
+                      metrics_token=os.environ.get("EDGEFIRE_METRICS_TOKEN") or None)
 
 
 def _redacted(db_url: str) -> str:

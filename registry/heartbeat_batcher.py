@@ -28,8 +28,10 @@ MIN_COMMIT_INTERVAL_S = 0.005
 
 class HeartbeatBatcher:
     def __init__(self, write_rows: Callable[[list[dict]], dict[int, SiteStatus]], max_batch: int = MAX_BATCH,
-                 min_commit_interval_s: float = MIN_COMMIT_INTERVAL_S) -> None:
+                 min_commit_interval_s: float = MIN_COMMIT_INTERVAL_S,
+                 on_commit: Callable[[int], None] | None = None) -> None:
         self._write_rows = write_rows
+        self._on_commit = on_commit  # told the number of rows of each successful commit (metrics)
         self._max_batch = max_batch
         self._min_commit_interval_s = min_commit_interval_s
         self._pending: list[tuple[dict, asyncio.Future]] = []
@@ -90,6 +92,8 @@ class HeartbeatBatcher:
             return
         self.num_commits += 1
         self.num_heartbeats += len(rows)
+        if self._on_commit is not None:
+            self._on_commit(len(rows))
         for row, future in batch:
             _settle(future, result=statuses.get(row["site_id"]))
 

@@ -30,6 +30,7 @@ def is_heartbeat(scope) -> bool:
 
 
 async def serve(service: RegistryService, max_bytes: int, scope, receive, send) -> None:
+    """Answers one heartbeat; `scope["app"]` must be the registry app (the error handlers count there)."""
     messages = await read_messages(scope, receive, max_bytes)
     if messages is None:
         await refuse(send, max_bytes)

@@ -94,7 +94,23 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
     return error_response(exc.status_code, str(exc.detail), code, getattr(exc, "headers", None))
 
 
+def status_of(exc: Exception) -> int:
+    """The HTTP status the handlers answer `exc` with (500 for what none covers)."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, RegistryStoreError):
+        return _STORE_STATUS.get(type(exc), (400, ""))[0]
+    if isinstance(exc, RequestValidationError):
+        return validation_problem(exc.errors())[0]
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code
+    return 503 if isinstance(exc, OperationalError) else 500
+
+
 async def _database_down(request: Request, exc: OperationalError) -> JSONResponse:
     log.error("registry database error on %s %s: %s", request.method, request.url.path, exc.orig)
+    app = request.scope.get("app")
+    if app is not None:
+        app.state.registry.metrics.db_errors.inc()
     return JSONResponse(error_body("the registry database is unavailable; retry shortly", "api_error", "database_unavailable"),
                         status_code=503, headers={"Retry-After": "1"})

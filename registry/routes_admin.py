@@ -4,16 +4,38 @@ API keys, and the audit log. Every change is audited by the store in the same tr
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Path, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from registry.api_models import (ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
                                  SitePatchBody, SiteTokenBody)
 from registry.app_state import CredentialFirstRoute, RegistryService, admin_actor, registry
+from registry.http_errors import status_of
 from registry.records import Page
 from registry.validate import MAX_ID
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=CredentialFirstRoute)
+
+class AdminRoute(CredentialFirstRoute):
+    """Counts every admin call by action (the handler's name) and status (registry.metrics)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        action = self.name
+
+        async def counted(request: Request):
+            counter = request.app.state.registry.metrics.admin_actions
+            try:
+                response = await handler(request)
+            except Exception as exc:
+                counter.labels(action, str(status_of(exc))).inc()
+                raise
+            counter.labels(action, str(response.status_code)).inc()
+            return response
+
+        return counted
+
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=AdminRoute)
 
 Limit = Query(100, ge=1, le=1000, description="page size")
 Cursor = Query(None, description="next_cursor from the previous page")

@@ -4,11 +4,13 @@ measure, deregistration."""
 from __future__ import annotations
 
 import json
+import time
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
+from sqlalchemy.exc import OperationalError
 
 from registry.access import SiteIdentity
 from registry.api_models import LinksBody, RegistrationBody
@@ -57,7 +59,23 @@ async def heartbeat(request: Request) -> Response:
 async def store_heartbeat(svc: RegistryService, authorization: str | None, body: bytes) -> bytes:
     """The heartbeat itself, without HTTP: checks the token and the body (the wire contract), waits
     for the group commit that stores it and returns the JSON answer. Raises what the error handlers
-    turn into 4xx/5xx; each rejection is logged in one line, at most one per site per interval."""
+    turn into 4xx/5xx; each rejection is logged in one line, at most one per site per interval.
+    Counted by outcome, with its latency (registry.metrics)."""
+    metrics, started = svc.metrics, time.perf_counter()
+    try:
+        reply = await _store_heartbeat(svc, authorization, body)
+    except OperationalError:
+        metrics.heartbeats.labels("failed").inc()
+        raise
+    except Exception:
+        metrics.heartbeats.labels("rejected").inc()
+        raise
+    metrics.heartbeats.labels("stored").inc()
+    metrics.heartbeat_latency.observe(time.perf_counter() - started)
+    return reply
+
+
+async def _store_heartbeat(svc: RegistryService, authorization: str | None, body: bytes) -> bytes:
     site = await svc.auth.site_for_header(authorization)
     try:
         report = CapacityReport.model_validate_json(body)

@@ -18,6 +18,7 @@ async def snapshot(request: Request, svc: RegistryService = Depends(registry)) -
     """Every site with its latest capacity and liveness; 304 when If-None-Match holds the current ETag."""
     rendered = await run_in_threadpool(svc.snapshots.get, request.headers.get("if-none-match"))
     headers = {"ETag": rendered.etag, "Cache-Control": "no-cache"}
+    svc.metrics.snapshot_requests.labels("304" if rendered.body is None else "200").inc()
     if rendered.body is None:
         return Response(status_code=304, headers=headers)
     return Response(rendered.body, media_type="application/json", headers=headers)

@@ -25,6 +25,7 @@ Wire shape:
 from __future__ import annotations
 
 import json
+from collections import Counter
 from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ class SnapshotSite:
     tail: bytes  # ',"capacity":<capacity JSON>},', or empty when the site has not reported
     seen_at: float | None  # the last heartbeat, or the registry's return for a site alive when it went away
     ttl_s: float
+    state: str = "active"  # active | cordoned | draining (also in `head`; kept apart for the metrics)
 
 
 @dataclass(slots=True)
@@ -117,6 +119,11 @@ class SnapshotData:
         self.db_version = db_version
         return True
 
+    def site_counts(self, now: float) -> Counter:
+        """How many sites are in each (state, alive) pair at `now`."""
+        return Counter((site.state, site.seen_at is not None and now - site.seen_at <= site.ttl_s)
+                       for site in self.sites)
+
     def newest_heartbeat(self) -> float | None:
         return max((site.seen_at for site in self.sites if site.seen_at is not None), default=None)
 
@@ -164,7 +171,7 @@ class SnapshotReader:
                 tail = tails[cap] = self._tails.get(cap) or _tail(capacity_json(dict(zip(("site_id", *CAPACITY_FIELDS), cap))))
                 reported_at = cap[-1]
                 deadlines.append(reported_at + ttl_s)
-            site = by_id[site_id] = SnapshotSite(head, tail, reported_at, ttl_s)
+            site = by_id[site_id] = SnapshotSite(head, tail, reported_at, ttl_s, row[7])
             sites.append(site)
         self._heads, self._tails = heads, tails  # forget what no longer exists
         deadlines.sort()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,8 +32,10 @@ class RenderedSnapshot:
 
 
 class SnapshotCache:
-    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time, max_body_age_s: float = 1.0) -> None:
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time, max_body_age_s: float = 1.0,
+                 metrics=None) -> None:
         self._engine = engine
+        self._metrics = metrics  # registry.metrics.RegistryMetrics: each read, apply and render is counted
         self._clock = clock
         self._max_body_age_s = max_body_age_s
         self._lock = threading.Lock()  # one rebuild at a time; concurrent callers reuse its result
@@ -68,21 +71,37 @@ class SnapshotCache:
             if if_none_match is not None and etag in _etags(if_none_match):
                 return RenderedSnapshot(etag, None)
             if self._body is None or self._body[0] != version or now - self._body[1] > self._max_body_age_s:
+                started = time.perf_counter()
                 self._body = (version, now, data.render(now))
+                self._observe("render", started)
             return RenderedSnapshot(etag, self._body[2])
+
+    def site_counts(self) -> Counter:
+        """Sites per (state, alive) now, from the data brought up to the database's version."""
+        self.get()
+        with self._lock:
+            return self._data.site_counts(self._clock())
+
+    def _observe(self, step: str, started: float) -> None:
+        if self._metrics is not None:
+            self._metrics.snapshot_builds.labels(step).inc()
+            self._metrics.snapshot_build_seconds.labels(step).observe(time.perf_counter() - started)
 
     def _catch_up(self, db_version: int) -> None:
         """Brings the data to at least `db_version`: by this process's commits when they account for
         every version in between, otherwise by reading (which may land on a newer version)."""
         data = self._data
+        started = time.perf_counter()
         with self._commits_lock:
             commits = self._commits
             self._commits = {v: rows for v, rows in commits.items() if v > db_version}
         if data is not None and data.db_version < db_version and all(
                 v in commits for v in range(data.db_version + 1, db_version + 1)):
             if all(data.apply_capacity(v, commits[v]) for v in range(data.db_version + 1, db_version + 1)):
+                self._observe("apply", started)
                 return
         self._data = self._reader.read(self._engine)
+        self._observe("read", started)
         if self._returned is None:
             newest = self._data.newest_heartbeat()
             self._returned = RegistryReturn(self._clock(), newest if newest is not None else self._clock())

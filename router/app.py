@@ -15,6 +15,7 @@ import json
 import logging
 import os
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -108,22 +109,39 @@ async def _model_card(router: Router, model: str, snapshot) -> dict:
 async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:
     """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give."""
     request_id = _request_id()
+    answered = _Answered()
+    metrics = router.metrics
+    metrics.requests_running.inc()
     try:
-        response = await _complete(router, request_id, scope, receive, chat)
-    except ApiError as exc:
-        response = _error_response(exc)
-    except ClientDisconnect:
-        return  # the client left before sending its whole body: no one to answer
-    except Exception as exc:
-        response = _internal_error_response(request_id, exc)
-    await response(scope, receive, send)
+        try:
+            response = await _complete(router, request_id, scope, receive, chat, answered)
+        except ApiError as exc:
+            response = _error_response(exc)
+        except ClientDisconnect:
+            return  # the client left before sending its whole body: no one to answer
+        except Exception as exc:
+            response = _internal_error_response(request_id, exc)
+        metrics.answered(answered.model, "chat" if chat else "completions", response.status_code)
+        await response(scope, receive, send)
+    finally:
+        metrics.requests_running.dec()
 
 
-async def _complete(router: Router, request_id: str, scope, receive, chat: bool) -> Response:
+@dataclass(slots=True)
+class _Answered:
+    """What the metrics need of a request once its status is known (its model, when it was read)."""
+
+    model: str | None = None
+
+
+async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
+                    answered: _Answered | None = None) -> Response:
     headers = Headers(scope=scope)
     body = await _read_body(headers, receive, router.config.max_body_bytes)
     api_key = await router.authenticate(headers.get("authorization"))
     request = parse_request(parse_json(body), chat)
+    if answered is not None:
+        answered.model = request.model
     client = scope.get("client")
     location = router.locator.locate(client[0] if client else None, headers)
     session = session_key(api_key.id, headers.get(SESSION_HEADER), request.user)
@@ -150,6 +168,7 @@ async def _sse(run: CompletionRun):
     except (GenerationFailed, AgentRejected) as exc:
         log.error("request %s: stream failed after %d token(s): %s", run.ctx.request_id,
                   run.num_completion_tokens, exc)
+        run.metrics.streams_interrupted.inc()
         error = error_body(f"The stream broke and could not be resumed ({exc}); the text so far is incomplete.",
                            "server_error", None, "stream_interrupted")
         yield b"data: " + encode_json(error).encode() + b"\n\n", True

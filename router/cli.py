@@ -47,5 +47,6 @@ async def _serve(config) -> None:
     async with Router(config) as router:
         url = await router.start_server()
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.locator.reload)
-        log.info("router listening on %s", url)
+        log.info("router listening on %s%s", url,
+                 f"; metrics on port {router.metrics_port}" if router.metrics_port else "")
         await router.serve_forever()

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.tokenizer import TemplateError
 from node_agent.proto import agent_pb2
@@ -24,6 +24,7 @@ from router.generation import AgentRejected, FailoverPolicy, Generation, Generat
 from router.geo import Location
 from router.health import PassiveHealth
 from router.ledger import InflightLedger
+from router.metrics import RouterMetrics, elapsed_s
 from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import CompletionRequest
 from router.placement import CostModel, PlacementRequest, rank, servable_models
@@ -42,6 +43,7 @@ class RequestContext:
     api_key: ApiKey
     location: Location
     session_key: str | None = None   # router.sessions.session_key: header or `user`, within the API key
+    started_at: float = field(default_factory=time.perf_counter)  # the request's arrival (latency metrics)
 
 
 @dataclass(slots=True)
@@ -55,9 +57,10 @@ class Limits:
 class CompletionService:
     def __init__(self, feed: SnapshotFeed, assets: ModelAssetsCache, agents, health: PassiveHealth,
                  limiter: RateLimiter, cost: CostModel, policy: FailoverPolicy, limits: Limits,
-                 sessions: SessionTable | None = None) -> None:
+                 sessions: SessionTable | None = None, metrics: RouterMetrics | None = None) -> None:
         self.feed, self.assets, self.agents, self.health = feed, assets, agents, health
         self.limiter, self.cost, self.policy, self.limits = limiter, cost, policy, limits
+        self.metrics = metrics or RouterMetrics()
         self.ledger = InflightLedger()
         self.sessions = sessions or SessionTable()
 
@@ -74,6 +77,7 @@ class CompletionService:
         wait_s, limit = self.limiter.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
                                            len(prompt_ids) + max_tokens)
         if wait_s:
+            self.metrics.rate_limited.labels(limit).inc()
             raise rate_limited(f"Rate limit on {limit} per minute reached for this API key; retry after the "
                                f"Retry-After delay.", wait_s)
         run = None
@@ -81,6 +85,8 @@ class CompletionService:
             run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens)
             await run.begin()
             self.sessions.remember(ctx.session_key, run.generation.prefill_site, run.generation.decode_site)
+            placed = run.generation.placed
+            self.metrics.placed(placed.prefill_site.name, placed.decode_site.name, placed.decode_site.region)
         finally:
             if run is None or run.first_step is None:
                 self.limiter.refund_tokens(key.id, len(prompt_ids) + max_tokens)
@@ -99,8 +105,9 @@ class CompletionService:
                               f"use; retry shortly.", self.limits.retry_after_s)
         sampling = sampling_params(request, assets, max_tokens)
         generation = Generation(ctx.request_id, request.model, prompt_ids, sampling, candidates, self.agents,
-                                self.health, self.policy, self.ledger)
-        return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s)
+                                self.health, self.policy, self.ledger, metrics=self.metrics)
+        return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s,
+                             self.metrics)
 
     def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
         """404 for a model no site offers; 503 + Retry-After for one whose sites served it lately but
@@ -171,9 +178,11 @@ def _first(*values):
 
 class CompletionRun:
     def __init__(self, request: CompletionRequest, ctx: RequestContext, assets: ModelAssets, generation: Generation,
-                 limiter: RateLimiter, max_tokens: int, retry_after_s: float) -> None:
+                 limiter: RateLimiter, max_tokens: int, retry_after_s: float,
+                 metrics: RouterMetrics | None = None) -> None:
         self.request, self.ctx, self.assets, self.generation = request, ctx, assets, generation
         self.limiter, self.max_tokens, self.retry_after_s = limiter, max_tokens, retry_after_s
+        self.metrics = (metrics or RouterMetrics()).for_model(request.model)
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + os.urandom(16).hex()
         self.created = int(time.time())
         self.text = TextStream(assets.tokenizer, request.stop)
@@ -186,11 +195,14 @@ class CompletionRun:
         self.finish_reason: str | None = None
         self._steps = generation.steps()
         self._refunded = False
+        self._last_step_at = 0.0
 
     async def begin(self) -> None:
         """Waits for the first token, so placement failures are still plain HTTP errors."""
         try:
             self.first_step = await anext(self._steps)
+            self._last_step_at = time.perf_counter()
+            self.metrics.ttft.observe(self._last_step_at - self.ctx.started_at)
         except StopAsyncIteration:
             raise no_capacity("The site ended the stream before any token; retry.", self.retry_after_s) from None
         except GenerationFailed as exc:
@@ -239,9 +251,20 @@ class CompletionRun:
                     step = await anext(self._steps)
                 except StopAsyncIteration:
                     raise GenerationFailed("the stream ended without a finish reason", True) from None
+                now = time.perf_counter()
+                self.metrics.inter_token.observe(now - self._last_step_at)
+                self._last_step_at = now
         finally:
             await self._steps.aclose()  # cancels the agent call when we stop early
             self._refund()
+            self._observe_end()
+
+    def _observe_end(self) -> None:
+        m, g = self.metrics, self.generation
+        m.e2e.observe(elapsed_s(self.ctx.started_at))
+        m.prompt_tokens.inc(g.num_prompt_tokens or len(g.prompt_ids))
+        m.generation_tokens.inc(self.num_completion_tokens)
+        m.cached_tokens.inc(g.num_cached_tokens)
 
     def _refund(self) -> None:
         if not self._refunded:

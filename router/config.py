@@ -33,6 +33,10 @@ class RouterConfig:
     agent_tls: bool = False
     agent_client_cert: str | None = None
     agent_client_key: str | None = None
+    # Prometheus: /metrics on a port of its own, apart from the public API (node_agent.metrics_server).
+    # It asks for no token: bind it to an internal interface. None: no metrics port.
+    metrics_listen: str | None = None    # host:port, e.g. "10.0.0.5:9401" (port 0: any free port)
+    metrics_tls: bool = False            # serve it over HTTPS with tls_cert
     # Where this router stands: the location of clients we cannot place (anycast puts them near us).
     lat: float = 0.0
     lon: float = 0.0
@@ -105,6 +109,8 @@ class RouterConfig:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        if self.metrics_listen is not None:
+            check_listen("metrics_listen", self.metrics_listen)
         for name, limit in (("lat", 90), ("lon", 180)):
             if not -limit <= getattr(self, name) <= limit:
                 raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {getattr(self, name)}")
@@ -120,12 +126,21 @@ class RouterConfig:
         for cert, key in (("tls_cert", "tls_key"), ("agent_client_cert", "agent_client_key")):
             if bool(getattr(self, cert)) != bool(getattr(self, key)):
                 raise ConfigError(f"{cert} / {key}: give both or neither")
+        if self.metrics_tls and not self.tls_cert:
+            raise ConfigError("metrics_tls: HTTPS needs a certificate; set tls_cert and tls_key too")
         if self.agent_client_cert and not self.agent_tls:
             raise ConfigError("agent_client_cert: client certificates need agent_tls = true")
         for name in ("tls_cert", "tls_key", "tls_ca", "agent_client_cert", "agent_client_key"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
+
+
+def check_listen(name: str, listen: str) -> None:
+    """A `host:port` setting: a host (an IPv6 one in brackets) and a port in [0, 65535]."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{name}: expected host:port such as 127.0.0.1:9401, got {listen!r}")
 
 
 def config_from_dict(values: dict, where: str = "router config") -> RouterConfig:

@@ -27,6 +27,7 @@ from node_agent.client import AgentPool
 from node_agent.proto import agent_pb2
 from router.health import PassiveHealth
 from router.ledger import Attempt, InflightLedger
+from router.metrics import RouterMetrics
 from router.placement import Candidate
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class Generation:
     health: PassiveHealth
     policy: FailoverPolicy
     ledger: InflightLedger | None = None   # told of every attempt, so the next placement sees its load
+    metrics: RouterMetrics | None = None   # failovers, resumes and site failures are counted there
+    placed: Candidate | None = None        # the candidate that produced the first token
     generated_ids: list[int] = field(default_factory=list)
     prefill_site: str | None = None
     decode_site: str | None = None
@@ -102,6 +105,7 @@ class Generation:
     _num_full_refusals: int = 0
     _num_full_waits: int = 0
     _full_since: float | None = None
+    _last_failure: str = ""   # why the last attempt failed: the reason a failover or resume is counted under
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         while True:
@@ -111,6 +115,8 @@ class Generation:
                     continue
                 raise GenerationFailed(self._failure_summary(), bool(self.generated_ids))
             self.num_attempts += 1
+            if self.num_attempts > 1 and self.metrics is not None:
+                self.metrics.moved_on(self._last_failure or "unknown", bool(self.generated_ids))
             attempt = self._record_attempt(candidate)
             site, call, lease = None, None, None
             try:
@@ -118,7 +124,7 @@ class Generation:
                     site = candidate.prefill_site
                     self.prefill_site, self.decode_site = site.name, candidate.decode_site.name
                     result = await self._prefill(candidate)
-                    self._prefilled(attempt)
+                    self._prefilled(attempt, candidate)
                     step = TokenStep([result.first_token], result.finish_reason)
                     self._accept(step)
                     yield step
@@ -141,7 +147,7 @@ class Generation:
                 async with aclosing(self._read(call)) as steps:  # closed here, not by the GC's finalizer task
                     async for step in steps:
                         lease = None  # the decode site has the KV now; its lease is its to end
-                        self._prefilled(attempt)
+                        self._prefilled(attempt, candidate)
                         yield step
                         if step.finish_reason:
                             self.health.record_success(site.name)
@@ -153,17 +159,18 @@ class Generation:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     role = "prefill" if not candidate.colocated and site is candidate.prefill_site else "decode"
                     self._wrong_role.add((site.name, role))
+                    self._last_failure = "wrong_role"
                     log.info("request %s: site %s no longer takes %s work (%s); next candidate", self.request_id,
                              site.name, role, exc.details())
                     continue
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._refused_as_full(site.name, exc.details())
                     continue
-                self._fail(site.name, exc.code().name)
+                self._fail(site.name, exc.code().name.lower())
             except TimeoutError:
                 self._fail(site.name, "timeout")
             except _StreamEnded:
-                self._fail(site.name, "stream ended early")
+                self._fail(site.name, "stream_ended")
             finally:
                 if call is not None:
                     call.cancel()
@@ -219,7 +226,9 @@ class Generation:
         return self.ledger.record_resume(candidate.decode_site, len(self.prompt_ids) + len(self.generated_ids),
                                          self.sampling.max_tokens - len(self.generated_ids))
 
-    def _prefilled(self, attempt: Attempt | None) -> None:
+    def _prefilled(self, attempt: Attempt | None, candidate: Candidate) -> None:
+        if self.placed is None:
+            self.placed = candidate
         if attempt is not None and not attempt.prefilled:
             self.ledger.prefilled(attempt)
 
@@ -264,6 +273,9 @@ class Generation:
     def _fail(self, site: str, reason: str) -> None:
         self._failed.add(site)
         self.health.record_failure(site)
+        self._last_failure = reason
+        if self.metrics is not None:
+            self.metrics.site_failed(site, reason)
         log.warning("request %s: site %s failed (%s) after %d token(s); attempt %d of %d", self.request_id, site,
                     reason, len(self.generated_ids), self.num_attempts, self.policy.max_attempts)
 
@@ -272,6 +284,7 @@ class Generation:
         self._full.add(site)
         self._num_full_refusals += 1
         self.health.record_failure(site)
+        self._last_failure = "full"
         log.info("request %s: site %s is full (%s) after %d token(s); next candidate", self.request_id, site,
                  details or "RESOURCE_EXHAUSTED", len(self.generated_ids))
 

@@ -1,6 +1,6 @@
 """`Router`: one router's parts wired together, with async start/stop, in-process or serving HTTP.
 
-    async with Router(config) as router:       # snapshot feed running
+    async with Router(config) as router:       # snapshot feed running, metrics port open (metrics_listen)
         url = await router.start_server()      # uvicorn on config.host:config.port (0: any free port)
         ...
 Tests pass `registry=` (a RegistryClient on an in-process registry) and `clock=`.
@@ -16,7 +16,8 @@ import grpc
 import uvicorn
 
 from node_agent.client import AgentPool
-from node_agent.tls import channel_credentials, client_context
+from node_agent.metrics_server import MetricsServer
+from node_agent.tls import channel_credentials, client_context, server_context
 from registry.client import RegistryClient
 from registry.http_head import HeadLimitedHttp
 from router.api_keys import ANONYMOUS, ApiKey, ApiKeyCache, bearer_token
@@ -26,6 +27,7 @@ from router.config import RouterConfig
 from router.generation import FailoverPolicy
 from router.geo import ClientLocator
 from router.health import PassiveHealth
+from router.metrics import RouterMetrics
 from router.model_assets import ModelAssetsCache
 from router.placement import CostModel
 from router.rate_limit import RateLimiter
@@ -41,9 +43,13 @@ class Router:
         self.registry = registry or RegistryClient(config.registry_url, config.registry_token,
                                                    verify=client_context(config.tls_ca) if config.tls_ca else True)
         self.agents = AgentPool(config.peer_token, agent_credentials(config))
-        self.feed = SnapshotFeed(self.registry.snapshot, config.snapshot_refresh_s, config.snapshot_max_age_s,
+        self.metrics = RouterMetrics()
+        self.feed = SnapshotFeed(self.metrics.counting_errors("snapshot", self.registry.snapshot),
+                                 config.snapshot_refresh_s, config.snapshot_max_age_s,
                                  SiteChecks(self._check_health, config.site_check_interval_s))
-        self.keys = ApiKeyCache(self.registry.lookup_api_key, config.api_key_cache_s)
+        self.metrics.follow(self.feed)
+        self.keys = ApiKeyCache(self.metrics.counting_errors("api_key_lookup", self.registry.lookup_api_key),
+                                config.api_key_cache_s)
         self.locator = ClientLocator(config.lat, config.lon, config.geoip_db, config.location_header,
                                      config.forwarded_for_header, config.trusted_proxies)
         self.health = PassiveHealth(config.failures_to_cool_down, config.cooldown_s)
@@ -52,10 +58,12 @@ class Router:
             self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers), self.agents, self.health, self.limiter,
             cost_model(config), failover_policy(config),
             Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site),
-            SessionTable(config.max_sessions, config.session_ttl_s))
+            SessionTable(config.max_sessions, config.session_ttl_s), self.metrics)
         self.app = create_app(self)
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task | None = None
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_port: int | None = None
 
     async def _check_health(self, address: str, timeout_s: float):
         return await self.agents.client(address).health(timeout=timeout_s)
@@ -68,6 +76,11 @@ class Router:
 
     async def start(self) -> None:
         await self.feed.start()
+        if self.config.metrics_listen:
+            self._metrics_server = MetricsServer(self.metrics.registry)
+            tls = server_context(self.config.tls_cert, self.config.tls_key) if self.config.metrics_tls else None
+            await self._metrics_server.start(self.config.metrics_listen, tls)
+            self.metrics_port = self._metrics_server.port
 
     async def start_server(self, host: str | None = None, port: int | None = None) -> str:
         """Serves HTTP (HTTPS with tls_cert) in this event loop; returns the base URL (port 0 picks a free one)."""
@@ -100,6 +113,9 @@ class Router:
             self._server.should_exit = True
             await asyncio.gather(self._server_task, return_exceptions=True)
             self._server = self._server_task = None
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
         await self.feed.stop()
         await self.agents.close()
         self.locator.close()

@@ -11,6 +11,7 @@ from grpc import aio
 
 from node_agent.proto import agent_pb2
 from tests.agent.conftest import MODEL, collect, prompt, sampling
+from tests.metrics_text import Samples
 
 
 async def test_drain_finishes_inflight_refuses_new_and_releases_leases(start_agent, connect):
@@ -53,3 +54,39 @@ async def test_metrics_endpoint_per_agent(start_agent, connect):
     assert 'edgefire_agent_ttft_seconds_count{model="tiny",rpc="generate"} 1.0' in text_a
     assert 'edgefire_agent_inter_token_seconds_count{model="tiny"} 4.0' in text_a
     assert 'edgefire_agent_ttft_seconds_count{model="tiny",rpc="generate"}' not in text_b
+
+
+async def test_a_split_request_moves_the_agents_metrics_by_what_it_did(start_agent, connect):
+    """Scraped after real traffic: a prefill on site-a, the same prompt again (a prefix-cache hit), and
+    a decode on site-b pulling the first one's KV."""
+    a = await start_agent("site-a", metrics_listen="127.0.0.1:0")
+    b = await start_agent("site-b", metrics_listen="127.0.0.1:0")
+    client_a, client_b = connect(a), connect(b)
+
+    async def scrape(agent) -> Samples:
+        async with httpx.AsyncClient() as http:
+            return Samples.parse((await http.get(f"http://127.0.0.1:{agent.metrics_port}/metrics")).text)
+
+    before_a, before_b = await scrape(a), await scrape(b)
+    prompt_ids = prompt(40)
+    first = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=sampling()))
+    second = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=sampling()))
+    await client_a.release_kv(second.kv_handle)
+    await collect(client_b.decode(agent_pb2.DecodeRequest(
+        model=MODEL, prompt_ids=prompt_ids, generated_ids=[first.first_token.token_id], sampling=sampling(),
+        kv_source=agent_pb2.KVSource(address=a.address, kv_handle=first.kv_handle))))
+    after_a, after_b = await scrape(a), await scrape(b)
+
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
+    assert after_a.delta(before_a, "edgefire_agent_prompt_tokens_total", model=MODEL) == 80
+    assert after_a.delta(before_a, "edgefire_agent_cached_prompt_tokens_total", model=MODEL) == second.num_cached_tokens
+    assert after_a.get("edgefire_agent_prefix_cache_hit_ratio", model=MODEL) == pytest.approx(
+        second.num_cached_tokens / 80)
+    # the decode site imported the prompt's KV: it prefilled nothing, and pulled every byte from site-a
+    assert after_b.delta(before_b, "edgefire_agent_prompt_tokens_total", model=MODEL) == 0
+    assert after_b.delta(before_b, "edgefire_agent_kv_pull_bytes_total", peer="site-a") == first.kv_bytes
+    assert after_b.delta(before_b, "edgefire_agent_kv_pulls_total", peer="site-a", transport="data_port") == 1
+    assert after_b.delta(before_b, "edgefire_agent_kv_pull_seconds_total", peer="site-a") > 0
+    assert after_a.delta(before_a, "edgefire_agent_kv_bytes_sent_total") == first.kv_bytes
+    assert after_b.delta(before_b, "edgefire_agent_ttft_seconds_count", model=MODEL, rpc="decode") == 1
+    assert 0 <= after_a.get("edgefire_agent_kv_usage_ratio", model=MODEL) <= 1

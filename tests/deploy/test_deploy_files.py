@@ -114,7 +114,10 @@ def test_router_configmap_and_token_secret_make_a_valid_router_config():
     tokens = tomllib.loads(find("Secret", "edgefire-router")["stringData"]["tokens.toml"])
     router = config_from_dict({**config, **tokens})  # refuses unknown keys and ill-typed values
     (container,) = containers("Deployment", "edgefire-router")
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": router.port}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": router.port, "metrics": listen_port(router.metrics_listen)}
+    annotations = find("Deployment", "edgefire-router")["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == ports["metrics"]
     assert router.registry_url == "http://edgefire-registry:8500"
     assert "/etc/edgefire/secrets/tokens.toml" in " ".join(container["args"])
 
@@ -126,7 +129,7 @@ def test_registry_reads_its_database_and_tokens_from_a_secret_and_serves_its_por
     assert args.db == "$(EDGEFIRE_DB_URL)" and args.no_migrate
     secret_keys = set(find("Secret", "edgefire-registry")["stringData"])
     refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]}
-    assert set(refs) == {"EDGEFIRE_DB_URL", "EDGEFIRE_ADMIN_TOKEN", "EDGEFIRE_ROUTER_TOKEN"}
+    assert set(refs) == {"EDGEFIRE_DB_URL", "EDGEFIRE_ADMIN_TOKEN", "EDGEFIRE_ROUTER_TOKEN", "EDGEFIRE_METRICS_TOKEN"}
     assert all(ref["name"] == "edgefire-registry" and ref["key"] in secret_keys for ref in refs.values())
     service = find("Service", "edgefire-registry")
     assert service["spec"]["ports"][0]["port"] == args.port

@@ -1,7 +1,8 @@
 """`edgefire registry serve --workers 2`: two processes on one port agree on what they store.
 
 Each worker has its own heartbeat group commit and snapshot cache; a router must see every
-heartbeat whichever worker stored it and whichever worker answers the snapshot.
+heartbeat whichever worker stored it and whichever worker answers the snapshot, and a scrape of
+/metrics counts every worker's work.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tests.metrics_text import Samples
 
 from .conftest import ADMIN_TOKEN, ROUTER_TOKEN
 
@@ -62,6 +65,12 @@ def test_two_workers_share_heartbeats_and_snapshots(db_url):
                 sites = httpx.get(f"{base}/v1/router/snapshot", headers=router).json()["sites"]
                 assert [s["capacity"]["kv_blocks_free"] for s in sites] == [10 * round_ + i for i in range(NUM_SITES)]
                 assert all(s["alive"] for s in sites)
+        # Whichever worker answers a scrape, it sums both workers' counters.
+        for _ in range(4):
+            samples = Samples.parse(httpx.get(f"{base}/metrics", headers=admin).text)
+            assert samples.get("edgefire_registry_heartbeats_total", outcome="stored") == 3 * NUM_SITES
+            assert samples.get("edgefire_registry_admin_actions_total", action="create_site") == NUM_SITES
+            assert samples.get("edgefire_registry_sites", state="active", alive="true") == NUM_SITES
     finally:
         process.terminate()
         process.wait(30)
