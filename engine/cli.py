@@ -28,6 +28,8 @@ def add_parser(subparsers) -> None:
     demo = subparsers.add_parser("make-demo-model", help="write a small random-weight demo checkpoint")
     demo.add_argument("directory", type=Path)
     demo.add_argument("--size", default="small", choices=["tiny", "small"])
+    demo.add_argument("--arch", default="llama", choices=["llama", "mixtral", "qwen3-moe"],
+                      help="llama (dense), or a mixture of experts with top-2 routing: mixtral or qwen3-moe")
     demo.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
     demo.set_defaults(func=run_make_demo_model)
 
@@ -38,8 +40,8 @@ def run_make_demo_model(args: argparse.Namespace) -> int:
     if (args.directory / "config.json").exists() and not args.force:
         print(f"{args.directory} already holds a checkpoint; use --force to overwrite", file=sys.stderr)
         return 0
-    make_demo_model(args.directory, args.size)
-    print(f"wrote a random-weight demo model to {args.directory} (its output is meaningless text)")
+    make_demo_model(args.directory, args.size, arch=args.arch)
+    print(f"wrote a random-weight {args.arch} demo model to {args.directory} (its output is meaningless text)")
     return 0
 
 

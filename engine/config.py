@@ -9,7 +9,9 @@ from pathlib import Path
 from engine.errors import CheckpointError, UnsupportedModelError
 
 # model_type -> whether q/k/v projections carry a bias regardless of `attention_bias`
-SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False}
+SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False,
+                         "mixtral": False, "qwen3_moe": False}
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}
 
 
 @dataclass(slots=True)
@@ -20,6 +22,17 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: each token's hidden state goes to its top-k of num_experts experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int       # of one expert
+    norm_topk_prob: bool         # renormalize the top-k router probabilities to sum to 1
+    sparse_layers: list[bool]    # per layer: MoE (True) or the dense MLP of intermediate_size (False)
 
 
 @dataclass(slots=True)
@@ -44,6 +57,28 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    moe: MoEConfig | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def num_parameters(self) -> int:
+        """Weights the engine keeps resident: every expert of every MoE layer counts, not just the active ones."""
+        hidden, head_dim = self.hidden_size, self.head_dim
+        attention = hidden * (self.num_heads + 2 * self.num_kv_heads) * head_dim + self.num_heads * head_dim * hidden
+        if self.qkv_bias:
+            attention += (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        if self.qk_norm:
+            attention += 2 * head_dim
+        total = 0
+        for layer in range(self.num_layers):
+            if self.is_sparse(layer):
+                mlp = self.moe.num_experts * (3 * hidden * self.moe.intermediate_size + hidden)
+            else:
+                mlp = 3 * hidden * self.intermediate_size
+            total += attention + mlp + 2 * hidden
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return total + embeddings + hidden
 
 
 def _require(raw: dict, key: str, path: Path):
@@ -75,8 +110,10 @@ def _parse_rope(raw: dict, path: Path) -> RopeConfig:
 
 def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return [window] * num_layers
+    if model_type == "qwen3_moe":
+        return [window if raw.get("use_sliding_window") else None] * num_layers
     layer_types = raw.get("layer_types")
     if layer_types and window:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
@@ -92,6 +129,37 @@ def _as_id_list(value) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
+    """The first of `keys` present in the config (checkpoints name some fields differently), as an int >= 1."""
+    for key in keys:
+        if raw.get(key) is not None:
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{path}: {key} must be a positive integer, got {value!r}")
+            return value
+    raise CheckpointError(f"{path}: missing required field {keys[0]!r}")
+
+
+def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return None
+    num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {num_experts} experts")
+    if model_type == "mixtral":
+        return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True,
+                         [True] * num_layers)
+    # Qwen3-MoE: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise CheckpointError(f"{path}: mlp_only_layers must list layer indices in [0, {num_layers}), got {dense!r}")
+    step = _positive_int(raw, ("decoder_sparse_step",), path) if "decoder_sparse_step" in raw else 1
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
+                     bool(raw.get("norm_topk_prob", False)), sparse)
 
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
@@ -125,12 +193,13 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         rope=_parse_rope(raw, path),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=SUPPORTED_MODEL_TYPES[model_type] or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in QK_NORM_MODEL_TYPES,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         sliding_windows=_parse_sliding_windows(raw, model_type, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_as_id_list(raw.get("eos_token_id")),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        moe=_parse_moe(raw, model_type, num_layers, path),
     )
 
 

@@ -1,7 +1,8 @@
-"""A small random-weight Llama checkpoint with a trained byte-level BPE tokenizer.
+"""A small random-weight checkpoint (Llama, or the mixture-of-experts Mixtral or Qwen3-MoE) with a
+trained byte-level BPE tokenizer.
 
 It lets everything run with no download. Its weights are random, so its output is meaningless
-text: it exercises the machinery (loading, batching, caching, transfer), not language.
+text: it exercises the machinery (loading, batching, caching, transfer, expert routing), not language.
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ SIZES = {
     "small": DemoSize(256, 4, 8, 4, 688, 2048, 4096),  # `make run` and demos
 }
 
+ARCHITECTURES = ("llama", "mixtral", "qwen3-moe")
+
+
+@dataclass(slots=True)
+class DemoExperts:
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int      # of one expert
+
+
+# The MoE demos have the dense demo's attention and several narrower experts per layer.
+EXPERTS = {"tiny": DemoExperts(4, 2, 64), "small": DemoExperts(8, 2, 256)}
+
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
@@ -75,11 +89,13 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> Path:
+def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, arch: str = "llama") -> Path:
     """Write a complete checkpoint directory (config, weights, tokenizer, chat template)."""
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
-    shape = SIZES[size]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    shape, experts = SIZES[size], EXPERTS[size] if arch != "llama" else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(shape.vocab_size)
@@ -95,23 +111,41 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> 
         "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": bos_id,
         "eos_token_id": eos_id, "torch_dtype": "float32",
-    }
+    } | _moe_config(arch, experts)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": [eos_id]}, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
         "model_max_length": shape.max_position_embeddings,
     }, indent=2))
-    save_file(random_weights(shape, vocab_size, head_dim, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    log.info("wrote demo model (%s, random weights) to %s", size, out)
+    weights = random_weights(shape, vocab_size, head_dim, seed, arch, experts)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    log.info("wrote demo model (%s %s, random weights) to %s", size, arch, out)
     return out
 
 
-def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+def _moe_config(arch: str, experts: DemoExperts | None) -> dict:
+    if arch == "mixtral":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts.num_experts,
+                "num_experts_per_tok": experts.num_experts_per_tok, "intermediate_size": experts.intermediate_size}
+    if arch == "qwen3-moe":
+        # Layer 0 keeps a dense MLP (mlp_only_layers), as some Qwen3-MoE checkpoints do.
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts.num_experts,
+                "num_experts_per_tok": experts.num_experts_per_tok, "moe_intermediate_size": experts.intermediate_size,
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0]}
+    return {}
+
+
+def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int, arch: str = "llama",
+                   experts: DemoExperts | None = None) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*dims: int, std: float = 0.02) -> torch.Tensor:
         return torch.randn(*dims, generator=generator) * std
+
+    def mlp(prefix: str, inter: int) -> dict[str, torch.Tensor]:
+        return {prefix + "gate_proj.weight": normal(inter, h, std=0.1), prefix + "up_proj.weight": normal(inter, h, std=0.1),
+                prefix + "down_proj.weight": normal(h, inter, std=0.05)}
 
     h, inter = shape.hidden_size, shape.intermediate_size
     q_rows, kv_rows = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
@@ -125,7 +159,19 @@ def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int) -
             p + "self_attn.k_proj.weight": normal(kv_rows, h, std=0.2),
             p + "self_attn.v_proj.weight": normal(kv_rows, h, std=0.2),
             p + "self_attn.o_proj.weight": normal(h, q_rows, std=0.05),
-            p + "mlp.gate_proj.weight": normal(inter, h, std=0.1), p + "mlp.up_proj.weight": normal(inter, h, std=0.1),
-            p + "mlp.down_proj.weight": normal(h, inter, std=0.05),
         }
+        if arch == "qwen3-moe":
+            weights |= {p + "self_attn.q_norm.weight": torch.ones(head_dim), p + "self_attn.k_norm.weight": torch.ones(head_dim)}
+        if arch == "llama" or (arch == "qwen3-moe" and i == 0):
+            weights |= mlp(p + "mlp.", inter)
+            continue
+        # A router with spread-out logits, so tokens really do go to different experts.
+        block = p + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
+        weights[block + "gate.weight"] = normal(experts.num_experts, h, std=0.5)
+        for e in range(experts.num_experts):
+            expert = mlp(f"{block}experts.{e}.", experts.intermediate_size)
+            if arch == "mixtral":  # Mixtral names an expert's gate, down and up projections w1, w2, w3
+                expert = {k.replace("gate_proj", "w1").replace("down_proj", "w2").replace("up_proj", "w3"): v
+                          for k, v in expert.items()}
+            weights |= expert
     return weights

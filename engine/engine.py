@@ -29,6 +29,7 @@ from engine.kv_export import KVExport
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.loader import load_model, resolve_dtype
 from engine.grammar import GrammarCompiler
+from engine.memory import check_fits
 from engine.runner import prepare_step
 from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -154,6 +155,7 @@ class LLMEngine:
         self.model_config: ModelConfig = load_config(self.model_dir)
         self.device = _pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes)
         self.model = load_model(self.model_dir, self.model_config, self.device, self.dtype, config.show_progress)
         self.eos_token_ids = self._eos_token_ids()
         self.fingerprint = model_fingerprint(self.model_dir)

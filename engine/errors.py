@@ -23,3 +23,7 @@ class KVTransferError(EngineError):
 
 class UnknownHandleError(EngineError):
     """A KV handle was never issued, already released or expired."""
+
+
+class InsufficientMemoryError(EngineError):
+    """The model's weights and KV pool do not fit the memory of the device it is to run on."""

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.model import CausalLM, LayerWeights, ModelWeights
+from engine.moe import MoEWeights
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,7 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int) -> LayerWeights
         ])
     if cfg.mlp_bias:
         raise CheckpointError("checkpoints with mlp_bias=true are not supported")
-    inter = cfg.intermediate_size
-    return LayerWeights(
+    layer = LayerWeights(
         input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
         qkv=qkv,
         qkv_bias=qkv_bias,
@@ -117,12 +117,50 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int) -> LayerWeights
         k_norm=reader.read(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
         o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows)),
         post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
-        gate_up=torch.cat([
+        gate_up=None,
+        down=None,
+    )
+    if cfg.is_sparse(i):
+        layer.moe = _read_moe(reader, cfg, i)
+    else:
+        inter = cfg.intermediate_size
+        layer.gate_up = torch.cat([
             reader.read(p + "mlp.gate_proj.weight", (inter, hidden)),
             reader.read(p + "mlp.up_proj.weight", (inter, hidden)),
-        ]),
-        down=reader.read(p + "mlp.down_proj.weight", (hidden, inter)),
-    )
+        ])
+        layer.down = reader.read(p + "mlp.down_proj.weight", (hidden, inter))
+    return layer
+
+
+# Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
+MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+             "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int) -> MoEWeights:
+    """The router and every expert, stacked into [E, 2 * inter, hidden] and [E, hidden, inter].
+
+    Checkpoints store one tensor per expert projection (`experts.{e}.gate_proj.weight`); some tools
+    write them already stacked (`experts.gate_up_proj`, `experts.down_proj`), which is read as is.
+    Each expert is copied into a preallocated stack so loading never holds two copies of a layer.
+    """
+    moe = cfg.moe
+    prefix, (gate_name, up_name, down_name) = MOE_NAMES[cfg.model_type]
+    p = f"model.layers.{i}.{prefix}"
+    hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
+    router = reader.read(p + "gate.weight", (num_experts, hidden))
+    if reader.has(p + "experts.gate_up_proj"):
+        gate_up = reader.read(p + "experts.gate_up_proj", (num_experts, 2 * inter, hidden))
+        down = reader.read(p + "experts.down_proj", (num_experts, hidden, inter))
+    else:
+        gate_up = torch.empty((num_experts, 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
+        down = torch.empty((num_experts, hidden, inter), dtype=reader.dtype, device=reader.device)
+        for expert in range(num_experts):
+            e = f"{p}experts.{expert}."
+            gate_up[expert, :inter] = reader.read(f"{e}{gate_name}.weight", (inter, hidden))
+            gate_up[expert, inter:] = reader.read(f"{e}{up_name}.weight", (inter, hidden))
+            down[expert] = reader.read(f"{e}{down_name}.weight", (hidden, inter))
+    return MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob)
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

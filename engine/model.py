@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the MoE Mixtral and Qwen3-MoE) over a flat
+batch of tokens and a paged KV cache.
 
-Weights are plain tensors; q/k/v and gate/up projections are fused at load time so a layer is
-four matmuls. Every op goes through engine.ops so kernels can replace them.
+Weights are plain tensors; q/k/v and gate/up projections are fused at load time so a dense layer is
+four matmuls. A mixture-of-experts layer replaces the MLP with engine.moe's block. Every op goes
+through engine.ops so kernels can replace them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from engine import ops
 from engine.config import ModelConfig
+from engine.moe import MoEWeights, moe_forward
 
 
 @dataclass(slots=True)
@@ -23,8 +26,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor         # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
+    down: torch.Tensor | None
+    moe: MoEWeights | None = None
 
 
 @dataclass(slots=True)
@@ -61,7 +65,10 @@ class CausalLM:
                 normed, residual = self.ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = self.ops.silu_and_mul(normed @ layer.gate_up.T) @ layer.down.T
+            if layer.moe is None:
+                hidden = self.ops.silu_and_mul(normed @ layer.gate_up.T) @ layer.down.T
+            else:
+                hidden = moe_forward(layer.moe, normed, self.ops)
         normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
         return normed
 

@@ -168,6 +168,33 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
     return out.squeeze(2)
 
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor) -> torch.Tensor:
+    """Mixture-of-experts MLP: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    x [T, hidden]; topk_weights [T, k] float32; topk_ids [T, k] int64 in [0, E); gate_up
+    [E, 2 * inter, hidden] (gate rows first); down [E, hidden, inter]. One stable sort groups the
+    T * k (token, expert) pairs by expert, so each expert that received tokens runs one pair of
+    matmuls over all of them, however unevenly they are spread; an expert with none costs nothing.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    rows = x.index_select(0, order // top_k)
+    expert_out = torch.empty((num_tokens * top_k, down.shape[1]), dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            activated = silu_and_mul(rows[start:end] @ gate_up[expert].T)
+            torch.matmul(activated, down[expert].T, out=expert_out[start:end])
+            start = end
+    # Back to (token, slot) order, then the router-weighted sum over each token's k experts.
+    per_slot = torch.empty_like(expert_out).index_copy_(0, order, expert_out).view(num_tokens, top_k, -1)
+    return torch.bmm(topk_weights.unsqueeze(1), per_slot.float()).squeeze(1).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x, then RMSNorm of the sum; returns (normed, new residual)."""

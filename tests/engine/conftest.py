@@ -35,6 +35,19 @@ def _qwen3(**kw):
     return Qwen3ForCausalLM(Qwen3Config(**{**SMALL, "head_dim": 16, **kw}))
 
 
+def _mixtral(**kw):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(**{**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, **kw}))
+
+
+def _qwen3_moe(**kw):
+    # Three layers, the middle one dense (mlp_only_layers): the engine must tell them apart.
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{
+        **SMALL, "num_hidden_layers": 3, "head_dim": 16, "num_experts": 6, "num_experts_per_tok": 3,
+        "moe_intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [1], **kw}))
+
+
 ARCHITECTURES = {
     "llama": _llama,
     "llama3.1-rope": _llama31,
@@ -43,6 +56,11 @@ ARCHITECTURES = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3-tied": lambda: _qwen3(tie_word_embeddings=True),
+    "mixtral": _mixtral,
+    "qwen3-moe": _qwen3_moe,
+    # Every other layer sparse (decoder_sparse_step), top-k probabilities not renormalized.
+    "qwen3-moe-step2": lambda: _qwen3_moe(mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False,
+                                          num_hidden_layers=2),
 }
 
 
@@ -52,6 +70,9 @@ def _randomize(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".gate.weight"):
+                # An MoE router: logits far apart, so float rounding never flips a token's top-k.
+                param.copy_(0.5 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
 

@@ -35,7 +35,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     torch.testing.assert_close(engine.prompt_logits(PROMPT), theirs, rtol=1e-4, atol=1e-4)
 
 
-def _engine_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def engine_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     outputs = {str(i): [] for i in range(len(prompts))}
     # Half the requests arrive while the first half is already decoding.
@@ -67,7 +67,7 @@ def test_batched_chunked_greedy_matches_transformers(llama_checkpoint):
     # A 24-token budget splits every longer prompt into chunks that share steps with decodes.
     engine = LLMEngine(directory, EngineConfig(kv_cache_bytes=8 << 20, show_progress=False,
                                                max_num_batched_tokens=24, block_size=8))
-    ours = _engine_greedy(engine, prompts, max_tokens=12)
+    ours = engine_greedy(engine, prompts, max_tokens=12)
     for prompt, tokens in zip(prompts, ours):
         assert tokens == _transformers_greedy(model, prompt, 12)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
