@@ -141,18 +141,35 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """One query per sequence. Sequences are attended in groups of similar context length, so the
     keys gathered out of the paged pool are padded to the group's longest, not the batch's."""
     lens = batch.context_lens[: batch.num_decode]
-    order = sorted(range(len(lens)), key=lens.__getitem__)
     out = torch.empty_like(q)
-    for start in range(0, len(order), DECODE_GROUP):
-        rows = order[start:start + DECODE_GROUP]
+    for rows in decode_groups(lens):
         index = torch.tensor(rows, device=q.device)
         out[index] = _decode_group(q[index], k_cache, v_cache, batch.block_tables[index],
                                    batch.decode_context_lens[index], max(lens[r] for r in rows), scale, sliding_window)
     return out
 
 
-# Decode sequences attended per gather; smaller groups pad less but launch more ops.
+# A decode group holds at most DECODE_GROUP sequences, and a sequence joins the group of the
+# shorter ones before it only while that pads the group's keys by at most DECODE_PAD_TOKENS: one
+# more group costs about as much as gathering and attending that many padded keys on a CPU, while
+# padding a batch of short chats to one 1,500-token document made a decode step several times
+# slower.
 DECODE_GROUP = 8
+DECODE_PAD_TOKENS = 512
+
+
+def decode_groups(context_lens: list[int]) -> list[list[int]]:
+    """Rows of the decode sequences, grouped by context length (shortest first)."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(context_lens)), key=context_lens.__getitem__):
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < DECODE_GROUP:
+            padding = len(group) * (context_lens[row] - context_lens[group[-1]])
+            if padding <= DECODE_PAD_TOKENS:
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
