@@ -4,12 +4,14 @@ Every step has a token budget. Running sequences go first in arrival order (a de
 token, an unfinished prefill continues with as many tokens as the budget allows), then waiting
 sequences are admitted first come, first served. So a long prompt is cut into chunks and never
 holds decoding up for more than one budget. One exception to first come, first served: short
-prompts at the head of the queue (each at most a quarter of the budget, together at most half)
-keep their share of the step from a running prefill, so a 50-token question is answered in the
-next step instead of after every chunk of a 2,000-token document ahead of it; the long prompt
-still advances by at least half a budget per step. When a running sequence needs a block and none
-is free, the most recently admitted sequence is preempted: its blocks are freed and it goes back
-to the front of the queue to be recomputed (its cached prefix blocks usually make that cheap).
+prompts waiting anywhere in the queue (each at most a quarter of the budget, together at most
+half) are admitted first and keep their share of the step from a running prefill, so a 50-token
+question is answered in the next step instead of after every chunk of the 2,000-token documents
+ahead of it (the one prefilling and those queued); the long prompt still advances by at least half
+a budget per step, and queued long prompts keep their order. When a running sequence needs a block
+and none is free, the most recently admitted sequence is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed (its cached prefix blocks usually make that
+cheap).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        reserved = self._short_prompts_ahead()
+        shorts = self._short_prompts()
+        reserved = sum(seq.num_tokens - seq.num_computed_tokens for seq in shorts)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -83,35 +86,45 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            reserve = self.config.watermark_blocks if self.running else 0
-            if not self.block_manager.can_allocate(seq, reserve):
+        # The short prompts first, wherever they wait, then first come, first served.
+        for seq in shorts:
+            if budget < 1 or not self._admit(seq, budget, scheduled):
                 break
-            self.block_manager.allocate(seq)
-            if not seq.admitted_once:
-                seq.num_cached_tokens = seq.num_computed_tokens
-                seq.admitted_once = True
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            budget -= scheduled[-1].num_new_tokens
+        while self.waiting and budget > 0 and self._admit(self.waiting[0], budget, scheduled):
+            budget -= scheduled[-1].num_new_tokens
         return scheduled
 
-    def _short_prompts_ahead(self) -> int:
-        """Tokens of the short prompts at the head of the queue that this step should admit."""
+    def _short_prompts(self) -> list[Sequence]:
+        """The waiting short prompts this step should admit, in queue order (see the module docstring)."""
         limit, room = self.config.max_num_batched_tokens // 4, self.config.max_num_batched_tokens // 2
         seats = self.config.max_num_seqs - len(self.running)
-        reserved = 0
+        shorts, reserved = [], 0
         for seq in self.waiting:
-            pending = seq.num_tokens - seq.num_computed_tokens
-            if seats < 1 or pending > limit or reserved + pending > room:
+            if len(shorts) >= seats or reserved >= room:
                 break
-            reserved += pending
-            seats -= 1
-        return reserved
+            pending = seq.num_tokens - seq.num_computed_tokens
+            if pending <= limit and reserved + pending <= room:
+                shorts.append(seq)
+                reserved += pending
+        return shorts
+
+    def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
+        """Move a waiting seq to running with blocks for its prompt and schedule up to budget of it."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        reserve = self.config.watermark_blocks if self.running else 0
+        if not self.block_manager.can_allocate(seq, reserve):
+            return False
+        self.block_manager.allocate(seq)
+        if not seq.admitted_once:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted_once = True
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        scheduled.append(ScheduledSeq(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)))
+        return True
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Ensure seq has blocks for num_tokens, preempting the newest others; False if seq itself went."""

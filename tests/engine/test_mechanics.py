@@ -301,6 +301,28 @@ def test_a_short_prompt_is_answered_while_a_long_one_is_still_prefilling(ckpt):
     assert_no_leak(engine)
 
 
+def test_a_short_prompt_is_not_held_behind_a_second_long_prompt_waiting(ckpt):
+    """Two long documents ahead (one prefilling, one queued): the short question still gets its
+    share of the next step instead of waiting for both; every answer is what it would be alone."""
+    long_a, long_b, short = prompt(200, seed=1), prompt(200, seed=3), prompt(12, seed=2)
+    engine = make_engine(ckpt, max_num_batched_tokens=64)
+    alone = {rid: run(engine, {rid: (p, GREEDY)})[rid] for rid, p in (("a", long_a), ("b", long_b), ("short", short))}
+    engine = make_engine(ckpt, max_num_batched_tokens=64, enable_prefix_caching=False)
+    engine.add_request("a", long_a, GREEDY)
+    engine.add_request("b", long_b, GREEDY)
+    assert engine.step() == []  # the first chunk of a; b waits
+    engine.add_request("short", short, GREEDY)
+    step = engine.step()
+    assert [out.request_id for out in step] == ["short"]
+    assert engine.sequences["b"].num_computed_tokens == 0  # b still waits its turn behind a
+    outputs = {"a": [], "b": [], "short": [step[0].token.token_id]}
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].append(out.token.token_id)
+    assert outputs == alone
+    assert_no_leak(engine)
+
+
 def test_stats_report_the_load_the_decode_rate_was_measured_under(ckpt):
     engine = make_engine(ckpt)
     assert (engine.stats().decode_batch_size, engine.stats().decode_kv_tokens) == (0.0, 0.0)
