@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from engine.runner import prepare_step
 from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_totals import StepTotals
 from engine.config import read_json
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class EngineStats:
     decode_kv_tokens: float
     num_preemptions: int
     prefix_cache_hit_tokens: int
+    steps: StepTotals = field(default_factory=StepTotals)  # running totals since start
 
 
 @dataclass(slots=True)
@@ -174,6 +176,7 @@ class LLMEngine:
         self.decode_kv_tokens = _Average()
         self.num_prefix_hit_tokens = 0
         self._grammar_compiler: GrammarCompiler | None = None
+        self.step_totals = StepTotals()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks, config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len)
         self.decode_graphs = self._capture_decode_graphs()
@@ -314,6 +317,7 @@ class LLMEngine:
         num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
         self.prefill_rate.update(num_prefill, elapsed * num_prefill / max(1, num_prefill + num_decode))
         self.decode_rate.update(num_decode, elapsed * num_decode / max(1, num_prefill + num_decode))
+        self.step_totals.add(num_prefill, num_decode, elapsed)
         if num_decode and elapsed > 0:
             self.decode_batch_size.update(num_decode)
             self.decode_kv_tokens.update(sum(i.seq.num_tokens for i in scheduled if i.num_new_tokens == 1))
@@ -537,4 +541,5 @@ class LLMEngine:
             decode_kv_tokens=self.decode_kv_tokens.value,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
+            steps=self.step_totals.copy(),
         )

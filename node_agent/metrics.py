@@ -8,8 +8,10 @@ port (HTTPS with `metrics_tls`).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from engine.engine import EngineStats
+from engine.step_totals import StepTotals
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -58,6 +60,8 @@ class AgentMetrics:
         self.active_role = Gauge("edgefire_agent_active_role", "1 for each role this site takes new work for",
                                  ["role"], registry=r)
         self._prompt_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]: the hit ratio
+        self._step_totals: dict[str, StepTotals] = {}
+        r.register(StepTotalsCollector(self._step_totals))
 
     def observe_stats(self, model: str, stats: EngineStats) -> None:
         self.num_running.labels(model).set(stats.num_running)
@@ -69,6 +73,7 @@ class AgentMetrics:
         self.prefix_hit_tokens.labels(model).set(stats.prefix_cache_hit_tokens)
         self.prefill_rate.labels(model).set(stats.prefill_tokens_per_s)
         self.decode_rate.labels(model).set(stats.decode_tokens_per_s)
+        self._step_totals[model] = stats.steps
 
     def observe_prompt(self, model: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """One request's prefill: how much of its prompt the prefix cache held."""
@@ -98,3 +103,30 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StepTotalsCollector:
+    """The engines' step totals (engine.step_totals) as counters, labelled by the kind of step:
+    `prefill` steps carried prompt tokens (a chunk or a whole prompt), `decode` steps did not."""
+
+    def __init__(self, totals: dict[str, StepTotals]):
+        self._totals = totals
+
+    def collect(self):
+        labels = ["model", "kind"]
+        steps = CounterMetricFamily("edgefire_agent_engine_steps", "Engine steps", labels=labels)
+        seconds = CounterMetricFamily("edgefire_agent_engine_step_seconds", "Time in the model and sampler",
+                                      labels=labels)
+        decoded = CounterMetricFamily("edgefire_agent_engine_decode_tokens",
+                                      "Tokens decoded (one inter-token gap each), by the kind of step", labels=labels)
+        prefilled = CounterMetricFamily("edgefire_agent_engine_prefill_tokens", "Prompt tokens prefilled",
+                                        labels=["model"])
+        for model, t in list(self._totals.items()):
+            steps.add_metric([model, "prefill"], t.num_prefill_steps)
+            steps.add_metric([model, "decode"], t.num_decode_steps)
+            seconds.add_metric([model, "prefill"], t.prefill_step_seconds)
+            seconds.add_metric([model, "decode"], t.decode_step_seconds)
+            decoded.add_metric([model, "prefill"], t.num_decode_tokens_in_prefill_steps)
+            decoded.add_metric([model, "decode"], t.num_decode_tokens - t.num_decode_tokens_in_prefill_steps)
+            prefilled.add_metric([model], t.num_prefill_tokens)
+        yield from (steps, seconds, decoded, prefilled)

@@ -54,6 +54,14 @@ async def test_metrics_endpoint_per_agent(start_agent, connect):
     assert 'edgefire_agent_ttft_seconds_count{model="tiny",rpc="generate"} 1.0' in text_a
     assert 'edgefire_agent_inter_token_seconds_count{model="tiny"} 4.0' in text_a
     assert 'edgefire_agent_ttft_seconds_count{model="tiny",rpc="generate"}' not in text_b
+    # The engine's step totals: the 20-token prompt was one prefill step (it sampled the first
+    # token), then four decode steps of one sequence each.
+    assert 'edgefire_agent_engine_steps_total{kind="prefill",model="tiny"} 1.0' in text_a
+    assert 'edgefire_agent_engine_steps_total{kind="decode",model="tiny"} 4.0' in text_a
+    assert 'edgefire_agent_engine_prefill_tokens_total{model="tiny"} 20.0' in text_a
+    assert 'edgefire_agent_engine_decode_tokens_total{kind="decode",model="tiny"} 4.0' in text_a
+    assert 'edgefire_agent_engine_decode_tokens_total{kind="prefill",model="tiny"} 0.0' in text_a
+    assert 'edgefire_agent_engine_step_seconds_total{kind="prefill",model="tiny"}' in text_a
 
 
 async def test_a_split_request_moves_the_agents_metrics_by_what_it_did(start_agent, connect):

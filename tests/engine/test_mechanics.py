@@ -333,3 +333,22 @@ def test_stats_report_the_load_the_decode_rate_was_measured_under(ckpt):
     # Two sequences decoded side by side, holding 20-55 tokens of KV between them at each step.
     assert 1.5 < stats.decode_batch_size <= 2.0
     assert 50 <= stats.decode_kv_tokens <= 62
+
+
+def test_step_totals_count_the_decode_tokens_a_prefill_chunk_held_up(ckpt):
+    engine = make_engine(ckpt, max_num_batched_tokens=32)
+    engine.add_request("chat", prompt(10, seed=1), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()  # the chat's prompt
+    engine.add_request("document", prompt(100, seed=2), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    steps = engine.stats().steps
+    # The document's 100 tokens went in chunks of 31 (the chat decoding took one token of each
+    # 32-token step): four steps with prefill, each of which also decoded one chat token while the
+    # chat ran; the chat's own prompt was the first prefill step.
+    assert steps.num_prefill_tokens == 110
+    assert steps.num_prefill_steps == 5
+    assert steps.num_decode_tokens_in_prefill_steps == 4
+    assert steps.num_decode_tokens == 7  # the chat's 8 tokens: one sampled by its prefill, 7 decoded
+    assert steps.num_decode_steps == 7 - 4
+    assert steps.prefill_step_seconds > 0 and steps.decode_step_seconds > 0
