@@ -1,15 +1,17 @@
 """Sampling parameters and the sampler.
 
-Randomness is a pure function of (request seed, output index): each draw seeds its own generator
-from both. A request's tokens therefore depend on nothing else in the batch, survive preemption
-and recompute, and come out the same when decode continues on another engine after a KV transfer.
+Randomness is a pure function of (request seed, output index): each draw is one uniform number
+hashed from both, turned into a token by an inverse-CDF search over the row's distribution. A
+request's tokens therefore depend on nothing else in the batch, survive preemption and recompute,
+and come out the same when decode continues on another engine after a KV transfer.
 
 Before drawing, `process_logits` turns the model's logits into the ones sampled from, as whole-batch
 tensor operations with per-row parameters: logit_bias, the repetition penalty (transformers'
 definition, over prompt and output), presence and frequency penalties (OpenAI's definition, over the
 output only), then the grammar's allowed-token mask. Each depends only on the row's own tokens,
 which every engine holding the sequence has, so determinism survives KV moves and resumes.
-Temperature, top-k, top-p and min-p then apply per row.
+Temperature, top-k, top-p and min-p then apply, also as whole-batch operations with per-row values:
+a step samples its batch with a fixed number of tensor ops and no generator per row.
 """
 
 from __future__ import annotations
@@ -94,30 +96,57 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-def _draw_seed(seed: int, output_index: int) -> int:
-    # splitmix64 of the pair: well spread, so neighbouring indices give unrelated draws
-    x = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & 0xFFFFFFFFFFFFFFFF
+def draw_uniform(seed: int, output_index: int, stream: int = 0) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, output index, stream).
+
+    splitmix64 of the triple: well spread, so neighbouring indices give unrelated draws. Streams
+    keep apart the draws one output position may need (its token; a speculative token's accept test)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xD1B54A32D192ED03 + stream) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+    return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
-    """logits [V] with everything outside top-k / top-p / min-p set to -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token once the tokens before it already reach top_p; always keep the first
-        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+TOKEN_STREAM = 0    # the draw that picks an output position's token
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / temperature) restricted to top-k,
+    top-p and min-p, renormalized. logits [N, V] float32; every row's temperature must be > 0."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temperature[:, None]
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        scaled = scaled.masked_fill(_outside_top_k_top_p(scaled, params), float("-inf"))
+    probs = scaled.softmax(-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+        below = probs < min_p[:, None] * probs.amax(-1, keepdim=True)
+        probs = scaled.masked_fill(below, float("-inf")).softmax(-1)
+    return probs
+
+
+def _outside_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """True where a token falls outside its row's top-k (ties with the k-th kept) or top-p nucleus
+    (the smallest head of the sorted distribution whose mass reaches top_p; its first token always stays)."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=scaled.device)
+    drop = sorted_logits < sorted_logits.gather(1, (top_k - 1)[:, None])
+    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=scaled.device)[:, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False
+    return torch.zeros_like(drop).scatter_(1, order, drop)
+
+
+def draw_tokens(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row of probs [N, V] with the given uniforms in [0, 1).
+
+    Exact for any distribution, and a token of probability 0 is never drawn: the CDF does not rise
+    at it, and the search finds the first position where it exceeds the draw."""
+    cdf = probs.cumsum(-1)
+    target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -212,28 +241,41 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            output_indices: list[int], histories: list[list[int]] | None = None,
            prompt_lens: list[int] | None = None, allowed: torch.Tensor | None = None) -> list[SampledToken]:
     """One token per row of logits [N, V] (float32), drawn from `process_logits`' result. Logprobs are
-    those of the model, before any penalty, bias or mask."""
-    results = []
+    those of the model, before any penalty, bias or mask.
+
+    Greedy rows take the argmax; the others are drawn together (one filter, one softmax, one
+    inverse-CDF search for all of them), each with its own uniform from (seed, output index)."""
     want_logprobs = any(p.logprobs is not None for p in params)
     logprobs_all = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = process_logits(logits, params, histories, prompt_lens, allowed)
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    for row, p in enumerate(params):
-        if p.greedy:
-            token_id = greedy_ids[row]
-        else:
-            scaled = _filter(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = scaled.softmax(-1)
-            generator = torch.Generator(device=logits.device)
-            generator.manual_seed(_draw_seed(seeds[row], output_indices[row]))
-            noise = torch.empty_like(probs).exponential_(generator=generator)
-            token_id = int((probs / noise).argmax())
+    token_ids = logits.argmax(dim=-1)
+    sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, device=logits.device)
+        rows_params = [params[row] for row in sampled_rows]
+        uniforms = [draw_uniform(seeds[row], output_indices[row], TOKEN_STREAM) for row in sampled_rows]
+        token_ids[index] = draw_tokens(probabilities(logits.index_select(0, index), rows_params), uniforms)
+    return sampled_tokens(token_ids, params, logprobs_all)
+
+
+def sampled_tokens(token_ids: torch.Tensor, params: list[SamplingParams],
+                   logprobs_all: torch.Tensor | None) -> list[SampledToken]:
+    """SampledToken per row, with the logprobs the rows asked for (one device-to-host copy per kind)."""
+    ids = token_ids.tolist()
+    if logprobs_all is None:
+        return [SampledToken(token_id) for token_id in ids]
+    chosen = logprobs_all.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    most = max(p.logprobs or 0 for p in params)
+    top_ids = top_values = None
+    if most:
+        values, indices = torch.topk(logprobs_all, most)
+        top_ids, top_values = indices.tolist(), values.tolist()
+    results = []
+    for row, (token_id, p) in enumerate(zip(ids, params)):
         sampled = SampledToken(token_id)
         if p.logprobs is not None:
-            row_logprobs = logprobs_all[row]
-            sampled.logprob = float(row_logprobs[token_id])
+            sampled.logprob = chosen[row]
             if p.logprobs:
-                values, ids = torch.topk(row_logprobs, p.logprobs)
-                sampled.top_logprobs = list(zip(ids.tolist(), values.tolist()))
+                sampled.top_logprobs = list(zip(top_ids[row][:p.logprobs], top_values[row][:p.logprobs]))
         results.append(sampled)
     return results

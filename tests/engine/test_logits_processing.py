@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     SequenceBiasLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper)
 
-from engine.sampling import SamplingParams, _filter, allowed_from_bitmask, process_logits
+from engine.sampling import SamplingParams, allowed_from_bitmask, probabilities, process_logits
 
 VOCAB = 97
 
@@ -70,15 +70,14 @@ def test_top_k_and_min_p_keep_what_transformers_warpers_keep():
     logits = _batch(1, seed=2)
     scaled = TemperatureLogitsWarper(0.8)(None, logits.clone())
     for top_k, min_p in ((5, 0.0), (0, 0.05), (20, 0.1), (0, 0.0)):
-        ours = _filter(logits[0] / 0.8, top_k, 1.0, min_p)
+        ours = probabilities(logits, [SamplingParams(temperature=0.8, top_k=top_k, min_p=min_p)])[0]
         expected = scaled.clone()
         if top_k:
             expected = TopKLogitsWarper(top_k)(None, expected)
         if min_p:
             expected = MinPLogitsWarper(min_p)(None, expected)
-        assert torch.equal(torch.isinf(ours), torch.isinf(expected[0])), (top_k, min_p)
-        kept = ~torch.isinf(ours)
-        torch.testing.assert_close(ours[kept], expected[0][kept])
+        assert torch.equal(ours == 0, torch.isinf(expected[0])), (top_k, min_p)
+        torch.testing.assert_close(ours, expected[0].softmax(-1))
 
 
 def test_grammar_mask_leaves_only_allowed_tokens():
