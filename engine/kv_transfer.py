@@ -35,6 +35,11 @@ class KVLayout:
     def bytes_per_token_per_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
+    @property
+    def kv_format(self) -> str:
+        """What `check_fits` compares, as one string: engines with equal formats can take each other's KV."""
+        return f"{self.dtype}/{self.num_layers}x{self.num_kv_heads}x{self.head_dim}/{self.model_fingerprint}"
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

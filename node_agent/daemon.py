@@ -26,7 +26,7 @@ from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report
 from node_agent.links import LinkLoop, LinkSettings
 from node_agent.metrics import AgentMetrics
 from node_agent.metrics_server import MetricsServer
-from node_agent.models import HostedModel, load_model
+from node_agent.models import HostedModel, load_model, served
 from node_agent.proto import agent_pb2_grpc
 from node_agent.service import AgentServicer
 from node_agent.tls import client_context, server_context, server_credentials
@@ -98,7 +98,7 @@ class Agent:
 
         cfg = self.config
         address = cfg.advertise_address or self.address
-        registration = Registration(cfg.site, address, [{"model": m, "role": cfg.role} for m in self.models],
+        registration = Registration(cfg.site, address, [served(model, cfg.role) for model in self.models.values()],
                                     cfg.heartbeat_interval_s, cfg.region, cfg.country, cfg.lat, cfg.lon)
         client = RegistryClient(cfg.registry_url, cfg.site_token,
                                 verify=client_context(cfg.tls_ca) if cfg.tls_ca else True)

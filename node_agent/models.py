@@ -32,6 +32,13 @@ class HostedModel:
         return -(-num_tokens // self.block_size)
 
 
+def served(model: HostedModel, role: str) -> dict:
+    """The model as the site registers it: with its own KV figures, so routers price this site's decode
+    steps and KV transfers by its dtype and pair it only with sites whose KV it can take."""
+    return {"model": model.name, "role": role, "kv_bytes_per_token": int(model.info.kv_bytes_per_token),
+            "kv_format": model.kv_layout.kv_format}
+
+
 def engine_config(config: AgentConfig) -> EngineConfig:
     return EngineConfig(device=config.device, dtype=config.dtype, block_size=config.block_size,
                         kv_cache_bytes=config.kv_cache_bytes, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -44,9 +44,11 @@ def _has_unfit_text(value) -> bool:
 class ModelServedBody(Body):
     model: str
     role: str = "both"
+    kv_bytes_per_token: int | None = None
+    kv_format: str | None = None
 
     def record(self) -> ModelServed:
-        return ModelServed(self.model, self.role)
+        return ModelServed(self.model, self.role, self.kv_bytes_per_token, self.kv_format)
 
 
 class SiteBody(Body):

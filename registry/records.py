@@ -23,6 +23,11 @@ T = TypeVar("T")
 class ModelServed:
     model: str
     role: str = "both"
+    # The site's own KV figures for the model, as its agent registers them (None: not reported,
+    # e.g. an operator's entry or an older agent): bytes per token (the site's KV dtype), and the
+    # format two sites must share for KV to move between them (engine KVLayout.kv_format).
+    kv_bytes_per_token: int | None = None
+    kv_format: str | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +66,8 @@ class Site:
     def to_json(self) -> dict:
         out = asdict(self)
         del out["id"]
+        # a model's KV figures appear only where the site reported them, as in the snapshot
+        out["models"] = [{k: v for k, v in served.items() if v is not None} for served in out["models"]]
         return out
 
 

@@ -173,7 +173,9 @@ class SiteStore:
 def _write_models(conn: Connection, found: int, models: list[ModelServed]) -> None:
     conn.execute(delete(SITE_MODELS).where(SITE_MODELS.c.site_id == found))
     if models:
-        conn.execute(insert(SITE_MODELS), [{"site_id": found, "model": m.model, "role": m.role} for m in models])
+        conn.execute(insert(SITE_MODELS), [{"site_id": found, "model": m.model, "role": m.role,
+                                            "kv_bytes_per_token": m.kv_bytes_per_token, "kv_format": m.kv_format}
+                                           for m in models])
 
 
 def _spec_columns(spec: SiteSpec, now: float) -> dict:

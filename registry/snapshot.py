@@ -17,7 +17,8 @@ which at worst keeps a site that died just then listed for one extra TTL.
 
 Wire shape:
   {"version": str, "generated_at": float, "sites": [{"name", "region", "country", "lat", "lon",
-   "grpc_address", "state", "roles", "active_role", "active_role_since", "models": [{"model", "role"}], "alive": bool,
+   "grpc_address", "state", "roles", "active_role", "active_role_since",
+   "models": [{"model", "role", "kv_bytes_per_token"?, "kv_format"?}], "alive": bool,
    "heartbeat_age_s": float | null, "capacity": {...capacity fields, "reported_at"} | null}],
    "links": [{"src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at"}]}
 """
@@ -155,8 +156,8 @@ class SnapshotReader:
     def _read(self, conn: Connection) -> SnapshotData:
         db_version = read_version(conn)
         models: dict[int, list[tuple]] = {}
-        for site_id, model, role in self._fetch(conn, "models"):
-            models.setdefault(site_id, []).append((model, role))
+        for site_id, *served in self._fetch(conn, "models"):
+            models.setdefault(site_id, []).append(tuple(served))
         capacities = {row[0]: row for row in self._fetch(conn, "capacity")}
         heads, tails = {}, {}
         sites, deadlines, by_id = [], [], {}
@@ -209,7 +210,8 @@ def _links_query():
 
 
 _QUERIES = {
-    "models": lambda: select(SITE_MODELS.c.site_id, SITE_MODELS.c.model, SITE_MODELS.c.role)
+    "models": lambda: select(SITE_MODELS.c.site_id, SITE_MODELS.c.model, SITE_MODELS.c.role,
+                             SITE_MODELS.c.kv_bytes_per_token, SITE_MODELS.c.kv_format)
     .order_by(SITE_MODELS.c.site_id, SITE_MODELS.c.model),
     "capacity": lambda: select(*_CAPACITY_COLUMNS),
     "sites": lambda: select(*_SITE_COLUMNS).order_by(SITES.c.name),
@@ -237,10 +239,19 @@ def _tail(capacity: str) -> bytes:
     return f',"capacity":{capacity}}},'.encode()
 
 
+def _served_json(model: str, role: str, kv_bytes_per_token: int | None, kv_format: str | None) -> dict:
+    served = {"model": model, "role": role}
+    if kv_bytes_per_token is not None:
+        served["kv_bytes_per_token"] = kv_bytes_per_token
+    if kv_format is not None:
+        served["kv_format"] = kv_format
+    return served
+
+
 def _head_json(row, models: list[tuple]) -> bytes:
     return _dumps({
         "name": row[1], "region": row[2], "country": row[3], "lat": row[4], "lon": row[5],
         "grpc_address": row[6], "state": row[7], "roles": json.loads(row[8]),
         "active_role": row[10], "active_role_since": row[11],
-        "models": [{"model": model, "role": role} for model, role in models],
+        "models": [_served_json(*served) for served in models],
     })[:-1].encode()

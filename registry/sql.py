@@ -71,7 +71,8 @@ def _models_by_site(conn: Connection, site_ids: list[int]) -> dict[int, list[Mod
     query = select(SITE_MODELS).where(SITE_MODELS.c.site_id.in_(site_ids)).order_by(SITE_MODELS.c.model)
     out: dict[int, list[ModelServed]] = {}
     for row in conn.execute(query):
-        out.setdefault(row.site_id, []).append(ModelServed(row.model, row.role))
+        out.setdefault(row.site_id, []).append(ModelServed(row.model, row.role, row.kv_bytes_per_token,
+                                                           row.kv_format))
     return out
 
 

@@ -43,6 +43,9 @@ class SiteModelRow(Base):
     site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
     model: Mapped[str] = mapped_column(String(200), primary_key=True)
     role: Mapped[str] = mapped_column(String(16))  # prefill | decode | both
+    # The site's own KV figures for the model (records.ModelServed); NULL when not reported.
+    kv_bytes_per_token: Mapped[int | None] = mapped_column(BigInteger)
+    kv_format: Mapped[str | None] = mapped_column(String(200))
 
 
 class CapacityRow(Base):

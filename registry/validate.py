@@ -18,6 +18,8 @@ REGION = re.compile(r"[a-z0-9-]{1,63}")
 COUNTRY = re.compile(r"[A-Z]{2}")
 HOST = re.compile(r"[A-Za-z0-9.\-_]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 MAX_MODEL_ID = 200
+MAX_KV_FORMAT = 200
+MAX_KV_BYTES_PER_TOKEN = 2**40  # far above any model's (a 400B model in fp32 is ~4 MB per token)
 MAX_ID = 2**63 - 1  # ids are 64-bit integer columns
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
 
@@ -71,6 +73,13 @@ def models(values: list[ModelServed]) -> list[ModelServed]:
         if served.model in seen:
             raise InvalidInput(f"model {served.model!r} is listed twice", "invalid_model")
         seen.add(served.model)
+        kv_bytes = served.kv_bytes_per_token
+        if kv_bytes is not None and (isinstance(kv_bytes, bool) or not 1 <= kv_bytes <= MAX_KV_BYTES_PER_TOKEN):
+            raise InvalidInput(f"model {served.model!r}: kv_bytes_per_token must be an integer in "
+                               f"[1, {MAX_KV_BYTES_PER_TOKEN}], got {kv_bytes!r}", "invalid_model")
+        if served.kv_format is not None and not 1 <= len(served.kv_format) <= MAX_KV_FORMAT:
+            raise InvalidInput(f"model {served.model!r}: kv_format must be 1-{MAX_KV_FORMAT} characters",
+                               "invalid_model")
     return values
 
 

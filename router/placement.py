@@ -8,8 +8,13 @@ prefill site, prompt + the decode horizon for a decode site. The models live sit
 
 Inputs. Each site's figures are its latest heartbeat plus `pending`: what this router placed there
 since that heartbeat (router/ledger.py), so a burst does not see the same idle site twenty times.
-The model's KV bytes per token come from the agents' `GetModelInfo` (dtype-aware: their engine's
-KV dtype and layout); `CostModel.kv_bytes_per_token` stands in only when that is unknown.
+KV bytes per token are each site's own (its agent registers them per model, in its engine's KV
+dtype), so a model served in bf16 at one site and fp32 at another is priced by each; for a site
+that did not report them, the model's figure from an agent's `GetModelInfo`, and only when that is
+unknown too, `CostModel.kv_bytes_per_token`. A split pair must share the KV format (dtype, shape,
+checkpoint: what the decode engine checks before it imports a payload); two sites that reported
+different formats are never paired, since the KV could not move and the decode site would have to
+prefill again.
 
 Cost model, in milliseconds (the router sits near its clients, so router↔site ≈ client↔site):
   client_rtt(s)   fresh measured link from the router's own site when present, else from distance
@@ -32,7 +37,7 @@ Cost model, in milliseconds (the router sits near its clients, so router↔site 
   transfer(p, d)  link RTT + KV bytes ÷ link bandwidth: the agents' measurement of the pair when
                   fresh (measured at most `link_max_age_s` before the snapshot), else the RTT
                   implied by distance and `default_bandwidth_mbps` (see `kv_transfer_ms`);
-                  KV bytes = prompt tokens × the model's KV bytes per token
+                  KV bytes = prompt tokens × the prefill site's KV bytes per token
   ttft            client_rtt(p) + queue(p) + prefill(p)
   colocated(s)    ttft(s) + horizon × tpot(s)
   split(p, d)     ttft(p) + transfer(p, d) + client_rtt(d) + horizon × tpot(d)
@@ -281,6 +286,8 @@ class _ModelSites:
     decode_rate: np.ndarray       # measured; 0 when not yet
     rate_batch_size: np.ndarray   # the load it was measured under: sequences per step...
     rate_kv_tokens: np.ndarray    # ...and the KV they held (the current load where not reported)
+    kv_bytes_per_token: np.ndarray  # the site's own for the model; 0 where it did not report it
+    kv_format: np.ndarray         # the site's KV format as a small integer; 0 where it did not report it
     summaries: dict[int, _Summaries]  # prefix-cache summaries by their block size
     links: dict[tuple[int, int], tuple[float, float]]  # fresh measured (RTT, bandwidth) by position pair
     link_rtt_ms: np.ndarray | None    # the same as [src, dst] matrices (NaN: none), when there are any
@@ -307,6 +314,8 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
 
     lat = np.radians(column(s.lat if s.lat is not None else 0.0 for s in sites))
     index = {s.name: i for i, s in enumerate(sites)}
+    kv = [s.model_kv.get(model) for s in sites]
+    formats: dict[str, int] = {"": 0}
     return _ModelSites(
         sites=sites, index=index, regions=[s.region for s in sites], lat_rad=lat,
         lon_rad=np.radians(column(s.lon if s.lon is not None else 0.0 for s in sites)), cos_lat=np.cos(lat),
@@ -322,6 +331,8 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         decode_rate=column(c.decode_tokens_per_s for c in caps),
         rate_batch_size=column(c.decode_batch_size or c.num_running for c in caps),
         rate_kv_tokens=column(c.decode_kv_tokens if c.decode_batch_size else _kv_in_use(c) for c in caps),
+        kv_bytes_per_token=column(k.bytes_per_token if k else 0 for k in kv),
+        kv_format=column((formats.setdefault(k.kv_format if k else "", len(formats)) for k in kv), np.int64),
         summaries=_summaries(caps), **_fresh_links(snapshot, sites, index, cost))
 
 
@@ -399,8 +410,10 @@ def rank(snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
     if sites is None:
         return []
     horizon = max(1, min(request.max_tokens, cost.expected_output_tokens))
-    kv_bytes_per_token = request.kv_bytes_per_token or cost.kv_bytes_per_token
-    costs = _site_costs(sites, request, cost, pending or {}, horizon, kv_bytes_per_token)
+    model_kv_bytes = request.kv_bytes_per_token or cost.kv_bytes_per_token
+    kv_bytes_per_token = _derived(sites, ("kv_bytes_per_token", model_kv_bytes), lambda: np.where(
+        sites.kv_bytes_per_token > 0, sites.kv_bytes_per_token, model_kv_bytes))
+    costs = _site_costs(sites, request, cost, pending or {}, horizon, model_kv_bytes, kv_bytes_per_token)
     pairs = _pairs(sites, costs, cost, horizon, len(request.prompt_ids) * kv_bytes_per_token)
     if not len(pairs.score_ms):
         return []
@@ -416,14 +429,14 @@ def rank(snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
 
 
 def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, pending: Mapping[str, PendingLoad],
-                horizon: int, kv_bytes_per_token: int) -> _SiteCosts:
+                horizon: int, model_kv_bytes: int, kv_bytes_per_token: np.ndarray) -> _SiteCosts:
     prefill_tokens, num_seqs, decode_tokens, kv_tokens = _pending_arrays(sites, pending)
     num_prompt = len(request.prompt_ids)
     client_rtt = _client_rtt_ms(sites, request)
     num_cached = _cached_tokens(sites, request.prompt_ids)
     ttft = (client_rtt + prefill_queue_ms(sites.inflight_prefill_tokens + prefill_tokens, sites.prefill_rate)
             + prefill_ms(num_prompt - num_cached, sites.prefill_rate))
-    unit_ms = _derived(sites, ("unit_ms", kv_bytes_per_token), lambda: work_unit_ms(
+    unit_ms = _derived(sites, ("unit_ms", model_kv_bytes), lambda: work_unit_ms(
         sites.rate_batch_size, sites.rate_kv_tokens, sites.decode_rate, kv_bytes_per_token, cost))
     tpot = decode_step_ms(sites.num_running + num_seqs, sites.kv_tokens + kv_tokens,
                           sites.inflight_decode_tokens + decode_tokens, unit_ms, num_prompt + horizon // 2, horizon,
@@ -516,8 +529,9 @@ def _leading_run(hashes: list[int], all_but_last: list[int], cached: frozenset[i
     return sum(1 for _h in takewhile(cached.__contains__, hashes))
 
 
-def _pairs(sites: _ModelSites, costs: _SiteCosts, cost: CostModel, horizon: int, kv_bytes: int) -> _Pairs:
-    """Colocation on every site that may do both, and the shortlisted split pairs."""
+def _pairs(sites: _ModelSites, costs: _SiteCosts, cost: CostModel, horizon: int, kv_bytes: np.ndarray) -> _Pairs:
+    """Colocation on every site that may do both, and the shortlisted split pairs whose KV can move
+    (kv_bytes: the prompt's KV at each site)."""
     both = np.flatnonzero(costs.prefill_ok & costs.decode_ok)
     colocated_ms = costs.ttft_ms[both] + horizon * costs.tpot_ms[both]
     if not cost.allow_split:
@@ -526,9 +540,11 @@ def _pairs(sites: _ModelSites, costs: _SiteCosts, cost: CostModel, horizon: int,
     decode = _shortlist(np.flatnonzero(costs.decode_ok), costs.client_rtt_ms + horizon * costs.tpot_ms,
                         cost.shortlist)
     p, d = np.repeat(prefill, len(decode)), np.tile(decode, len(prefill))
-    p, d = p[p != d], d[p != d]
+    fp, fd = sites.kv_format[p], sites.kv_format[d]
+    movable = (p != d) & ((fp == 0) | (fd == 0) | (fp == fd))
+    p, d = p[movable], d[movable]
     rtt_ms, bandwidth_mbps = _link_arrays(sites, p, d, cost)
-    transfer = transfer_ms(rtt_ms, bandwidth_mbps, kv_bytes)
+    transfer = transfer_ms(rtt_ms, bandwidth_mbps, kv_bytes[p])
     split_ms = costs.ttft_ms[p] + transfer + costs.client_rtt_ms[d] + horizon * costs.tpot_ms[d]
     return _Pairs(np.concatenate([both, p]), np.concatenate([both, d]),
                   np.concatenate([np.zeros(len(both)), transfer]), np.concatenate([colocated_ms, split_ms]))

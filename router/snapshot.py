@@ -27,6 +27,15 @@ class SnapshotError(ValueError):
     """The registry's answer is not a snapshot document."""
 
 
+@dataclass(slots=True, frozen=True)
+class ModelKV:
+    """A site's own KV figures for one model (its agent registers them): bytes per token, in its KV
+    dtype, and the format two sites must share for KV to move between them (0 / "": not reported)."""
+
+    bytes_per_token: int = 0
+    kv_format: str = ""
+
+
 @dataclass(slots=True)
 class Site:
     name: str
@@ -42,6 +51,7 @@ class Site:
     capacity: SnapshotCapacity | None
     country: str | None = None
     active_role: str | None = None      # the pool planner's pick among the allowed roles; None: all of them
+    model_kv: dict[str, ModelKV] = field(default_factory=dict)  # the site's own KV figures, where it reported them
 
     def serves(self, model: str, role: str) -> bool:
         """role is "prefill" or "decode"; a "both" model entry serves either; the active role narrows it."""
@@ -97,9 +107,15 @@ def parse_snapshot(doc: dict) -> Snapshot:
 
 def parse_site(doc: dict) -> Site:
     """One site of the snapshot; raises KeyError, TypeError or ValueError when it is malformed."""
-    models = {}
+    models, model_kv = {}, {}
     for entry in _list(doc, "models"):
-        models[_text(entry, "model")] = _text(entry, "role", "both")
+        model = _text(entry, "model")
+        models[model] = _text(entry, "role", "both")
+        kv = ModelKV(int(_optional_number(entry, "kv_bytes_per_token") or 0), _optional_text(entry, "kv_format") or "")
+        if kv.bytes_per_token < 0:
+            raise ValueError("kv_bytes_per_token must not be negative")
+        if kv != ModelKV():
+            model_kv[model] = kv
     capacity = doc.get("capacity")
     return Site(
         name=_text(doc, "name"), region=_optional_text(doc, "region"), country=_optional_text(doc, "country"),
@@ -108,7 +124,7 @@ def parse_site(doc: dict) -> Site:
         roles=tuple(_text_items(doc, "roles") or ("prefill", "decode")), models=models,
         alive=_bool(doc, "alive"), heartbeat_age_s=_optional_number(doc, "heartbeat_age_s"),
         capacity=None if capacity is None else SnapshotCapacity.model_validate(capacity),
-        active_role=_optional_text(doc, "active_role"),
+        active_role=_optional_text(doc, "active_role"), model_kv=model_kv,
     )
 
 

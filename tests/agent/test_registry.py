@@ -46,6 +46,11 @@ async def test_heartbeats_survive_a_registry_outage(registry_server, start_agent
     assert site["capacity"]["block_size"] == 16 and site["capacity"]["draining"] is False
     assert len(site["capacity"]["prefix_cache_summary"]["hashes"]) == 2  # 40 prompt tokens: 2 full blocks
     assert [m["model"] for m in site["models"]] == [MODEL]
+    # The site's own KV figures for the model: what GetModelInfo says, and the format its engine checks
+    info = await client.model_info(MODEL)
+    layout = agent.models[MODEL].engine.engine.kv_layout(1)
+    assert site["models"][0]["kv_bytes_per_token"] == info.kv_bytes_per_token > 0
+    assert site["models"][0]["kv_format"] == layout.kv_format and layout.dtype in layout.kv_format
 
     registry_server.stop()
     failures = agent.heartbeats.num_failures

@@ -27,6 +27,19 @@ async def test_register_updates_endpoint_and_models(admin, connect):
     assert (await admin.audit_log())["items"][0]["actor"] == "site:fra-1"
 
 
+async def test_registered_kv_figures_reach_the_snapshot(admin, connect, router_client):
+    """An agent registers its own KV figures per model (its dtype's bytes per token, its KV format);
+    routers read them from the snapshot. A model registered without them carries none."""
+    agent = await new_site(admin, connect)
+    served = [{"model": "llama", "role": "both", "kv_bytes_per_token": 65536, "kv_format": "bfloat16/32x8x128/9e1f"},
+              {"model": "qwen", "role": "decode"}]
+    site = await agent.register_site("fra-1", "10.1.2.3:50051", served)
+    assert site["models"] == served
+    await agent.heartbeat(CAPACITY)
+    assert site_in((await router_client.snapshot())[0], "fra-1")["models"] == served
+    assert (await admin.get_site("fra-1"))["models"] == served
+
+
 async def test_token_is_bound_to_one_site(admin, connect):
     agent = await new_site(admin, connect)
     await admin.create_site("ams-1")
@@ -40,7 +53,12 @@ async def test_register_validates(admin, connect):
     agent = await new_site(admin, connect)
     for bad in ({"grpc_address": "no-port", "models": []},
                 {"grpc_address": "h:1", "models": [{"model": "m", "role": "everything"}]},
-                {"grpc_address": "h:1", "models": [], "heartbeat_interval_s": -1}):
+                {"grpc_address": "h:1", "models": [], "heartbeat_interval_s": -1},
+                {"grpc_address": "h:1", "models": [{"model": "m", "kv_bytes_per_token": 0}]},
+                {"grpc_address": "h:1", "models": [{"model": "m", "kv_bytes_per_token": 2**41}]},
+                {"grpc_address": "h:1", "models": [{"model": "m", "kv_bytes_per_token": "wide"}]},
+                {"grpc_address": "h:1", "models": [{"model": "m", "kv_format": ""}]},
+                {"grpc_address": "h:1", "models": [{"model": "m", "kv_format": "x" * 201}]}):
         with pytest.raises(RegistryError) as err:
             await agent._call("PUT", "/v1/agent/registration", json=bad)
         assert err.value.status == 422

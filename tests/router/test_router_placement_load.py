@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from test_router_placement import LYON, NEW_YORK, PARIS, request, site, snapshot
+from test_router_placement import LYON, MODEL, NEW_YORK, PARIS, request, site, snapshot
 
 from engine.prefix_hash import prefix_hashes
 from router.ledger import InflightLedger
@@ -32,6 +32,61 @@ def test_model_with_4x_kv_bytes_per_token_flips_a_marginal_split_to_colocated():
     # The cost model's own default (128 KiB) is not what decides: the model's figure from GetModelInfo is.
     assert _kv_split_case(32768).site_names == ("par", "lyo")
     assert _kv_split_case(4 * 32768).site_names == ("lyo", "lyo")
+
+
+def served(kv_bytes_per_token=None, kv_format=None):
+    entry = {"model": MODEL, "role": "both"}
+    if kv_bytes_per_token is not None:
+        entry["kv_bytes_per_token"] = kv_bytes_per_token
+    if kv_format is not None:
+        entry["kv_format"] = kv_format
+    return [entry]
+
+
+def _mixed_kv_case(par_kv=None, lyo_kv=None, model_kv=32768, par_format=None, lyo_format=None):
+    """_kv_split_case with each site's own KV figures (what its agent registered for the model)."""
+    prompt = list(range(1, 2001))
+    cached = {"block_size": 16, "hashes": [f"{h:016x}" for h in prefix_hashes(prompt, 16)]}
+    par = site("par", PARIS, num_running=64, inflight_decode_tokens=64 * 400, decode_tokens_per_s=800.0,
+               kv_blocks_free=200, prefix_cache_summary=cached)
+    par["models"] = served(par_kv, par_format)
+    lyo = site("lyo", LYON)
+    lyo["models"] = served(lyo_kv, lyo_format)
+    link = {"src": "par", "dst": "lyo", "rtt_ms": 4.0, "bandwidth_mbps": 4000.0, "measured_at": 0.0}
+    return rank(snapshot(par, lyo, links=[link]), request(PARIS, prompt_len=2000, kv_bytes_per_token=model_kv),
+                CostModel())
+
+
+def test_each_site_is_priced_by_its_own_kv_bytes_per_token():
+    # The model's figure (from whichever agent answered GetModelInfo) says 32 KiB per token, but par
+    # serves it in a dtype four times as wide: moving its KV costs four times as much, so no split.
+    assert _mixed_kv_case(par_kv=4 * 32768)[0].site_names == ("lyo", "lyo")
+    # The other way round: par's own narrow KV makes the split pay although the model's figure would not.
+    assert _mixed_kv_case(par_kv=32768, model_kv=4 * 32768)[0].site_names == ("par", "lyo")
+    # A site that did not register its own figure is priced by the model's, as before.
+    assert _mixed_kv_case(lyo_kv=4 * 32768)[0].site_names == ("par", "lyo")
+
+
+def test_a_site_with_wider_kv_reads_more_per_decode_step():
+    def tpot(own_kv):
+        entry = site("par", PARIS, decode_tokens_per_s=LONE_RATE, kv_blocks_total=10_000, kv_blocks_free=10_000)
+        entry["models"] = served(own_kv)
+        return rank(snapshot(entry), request(PARIS, prompt_len=16_000, kv_bytes_per_token=131072), CostModel())[0].tpot_ms
+
+    assert tpot(4 * 131072) > 1.25 * tpot(131072)  # 16,000 tokens: 16 units of KV reading, not 4, beside 33
+    assert tpot(None) == tpot(131072)
+
+
+def test_sites_whose_kv_formats_differ_are_never_paired():
+    fp32, bf16 = "float32/4x4x32/1a2b", "bfloat16/4x4x32/1a2b"
+    assert _mixed_kv_case(par_format=fp32, lyo_format=fp32)[0].site_names == ("par", "lyo")
+    # lyo could not import par's KV (its engine checks the format): the pair is not a candidate at all,
+    # not even as a fallback, since the decode site would prefill the whole prompt again.
+    ranked = _mixed_kv_case(par_format=fp32, lyo_format=bf16)
+    assert ranked[0].site_names == ("lyo", "lyo")
+    assert all(c.colocated for c in ranked)
+    # One site that did not report its format: nothing is known against the pair.
+    assert _mixed_kv_case(par_format=fp32)[0].site_names == ("par", "lyo")
 
 
 LONE_RATE = 400.0  # tokens/s every site here measures for one sequence alone

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from router.snapshot import SnapshotError, parse_snapshot
+from router.snapshot import ModelKV, SnapshotError, parse_snapshot
 from router.snapshot_feed import SnapshotFeed
 
 from test_router_placement import PARIS, site
@@ -20,6 +20,9 @@ def poisoned_sites() -> list[dict]:
     sites = [site(f"poison-cap-{i}", PARIS, **change) for i, change in enumerate(bad_capacity)]
     for i, change in enumerate([{"name": 7}, {"name": None}, {"lat": "north"}, {"alive": "yes"},
                                 {"models": "m"}, {"models": [{"role": "both"}]}, {"models": [1]}, {"roles": [1]},
+                                {"models": [{"model": "m", "kv_bytes_per_token": "wide"}]},
+                                {"models": [{"model": "m", "kv_bytes_per_token": -4}]},
+                                {"models": [{"model": "m", "kv_format": 3}]},
                                 {"capacity": [1, 2]}, {"heartbeat_age_s": float("inf")}]):
         sites.append({**site(f"poison-site-{i}", PARIS), **change})
     return [*sites, "not an object", None]
@@ -40,9 +43,9 @@ def test_unparsable_sites_are_skipped_and_logged_once(caplog):
     assert all(r.exc_info is None for r in caplog.records)
     for i in range(6):
         assert sum(f"'poison-cap-{i}'" in line for line in skipped) == 1, skipped
-    for i in range(10):
+    for i in range(13):
         assert sum(f"'poison-site-{i}'" in line for line in skipped) <= 1
-    assert len(skipped) < 3 * 17  # repeats of one site within the interval are counted, not logged
+    assert len(skipped) < 3 * 19  # repeats of one site within the interval are counted, not logged
 
 
 def test_bad_links_are_skipped():
@@ -66,3 +69,11 @@ async def test_the_feed_serves_the_good_sites_of_a_poisoned_snapshot():
     feed = SnapshotFeed(fetch, refresh_s=60.0)
     assert await feed.refresh()
     assert [s.name for s in feed.current().sites] == ["par"]
+
+
+def test_a_sites_own_kv_figures_are_read_per_model():
+    entry = site("par", PARIS)
+    entry["models"] = [{"model": "m", "role": "both", "kv_bytes_per_token": 65536, "kv_format": "bfloat16/2x2x8/ab"},
+                       {"model": "n", "role": "both"}]
+    parsed = parse_snapshot(document(entry)).sites[0]
+    assert parsed.model_kv == {"m": ModelKV(65536, "bfloat16/2x2x8/ab")}
