@@ -78,6 +78,11 @@ def json_schema_spec(schema: dict | bool) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
+def lark_json(schema: dict) -> str:
+    """A Lark rule body for JSON following `schema`, written as compactly as a json_schema spec's output."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar."""
 

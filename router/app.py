@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from router.completions import CompletionRun, RequestContext
+from router.completions import Choices, CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
@@ -155,7 +155,7 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
     return Response(encode_json(body).encode(), media_type="application/json", headers=run.headers())
 
 
-async def _sse(run: CompletionRun):
+async def _sse(run: CompletionRun | Choices):
     """(bytes, is_last) per step for SSEResponse; [DONE] rides in the same write as the finish."""
     try:
         async with aclosing(run.chunks()) as batches:

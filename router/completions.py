@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from engine.grammar import GrammarSpec
 from engine.tokenizer import TemplateError
 from node_agent.proto import agent_pb2
 from router import responses
@@ -26,13 +27,14 @@ from router.health import PassiveHealth
 from router.ledger import InflightLedger
 from router.metrics import RouterMetrics, elapsed_s
 from router.model_assets import ModelAssets, ModelAssetsCache
-from router.openai_request import CompletionRequest
+from router.openai_request import MAX_SEED, CompletionRequest
 from router.placement import CostModel, PlacementRequest, rank, servable_models
 from router.rate_limit import RateLimiter
 from router.reasoning import ReasoningStream
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
+from router.tool_calls import ToolCall, ToolCallStream, tool_call_deltas
 
 PROMPT_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a thread
 
@@ -64,35 +66,56 @@ class CompletionService:
         self.ledger = InflightLedger()
         self.sessions = sessions or SessionTable()
 
-    async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun:
+    async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun | Choices:
         snapshot = self.feed.current()
         self._check_served(request.model, snapshot, ctx.api_key.allowed_regions)
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
         prompt_ids = await self._tokenize(request, assets)
         max_tokens = self._check_lengths(request, prompt_ids, assets)
+        grammar = request_grammar(request, assets)
         key = ctx.api_key
         if request.max_tokens is None and key.tokens_per_minute:
             # Up to the context, but never more than a minute's allowance: the charge must fit the bucket.
             max_tokens = max(1, min(max_tokens, key.tokens_per_minute - len(prompt_ids)))
-        wait_s, limit = self.limiter.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
-                                           len(prompt_ids) + max_tokens)
+        charge = len(prompt_ids) + request.n * max_tokens
+        wait_s, limit = self.limiter.admit(key.id, key.requests_per_minute, key.tokens_per_minute, charge)
         if wait_s:
             self.metrics.rate_limited.labels(limit).inc()
             raise rate_limited(f"Rate limit on {limit} per minute reached for this API key; retry after the "
                                f"Retry-After delay.", wait_s)
         run = None
         try:
-            run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens)
+            run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar)
             await run.begin()
             self.sessions.remember(ctx.session_key, run.generation.prefill_site, run.generation.decode_site)
             placed = run.generation.placed
             self.metrics.placed(placed.prefill_site.name, placed.decode_site.name, placed.decode_site.region)
         finally:
             if run is None or run.first_step is None:
-                self.limiter.refund_tokens(key.id, len(prompt_ids) + max_tokens)
-        return run
+                self.limiter.refund_tokens(key.id, charge)
+        if request.n == 1:
+            return run
+        return await self._more_choices(run, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar)
 
-    def _new_run(self, request, ctx, snapshot, assets, prompt_ids, max_tokens) -> CompletionRun:
+    async def _more_choices(self, first: CompletionRun, request, ctx, snapshot, assets, prompt_ids, max_tokens,
+                            grammar) -> Choices:
+        """Choices 1..n-1, started once the first has its first token: its prompt is in the prefix cache
+        then, so theirs is read from it rather than computed again."""
+        runs = [first]
+        try:
+            for index in range(1, request.n):
+                run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, index)
+                run.id, run.created = first.id, first.created  # one response, one id
+                runs.append(run)
+            await asyncio.gather(*(run.begin() for run in runs[1:]))
+        except BaseException:
+            for run in runs:
+                await run.close()
+            raise
+        return Choices(runs)
+
+    def _new_run(self, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar,
+                 index: int = 0) -> CompletionRun:
         placement = PlacementRequest(
             model=request.model, prompt_ids=prompt_ids, max_tokens=max_tokens, client_lat=ctx.location.lat,
             client_lon=ctx.location.lon,
@@ -103,11 +126,12 @@ class CompletionService:
         if not candidates:
             raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
                               f"use; retry shortly.", self.limits.retry_after_s)
-        sampling = sampling_params(request, assets, max_tokens)
-        generation = Generation(ctx.request_id, request.model, prompt_ids, sampling, candidates, self.agents,
+        sampling = sampling_params(request, assets, max_tokens, grammar, index)
+        request_id = ctx.request_id if not index else f"{ctx.request_id}.{index}"
+        generation = Generation(request_id, request.model, prompt_ids, sampling, candidates, self.agents,
                                 self.health, self.policy, self.ledger, metrics=self.metrics)
         return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s,
-                             self.metrics)
+                             self.metrics, index)
 
     def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
         """404 for a model no site offers; 503 + Retry-After for one whose sites served it lately but
@@ -124,7 +148,9 @@ class CompletionService:
         try:
             if request.chat:
                 size = sum(len(m["content"]) for m in request.messages)
-                encode = functools.partial(tokenizer.encode_chat, tools=request.tools, documents=request.documents,
+                # tool_choice "none": the model is not told of the tools, so it answers in words
+                tools = request.tools if request.tool_choice != "none" else None
+                encode = functools.partial(tokenizer.encode_chat, tools=tools, documents=request.documents,
                                            **request.template_kwargs)
                 args = (request.messages,)
             elif isinstance(request.prompt, list):
@@ -158,17 +184,42 @@ class CompletionService:
         return request.max_tokens
 
 
-def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens: int) -> agent_pb2.SamplingParams:
+def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarSpec | None:
+    """What the output must follow: the response format, or the model's tool-call format wrapping the
+    required function(s); a 400 when the model's tool-call format is not known or a token id is not its."""
+    vocab = assets.tokenizer.vocab_size
+    bad = next((t for t in request.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"`logit_bias` names token id {bad}, beyond this model's vocabulary ({vocab}).",
+                          "logit_bias")
+    if request.tool_choice != "required" and request.named_tool is None:
+        return request.grammar
+    if assets.tool_calls is None:
+        raise bad_request(f"The model `{request.model}` has no tool-call format this router recognises in its chat "
+                          f"template, so a call cannot be required; use tool_choice \"auto\" or \"none\" (an operator "
+                          f"can name the format in the router's `tool_call_parsers`).", "tool_choice")
+    tools = [t for t in request.tools if request.named_tool in (None, t["function"]["name"])]
+    return assets.tool_calls.grammar(tools, request.parallel_tool_calls and request.named_tool is None,
+                                     assets.tokenizer)
+
+
+def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens: int,
+                    grammar: GrammarSpec | None = None, index: int = 0) -> agent_pb2.SamplingParams:
     """The request's sampling; what it leaves unset comes from the checkpoint's generation config, then
-    from the OpenAI defaults (temperature 1, top_p 1, no top_k, no repetition penalty)."""
+    from the OpenAI defaults (temperature 1, top_p 1, no top_k, no repetition penalty). Choice `index` of
+    a seeded n > 1 request draws with seed + index, so the choices differ and each is reproducible."""
     defaults = assets.sampling_defaults
     sampling = agent_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=_first(request.temperature, defaults.temperature, 1.0),
         top_p=_first(request.top_p, defaults.top_p, 1.0), top_k=_first(request.top_k, defaults.top_k, 0),
         repetition_penalty=_first(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias, min_p=request.min_p or 0.0,
         stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs)
+    if grammar is not None:
+        setattr(sampling.grammar, grammar.kind, grammar.source)  # Grammar's oneof is named by the kinds
     if request.seed is not None:
-        sampling.seed = request.seed
+        sampling.seed = (request.seed + index) % (MAX_SEED + 1)
     return sampling
 
 
@@ -177,15 +228,24 @@ def _first(*values):
 
 
 class CompletionRun:
+    """One choice of a completion: its generation across sites, its text, reasoning and tool calls."""
+
     def __init__(self, request: CompletionRequest, ctx: RequestContext, assets: ModelAssets, generation: Generation,
                  limiter: RateLimiter, max_tokens: int, retry_after_s: float,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, index: int = 0) -> None:
         self.request, self.ctx, self.assets, self.generation = request, ctx, assets, generation
         self.limiter, self.max_tokens, self.retry_after_s = limiter, max_tokens, retry_after_s
         self.metrics = (metrics or RouterMetrics()).for_model(request.model)
+        self.index = index
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + os.urandom(16).hex()
         self.created = int(time.time())
-        self.text = TextStream(assets.tokenizer, request.stop)
+        parse_tools = (request.chat and request.tool_choice not in (None, "none") and assets.tool_calls is not None)
+        forced = request.tool_choice == "required" or request.named_tool is not None
+        self.tool_calls = ToolCallStream(assets.tool_calls, forced) if parse_tools else None
+        # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
+        # tokens are then left out by id instead.
+        self.text = TextStream(assets.tokenizer, request.stop, skip_special_tokens=self.tool_calls is None)
+        self._hidden_ids = frozenset(assets.eos_token_ids) if self.tool_calls is not None else frozenset()
         self.reasoning = (ReasoningStream(assets.reasoning, assets.reasoning.starts_open(generation.prompt_ids,
                                                                                        assets.tokenizer),
                                           assets.tokenizer)
@@ -193,6 +253,8 @@ class CompletionRun:
         self.first_step: TokenStep | None = None
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
+        self.calls: list[ToolCall] = []
+        self.emit_usage = request.include_usage and request.n == 1  # Choices sends one usage for all
         self._steps = generation.steps()
         self._refunded = False
         self._last_step_at = 0.0
@@ -210,6 +272,11 @@ class CompletionRun:
         except AgentRejected as exc:
             raise bad_request(f"The request was rejected by the serving site: {exc}") from exc
 
+    async def close(self) -> None:
+        """Ends the generation early (the agent call is cancelled) and refunds what it did not use."""
+        await self._steps.aclose()
+        self._refund()
+
     def headers(self) -> dict[str, str]:
         return {"x-request-id": self.ctx.request_id,
                 "x-edgefire-prefill-site": self.generation.prefill_site or "",
@@ -224,7 +291,8 @@ class CompletionRun:
 
     async def _deltas(self) -> AsyncIterator[tuple[str, str, list, str | None]]:
         """(answer text, reasoning text, tokens, finish_reason) per step; stops the generation at a stop
-        string (stop strings apply to the answer, not to the reasoning)."""
+        string (stop strings apply to the answer, not to the reasoning). Tool calls found in the answer are
+        in `self.calls` when the finish reason comes (it is then "tool_calls")."""
         step = self.first_step
         try:
             while True:
@@ -233,6 +301,8 @@ class CompletionRun:
                 reasoning = ""
                 if self.reasoning is not None:
                     reasoning, token_ids = self.reasoning.add(token_ids)
+                if self._hidden_ids:
+                    token_ids = [t for t in token_ids if t not in self._hidden_ids]
                 delta = self.text.add(token_ids)
                 finish = None
                 if self.text.stopped:
@@ -240,6 +310,12 @@ class CompletionRun:
                 elif step.finish_reason:
                     delta += self.text.flush()
                     finish = step.finish_reason
+                if self.tool_calls is not None:
+                    delta = self.tool_calls.add(delta)
+                    if finish is not None:
+                        tail, self.calls = self.tool_calls.finish()
+                        delta += tail
+                        finish = "tool_calls" if self.calls else finish
                 if finish is not None:
                     self.finish_reason = finish
                 if self.reasoning is not None:
@@ -276,19 +352,19 @@ class CompletionRun:
         ends with the finish chunk and, if asked for, usage. Raises GenerationFailed/AgentRejected when
         the stream breaks for good."""
         r = self.request
-        encoder = responses.ChunkEncoder(self.id, self.created, r.model, r.chat)
-        batch = [encoder.encode(responses.chat_chunk(self.id, self.created, r.model,
-                                                     {"role": "assistant", "content": ""}, None, None))
-                 ] if r.chat else []
+        encoder = responses.ChunkEncoder(self.id, self.created, r.model, r.chat, self.index)
+        batch = [encoder.encode(self._chat_chunk({"role": "assistant", "content": ""}, None, None))] if r.chat else []
         async with aclosing(self._deltas()) as deltas:
             async for delta, reasoning, tokens, finish in deltas:
                 if reasoning:
-                    batch.append(encoder.encode(responses.chat_chunk(self.id, self.created, r.model,
-                                                                     {"reasoning_content": reasoning}, None, None)))
+                    batch.append(encoder.encode(self._chat_chunk({"reasoning_content": reasoning}, None, None)))
                 self._step_chunks(encoder, delta, tokens, finish, batch)
                 if batch:
                     yield batch
                     batch = []
+
+    def _chat_chunk(self, delta: dict, finish: str | None, logprobs: list[dict] | None) -> dict:
+        return responses.chat_chunk(self.id, self.created, self.request.model, delta, finish, logprobs, self.index)
 
     def _step_chunks(self, encoder: responses.ChunkEncoder, delta: str, tokens: list, finish: str | None,
                      out: list[bytes]) -> None:
@@ -300,17 +376,18 @@ class CompletionRun:
         if r.chat:
             logprobs = responses.chat_logprobs(tokenizer, tokens) if r.logprobs is not None else None
             if delta or logprobs:
-                out.append(encode(responses.chat_chunk(self.id, self.created, r.model, {"content": delta}, None,
-                                                       logprobs)))
+                out.append(encode(self._chat_chunk({"content": delta}, None, logprobs)))
+            for call_delta in tool_call_deltas(self.calls) if finish is not None else ():
+                out.append(encode(self._chat_chunk(call_delta, None, None)))
             if finish is not None:
-                out.append(encode(responses.chat_chunk(self.id, self.created, r.model, {}, finish, None)))
+                out.append(encode(self._chat_chunk({}, finish, None)))
         else:
             logprobs = (responses.completion_logprobs(tokenizer, tokens, len(self.text.text) - len(delta))
                         if r.logprobs is not None else None)
             if delta or logprobs or finish is not None:
                 out.append(encode(responses.completion_chunk(self.id, self.created, r.model, delta, finish,
-                                                             logprobs)))
-        if finish is not None and r.include_usage:
+                                                             logprobs, self.index)))
+        if finish is not None and self.emit_usage:
             out.append(encode(responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage())))
 
     async def response(self) -> dict:
@@ -337,6 +414,77 @@ class CompletionRun:
             reasoning = "".join(reasoning_parts) or None if self.reasoning is not None else None
             return responses.chat_response(self.id, self.created, r.model, text, self.finish_reason,
                                            chat_lp if r.logprobs is not None else None, self.usage(),
-                                           reasoning, self.reasoning is not None)
+                                           reasoning, self.reasoning is not None,
+                                           [call.body() for call in self.calls], self.index)
         return responses.completion_response(self.id, self.created, r.model, text, self.finish_reason,
-                                             completion_lp, self.usage())
+                                             completion_lp, self.usage(), self.index)
+
+
+class Choices:
+    """The n choices of one request (n > 1), answered as one response or one stream.
+
+    Stream chunks carry each choice's index and interleave as the choices produce them; the stream
+    ends (finish_reason set) once every choice has finished. Usage counts the prompt once and every
+    choice's completion tokens; cached tokens are the first choice's (the prompt it shares with the rest).
+    """
+
+    def __init__(self, runs: list[CompletionRun]) -> None:
+        self.runs = runs
+        first = runs[0]
+        self.request, self.ctx, self.generation = first.request, first.ctx, first.generation
+        self.finish_reason: str | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(run.num_completion_tokens for run in self.runs)
+
+    def headers(self) -> dict[str, str]:
+        return self.runs[0].headers()
+
+    def usage(self) -> dict:
+        body = self.runs[0].usage()
+        body["completion_tokens"] = self.num_completion_tokens
+        body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
+        if "completion_tokens_details" in body:
+            body["completion_tokens_details"]["reasoning_tokens"] = sum(
+                run.reasoning.num_reasoning_tokens for run in self.runs if run.reasoning is not None)
+        return body
+
+    async def response(self) -> dict:
+        bodies = await asyncio.gather(*(run.response() for run in self.runs))
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = self.usage()
+        return body
+
+    async def chunks(self) -> AsyncIterator[list[bytes]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(run: CompletionRun) -> None:
+            try:
+                async with aclosing(run.chunks()) as batches:
+                    async for batch in batches:
+                        await queue.put((run, batch, None))
+            except Exception as exc:  # handed to the consumer, which raises it as the stream's failure
+                await queue.put((run, None, exc))
+
+        tasks = [asyncio.ensure_future(pump(run)) for run in self.runs]
+        try:
+            running = set(self.runs)
+            while running:
+                run, batch, error = await queue.get()
+                if error is not None:
+                    raise error
+                if run.finish_reason is not None:
+                    running.discard(run)
+                if not running:
+                    r = self.request
+                    if r.include_usage:
+                        batch.append(responses.ChunkEncoder.encode(responses.usage_chunk(
+                            self.runs[0].id, self.runs[0].created, r.model, r.chat, self.usage())))
+                    self.finish_reason = self.runs[0].finish_reason
+                yield batch
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import typed_config
 from registry.client import registry_urls
 from router.reasoning import parser_names
+from router.tool_calls import parser_names as tool_call_parser_names
 from typed_config import ConfigError
 
 
@@ -83,6 +84,9 @@ class RouterConfig:
     # Model -> reasoning parser ("think", "command", an alias such as "deepseek_r1", or "none"); models not
     # named here are detected from their chat template (see router/reasoning.py).
     reasoning_parsers: dict[str, str] = field(default_factory=dict)
+    # Model -> tool-call format ("hermes", "llama3_json", "mistral", ... or "none"); models not named here
+    # are recognised from their chat template (see router/tool_calls.py).
+    tool_call_parsers: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> RouterConfig:
         try:
@@ -93,6 +97,10 @@ class RouterConfig:
             if parser not in parser_names():
                 raise ConfigError(f"reasoning_parsers.{model}: unknown parser {parser!r}; "
                                   f"known: {', '.join(parser_names())}")
+        for model, parser in self.tool_call_parsers.items():
+            if parser not in tool_call_parser_names():
+                raise ConfigError(f"tool_call_parsers.{model}: unknown tool-call format {parser!r}; "
+                                  f"known: {', '.join(tool_call_parser_names())}")
         for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down",
                      "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:

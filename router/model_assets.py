@@ -23,6 +23,7 @@ from engine.tokenizer import ChatTokenizer
 from node_agent.client import AgentPool
 from router.errors import no_capacity
 from router.reasoning import ReasoningFormat, reasoning_format
+from router.tool_calls import ToolCallFormat, tool_call_format
 from router.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ModelAssets:
     generation_config: dict
     sampling_defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())
     reasoning: ReasoningFormat | None = None  # how the model marks its reasoning; None: it does not reason
+    tool_calls: ToolCallFormat | None = None  # how the model writes tool calls; None: not recognised
 
 
 @dataclass(slots=True)
@@ -75,9 +77,11 @@ def sampling_defaults(model: str, generation_config: dict) -> SamplingDefaults:
 
 class ModelAssetsCache:
     def __init__(self, agents: AgentPool, retry_after_s: float = 1.0,
-                 reasoning_parsers: dict[str, str] | None = None) -> None:
+                 reasoning_parsers: dict[str, str] | None = None,
+                 tool_call_parsers: dict[str, str] | None = None) -> None:
         self._agents = agents
         self._reasoning_parsers = reasoning_parsers or {}
+        self._tool_call_parsers = tool_call_parsers or {}
         self._retry_after_s = retry_after_s
         self._assets: dict[str, ModelAssets] = {}
         self._pending: dict[str, asyncio.Future] = {}
@@ -100,7 +104,8 @@ class ModelAssetsCache:
         for site in sites:
             try:
                 info = await self._agents.client(site.grpc_address).model_info(model, MODEL_INFO_TIMEOUT_S, request_id)
-                assets = await asyncio.to_thread(build_assets, info, self._reasoning_parsers.get(model))
+                assets = await asyncio.to_thread(build_assets, info, self._reasoning_parsers.get(model),
+                                                 self._tool_call_parsers.get(model))
             except grpc.aio.AioRpcError as exc:
                 log.warning("request %s: GetModelInfo(%s) on site %s failed: %s", request_id, model, site.name,
                             exc.code().name)
@@ -114,10 +119,11 @@ class ModelAssetsCache:
         raise no_capacity(f"No site serving `{model}` answered; retry shortly.", self._retry_after_s)
 
 
-def build_assets(info, reasoning_parser: str | None = None) -> ModelAssets:
+def build_assets(info, reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> ModelAssets:
     config = json.loads(info.tokenizer_config_json) if info.tokenizer_config_json else {}
     generation_config = json.loads(info.generation_config_json) if info.generation_config_json else {}
     tokenizer = ChatTokenizer(info.tokenizer_json, config, info.chat_template or None)
     return ModelAssets(info.model, tokenizer, int(info.context_length), list(info.eos_token_ids),
                        int(info.block_size) or 16, int(info.kv_bytes_per_token), generation_config,
-                       sampling_defaults(info.model, generation_config), reasoning_format(tokenizer, reasoning_parser))
+                       sampling_defaults(info.model, generation_config), reasoning_format(tokenizer, reasoning_parser),
+                       tool_call_format(tokenizer, tool_call_parser))

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from engine.grammar import GrammarSpec, check_grammar, json_schema_spec
 from router.errors import bad_request
 
 MAX_STOP_STRINGS = 4
@@ -23,6 +24,31 @@ REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 # Variables the router itself gives the chat template; chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
 MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0        # presence_penalty and frequency_penalty: OpenAI's [-2, 2]
+MAX_LOGIT_BIAS = 100.0   # OpenAI's [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries
+MAX_CHOICES = 16
+TOOL_CHOICES = ("none", "auto", "required")
+RESPONSE_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+# Every field a request may carry. Each is implemented, except ACCEPTED_WITHOUT_EFFECT.
+CHAT_FIELDS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream",
+    "stream_options", "logprobs", "top_logprobs", "user", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "documents", "chat_template_kwargs", "reasoning_effort"})
+COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream", "stream_options",
+    "logprobs", "user", "echo", "best_of", "suffix"})
+# Fields clients send that change nothing a model returns here, accepted as OpenAI accepts them:
+# `metadata` (tags for OpenAI's stored completions; nothing is stored), `store` (false only: nothing is
+# stored), `service_tier` ("auto" and "default": every request has the one tier), `modalities`
+# (["text"] only). Completions' `echo: false`, `best_of: 1` and `suffix: null` are the defaults.
+ACCEPTED_WITHOUT_EFFECT = {
+    "metadata": lambda v: isinstance(v, dict), "store": lambda v: v is False,
+    "service_tier": lambda v: v in ("auto", "default"), "modalities": lambda v: v == ["text"],
+}
 
 
 @dataclass(slots=True)
@@ -43,9 +69,21 @@ class CompletionRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None      # None: off; n: the sampled token's logprob plus the top n
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float | None = None
+    n: int = 1
+    grammar: GrammarSpec | None = None       # response_format json_object / json_schema
+    tool_choice: str | None = None           # none | auto | required | a function's name; None: no tools
+    parallel_tool_calls: bool = True
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice if self.tool_choice not in (None, *TOOL_CHOICES) else None
 
 
 def parse_json(body: bytes) -> dict:
@@ -128,12 +166,22 @@ def _param(path: tuple) -> str:
 
 
 def parse_request(document: dict, chat: bool) -> CompletionRequest:
+    _refuse_unimplemented(document, chat)
     request = CompletionRequest(chat=chat, model=_string(document, "model", required=True))
     if chat:
-        request.messages = _messages(document.get("messages"))
+        request.messages = _messages(document.get("messages"), request.model)
         request.tools = _tools(document.get("tools"))
+        request.tool_choice = _tool_choice(document.get("tool_choice"), request.tools)
+        parallel = document.get("parallel_tool_calls")
+        request.parallel_tool_calls = True if parallel is None else _bool(parallel, "parallel_tool_calls")
         request.documents = _documents(document.get("documents"))
         request.template_kwargs = _template_kwargs(document)
+        request.grammar = _response_format(document.get("response_format"))
+        if request.tool_choice == "required" or request.named_tool:
+            if request.grammar is not None:
+                raise bad_request("`response_format` cannot be combined with a required tool call; the call's "
+                                  "arguments already follow the function's schema.", "response_format")
+            _check_tool_schemas(request.tools, request.named_tool)
     else:
         request.prompt = _prompt(document.get("prompt"))
     max_tokens = document.get("max_completion_tokens") if chat else None
@@ -153,13 +201,19 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
         raise bad_request("`repetition_penalty` must be greater than 0 (1 means off).", "repetition_penalty")
     request.seed = _int(document.get("seed"), "seed", 0, MAX_SEED)
     request.stop = _stop(document.get("stop"))
-    n = _int(document.get("n"), "n", minimum=1)
-    if n not in (None, 1):
-        raise bad_request("Only n=1 is supported; send one request per completion you need.", "n")
+    request.n = _int(document.get("n"), "n", 1, MAX_CHOICES) or 1
+    request.presence_penalty = _number(document.get("presence_penalty"), "presence_penalty", -MAX_PENALTY,
+                                       MAX_PENALTY) or 0.0
+    request.frequency_penalty = _number(document.get("frequency_penalty"), "frequency_penalty", -MAX_PENALTY,
+                                        MAX_PENALTY) or 0.0
+    request.logit_bias = _logit_bias(document.get("logit_bias"))
+    request.min_p = _number(document.get("min_p"), "min_p", 0.0, 1.0)
     request.logprobs = _logprobs(document, chat)
     request.stream = _bool(document.get("stream"), "stream")
     request.include_usage = _stream_options(document.get("stream_options"), request.stream)
     request.user = _string(document, "user")
+    if not chat:
+        _refuse_completion_options(document)
     return request
 
 
@@ -205,7 +259,46 @@ def _number(value, name: str, minimum: float, maximum: float) -> float | None:
     return float(value)
 
 
-def _messages(value) -> list[dict]:
+def _refuse_unimplemented(document: dict, chat: bool) -> None:
+    """A 400 naming the first field this router does not implement: a parameter silently dropped would
+    change what the client gets without telling it. Null means "not given" (clients send it so)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in document.items():
+        if value is None or name in known:
+            continue
+        accepted = ACCEPTED_WITHOUT_EFFECT.get(name)
+        if accepted is not None:
+            if accepted(value):
+                continue
+            raise bad_request(f"`{name}` is accepted only with the value that changes nothing here "
+                              f"({_WITHOUT_EFFECT_HINTS[name]}).", name, "unsupported_value")
+        hint = _UNIMPLEMENTED_HINTS.get(name, "remove it from the request")
+        raise bad_request(f"`{name}` is not supported by this endpoint; {hint}.", name, "unsupported_parameter")
+
+
+def _refuse_completion_options(document: dict) -> None:
+    """The legacy completions options this router takes only at their defaults."""
+    for name, default in (("echo", False), ("best_of", 1)):
+        if document.get(name) not in (None, default):
+            raise bad_request(f"`{name}` is supported only as {json.dumps(default)}: the prompt is not echoed, and "
+                              f"`n` asks for several completions.", name, "unsupported_value")
+    if document.get("suffix") is not None:
+        raise bad_request("`suffix` (insertion) is not supported; send the prompt only.", "suffix",
+                          "unsupported_value")
+
+
+_WITHOUT_EFFECT_HINTS = {"metadata": "an object", "store": "false; nothing is stored",
+                         "service_tier": "\"auto\" or \"default\"", "modalities": "[\"text\"]"}
+_UNIMPLEMENTED_HINTS = {
+    "functions": "send `tools` instead (the deprecated `functions` form is not accepted)",
+    "function_call": "send `tool_choice` instead (the deprecated `function_call` form is not accepted)",
+    "audio": "this endpoint returns text only",
+    "prediction": "predicted outputs are not supported; remove it",
+    "web_search_options": "this endpoint has no web search",
+}
+
+
+def _messages(value, model: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise bad_request("`messages` must be a non-empty array of {role, content} objects.", "messages")
     messages = []
@@ -217,7 +310,7 @@ def _messages(value) -> list[dict]:
         if role not in ROLES:
             raise bad_request(f"`{param}.role` must be one of {', '.join(ROLES)}.", f"{param}.role")
         normalized = {**message, "role": "system" if role == "developer" else role,
-                      "content": _content(message.get("content"), f"{param}.content")}
+                      "content": _content(message.get("content"), f"{param}.content", model)}
         if message.get("tool_calls") is not None:
             normalized["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
         messages.append(normalized)
@@ -282,7 +375,7 @@ def _template_kwargs(document: dict) -> dict:
     return value
 
 
-def _content(value, param: str) -> str:
+def _content(value, param: str, model: str) -> str:
     if value is None:
         # An assistant turn with only tool calls. Templates index `message.content` (Qwen3 tests
         # `'</think>' in message.content`), so it is an empty string, as vLLM sends it, not a missing key.
@@ -292,6 +385,10 @@ def _content(value, param: str) -> str:
     if isinstance(value, list):  # content parts: only text is supported
         texts = []
         for part in value:
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise bad_request(f"`{param}` holds an image, but the model `{model}` has no vision: it reads text "
+                                  f"only. Send text parts ({{\"type\": \"text\", \"text\": ...}}).", param,
+                                  "image_input_not_supported")
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"`{param}` may hold only text parts ({{\"type\": \"text\", \"text\": ...}}).", param)
             texts.append(part["text"])
@@ -342,3 +439,89 @@ def _stream_options(value, stream: bool) -> bool:
     if not stream:
         raise bad_request("`stream_options` is only allowed with `stream: true`.", "stream_options")
     return _bool(value.get("include_usage"), "stream_options.include_usage")
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings), biases in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("`logit_bias` must be an object mapping token ids to biases in [-100, 100].", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"`logit_bias` may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries.", "logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_request(f"`logit_bias` keys must be token ids (non-negative integers); got {key!r}.",
+                              "logit_bias")
+        bias[int(key)] = _number(amount, f"logit_bias.{key}", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if bias[int(key)] is None:
+            raise bad_request(f"`logit_bias.{key}` must be a number in [-100, 100].", "logit_bias")
+    return bias
+
+
+def _response_format(value) -> GrammarSpec | None:
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {name, schema,
+    strict}}` as the grammar the output must follow (a schema the grammar library refuses is a 400)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_spec({"type": "object"})
+    if kind != "json_schema":
+        raise bad_request("`response_format.type` must be \"text\", \"json_object\" or \"json_schema\".",
+                          "response_format")
+    spec = value.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"`{param}` must be an object with `name` and `schema`.", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not RESPONSE_FORMAT_NAME.fullmatch(name):
+        raise bad_request(f"`{param}.name` must be 1-64 letters, digits, underscores or dashes.", f"{param}.name")
+    if spec.get("strict") is not None:
+        _bool(spec.get("strict"), f"{param}.strict")  # strict or not, the output follows the schema
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request(f"`{param}.schema` must be a JSON schema object.", f"{param}.schema")
+    return _checked(json_schema_spec(schema), f"{param}.schema")
+
+
+def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
+    problem = check_grammar(spec)
+    if problem is not None:
+        raise bad_request(f"`{param}` cannot be enforced: {problem.strip()}", param, "invalid_schema")
+    return spec
+
+
+def _check_tool_schemas(tools: list[dict], named: str | None) -> None:
+    """The parameters of every function a required call may use must compile: they constrain the call."""
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if named is not None and function["name"] != named:
+            continue
+        parameters = function.get("parameters")
+        param = f"tools[{i}].function.parameters"
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"`{param}` must be a JSON schema object.", param)
+        if parameters:
+            _checked(json_schema_spec(parameters), param)
+
+
+def _tool_choice(value, tools: list[dict] | None) -> str | None:
+    """"none" | "auto" | "required" | a function's name; None without tools ("auto" is OpenAI's default then)."""
+    if value is None:
+        return "auto" if tools else None
+    if not tools:
+        raise bad_request("`tool_choice` needs `tools`.", "tool_choice")
+    if value in TOOL_CHOICES:
+        return value
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}.", "tool_choice")
+    if name not in [t["function"]["name"] for t in tools]:
+        raise bad_request(f"`tool_choice` names the function `{name}`, which is not in `tools`.", "tool_choice")
+    return name

@@ -2,14 +2,16 @@
 
 The bodies are parsed by hand (`router.openai_request`), so FastAPI cannot derive their schema; this
 module states it from the same limits. The parser stays the authority: a body this schema allows
-is accepted, and one it refuses gets a 400 naming the field. Unknown fields are allowed (OpenAI
-clients send parameters the router ignores, such as `frequency_penalty`).
+is accepted, and one it refuses gets a 400 naming the field. Fields not listed are refused with a 400
+(`additionalProperties: false`): a parameter the router does not implement is never silently dropped;
+the few accepted without effect (`metadata`, `store: false`, ...) are listed with what they take.
 """
 
 from __future__ import annotations
 
-from router.openai_request import (MAX_LOGPROBS_COMPLETIONS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS,
-                                   MAX_TOP_LOGPROBS_CHAT, MAX_UINT32, REASONING_EFFORTS, ROLES)
+from router.openai_request import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS_COMPLETIONS,
+                                   MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS,
+                                   MAX_TOP_LOGPROBS_CHAT, MAX_UINT32, REASONING_EFFORTS, ROLES, TOOL_CHOICES)
 
 
 def _nullable(schema: dict) -> dict:
@@ -49,12 +51,42 @@ _SAMPLING = {
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}),
     "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
     "stop": _STOP,
-    "n": _nullable({"const": 1, "description": "only one completion per request"}),
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                    "description": "completions of the prompt; the later ones read it from the prefix cache"}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
+    "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                             "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                             "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                      "maximum": MAX_LOGIT_BIAS},
+                             "description": "token id -> bias added to its logit (ids within the vocabulary)"}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                                  "description": "only with stream: true"}),
     "user": _nullable({"type": "string"}),
+    # Accepted without effect (router.openai_request.ACCEPTED_WITHOUT_EFFECT):
+    "metadata": _nullable({"type": "object", "description": "accepted; nothing is stored"}),
+    "store": _nullable({"const": False, "description": "false only; nothing is stored"}),
+    "service_tier": _nullable({"enum": ["auto", "default"]}),
+    "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
 }
+
+_RESPONSE_FORMAT = _nullable({"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"],
+     "properties": {"type": {"const": "json_schema"},
+                    "json_schema": {"type": "object", "required": ["name"],
+                                    "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                                   "description": {"type": "string"},
+                                                   "schema": {"type": "object"},
+                                                   "strict": _nullable({"type": "boolean"})}}}}]})
+_TOOL_CHOICE = _nullable({"anyOf": [
+    {"enum": list(TOOL_CHOICES)},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}],
+    "description": "needs `tools`; a named function must be one of them"})
 
 CHAT_COMPLETION_REQUEST = {
     "title": "ChatCompletionRequest", "type": "object", "required": ["model", "messages"],
@@ -69,7 +101,11 @@ CHAT_COMPLETION_REQUEST = {
         "documents": _nullable({"type": "array", "items": {"type": "object"}}),
         "chat_template_kwargs": _nullable({"type": "object", "description": "extra chat template variables"}),
         "reasoning_effort": _nullable({"enum": list(REASONING_EFFORTS)}),
+        "response_format": _RESPONSE_FORMAT,
+        "tool_choice": _TOOL_CHOICE,
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
     },
+    "additionalProperties": False,
 }
 
 COMPLETION_REQUEST = {
@@ -82,7 +118,11 @@ COMPLETION_REQUEST = {
                              {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}],
                    "description": "one prompt: text, or token ids"},
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS_COMPLETIONS}),
+        "echo": _nullable({"const": False, "description": "false only"}),
+        "best_of": _nullable({"const": 1, "description": "1 only; use n"}),
+        "suffix": {"type": "null", "description": "not supported"},
     },
+    "additionalProperties": False,
 }
 
 _ERROR = {"type": "object", "required": ["error"],

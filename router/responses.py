@@ -19,9 +19,9 @@ class ChunkEncoder:
     bytes of `encode_json(chunk).encode()`.
     """
 
-    def __init__(self, response_id: str, created: int, model: str, chat: bool) -> None:
-        template = (chat_chunk(response_id, created, model, {"content": _SPLICE}, None, None) if chat
-                    else completion_chunk(response_id, created, model, _SPLICE, None, None))
+    def __init__(self, response_id: str, created: int, model: str, chat: bool, index: int = 0) -> None:
+        template = (chat_chunk(response_id, created, model, {"content": _SPLICE}, None, None, index) if chat
+                    else completion_chunk(response_id, created, model, _SPLICE, None, None, index))
         head, tail = encode_json(template).split(encode_basestring(_SPLICE))
         self._head, self._tail = head.encode(), tail.encode()
 
@@ -46,17 +46,17 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 
 def chat_chunk(response_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               logprobs: list[dict] | None) -> dict:
+               logprobs: list[dict] | None, index: int = 0) -> dict:
     return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta,
+            "choices": [{"index": index, "delta": delta,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}]}
 
 
 def completion_chunk(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                     logprobs: dict | None) -> dict:
+                     logprobs: dict | None, index: int = 0) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(response_id: str, created: int, model: str, chat: bool, usage_body: dict) -> dict:
@@ -67,22 +67,26 @@ def usage_chunk(response_id: str, created: int, model: str, chat: bool, usage_bo
 
 def chat_response(response_id: str, created: int, model: str, text: str, finish_reason: str,
                   logprobs: list[dict] | None, usage_body: dict, reasoning: str | None = None,
-                  reasons: bool = False) -> dict:
-    """`reasons`: the model is a reasoning model, so the message carries `reasoning_content` (maybe null)."""
+                  reasons: bool = False, tool_calls: list[dict] | None = None, index: int = 0) -> dict:
+    """`reasons`: the model is a reasoning model, so the message carries `reasoning_content` (maybe null).
+    A message with tool calls has `content` null when the model wrote nothing besides them, as OpenAI's."""
     message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["content"] = text if text.strip() else None
+        message["tool_calls"] = tool_calls
     if reasons:
         message["reasoning_content"] = reasoning
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message,
+            "choices": [{"index": index, "message": message,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}],
             "usage": usage_body}
 
 
 def completion_response(response_id: str, created: int, model: str, text: str, finish_reason: str,
-                        logprobs: dict | None, usage_body: dict) -> dict:
+                        logprobs: dict | None, usage_body: dict, index: int = 0) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage_body}
 
 

@@ -55,7 +55,8 @@ class Router:
         self.health = PassiveHealth(config.failures_to_cool_down, config.cooldown_s)
         self.limiter = RateLimiter()
         self.service = CompletionService(
-            self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers), self.agents, self.health, self.limiter,
+            self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers,
+                                         config.tool_call_parsers), self.agents, self.health, self.limiter,
             cost_model(config), failover_policy(config),
             Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site),
             SessionTable(config.max_sessions, config.session_ttl_s), self.metrics)

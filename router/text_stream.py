@@ -47,8 +47,8 @@ class WindowDetokenizer:
 
 
 class TextStream:
-    def __init__(self, tokenizer: ChatTokenizer, stop: list[str]) -> None:
-        self._detokenizer = WindowDetokenizer(tokenizer)
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
+        self._detokenizer = WindowDetokenizer(tokenizer, skip_special_tokens)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""

@@ -33,7 +33,7 @@ BAD_FIELDS = [
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "ten"}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

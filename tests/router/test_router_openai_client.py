@@ -54,4 +54,4 @@ async def test_models_and_errors_through_the_client(client):
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
-        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)

@@ -1,0 +1,329 @@
+"""Tool calls in the model's own format: recognised from the chat template, parsed from the output,
+and forced by a grammar when the request requires a call.
+
+Each model family writes tool calls its own way, and its chat template shows how (it renders the
+assistant's earlier calls, and usually tells the model the format). Which format a model uses is
+decided once per model, never guessed from the text it writes: an operator setting
+(`tool_call_parsers` in the router config: model -> format name, or "none"), else the template.
+Recognised formats (the stored templates in tests/engine/chat_templates use all of them):
+
+| format | a call as the model writes it | templates |
+|---|---|---|
+| hermes | `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>` | Qwen2.5, Qwen3, Hermes 3 |
+| llama3_json | `{"name": N, "parameters": A}` (one call) | Llama 3.1, 3.2 |
+| mistral | `[TOOL_CALLS][{"name": N, "arguments": A}, ...]` | Mistral Nemo |
+| mistral_v11 | `[TOOL_CALLS]N[ARGS]A` per call | Mistral Small 3.2 |
+| granite | `<|tool_call|>[{"name": N, "arguments": A}, ...]` | Granite 3.x |
+| command_r7b | `<|START_ACTION|>[{"tool_call_id": I, "tool_name": N, "parameters": A}]<|END_ACTION|>` | Command R7B |
+| deepseek_v3 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>A<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` | DeepSeek V3.1 |
+| kimi_k2 | `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:I<|tool_call_argument_begin|>A<|tool_call_end|>...` | Kimi K2 |
+
+Templates not in this table (gpt-oss's harmony channels, Command R+'s `Action:` blocks, DeepSeek-R1's
+fenced calls) are not recognised: their requests with `tool_choice: required` get a 400, and their
+output is plain content.
+
+With `tool_choice: required` or a named function the output is constrained (engine.grammar) to
+exactly the format wrapping arguments that match the function's JSON schema, so it always parses.
+With `auto` the output is parsed: text before the format's opening marker is content, and calls
+that do not parse leave the whole output as content. Markers that are special tokens of the
+vocabulary are matched in the grammar by token id, so they cannot be spelt out byte by byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from engine.grammar import GrammarSpec, lark_json
+from engine.tokenizer import ChatTokenizer
+
+NO_PARSER = "none"
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+    id: str
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + os.urandom(12).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFormat:
+    """One family's way of writing calls. A call is either one JSON object (`name_key`, `args_key`) or,
+    when `name_key` is empty, `call_begin` NAME `name_sep` ARGUMENTS `call_end`."""
+
+    name: str
+    detect: tuple[str, ...]      # all of these in the template text identify the format
+    section_begin: str = ""      # opens the calls (the marker `auto` looks for, unless call_begin does)
+    section_end: str = ""
+    call_begin: str = ""
+    call_end: str = ""
+    separator: str = ""          # between calls
+    array: bool = False          # calls form one JSON array
+    name_key: str = "name"
+    args_key: str = "arguments"
+    name_prefix: str = ""        # name-prefixed calls: written before the name (kimi: "functions.")
+    name_suffix_regex: str = ""  # and after it (kimi: ":<index>")
+    name_sep: str = ""
+    parallel: bool = True        # the template can show several calls in one turn
+
+    @property
+    def marker(self) -> str:
+        return self.section_begin or self.call_begin
+
+    # -- parsing `auto` output ---------------------------------------------------------------
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """(content before the calls, calls) when the text holds calls that parse, else None."""
+        if self.marker:
+            start = text.find(self.marker)
+            if start < 0:
+                return None
+            content, body = text[:start], text[start:]
+        else:  # a bare JSON call: the whole answer is the call
+            content, body = "", text.strip()
+            if not body.startswith("{"):
+                return None
+        try:
+            calls = self._parse_calls(body)
+        except (ValueError, KeyError, TypeError):
+            return None
+        return (content, calls) if calls else None
+
+    def _parse_calls(self, body: str) -> list[ToolCall]:
+        pos = _expect(body, 0, self.section_begin)
+        if self.array:
+            items, pos = _DECODER.raw_decode(body, pos)
+            if not isinstance(items, list):
+                raise ValueError("the calls are not a JSON array")
+            calls = [self._object_call(item) for item in items]
+        else:
+            calls = []
+            begin, separator = self.call_begin.strip(), self.separator.strip()
+            while True:
+                call, pos = self._one_call(body, pos)
+                calls.append(call)
+                pos = _skip_space(body, pos)
+                following = _skip_space(body, pos + len(separator)) if separator and body.startswith(separator, pos) else pos
+                if not begin or not body.startswith(begin, following):
+                    break
+                pos = following
+        _expect(body.rstrip(), _skip_space(body, pos), self.section_end)
+        return calls
+
+    def _one_call(self, body: str, pos: int) -> tuple[ToolCall, int]:
+        pos = _expect(body, _skip_space(body, pos), self.call_begin)
+        if self.name_key:
+            item, pos = _DECODER.raw_decode(body, _skip_space(body, pos))
+            call = self._object_call(item)
+        else:
+            pattern = re.compile(re.escape(self.name_prefix) + r"([^\s\"'<>\[\]{}]+?)" + self.name_suffix_regex
+                                 + re.escape(self.name_sep))
+            match = pattern.match(body, pos)
+            if match is None:
+                raise ValueError("no function name")
+            arguments, pos = _DECODER.raw_decode(body, _skip_space(body, match.end()))
+            if not isinstance(arguments, dict):
+                raise ValueError("arguments are not an object")
+            call = ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False), new_call_id())
+        return call, _expect(body, _skip_space(body, pos), self.call_end)
+
+    def _object_call(self, item) -> ToolCall:
+        name, arguments = item[self.name_key], item.get(self.args_key, {})
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise ValueError("a call needs a string name and object arguments")
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
+
+    # -- the grammar of a required call ------------------------------------------------------
+
+    def grammar(self, tools: list[dict], parallel: bool, tokenizer: ChatTokenizer) -> GrammarSpec:
+        """Lark (llguidance's dialect) for one call, or one or more with `parallel`, of these tools."""
+        lit = _Literals(tokenizer)
+        several = parallel and self.parallel
+        if self.array:
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": [self._call_schema(t) for t in tools]}}
+            if not several:
+                schema["maxItems"] = 1
+            body = lark_json(schema)
+        else:
+            call = " | ".join(self._call_rule(tool, lit) for tool in tools)
+            body = f"call ({lit(self.separator)} call)*" if several else "call"
+            return GrammarSpec("lark", "\n".join([
+                f"start: {lit(self.section_begin)} {body} {lit(self.section_end)}", f"call: {call}"]))
+        return GrammarSpec("lark", f"start: {lit(self.section_begin)} {body} {lit(self.section_end)}")
+
+    def _call_schema(self, tool: dict) -> dict:
+        function = tool["function"]
+        properties = {self.name_key: {"const": function["name"]}, self.args_key: _parameters(function)}
+        return {"type": "object", "properties": properties, "required": [self.name_key, self.args_key],
+                "additionalProperties": False}
+
+    def _call_rule(self, tool: dict, lit: _Literals) -> str:
+        function = tool["function"]
+        if self.name_key:
+            inner = lark_json(self._call_schema(tool))
+        else:
+            suffix = f" /{self.name_suffix_regex}/" if self.name_suffix_regex else ""
+            inner = (f"{lit(self.name_prefix + function['name'])}{suffix} {lit(self.name_sep)} "
+                     f"{lark_json(_parameters(function))}")
+        return f"({lit(self.call_begin)} {inner} {lit(self.call_end)})"
+
+
+def _parameters(function: dict) -> dict:
+    parameters = function.get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+def _expect(text: str, pos: int, literal: str) -> int:
+    literal = literal.strip()
+    if not literal:
+        return pos
+    if not text.startswith(literal, pos):
+        raise ValueError(f"expected {literal!r}")
+    return pos + len(literal)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+class _Literals:
+    """Lark for fixed text: a special token of the vocabulary by id (its bytes are not text), the rest quoted."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._special = {token.content: token_id
+                         for token_id, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
+
+    def __call__(self, text: str) -> str:
+        if not text:
+            return ""
+        parts, rest = [], text
+        while rest:
+            token = next((s for s in self._special if rest.startswith(s)), None)
+            if token is not None:
+                parts.append(f"<[{self._special[token]}]>")
+                rest = rest[len(token):]
+                continue
+            cut = min((i for i in (rest.find(s) for s in self._special) if i > 0), default=len(rest))
+            parts.append(json.dumps(rest[:cut]))
+            rest = rest[cut:]
+        return " ".join(parts)
+
+
+FORMATS = {f.name: f for f in (
+    ToolCallFormat("hermes", ("<tool_call>", "</tool_call>"), call_begin="<tool_call>\n", call_end="\n</tool_call>",
+                   separator="\n"),
+    ToolCallFormat("mistral_v11", ("[TOOL_CALLS]", "[ARGS]"), call_begin="[TOOL_CALLS]", name_key="",
+                   name_sep="[ARGS]"),
+    ToolCallFormat("mistral", ("[TOOL_CALLS]",), section_begin="[TOOL_CALLS]", array=True),
+    ToolCallFormat("granite", ("<|tool_call|>",), section_begin="<|tool_call|>", array=True),
+    ToolCallFormat("command_r7b", ("<|START_ACTION|>", "tool_name"), section_begin="<|START_ACTION|>",
+                   section_end="<|END_ACTION|>", array=True, name_key="tool_name", args_key="parameters"),
+    ToolCallFormat("deepseek_v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>' + tool['function']['arguments']"),
+                   section_begin="<｜tool▁calls▁begin｜>", section_end="<｜tool▁calls▁end｜>",
+                   call_begin="<｜tool▁call▁begin｜>", call_end="<｜tool▁call▁end｜>", name_key="",
+                   name_sep="<｜tool▁sep｜>"),
+    ToolCallFormat("kimi_k2", ("<|tool_calls_section_begin|>",), section_begin="<|tool_calls_section_begin|>",
+                   section_end="<|tool_calls_section_end|>", call_begin="<|tool_call_begin|>",
+                   call_end="<|tool_call_end|>", name_key="", name_prefix="functions.", name_suffix_regex=":[0-9]+",
+                   name_sep="<|tool_call_argument_begin|>"),
+    ToolCallFormat("llama3_json", ('"name": function name, "parameters"',), args_key="parameters", parallel=False),
+)}
+
+
+def parser_names() -> list[str]:
+    return sorted({*FORMATS, NO_PARSER})
+
+
+def tool_call_format(tokenizer: ChatTokenizer, setting: str | None = None) -> ToolCallFormat | None:
+    """The model's tool-call format from the operator's setting, else from its chat template."""
+    if setting is not None:
+        if setting == NO_PARSER:
+            return None
+        if setting not in FORMATS:
+            raise ValueError(f"unknown tool-call format {setting!r}; known: {', '.join(parser_names())}")
+        return FORMATS[setting]
+    if tokenizer.template is None:
+        return None
+    text = "\n".join(tokenizer.template.sources.values())
+    return next((f for f in FORMATS.values() if all(marker in text for marker in f.detect)), None)
+
+
+class ToolCallStream:
+    """One answer's text split into content and tool calls as it streams.
+
+    `add(text)` returns the content safe to send now: text before the format's marker, holding back a
+    tail that could still be the start of the marker. From the marker on, text is kept until `finish`,
+    which parses the calls; calls that do not parse come back as content. With `forced` (a required
+    call) the whole answer is the calls.
+    """
+
+    def __init__(self, fmt: ToolCallFormat, forced: bool = False) -> None:
+        self.fmt = fmt
+        self._in_calls = forced
+        self._decided = forced       # bare-JSON formats: whether the answer is a call is known
+        self._pending = ""           # content held back
+        self._calls_text = ""
+
+    def add(self, text: str) -> str:
+        if self._in_calls:
+            self._calls_text += text
+            return ""
+        self._pending += text
+        marker = self.fmt.marker
+        if not marker:  # bare JSON: a call only if the answer starts with "{"
+            if self._decided:
+                return self._take(len(self._pending))
+            stripped = self._pending.lstrip()
+            if not stripped:
+                return ""
+            self._decided = True
+            if stripped.startswith("{"):
+                self._in_calls, self._calls_text, self._pending = True, self._pending, ""
+                return ""
+            return self._take(len(self._pending))
+        start = self._pending.find(marker)
+        if start >= 0:
+            self._in_calls, self._calls_text = True, self._pending[start:]
+            return self._take(start, keep=False)
+        hold = next((n for n in range(min(len(marker) - 1, len(self._pending)), 0, -1)
+                     if marker.startswith(self._pending[-n:])), 0)
+        return self._take(len(self._pending) - hold)
+
+    def _take(self, upto: int, keep: bool = True) -> str:
+        out = self._pending[:upto]
+        self._pending = self._pending[upto:] if keep else ""
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet sent, the calls) at the end of the answer."""
+        if not self._in_calls:
+            return self._take(len(self._pending)), []
+        parsed = self.fmt.split(self._calls_text)
+        if parsed is None:
+            return self._calls_text, []
+        content, calls = parsed
+        return content, calls
+
+
+def tool_call_deltas(calls: list[ToolCall]) -> list[dict]:
+    """Stream deltas of finished calls, shaped as OpenAI streams them: each call opens with its index, id,
+    type and name (empty arguments), then its arguments follow."""
+    deltas = []
+    for index, call in enumerate(calls):
+        deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+    return deltas
