@@ -144,7 +144,7 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
         answered.model = request.model
     client = scope.get("client")
     location = router.locator.locate(client[0] if client else None, headers)
-    session = session_key(api_key.id, headers.get(SESSION_HEADER), request.user)
+    session = session_key(api_key.id, headers.get(SESSION_HEADER), request.prompt_cache_key or request.user)
     ctx = RequestContext(request_id, api_key, location, session)
     run = await router.service.start(request, ctx)
     log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,

@@ -35,19 +35,23 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream",
-    "stream_options", "logprobs", "top_logprobs", "user", "tools", "tool_choice", "parallel_tool_calls",
+    "stream_options", "logprobs", "top_logprobs", "user", "prompt_cache_key", "tools", "tool_choice",
+    "parallel_tool_calls",
     "response_format", "documents", "chat_template_kwargs", "reasoning_effort"})
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream", "stream_options",
-    "logprobs", "user", "echo", "best_of", "suffix"})
+    "logprobs", "user", "prompt_cache_key", "echo", "best_of", "suffix"})
 # Fields clients send that change nothing a model returns here, accepted as OpenAI accepts them:
 # `metadata` (tags for OpenAI's stored completions; nothing is stored), `store` (false only: nothing is
 # stored), `service_tier` ("auto" and "default": every request has the one tier), `modalities`
-# (["text"] only). Completions' `echo: false`, `best_of: 1` and `suffix: null` are the defaults.
+# (["text"] only), `safety_identifier` (an end-user id for abuse reports; no moderation runs here).
+# Completions' `echo: false`, `best_of: 1` and `suffix: null` are the defaults. (`user` and
+# `prompt_cache_key` do take effect: they name the session whose sites hold its prefix cache.)
 ACCEPTED_WITHOUT_EFFECT = {
     "metadata": lambda v: isinstance(v, dict), "store": lambda v: v is False,
     "service_tier": lambda v: v in ("auto", "default"), "modalities": lambda v: v == ["text"],
+    "safety_identifier": lambda v: isinstance(v, str),
 }
 
 
@@ -80,6 +84,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    prompt_cache_key: str | None = None      # names the session, as `user` does (prefix-cache affinity)
 
     @property
     def named_tool(self) -> str | None:
@@ -212,6 +217,7 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request.stream = _bool(document.get("stream"), "stream")
     request.include_usage = _stream_options(document.get("stream_options"), request.stream)
     request.user = _string(document, "user")
+    request.prompt_cache_key = _string(document, "prompt_cache_key")
     if not chat:
         _refuse_completion_options(document)
     return request
@@ -288,7 +294,8 @@ def _refuse_completion_options(document: dict) -> None:
 
 
 _WITHOUT_EFFECT_HINTS = {"metadata": "an object", "store": "false; nothing is stored",
-                         "service_tier": "\"auto\" or \"default\"", "modalities": "[\"text\"]"}
+                         "service_tier": "\"auto\" or \"default\"", "modalities": "[\"text\"]",
+                         "safety_identifier": "a string"}
 _UNIMPLEMENTED_HINTS = {
     "functions": "send `tools` instead (the deprecated `functions` form is not accepted)",
     "function_call": "send `tool_choice` instead (the deprecated `function_call` form is not accepted)",

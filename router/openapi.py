@@ -64,12 +64,14 @@ _SAMPLING = {
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                                  "description": "only with stream: true"}),
-    "user": _nullable({"type": "string"}),
+    "user": _nullable({"type": "string", "description": "names the session (prefix-cache affinity)"}),
+    "prompt_cache_key": _nullable({"type": "string", "description": "names the session, as `user` does"}),
     # Accepted without effect (router.openai_request.ACCEPTED_WITHOUT_EFFECT):
     "metadata": _nullable({"type": "object", "description": "accepted; nothing is stored"}),
     "store": _nullable({"const": False, "description": "false only; nothing is stored"}),
     "service_tier": _nullable({"enum": ["auto", "default"]}),
     "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
+    "safety_identifier": _nullable({"type": "string", "description": "accepted; no moderation runs here"}),
 }
 
 _RESPONSE_FORMAT = _nullable({"anyOf": [

@@ -53,8 +53,9 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def new_call_id() -> str:
-    return "call_" + os.urandom(12).hex()
+def new_call_id(short: bool = False) -> str:
+    """OpenAI's shape; `short`: the 9 alphanumerics Mistral's templates require of replayed call ids."""
+    return os.urandom(5).hex()[:9] if short else "call_" + os.urandom(12).hex()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +74,11 @@ class ToolCallFormat:
     name_key: str = "name"
     args_key: str = "arguments"
     name_prefix: str = ""        # name-prefixed calls: written before the name (kimi: "functions.")
-    name_suffix_regex: str = ""  # and after it (kimi: ":<index>")
+    name_suffix_regex: str = ""  # what may follow the name when parsing (kimi: ":<index>")
+    name_suffix_lark: str = ""   # and what the grammar of a required call writes there
     name_sep: str = ""
     parallel: bool = True        # the template can show several calls in one turn
+    short_ids: bool = False      # call ids of 9 alphanumerics (the template refuses others when replayed)
 
     @property
     def marker(self) -> str:
@@ -135,14 +138,14 @@ class ToolCallFormat:
             arguments, pos = _DECODER.raw_decode(body, _skip_space(body, match.end()))
             if not isinstance(arguments, dict):
                 raise ValueError("arguments are not an object")
-            call = ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False), new_call_id())
+            call = ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids))
         return call, _expect(body, _skip_space(body, pos), self.call_end)
 
     def _object_call(self, item) -> ToolCall:
         name, arguments = item[self.name_key], item.get(self.args_key, {})
         if not isinstance(name, str) or not isinstance(arguments, dict):
             raise ValueError("a call needs a string name and object arguments")
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids))
 
     # -- the grammar of a required call ------------------------------------------------------
 
@@ -173,8 +176,7 @@ class ToolCallFormat:
         if self.name_key:
             inner = lark_json(self._call_schema(tool))
         else:
-            suffix = f" /{self.name_suffix_regex}/" if self.name_suffix_regex else ""
-            inner = (f"{lit(self.name_prefix + function['name'])}{suffix} {lit(self.name_sep)} "
+            inner = (f"{lit(self.name_prefix + function['name'])} {self.name_suffix_lark} {lit(self.name_sep)} "
                      f"{lark_json(_parameters(function))}")
         return f"({lit(self.call_begin)} {inner} {lit(self.call_end)})"
 
@@ -225,9 +227,10 @@ class _Literals:
 FORMATS = {f.name: f for f in (
     ToolCallFormat("hermes", ("<tool_call>", "</tool_call>"), call_begin="<tool_call>\n", call_end="\n</tool_call>",
                    separator="\n"),
+    # Replayed turns carry `[CALL_ID]id` after the name; the model writes only name and arguments.
     ToolCallFormat("mistral_v11", ("[TOOL_CALLS]", "[ARGS]"), call_begin="[TOOL_CALLS]", name_key="",
-                   name_sep="[ARGS]"),
-    ToolCallFormat("mistral", ("[TOOL_CALLS]",), section_begin="[TOOL_CALLS]", array=True),
+                   name_suffix_regex=r"(?:\[CALL_ID\][A-Za-z0-9]+)?", name_sep="[ARGS]", short_ids=True),
+    ToolCallFormat("mistral", ("[TOOL_CALLS]",), section_begin="[TOOL_CALLS]", array=True, short_ids=True),
     ToolCallFormat("granite", ("<|tool_call|>",), section_begin="<|tool_call|>", array=True),
     ToolCallFormat("command_r7b", ("<|START_ACTION|>", "tool_name"), section_begin="<|START_ACTION|>",
                    section_end="<|END_ACTION|>", array=True, name_key="tool_name", args_key="parameters"),
@@ -238,7 +241,7 @@ FORMATS = {f.name: f for f in (
     ToolCallFormat("kimi_k2", ("<|tool_calls_section_begin|>",), section_begin="<|tool_calls_section_begin|>",
                    section_end="<|tool_calls_section_end|>", call_begin="<|tool_call_begin|>",
                    call_end="<|tool_call_end|>", name_key="", name_prefix="functions.", name_suffix_regex=":[0-9]+",
-                   name_sep="<|tool_call_argument_begin|>"),
+                   name_suffix_lark="/:[0-9]+/", name_sep="<|tool_call_argument_begin|>"),
     ToolCallFormat("llama3_json", ('"name": function name, "parameters"',), args_key="parameters", parallel=False),
 )}
 

@@ -55,3 +55,48 @@ async def test_models_and_errors_through_the_client(client):
         await client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
+
+
+# Every parameter of the SDK's create() that the router does not implement, with a value a client sends.
+UNIMPLEMENTED_CHAT = {
+    "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto", "moderation": {"model": "x"}, "prediction": {"type": "content", "content": "x"},
+    "prompt_cache_options": {"mode": "x"}, "prompt_cache_retention": "24h", "verbosity": "low",
+    "web_search_options": {}, "store": True, "service_tier": "flex", "modalities": ["text", "audio"],
+}
+UNIMPLEMENTED_COMPLETIONS = {"echo": True, "best_of": 2, "suffix": "tail"}
+
+
+async def test_each_unimplemented_parameter_is_a_400_naming_it(client):
+    messages = [{"role": "user", "content": "x"}]
+    for name, value in UNIMPLEMENTED_CHAT.items():
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **{name: value})
+        assert caught.value.param == name and caught.value.type == "invalid_request_error", name
+    for name, value in UNIMPLEMENTED_COMPLETIONS.items():
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=2, **{name: value})
+        assert caught.value.param == name, name
+    with pytest.raises(openai.BadRequestError) as caught:  # a field no SDK knows
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                             extra_body={"guided_json": {"type": "object"}})
+    assert caught.value.param == "guided_json"
+    image = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": image}], max_tokens=2)
+    assert caught.value.param == "messages[0].content" and "no vision" in caught.value.message
+    for change in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+                   {"tool_choice": "required"}, {"logit_bias": {"99999": 5}}, {"presence_penalty": 2.5}):
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **change)
+
+
+async def test_fields_without_effect_and_text_parts_are_accepted(client):
+    parts = [{"type": "text", "text": "where is "}, {"type": "text", "text": "the nearest site?"}]
+    completion = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=3, metadata={"team": "a"}, store=False,
+        service_tier="auto", modalities=["text"], safety_identifier="u-1", prompt_cache_key="conversation-7",
+        user="u-1", n=2, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"5": 1.5},
+        extra_body={"min_p": 0.05, "top_k": 20})
+    assert [c.index for c in completion.choices] == [0, 1]
