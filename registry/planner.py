@@ -13,7 +13,8 @@ Each becomes a pressure, 1.0 at its target. Decisions, with hysteresis:
 and never faster than:
   min_dwell_s   since that site's last change (read from the database, so it survives restarts)
   settle_s      since any change in the region (the heartbeats must show its effect first)
-A site is only narrowed while another live site in its region keeps doing the role it gives up.
+A site is only narrowed while, for every model it serves in the role it gives up, another live site
+in its region keeps doing that role for that model.
 
 Every change is one `site.active_role` audit entry with its reason and the figures behind it;
 `dry_run` only logs what it would do. Routers place by the active role from their next snapshot;
@@ -86,6 +87,7 @@ class PoolSite:
     active_role_since: float | None
     usable: bool                    # alive, active, not draining
     capacity: dict
+    models: dict[str, str] = field(default_factory=dict)  # model -> prefill | decode | both
 
     @property
     def flexible(self) -> bool:
@@ -93,6 +95,9 @@ class PoolSite:
 
     def does(self, role: str) -> bool:
         return role in self.allowed and self.active_role in (BOTH, role)
+
+    def does_for(self, role: str, model: str) -> bool:
+        return self.does(role) and self.models.get(model) in (role, "both")
 
 
 @dataclass(slots=True)
@@ -122,13 +127,14 @@ class RoleChange:
 def pool_sites(snapshot: dict) -> list[PoolSite]:
     sites = []
     for doc in snapshot.get("sites", ()):
-        model_roles = {m.get("role", "both") for m in doc.get("models", ())}
+        models = {m["model"]: m.get("role", "both") for m in doc.get("models", ())}
+        model_roles = set(models.values())
         by_models = {r for r in ("prefill", "decode") if r in model_roles or "both" in model_roles}
         allowed = frozenset(by_models & set(doc.get("roles") or ("prefill", "decode")))
         cap = doc.get("capacity") or {}
         usable = bool(doc.get("alive")) and doc.get("state") == "active" and bool(cap) and not cap.get("draining")
         sites.append(PoolSite(doc["name"], doc.get("region") or "", allowed, doc.get("active_role"),
-                              doc.get("active_role_since"), usable, cap))
+                              doc.get("active_role_since"), usable, cap, models))
     return sites
 
 
@@ -197,8 +203,11 @@ def _other(role: str) -> str:
 
 
 def _role_covered(sites: list[PoolSite], leaving: PoolSite, role: str) -> bool:
-    """Another live site in the region still does `role` once `leaving` stops doing it."""
-    return any(s.usable and s is not leaving and s.does(role) for s in sites)
+    """Every model `leaving` does `role` for is still done by another live site in the region once
+    it stops: a site serving another model does not cover for it."""
+    others = [s for s in sites if s.usable and s is not leaving]
+    return all(any(s.does_for(role, model) for s in others)
+               for model in leaving.models if leaving.does_for(role, model))
 
 
 def _preference(site: PoolSite, want: str | None) -> tuple:

@@ -141,3 +141,19 @@ def test_plan_is_pure_over_a_snapshot():
                        site("d", "decode")]}
     changes = plan(heavy, now=0.0, settings=SETTINGS)
     assert [(c.site, c.role) for c in changes] == [("b", "prefill")]  # one change per region per tick
+
+
+def test_a_site_is_not_narrowed_when_only_sites_of_another_model_keep_the_role():
+    """Region r: x and y each serve their own model. Prefill is backed up, but narrowing either to
+    prefill would leave its model with no decode site in the region; once z serves x's model too, x
+    (or z) may go."""
+    def site(name, model, **cap):
+        return {"name": name, "region": "r", "roles": ["prefill", "decode"], "state": "active", "alive": True,
+                "models": [{"model": model, "role": "both"}], "active_role": None, "active_role_since": None,
+                "capacity": {"kv_blocks_total": 100, "kv_blocks_free": 100, "draining": False,
+                             "inflight_prefill_tokens": 30_000, **cap}}
+    two_models = {"sites": [site("x", "llama"), site("y", "qwen")]}
+    assert plan(two_models, now=0.0, settings=SETTINGS) == []
+    with_z = {"sites": [site("x", "llama"), site("y", "qwen"), site("z", "llama")]}
+    assert [(c.site, c.role) for c in plan(with_z, now=0.0, settings=SETTINGS)] in ([("x", "prefill")],
+                                                                                      [("z", "prefill")])
