@@ -6,8 +6,9 @@ engine.ops.for_device returns this module in place of engine.ops on CUDA, so the
 
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.attention import paged_attention
+from engine.kernels.fused_moe import fused_moe
 from engine.kernels.kv_write import write_kv
 from engine.kernels.norm import add_rms_norm, rms_norm
 from engine.kernels.rotary import apply_rotary
 
-__all__ = ["add_rms_norm", "apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
+__all__ = ["add_rms_norm", "apply_rotary", "fused_moe", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]

@@ -12,7 +12,10 @@ from engine.ops import AttentionBatch
 
 def activation_peak_bytes(model, num_tokens: int, num_sample_rows: int, block_size: int) -> int:
     """Peak memory above the current allocation while one prefill step of num_tokens runs
-    (forward with a throwaway cache, then logits for num_sample_rows rows)."""
+    (forward with a throwaway cache, then logits for num_sample_rows rows).
+
+    The tokens are all the same, so in a mixture of experts they all route to the same experts:
+    the most uneven split a step can have, whose expert batches are the largest."""
     cfg, device = model.config, model.device
     num_tokens = max(1, min(num_tokens, cfg.max_position_embeddings))
     num_blocks = -(-num_tokens // block_size)

@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine.kernels.activation import _silu_and_mul_kernel  # noqa: E402
 from engine.kernels.decode_attention import _decode_kernel, _merge_splits_kernel  # noqa: E402
+from engine.kernels.fused_moe import _down_kernel, _gate_up_kernel  # noqa: E402
 from engine.kernels.kv_write import _write_kv_kernel  # noqa: E402
 from engine.kernels.norm import _rms_norm_kernel  # noqa: E402
 from engine.kernels.prefill_attention import _prefill_kernel  # noqa: E402
@@ -52,6 +53,13 @@ CASES = {
     "silu_and_mul": (_silu_and_mul_kernel, dict(gate_up_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024)),
     "rotary": (_rotary_kernel, dict(q_ptr=BF16, k_ptr=BF16, q_out_ptr=BF16, k_out_ptr=BF16, positions_ptr="*i64",
                                     cos_ptr="*fp32", sin_ptr="*fp32"), dict(BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64)),
+    # Mixtral-8x7B's expert widths (hidden 4096, inter 14336), 64-row prefill blocks.
+    "moe_gate_up": (_gate_up_kernel, dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, sorted_pairs_ptr="*i32",
+                                          block_expert_ptr="*i32"),
+                    dict(TOP_K=2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None)),
+    "moe_down": (_down_kernel, dict(act_ptr=BF16, w_ptr=BF16, out_ptr=BF16, weights_ptr="*fp32", sorted_pairs_ptr="*i32",
+                                    block_expert_ptr="*i32"),
+                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None)),
     "write_kv": (_write_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16,
                                         slot_mapping_ptr="*i64"), dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)),
 }
