@@ -31,9 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(level: str) -> None:
-    """One format for every edgefire process. httpx logs every request at INFO: in agents (a
-    heartbeat per interval) and routers (a snapshot poll per second) that would be a line each."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """One format for every edgefire process; a line written for a request ends with its request id and
+    trace id (node_agent.trace), so one grep follows a request across router and sites. httpx logs
+    every request at INFO: in agents (a heartbeat per interval) and routers (a snapshot poll per
+    second) that would be a line each."""
+    from node_agent.trace import LOG_FORMAT, RequestLogFilter
+
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestLogFilter())
     for chatty in ("httpx", "httpcore"):
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 

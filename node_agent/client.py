@@ -1,7 +1,8 @@
 """The one async client of the agent gRPC API: routers, peer agents (Decode pulling KV), tests and tools.
 
 `AgentClient` is one channel to one agent: every call carries the bearer token and request id in
-metadata, and a deadline. `AgentPool` keeps one client per address, reused by every request.
+metadata, the `traceparent` of the request the calling task works for (node_agent.trace), and a
+deadline. `AgentPool` keeps one client per address, reused by every request.
 
     async with AgentClient("127.0.0.1:50051", token) as agent:
         async for chunk in agent.generate(request, timeout=30):
@@ -18,6 +19,7 @@ import grpc
 from grpc import aio
 
 from node_agent.auth import bearer_metadata
+from node_agent.trace import outgoing_metadata
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20  # above the largest KV chunk an engine exports
@@ -49,8 +51,8 @@ class AgentClient:
 
     def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
         if request_id:
-            return self._bearer + (("x-request-id", request_id),)
-        return self._bearer
+            return self._bearer + (("x-request-id", request_id),) + outgoing_metadata()
+        return self._bearer + outgoing_metadata()
 
     def generate(self, request: agent_pb2.GenerateRequest, timeout: float | None = None) -> aio.UnaryStreamCall:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata(request.request_id))

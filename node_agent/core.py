@@ -4,6 +4,10 @@ lease prefilled KV, pull KV from peers (recomputing when that fails), and drain.
 Handles given out are `<model>/<engine handle>`, so FetchKV and ReleaseKV find the engine that
 holds the blocks. A lease is single use: the FetchKV stream (or KV data-port stream) that reads
 it releases it when the stream ends, however it ends; otherwise ReleaseKV or the engine's TTL does.
+
+Each request is logged when it starts and ends (INFO); the lines end with the request id and trace
+id the caller sent (node_agent.trace), and a lease's export is logged under the trace of the
+Prefill that made it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from node_agent.kv_data import KVDataServer, KVSourceUnreachable, probe, receive
 from node_agent.links import LinkTable
 from node_agent.models import HostedModel
 from node_agent.tls import channel_credentials, client_context
+from node_agent.trace import LeaseTraces, current
 from node_agent.transfer import receive_payload
 
 log = logging.getLogger(__name__)
@@ -77,6 +82,7 @@ class AgentCore:
         self._decode_reserved: dict[str, int] = {}
         self._peer_info: dict[str, Peer] = {}  # peer gRPC address -> its Health answer
         self.links = LinkTable()  # measured paths to peer sites (node_agent.links)
+        self.lease_traces = LeaseTraces()  # the request each open lease was made for (its export's logs)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -173,6 +179,8 @@ class AgentCore:
                        params: SamplingParams, request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         with self.inflight():
             model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
+            log.info("generate %s: %d prompt + %d generated tokens, up to %d in all", model.name, len(prompt_ids),
+                     len(generated_ids), params.max_tokens)
             events = model.engine.generate(prompt_ids, params, request_id, generated_ids)
             async for event in self._observed(model.name, "generate", events, prefills=True):
                 yield event
@@ -185,18 +193,29 @@ class AgentCore:
             event = await model.engine.prefill(prompt_ids, params, request_id)
             self.metrics.ttft.labels(model.name, "prefill").observe(time.perf_counter() - started)
             self.metrics.observe_prompt(model.name, event.num_prompt_tokens, event.num_cached_tokens)
+            seconds = time.perf_counter() - started
             if event.finish_reason:
                 await model.engine.release_kv(event.kv_handle)  # nothing left to decode
+                log.info("prefill %s: %d prompt tokens (%d cached) in %.3f s; finished at the first token (%s)",
+                         model.name, len(prompt_ids), event.num_cached_tokens, seconds, event.finish_reason)
                 return PrefillOutcome(event, "", 0, "")
             layout = replace(model.kv_layout, num_tokens=len(prompt_ids))
             kv_bytes = layout.bytes_per_token_per_layer * layout.num_layers * layout.num_tokens
-            return PrefillOutcome(event, f"{model.name}/{event.kv_handle}", kv_bytes, layout.to_json())
+            handle = f"{model.name}/{event.kv_handle}"
+            self.lease_traces.remember(handle)
+            log.info("prefill %s: %d prompt tokens (%d cached) in %.3f s; KV lease %s holds %d bytes", model.name,
+                     len(prompt_ids), event.num_cached_tokens, seconds, handle, kv_bytes)
+            return PrefillOutcome(event, handle, kv_bytes, layout.to_json())
 
     async def decode(self, model_name: str, prompt_ids: list[int], generated_ids: list[int], params: SamplingParams,
                      source: KVSource | None, request_id: str | None = None,
                      time_left: float | None = None) -> AsyncIterator[TokenEvent]:
         with self.inflight():
             model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params, takes_slot=True)
+            log.info("decode %s: %d prompt + %d generated tokens, up to %d in all; %s", model.name, len(prompt_ids),
+                     len(generated_ids), params.max_tokens,
+                     f"KV from {source.address} (lease {source.kv_handle})" if source is not None and generated_ids
+                     else "no KV source: recomputing the prompt")
             try:
                 payload = None
                 if source is not None and generated_ids:
@@ -302,18 +321,25 @@ class AgentCore:
         toward the prefix-cache hit ratio."""
         started = last = time.perf_counter()
         first = True
-        async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
-            async for event in events:
-                now = time.perf_counter()
-                if first:
-                    self.metrics.ttft.labels(model, rpc).observe(now - started)
-                    if prefills:
-                        self.metrics.observe_prompt(model, event.num_prompt_tokens, event.num_cached_tokens)
-                    first = False
-                else:
-                    self.metrics.inter_token.labels(model).observe(now - last)
-                last = now
-                yield event
+        num_tokens, finish = 0, None
+        try:
+            async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
+                async for event in events:
+                    now = time.perf_counter()
+                    if first:
+                        self.metrics.ttft.labels(model, rpc).observe(now - started)
+                        if prefills:
+                            self.metrics.observe_prompt(model, event.num_prompt_tokens, event.num_cached_tokens)
+                        first = False
+                    else:
+                        self.metrics.inter_token.labels(model).observe(now - last)
+                    last = now
+                    num_tokens += 1
+                    finish = event.finish_reason or finish
+                    yield event
+        finally:
+            log.info("%s %s done: %d token(s) in %.3f s, %s", rpc, model, num_tokens, time.perf_counter() - started,
+                     f"finished ({finish})" if finish else "ended before its finish (cancelled or failed)")
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -325,18 +351,26 @@ class AgentCore:
         return model, engine_handle
 
     async def open_export(self, kv_handle: str) -> KVExport:
-        """An open export of a lease, for FetchKV or the KV data port; end it with end_export."""
+        """An open export of a lease, for FetchKV or the KV data port; end it with end_export. The
+        caller's task is bound to the lease's request when it is not bound already (the data port)."""
+        if current() is None:
+            self.lease_traces.bind(kv_handle)
         model, engine_handle = self._lease(kv_handle)
-        return await model.engine.open_export(engine_handle)
+        export = await model.engine.open_export(engine_handle)
+        log.info("KV lease %s: export of %d chunks opened", kv_handle, export.num_chunks)
+        return export
 
     def end_export(self, kv_handle: str, export: KVExport) -> None:
         """Close the export and end the lease (single use, as with FetchKV)."""
         model, engine_handle = self._lease(kv_handle)
         model.engine.close_export(export)
         model.engine.release_kv_nowait(engine_handle)
+        self.lease_traces.forget(kv_handle)
+        log.info("KV lease %s: export closed, lease ended", kv_handle)
 
     async def release_kv(self, kv_handle: str) -> bool:
         """False when the lease was already gone (fetched, released or expired)."""
+        self.lease_traces.forget(kv_handle)
         try:
             model, engine_handle = self._lease(kv_handle)
             await model.engine.release_kv(engine_handle)

@@ -1,5 +1,8 @@
 """The gRPC servicer: translate protos, call AgentCore, map errors to status codes. Nothing else.
 
+Each request RPC binds its task to the caller's request id and trace (`traceparent` metadata, a new
+trace when there is none), so the agent's log lines and its calls to peers carry them (node_agent.trace).
+
 `fetch_kv_hook` is a test seam: when set, every outgoing KV chunk passes through it, so tests can
 corrupt, truncate or kill a transfer; returning None ends the stream there.
 """
@@ -20,6 +23,7 @@ from node_agent.convert import chunk_from_event, sampling_from_proto, token_to_p
 from node_agent.core import AgentCore, KVSource
 from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.proto import agent_pb2, agent_pb2_grpc
+from node_agent.trace import bind, from_metadata, new_trace
 from node_agent.transfer import chunk_message
 
 log = logging.getLogger(__name__)
@@ -54,8 +58,12 @@ async def grpc_errors(context: aio.ServicerContext, request_id: str):
 
 
 def _request_id(request_id: str, context: aio.ServicerContext) -> str:
-    """The caller's id (field, else metadata) plus a suffix: an engine needs ids unique among its requests."""
-    base = request_id or dict(context.invocation_metadata() or ()).get("x-request-id") or "anon"
+    """The caller's id (field, else metadata) plus a suffix: an engine needs ids unique among its requests.
+    Binds this RPC's task to the caller's id and trace (node_agent.trace)."""
+    metadata = context.invocation_metadata() or ()
+    base = request_id or dict(metadata).get("x-request-id") or "anon"
+    caller = from_metadata(metadata)
+    bind(base, caller.child() if caller is not None else new_trace())
     return f"{base}:{secrets.token_hex(4)}"
 
 
@@ -116,6 +124,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                 end()
 
     async def ReleaseKV(self, request: agent_pb2.ReleaseKVRequest, context: aio.ServicerContext):
+        _request_id("", context)
         return agent_pb2.ReleaseKVResponse(released=await self.core.release_kv(request.kv_handle))
 
     async def Decode(self, request: agent_pb2.DecodeRequest, context: aio.ServicerContext):

@@ -5,7 +5,9 @@ FastAPI keeps the completion routes for the OpenAPI spec, whose request bodies `
 
 Errors become OpenAI bodies here and only here (`ApiError` → JSON with its status and headers).
 A stream that breaks for good after its first byte ends with one SSE error event and no [DONE].
-Logs carry request ids, sites and counts — never API keys or prompt text.
+Logs carry request ids, sites and counts — never API keys or prompt text. Each completion joins the
+client's W3C trace (`traceparent` header) or starts one; the trace goes to every site the request
+reaches and into every log line about it (node_agent.trace), and back in `x-edgefire-trace-id`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from node_agent import trace
 from router.completions import Choices, CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, too_large
 from router.generation import AgentRejected, GenerationFailed
@@ -109,12 +112,14 @@ async def _model_card(router: Router, model: str, snapshot) -> dict:
 async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:
     """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give."""
     request_id = _request_id()
+    context = trace.parse_traceparent(_header(scope, b"traceparent")) or trace.new_trace()
+    trace.bind(request_id, context)
     answered = _Answered()
     metrics = router.metrics
     metrics.requests_running.inc()
     try:
         try:
-            response = await _complete(router, request_id, scope, receive, chat, answered)
+            response = await _complete(router, request_id, scope, receive, chat, answered, context)
         except ApiError as exc:
             response = _error_response(exc)
         except ClientDisconnect:
@@ -135,7 +140,7 @@ class _Answered:
 
 
 async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
-                    answered: _Answered | None = None) -> Response:
+                    answered: _Answered | None = None, context: trace.TraceContext | None = None) -> Response:
     headers = Headers(scope=scope)
     body = await _read_body(headers, receive, router.config.max_body_bytes)
     api_key = await router.authenticate(headers.get("authorization"))
@@ -145,7 +150,7 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
     client = scope.get("client")
     location = router.locator.locate(client[0] if client else None, headers)
     session = session_key(api_key.id, headers.get(SESSION_HEADER), request.prompt_cache_key or request.user)
-    ctx = RequestContext(request_id, api_key, location, session)
+    ctx = RequestContext(request_id, api_key, location, session, trace_id=context.trace_id if context else "")
     run = await router.service.start(request, ctx)
     log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
               run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
@@ -190,6 +195,13 @@ async def _read_body(headers: Headers, receive, max_bytes: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _request_id() -> str:

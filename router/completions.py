@@ -46,6 +46,7 @@ class RequestContext:
     location: Location
     session_key: str | None = None   # router.sessions.session_key: header or `user`, within the API key
     started_at: float = field(default_factory=time.perf_counter)  # the request's arrival (latency metrics)
+    trace_id: str = ""               # the W3C trace the request belongs to (node_agent.trace)
 
 
 @dataclass(slots=True)
@@ -278,7 +279,7 @@ class CompletionRun:
         self._refund()
 
     def headers(self) -> dict[str, str]:
-        return {"x-request-id": self.ctx.request_id,
+        return {"x-request-id": self.ctx.request_id, "x-edgefire-trace-id": self.ctx.trace_id,
                 "x-edgefire-prefill-site": self.generation.prefill_site or "",
                 "x-edgefire-decode-site": self.generation.decode_site or "",
                 "x-edgefire-attempts": str(self.generation.num_attempts)}

@@ -21,6 +21,7 @@ import pytest
 from deploy.cluster_config import ClusterConfig, demo_sites
 from deploy.launcher import Cluster
 from node_agent.client import AgentClient
+from tests.metrics_text import Samples
 
 PREFILL_ONLY, DECODE_ONLY, BOTH = "lisbon", "frankfurt", "warsaw"
 ROUTER_SETTLE_S = 1.0  # > router snapshot refresh + one registry render: the router sees an admin change
@@ -156,3 +157,14 @@ def agent_health(cluster: Cluster, site: str):
 
 def router_log(cluster: Cluster) -> str:
     return cluster.processes["router"].log_path.read_text(errors="replace")
+
+
+def site_log(cluster: Cluster, site: str) -> str:
+    return cluster.processes[site].log_path.read_text(errors="replace")
+
+
+def router_metrics(cluster: Cluster) -> Samples:
+    with cluster.http_client(timeout=10.0) as http:
+        response = http.get(cluster.router_metrics_url)
+    response.raise_for_status()
+    return Samples.parse(response.text)

@@ -11,7 +11,7 @@ import time
 import httpx
 
 from tests.e2e.conftest import (LONG_TOKENS, PREFILL_ONLY, complete, completion_body, prompt_ids, router_client,
-                                router_log, stream)
+                                router_log, router_metrics, site_log, stream)
 
 
 def test_prefill_site_killed_request_served_elsewhere(cluster, http):
@@ -31,7 +31,10 @@ def test_prefill_site_killed_request_served_elsewhere(cluster, http):
 
 
 def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_prompt):
+    """The failover shows in the router's metrics (one resume) and, under the request's one trace id,
+    in the logs of the router, the killed site and the site that finished the stream."""
     reference = stream(http, cluster, long_prompt.prompt, LONG_TOKENS)
+    metrics_before = router_metrics(cluster)
     resumed_after = None
     # On a loaded machine the site can finish all its tokens before the kill lands; then the stream is
     # whole without a resume, and the kill is tried again on a fresh request.
@@ -58,6 +61,17 @@ def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_pro
             break
     # The kill really landed mid-stream: the router resumed after some tokens had been sent.
     assert resumed_after is not None and 0 < resumed_after < LONG_TOKENS
+
+    metrics_after = router_metrics(cluster)
+    assert metrics_after.delta(metrics_before, "edgefire_router_resumes_total") == 1
+    assert metrics_after.delta(metrics_before, "edgefire_router_site_failures_total", site=killed[0]) == 1
+    trace_id = faulty.headers["x-edgefire-trace-id"]
+    tagged = f"trace_id={trace_id}]"
+    assert any(tagged in line and f"site {killed[0]} failed" in line for line in router_log(cluster).splitlines())
+    decoded_at = {site.name for site in cluster.config.sites
+                  if any(tagged in line and re.search(r": (generate|decode) \S+: \d+ prompt", line)
+                         for line in site_log(cluster, site.name).splitlines())}
+    assert killed[0] in decoded_at and len(decoded_at) == 2  # the killed site and the one that resumed
 
 
 class Requester(threading.Thread):

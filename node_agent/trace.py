@@ -1,0 +1,137 @@
+"""One request's W3C trace context across router and agents, and the log lines that name it.
+
+The router takes a client's `traceparent` header (https://www.w3.org/TR/trace-context/) or starts a
+trace, and binds (request id, trace) to the request's task (`bind`). Every gRPC call made from that
+task carries `traceparent` in its metadata (`node_agent.client` reads the bound trace), an agent
+binds what it receives to the RPC's task, and so do the calls it makes on (a decode site pulling KV
+from the prefill site); the KV data port, which carries no metadata, finds the trace of a lease by
+its handle (`LeaseTraces`). `RequestLogFilter` appends ` [request_id=... trace_id=...]` to every log
+line written while a request is bound, so `grep <trace id>` over the router's and the sites' logs
+follows one request everywhere it went.
+
+contextvars follow asyncio: a task started from a request's task inherits its binding, and nothing
+else sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+HEADER = "traceparent"
+_HEX = frozenset("0123456789abcdef")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+
+
+@dataclass(slots=True, frozen=True)
+class TraceContext:
+    trace_id: str   # 32 lowercase hex digits, not all zero
+    span_id: str    # 16 lowercase hex digits: the caller's span, the parent of whoever receives it
+    flags: str = "01"
+
+    def traceparent(self) -> str:
+        return f"00-{self.trace_id}-{self.span_id}-{self.flags}"
+
+    def child(self) -> TraceContext:
+        """The same trace with a new span: what this process passes on as the parent of the next hop."""
+        return TraceContext(self.trace_id, os.urandom(8).hex(), self.flags)
+
+
+def new_trace() -> TraceContext:
+    return TraceContext(os.urandom(16).hex(), os.urandom(8).hex())
+
+
+def parse_traceparent(value: str | None) -> TraceContext | None:
+    """A valid traceparent (version 00, or a later version read as 00 allows), else None: an invalid
+    header starts a new trace, as the specification asks, rather than failing the request."""
+    if not value:
+        return None
+    value = value.strip()
+    version = value[:2]
+    if len(value) < 55 or (version == "00" and len(value) != 55) or (len(value) > 55 and value[55] != "-"):
+        return None
+    if not set(version) <= _HEX or version == "ff" or value[2] != "-" or value[35] != "-" or value[52] != "-":
+        return None
+    trace_id, span_id, flags = value[3:35], value[36:52], value[53:55]
+    if not (set(trace_id) <= _HEX and set(span_id) <= _HEX and set(flags) <= _HEX):
+        return None
+    if trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+        return None
+    return TraceContext(trace_id, span_id, flags)
+
+
+def from_metadata(metadata) -> TraceContext | None:
+    """The trace a gRPC caller sent (invocation metadata: pairs of key, value)."""
+    for key, value in metadata or ():
+        if key == HEADER:
+            return parse_traceparent(value)
+    return None
+
+
+# -- the request this task works for -----------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class Bound:
+    request_id: str
+    trace: TraceContext
+
+
+_bound: ContextVar[Bound | None] = ContextVar("edgefire_request", default=None)
+
+
+def bind(request_id: str, trace: TraceContext) -> None:
+    """From here on this task (and tasks it starts) works for this request: its logs and calls say so."""
+    _bound.set(Bound(request_id, trace))
+
+
+def current() -> Bound | None:
+    return _bound.get()
+
+
+def outgoing_metadata() -> tuple[tuple[str, str], ...]:
+    """`traceparent` for a call made on behalf of the bound request (none when nothing is bound)."""
+    bound = _bound.get()
+    return () if bound is None else ((HEADER, bound.trace.child().traceparent()),)
+
+
+class RequestLogFilter(logging.Filter):
+    """Sets `record.request_context`: ` [request_id=... trace_id=...]` while a request is bound, else ""."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        bound = _bound.get()
+        record.request_context = ("" if bound is None else
+                                  f" [request_id={bound.request_id} trace_id={bound.trace.trace_id}]")
+        return True
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s%(request_context)s"
+
+
+class LeaseTraces:
+    """The request a KV lease was made for, by handle: the KV data port's stream has no metadata, so
+    the prefill site logs an export under the trace of the Prefill that made the lease. Bounded: a
+    lease that expires unread is forgotten when newer ones push it out."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self._entries: OrderedDict[str, Bound] = OrderedDict()
+        self._max_entries = max_entries
+
+    def remember(self, kv_handle: str) -> None:
+        bound = _bound.get()
+        if bound is None:
+            return
+        self._entries[kv_handle] = bound
+        if len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+
+    def bind(self, kv_handle: str) -> None:
+        """Binds this task to the lease's request (its trace, with a new span), if it is known."""
+        bound = self._entries.get(kv_handle)
+        if bound is not None:
+            bind(bound.request_id, bound.trace.child())
+
+    def forget(self, kv_handle: str) -> None:
+        self._entries.pop(kv_handle, None)
