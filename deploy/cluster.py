@@ -1,5 +1,5 @@
 """`edgefire up` (the whole system on this machine, until Ctrl-C) and `edgefire status` (a table of
-sites, or with --links the matrix of measured links)."""
+sites, or with --links the matrix of measured links; with --watch redrawn in place until Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def add_parser(subparsers) -> None:
     status.add_argument("--links", action="store_true",
                         help="the measured links instead: RTT, throughput and age for each pair of sites")
     status.add_argument("--ca", help="CA bundle verifying an https registry (default: the `edgefire up` cluster's)")
+    status.add_argument("--watch", action="store_true", help="redraw the table in place every --interval seconds "
+                                                             "until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (default 2)")
     status.set_defaults(func=run_status)
 
 
@@ -170,18 +173,27 @@ reply = client.chat.completions.create(model="{cluster.model}", max_tokens=32,
 print(reply.choices[0].message.content)
 EOF
 
-  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire status     # sites, load, KV, heartbeats
+  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire status --watch     # sites, load, KV, heartbeats, live
+
+Watch it:
+  dashboard     {cluster.registry_url}/dashboard   (sign in with the admin token)
+  metrics       router {cluster.router_metrics_url}, registry {cluster.registry_url}/metrics (admin token),
+                sites {", ".join(cluster.metrics_url(s.name) for s in c.sites)}
 Ctrl-C stops everything."""
 
 
 # -- status --------------------------------------------------------------------------------------
 
 def run_status(args: argparse.Namespace) -> int:
-    import httpx
-
     from node_agent.tls import client_context
-    from registry.client import RegistryError, SyncRegistryClient
+    from registry.client import SyncRegistryClient
 
+    if args.watch and args.json:
+        print("error: --watch redraws tables; --json prints once (leave one out)", file=sys.stderr)
+        return 2
+    if args.watch and not args.interval >= 0.1:
+        print(f"error: --interval must be at least 0.1 seconds, got {args.interval}", file=sys.stderr)
+        return 2
     registry_url, admin_token, ca = args.registry_url, args.admin_token, args.ca
     if registry_url is None or admin_token is None:
         try:
@@ -193,24 +205,64 @@ def run_status(args: argparse.Namespace) -> int:
         registry_url = registry_url or saved["registry_url"]
         admin_token = admin_token or saved["admin_token"]
         ca = ca or saved.get("ca")
+    with SyncRegistryClient(registry_url, admin_token, verify=client_context(ca) if ca else True) as registry:
+        if args.watch:
+            return watch_status(registry, registry_url, args)
+        text, error = status_text(registry, registry_url, args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
+def status_text(registry, registry_url: str, args: argparse.Namespace) -> tuple[str, str | None]:
+    """(what `edgefire status` prints, None) or ("", the error that kept it from the registry)."""
+    import httpx
+
+    from registry.client import RegistryError
+
     try:
-        with SyncRegistryClient(registry_url, admin_token, verify=client_context(ca) if ca else True) as registry:
-            snapshot = registry.admin_snapshot()
+        snapshot = registry.admin_snapshot()
     except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return "", str(exc)
     except httpx.HTTPError as exc:
-        print(f"error: cannot reach the registry at {registry_url} ({exc})", file=sys.stderr)
-        return 1
+        return "", f"cannot reach the registry at {registry_url} ({exc})"
     if args.links:
         links = snapshot.get("links", [])
-        print(json.dumps(links, indent=2) if args.json else
-              links_matrix([site["name"] for site in snapshot["sites"]], links, snapshot["generated_at"]))
-    elif args.json:
-        print(json.dumps(snapshot["sites"], indent=2))
-    else:
-        print(status_table(snapshot["sites"]))
-    return 0
+        return (json.dumps(links, indent=2) if args.json else
+                links_matrix([site["name"] for site in snapshot["sites"]], links, snapshot["generated_at"])), None
+    if args.json:
+        return json.dumps(snapshot["sites"], indent=2), None
+    return status_table(snapshot["sites"]), None
+
+
+# ANSI: the alternate screen (the terminal comes back as it was), cursor hidden, home, erase.
+ENTER, LEAVE = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l"
+HOME, ERASE_LINE, ERASE_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
+
+
+def watch_status(registry, registry_url: str, args: argparse.Namespace) -> int:
+    """Redraws the table in place every interval until Ctrl-C (exit 0). While the registry cannot be
+    reached the last table stays on screen under a line saying so, and the next redraw tries again."""
+    out = sys.stdout
+    last_text = ""
+    out.write(ENTER)
+    try:
+        while True:
+            text, error = status_text(registry, registry_url, args)
+            last_text = text or last_text
+            header = (f"edgefire status  {registry_url}  every {args.interval:g}s  "
+                      f"{time.strftime('%H:%M:%S')}  (Ctrl-C to stop)")
+            lines = [header, f"! {error}; retrying" if error else "", *last_text.splitlines()]
+            out.write(HOME + "".join(line + ERASE_LINE + "\n" for line in lines) + ERASE_BELOW)
+            out.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        out.write(LEAVE)
+        out.flush()
 
 
 def status_table(sites: list[dict]) -> str:

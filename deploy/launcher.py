@@ -386,7 +386,7 @@ class Cluster:
     def _write_cluster_json(self) -> None:
         c = self.config
         document = {"registry_url": self.registry_url, "router_url": self.router_url,
-                    "router_metrics": self.router_metrics_url,
+                    "router_metrics": self.router_metrics_url, "dashboard": f"{self.registry_url}/dashboard",
                     "model": self.model,
                     "ca": str(self.ca_path) if self.ca_path else None,
                     "admin_token": c.admin_token, "api_key": c.api_key, "launcher_pid": os.getpid(),

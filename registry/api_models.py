@@ -10,6 +10,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from registry.placements import PlacedPair
 from registry.records import DEFAULT_HEARTBEAT_INTERVAL_S, SITE_ROLES, ApiKeySpec, LinkMeasurement, ModelServed, SiteSpec
 
 MAX_LIST = 10_000
@@ -153,3 +154,18 @@ class LinksBody(Body):
 
     def records(self) -> list[LinkMeasurement]:
         return [LinkMeasurement(link.peer, link.rtt_ms, link.bandwidth_mbps) for link in self.links]
+
+
+class PlacedPairBody(Body):
+    prefill_site: str = Field(max_length=63)
+    decode_site: str = Field(max_length=63)
+    num_requests: int = Field(ge=1)
+
+
+class PlacementsBody(Body):
+    """What a router placed since its last report (registry.placements)."""
+
+    placements: list[PlacedPairBody] = Field(max_length=MAX_LIST)
+
+    def records(self) -> list[PlacedPair]:
+        return [PlacedPair(p.prefill_site, p.decode_site, p.num_requests) for p in self.placements]

@@ -204,6 +204,10 @@ class RegistryOperations:
         return self._call("POST", "/v1/router/api-keys/lookup", json={"key": key}, decode=_found_or_none,
                           idempotent=True)
 
+    def report_placements(self, placements: list[dict]):
+        """placements: [{"prefill_site", "decode_site", "num_requests"}] placed since the last report."""
+        return self._call("POST", "/v1/router/placements", json={"placements": placements})
+
     # Operator (admin token).
     def create_site(self, name: str, **fields):
         return self._call("POST", "/v1/admin/sites", json={"name": name, **fields})
@@ -264,6 +268,10 @@ class RegistryOperations:
 
     def revoke_api_key(self, key_id: int):
         return self._call("POST", f"/v1/admin/api-keys/{key_id}/revoke")
+
+    def placements(self, window_s: float = 300.0):
+        """{"window_s", "pairs": [{"prefill_site", "decode_site", "num_requests", "last_at"}]}."""
+        return self._call("GET", "/v1/admin/placements", params={"window_s": window_s})
 
     def audit_log(self, limit: int = 100, cursor: str | None = None):
         return self._call("GET", "/v1/admin/audit-log", params=_drop_none({"limit": limit, "cursor": cursor}))

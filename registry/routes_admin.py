@@ -11,6 +11,7 @@ from registry.api_models import (ApiKeyBody, DrainBody, ModelsBody, RolesBody, S
                                  SitePatchBody, SiteTokenBody)
 from registry.app_state import CredentialFirstRoute, RegistryService, admin_actor, registry
 from registry.http_errors import status_of
+from registry.placements import MAX_WINDOW_S
 from registry.records import Page
 from registry.validate import MAX_ID
 
@@ -62,6 +63,14 @@ async def snapshot(_: str = Depends(admin_actor), svc: RegistryService = Depends
     """The routers' snapshot (sites with capacity and liveness), for operators' status views."""
     rendered = await run_in_threadpool(svc.snapshots.get, None)
     return Response(rendered.body, media_type="application/json")
+
+
+@router.get("/placements")
+def placements(window_s: float = Query(300.0, gt=0, le=MAX_WINDOW_S, description="how far back, in seconds"),
+               _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """Requests the routers placed per (prefill site, decode site) pair in the last window_s seconds."""
+    pairs = svc.store.placements.recent(window_s)
+    return {"window_s": window_s, "pairs": [pair.to_json() for pair in pairs]}
 
 
 @router.get("/sites/{name}")

@@ -1,11 +1,12 @@
-"""The routers' API (router token): the site snapshot with ETag revalidation, and API-key lookup."""
+"""The routers' API (router token): the site snapshot with ETag revalidation, API-key lookup, and the
+placements routers report for the dashboard."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from registry.api_models import ApiKeyLookupBody
+from registry.api_models import ApiKeyLookupBody, PlacementsBody
 from registry.app_state import CredentialFirstRoute, RegistryService, registry, router_caller
 from registry.http_errors import ApiError
 
@@ -31,3 +32,11 @@ def lookup_api_key(body: ApiKeyLookupBody, svc: RegistryService = Depends(regist
     if key is None:
         raise ApiError(404, "unknown or revoked API key", "api_key_not_found")
     return key.to_json()
+
+
+@router.post("/placements")
+def report_placements(body: PlacementsBody, svc: RegistryService = Depends(registry)) -> dict:
+    """Requests placed per (prefill site, decode site) since the router's last report; they add up
+    across routers. Pairs naming unknown sites are dropped (a site deleted meanwhile)."""
+    svc.metrics.placement_reports.inc()
+    return {"stored": svc.store.placements.record(body.records())}

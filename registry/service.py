@@ -25,6 +25,7 @@ from registry import heartbeat_endpoint, http_errors
 from registry.app_state import RegistryService, metrics_caller
 from registry.auth import Authenticator
 from registry.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from registry.dashboard import router as dashboard_routes
 from registry.heartbeat_batcher import HeartbeatBatcher
 from registry.metrics import RegistryMetrics
 from registry.planner import Planner, PlannerSettings
@@ -87,6 +88,7 @@ def create_app(db_url: str, admin_token: str, router_token: str, *,
     app.include_router(agent_routes)
     app.include_router(router_routes)
     app.include_router(admin_routes)
+    app.include_router(dashboard_routes)
     app.add_api_route("/healthz", _healthz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", _metrics, methods=["GET"], include_in_schema=False,
                       dependencies=[Depends(metrics_caller)])

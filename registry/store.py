@@ -16,6 +16,7 @@ from registry.access import AccessStore
 from registry.audit import AuditLog
 from registry.db import make_engine
 from registry.leases import LeaseStore
+from registry.placements import PlacementStore
 from registry.sites import SiteStore
 from registry.snapshot import SnapshotData, read_db_version, read_snapshot
 from registry.telemetry import TelemetryStore
@@ -29,6 +30,7 @@ class RegistryStore:
         self.telemetry = TelemetryStore(engine, clock)
         self.audit = AuditLog(engine)
         self.leases = LeaseStore(engine, clock)
+        self.placements = PlacementStore(engine, clock)
 
     @classmethod
     def open(cls, db_url: str, clock: Callable[[], float] = time.time) -> RegistryStore:

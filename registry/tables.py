@@ -125,6 +125,18 @@ class LeaseRow(Base):
     expires_at: Mapped[float] = mapped_column(Float)
 
 
+class PlacementRow(Base):
+    """Requests the routers placed on each (prefill site, decode site) pair, per window of
+    PLACEMENT_WINDOW_S seconds: the dashboard's arcs. Recent only (registry.placements prunes)."""
+
+    __tablename__ = "placements"
+
+    prefill_site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
+    decode_site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"), primary_key=True)
+    window_start: Mapped[float] = mapped_column(Float, primary_key=True, index=True)
+    num_requests: Mapped[int] = mapped_column(BigInteger)
+
+
 class RegistryVersionRow(Base):
     """One row whose counter moves on every change a router would see in the snapshot.
 

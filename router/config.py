@@ -38,6 +38,7 @@ class RouterConfig:
     # It asks for no token: bind it to an internal interface. None: no metrics port.
     metrics_listen: str | None = None    # host:port, e.g. "10.0.0.5:9401" (port 0: any free port)
     metrics_tls: bool = False            # serve it over HTTPS with tls_cert
+    placement_report_interval_s: float = 5.0  # the pairs placed go to the registry (dashboard arcs); 0: never
     # Where this router stands: the location of clients we cannot place (anycast puts them near us).
     lat: float = 0.0
     lon: float = 0.0
@@ -112,7 +113,7 @@ class RouterConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("api_key_cache_s", "cooldown_s", "affinity_slack", "default_max_tokens", "max_full_wait_s",
-                     "session_margin", "decode_step_fixed"):
+                     "session_margin", "decode_step_fixed", "placement_report_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:

@@ -91,6 +91,9 @@ class RouterMetrics:
         self.live_sites = Gauge("edgefire_router_live_sites", "Sites alive in the view placed with", registry=r)
         self._models: dict[str, ModelMetrics] = {}
         self._feed = None
+        # (prefill site, decode site) -> requests placed since the last report to the registry (the
+        # dashboard's arcs, router.placement_report); one dict increment per request
+        self.unreported: dict[tuple[str, str], int] = {}
 
     def follow(self, feed) -> None:
         """The snapshot gauges read `feed` (router.snapshot_feed.SnapshotFeed) at each scrape."""
@@ -132,6 +135,8 @@ class RouterMetrics:
     def placed(self, prefill_site: str, decode_site: str, region: str | None) -> None:
         kind = "colocated" if prefill_site == decode_site else "split"
         self.placements.labels(kind, prefill_site, decode_site, region or "").inc()
+        pair = (prefill_site, decode_site)
+        self.unreported[pair] = self.unreported.get(pair, 0) + 1
 
     def moved_on(self, reason: str, resumed: bool) -> None:
         """A request leaves a failed site for the next candidate (a resume when tokens were already sent)."""

@@ -30,6 +30,7 @@ from router.health import PassiveHealth
 from router.metrics import RouterMetrics
 from router.model_assets import ModelAssetsCache
 from router.placement import CostModel
+from router.placement_report import PlacementReporter
 from router.rate_limit import RateLimiter
 from router.sessions import SessionTable
 from router.site_checks import SiteChecks
@@ -65,6 +66,9 @@ class Router:
         self._server_task: asyncio.Task | None = None
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
+        self.placement_reporter = (PlacementReporter(self.registry.report_placements, self.metrics,
+                                                     config.placement_report_interval_s)
+                                   if config.placement_report_interval_s > 0 else None)
 
     async def _check_health(self, address: str, timeout_s: float):
         return await self.agents.client(address).health(timeout=timeout_s)
@@ -77,6 +81,8 @@ class Router:
 
     async def start(self) -> None:
         await self.feed.start()
+        if self.placement_reporter is not None:
+            self.placement_reporter.start()
         if self.config.metrics_listen:
             self._metrics_server = MetricsServer(self.metrics.registry)
             tls = server_context(self.config.tls_cert, self.config.tls_key) if self.config.metrics_tls else None
@@ -117,6 +123,8 @@ class Router:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
+        if self.placement_reporter is not None:
+            await self.placement_reporter.stop()
         await self.feed.stop()
         await self.agents.close()
         self.locator.close()

@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from deploy.cluster import links_matrix, status_table
+from deploy.cluster import ENTER, ERASE_LINE, HOME, LEAVE, links_matrix, status_table
 from deploy.cluster_config import ClusterConfigError, demo_sites, load_cluster_toml
 from deploy.launcher import to_toml
 from deploy.processes import free_port, is_ours
@@ -125,6 +126,35 @@ def child_pids(state_dir: Path) -> list[int]:
     return [int(p.read_text()) for p in (state_dir / "run").glob("*.pid")]
 
 
+def check_status_watch(state_dir: Path) -> None:
+    """`edgefire status --watch` redraws the table in place (ANSI: alternate screen, home, erase) until
+    Ctrl-C, which leaves the terminal as it was and exits 0."""
+    watch = subprocess.Popen(EDGEFIRE + ["status", "--watch", "--interval", "0.2", "--state-dir", str(state_dir)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    output = bytearray()
+    reader = threading.Thread(target=lambda: output.extend(iter(lambda: watch.stdout.read1(4096), b"")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while output.count(HOME.encode()) < 3:
+            assert watch.poll() is None and time.monotonic() < deadline, (bytes(output), watch.stderr.read())
+            time.sleep(0.05)
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(10) == 0, watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    reader.join(5)
+    text = output.decode()
+    assert text.startswith(ENTER) and text.endswith(LEAVE)
+    frames = text.removeprefix(ENTER).split(HOME)[1:]
+    assert len(frames) >= 3
+    for frame in frames[:3]:
+        lines = [line.removesuffix(ERASE_LINE) for line in frame.split("\n")]
+        assert lines[0].startswith("edgefire status") and "every 0.2s" in lines[0]
+        assert any(line.startswith("lisbon ") and " yes " in line for line in lines)
+
+
 def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     state_dir, port, registry_port = tmp_path / "state", free_port(), free_port()
     first = start_up(state_dir, tiny_model_dir, port, registry_port, tmp_path / "first.log")
@@ -156,6 +186,7 @@ def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_pa
                                 text=True, timeout=30)
         assert status.returncode == 0, status.stderr
         assert "lisbon" in status.stdout and "yes" in status.stdout
+        check_status_watch(state_dir)
         saved = json.loads((state_dir / "cluster.json").read_text())
         assert saved["admin_token"] == "admin-test-token"
         assert all(path.stat().st_mode & 0o777 == 0o600 for path in secret_files)

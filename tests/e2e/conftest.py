@@ -50,7 +50,7 @@ def cluster_config(model_dir: Path, state_dir: Path, tls: bool = False) -> Clust
         # snapshot_max_age_s is short so the registry-outage test outlives it in seconds.
         router={"affinity_slack": 1000.0, "snapshot_refresh_s": 0.2, "first_token_timeout_s": 10.0,
                 "token_idle_timeout_s": 10.0, "cooldown_s": 3.0, "snapshot_max_age_s": 2.0,
-                "site_check_interval_s": 0.5})
+                "site_check_interval_s": 0.5, "placement_report_interval_s": 0.5})
 
 
 @pytest.fixture(scope="session")

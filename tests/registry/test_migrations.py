@@ -15,7 +15,7 @@ from registry.tables import Base
 from .conftest import drop_pg_schema, new_pg_schema, pg_schema_url
 
 REGISTRY_TABLES = {"sites", "site_models", "capacity", "links", "api_keys", "site_tokens", "audit_log",
-                   "registry_version", "leases"}
+                   "registry_version", "leases", "placements"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

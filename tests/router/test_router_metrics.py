@@ -4,9 +4,12 @@ requests did, on the metrics port and never on the public one."""
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 from router_fake_agent import MODEL
 
+from router.metrics import RouterMetrics
+from router.placement_report import PlacementReporter
 from tests.metrics_text import Samples
 
 FRA, LON, PAR = (50.1, 8.7), (51.5, -0.12), (48.86, 2.35)
@@ -112,3 +115,34 @@ async def test_a_stream_resumed_on_another_site_counts_one_resume(cluster, make_
     assert after.delta(before, "edgefire_router_failovers_total") == 0
     assert after.delta(before, "edgefire_router_generation_tokens_total", model=MODEL) == 8
     assert after.delta(before, "edgefire_router_time_to_first_token_seconds_count", model=MODEL) == 1
+
+
+async def test_placed_pairs_reach_the_registry_for_the_dashboard(split_pair, cluster, http):
+    router, url, auth = split_pair
+    for _ in range(2):
+        response = await http.post(f"{url}/v1/chat/completions", headers=auth, json=chat(2))
+        assert response.status_code == 200
+    await router.placement_reporter.report_now()
+    placed = (await cluster.admin.placements(300))["pairs"]
+    assert [(p["prefill_site"], p["decode_site"], p["num_requests"]) for p in placed] == [("fra", "lon", 2)]
+    await router.placement_reporter.report_now()  # nothing new: nothing is counted twice
+    assert (await cluster.admin.placements(300))["pairs"][0]["num_requests"] == 2
+
+
+async def test_a_report_the_registry_refuses_is_kept_for_the_next_one():
+    metrics, sent, failing = RouterMetrics(), [], [True]
+
+    async def report(body):
+        if failing[0]:
+            raise httpx.ConnectError("registry down")
+        sent.append(body)
+
+    reporter = PlacementReporter(report, metrics, interval_s=60)
+    metrics.placed("lis", "fra", "eu-west")
+    await reporter.report_now()
+    metrics.placed("lis", "fra", "eu-west")
+    assert metrics.unreported == {("lis", "fra"): 2}
+    assert metrics.registry_errors.labels("placements")._value.get() == 1
+    failing[0] = False
+    await reporter.report_now()
+    assert sent == [[{"prefill_site": "lis", "decode_site": "fra", "num_requests": 2}]] and metrics.unreported == {}
