@@ -1,4 +1,4 @@
-"""Engine commands: `generate` (one-shot generation from a checkpoint) and `make-demo-model`."""
+"""Engine commands: `generate` (one-shot generation from a checkpoint), `make-demo-model` and `compress`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+
+from engine.compression import WEIGHT_MODES
 
 DEFAULT_DEMO_DIR = Path(".edgefire/demo-model")
 
@@ -23,7 +25,21 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--weight-mode", default="decompress_on_load", choices=WEIGHT_MODES,
+                     help="for a compressed checkpoint: decode every weight at load (default), or keep the MLP "
+                          "weights compressed and decode them layer by layer (more KV cache)")
     gen.set_defaults(func=run_generate)
+
+    comp = subparsers.add_parser("compress", help="write a losslessly compressed copy of a bf16 checkpoint")
+    comp.add_argument("source", type=Path, help="checkpoint directory (Hugging Face format)")
+    comp.add_argument("destination", type=Path, help="new directory for the compressed checkpoint")
+    comp.add_argument("--tensors", default="mlp", choices=["mlp", "all"],
+                      help="compress the MLP weights only (default) or every floating-point tensor")
+    comp.add_argument("--chunk-size", type=int, default=None,
+                      help="elements per independently decodable chunk (a power of two, 64 to 262144); "
+                           "default: 1024, smaller for small tensors")
+    comp.add_argument("--force", action="store_true", help="replace the destination if it exists")
+    comp.set_defaults(func=run_compress)
 
     demo = subparsers.add_parser("make-demo-model", help="write a small random-weight demo checkpoint")
     demo.add_argument("directory", type=Path)
@@ -45,6 +61,23 @@ def run_make_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_compress(args: argparse.Namespace) -> int:
+    from engine.compression.compress import compress_checkpoint
+    from engine.errors import EngineError
+
+    try:
+        report = compress_checkpoint(args.source, args.destination, args.tensors, args.chunk_size, args.force)
+    except (EngineError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    total = report.total
+    print(f"wrote {args.destination} in {report.seconds:.1f} s: {total.num_compressed} of {total.num_tensors} tensors "
+          f"compressed, every tensor verified bit-exact; {total.bf16_bytes / 2**20:.1f} MiB of bf16 weights stored "
+          f"in {total.stored_bytes / 2**20:.1f} MiB ({total.saving:.1%} smaller)")
+    return 0
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.engine import EngineConfig, LLMEngine
@@ -61,7 +94,8 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt_ids = tokenizer.encode(args.prompt)
-        engine = AsyncEngine(LLMEngine(args.model, EngineConfig(device=args.device, dtype=args.dtype)))
+        engine = AsyncEngine(LLMEngine(args.model, EngineConfig(device=args.device, dtype=args.dtype,
+                                                                weight_mode=args.weight_mode)))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

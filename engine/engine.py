@@ -10,7 +10,6 @@ waits for the prefill site's step in progress (a long prefill chunk).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import secrets
@@ -23,10 +22,13 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager
+from engine.compression import WEIGHT_MODES
+from engine.compression.streamed import StreamedLayers
 from engine.config import ModelConfig, load_config
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
 from engine.kv_export import KVExport
 from engine.kv_transfer import KVLayout, KVPayload
+from engine.fingerprint import model_fingerprint
 from engine.loader import load_model, resolve_dtype
 from engine.grammar import GrammarCompiler
 from engine.memory import check_fits
@@ -55,6 +57,9 @@ class EngineConfig:
     kv_handle_ttl_s: float = 30.0
     kv_chunk_bytes: int = 1 << 20        # one exported KV chunk: small enough to pipeline gather and send
     show_progress: bool = True
+    # For checkpoints from `edgefire compress`: decompress_on_load decodes every weight while loading;
+    # compressed_in_memory keeps the MLP weights compressed and gives the memory saved to the KV pool.
+    weight_mode: str = "decompress_on_load"
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +68,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_mode must be one of {', '.join(WEIGHT_MODES)}, got {self.weight_mode!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
 
@@ -109,6 +116,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_hit_tokens: int
     steps: StepTotals = field(default_factory=StepTotals)  # running totals since start
+    num_kv_blocks_from_compression: int = 0   # KV blocks paid for by compressed_in_memory's savings
 
 
 @dataclass(slots=True)
@@ -141,14 +149,6 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """Same checkpoint files => same fingerprint; KV moves only between engines that agree on it."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return digest.hexdigest()[:16]
-
-
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -158,7 +158,8 @@ class LLMEngine:
         self.device = _pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes)
-        self.model = load_model(self.model_dir, self.model_config, self.device, self.dtype, config.show_progress)
+        self.model = load_model(self.model_dir, self.model_config, self.device, self.dtype, config.show_progress,
+                                config.weight_mode)
         self.eos_token_ids = self._eos_token_ids()
         self.fingerprint = model_fingerprint(self.model_dir)
         self.kv_cache = self._allocate_kv_cache()
@@ -177,8 +178,10 @@ class LLMEngine:
         self.num_prefix_hit_tokens = 0
         self._grammar_compiler: GrammarCompiler | None = None
         self.step_totals = StepTotals()
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks, config.block_size,
-                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d%s", num_blocks, config.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
+                 f"; {self.num_kv_blocks_from_compression} of them from the memory compressed_in_memory saves"
+                 if self.num_kv_blocks_from_compression else "")
         self.decode_graphs = self._capture_decode_graphs()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -194,18 +197,32 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         element = torch.tensor([], dtype=self.dtype).element_size()
         bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * element
+        saved = self._weight_bytes_saved()
         if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes
+            budget = cfg.kv_cache_bytes + saved   # the configured pool, plus what compression saved
         elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+            budget = self._cuda_kv_budget()       # free memory after the weights: the saving is in it
+            saved = int(saved * cfg.gpu_memory_utilization)
         else:
-            budget = 256 << 20
+            budget = (256 << 20) + saved
         num_blocks = budget // bytes_per_block
+        self.num_kv_blocks_from_compression = num_blocks - (budget - saved) // bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks; at least 2 needed "
                              f"({bytes_per_block} bytes per block)")
         shape = (mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _weight_bytes_saved(self) -> int:
+        """Bytes compressed_in_memory saves against plain MLP weights in the engine's dtype (0 otherwise)."""
+        layers = self.model.weights.layers
+        if not isinstance(layers, StreamedLayers):
+            return 0
+        plain, saved = layers.plain_bytes, layers.bytes_saved
+        log.info("compressed_in_memory: the MLP weights of %d layers take %.1f MiB compressed plus %.1f MiB of "
+                 "decode buffers instead of %.1f MiB: %.1f MiB more for the KV cache", layers.num_compressed,
+                 layers.compressed_bytes / 2**20, layers.buffer_bytes / 2**20, plain / 2**20, saved / 2**20)
+        return max(0, saved)
 
     # -- GPU fast path (CPU engines never enter these) -----------------------------------------
 
@@ -220,6 +237,10 @@ class LLMEngine:
 
     def _capture_decode_graphs(self):
         if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
+            return None
+        if isinstance(self.model.weights.layers, StreamedLayers):
+            # Decoding on a side stream inside a captured graph has not been validated on a GPU yet.
+            log.info("compressed_in_memory: decode steps run without CUDA graphs")
             return None
         from engine import kernels
         if not kernels.available():
@@ -542,4 +563,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             steps=self.step_totals.copy(),
+            num_kv_blocks_from_compression=self.num_kv_blocks_from_compression,
         )

@@ -2,6 +2,11 @@
 
 Files are memory-mapped by safetensors; each tensor is read once, cast, and fused into the
 engine's layout (q/k/v and gate/up concatenated). A progress bar shows the tensors loaded.
+
+A checkpoint written by `edgefire compress` (engine/compression) loads the same way: its tensors are
+decoded and checked as they are read (weight mode `decompress_on_load`), or, in
+`compressed_in_memory`, the MLP projections stay compressed on the device and the model's layers
+become an `engine.compression.streamed.StreamedLayers` that decodes them layer by layer.
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from engine.compression import WEIGHT_MODES
+from engine.compression.checkpoint import CompressedCheckpoint, is_compressed
+from engine.compression.decode import decompress_verified
+from engine.compression.streamed import CompressedMLP, StreamedLayers
+from engine.compression.tables import pair_table
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.model import CausalLM, LayerWeights, ModelWeights
@@ -33,7 +43,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the file that holds it."""
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.is_file():
@@ -66,32 +76,65 @@ def _open(path: Path):
 class _TensorReader:
     """Reads named tensors from their shards, checking shapes, with one open handle per shard."""
 
-    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype, progress: tqdm):
+    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype, progress: tqdm,
+                 compressed: CompressedCheckpoint | None = None):
         self.files = files
         self.device = device
         self.dtype = dtype
         self.progress = progress
         self.handles: dict[Path, object] = {}
+        self.compressed = compressed
+        self.pair_tables: dict[bytes, torch.Tensor] = {}   # one 256 KiB table per distinct code, shared
 
     def has(self, name: str) -> bool:
-        return name in self.files
+        return self.compressed.has(name) if self.compressed else name in self.files
 
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in self.files:
+        if not self.has(name):
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
-        path = self.files[name]
-        handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
-        try:
-            tensor = handle.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {shape}")
+        if self.compressed is not None:
+            tensor = self.compressed.read(name, self.device)
+        else:
+            path = self.files[name]
+            handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+        _check_shape(name, tuple(tensor.shape), shape)
         self.progress.update(1)
         return tensor.to(device=self.device, dtype=self.dtype)
 
+    def read_compressed_mlp(self, prefix: str, shapes: dict[str, tuple[int, ...]]) -> CompressedMLP | None:
+        """The layer's gate/up/down projections still compressed, on the device (each decoded once
+        here and checked), or None unless all three are compressed."""
+        names = {proj: f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")}
+        if self.compressed is None or not all(self.compressed.is_compressed(n) for n in names.values()):
+            return None
+        tensors = {}
+        for proj, name in names.items():
+            tensor = self.compressed.read_compressed(name)
+            _check_shape(name, tensor.shape, shapes[proj])
+            decompress_verified(tensor, self.device)
+            tensors[proj] = tensor.to(self.device)
+            self.progress.update(1)
+        tables = tuple(self._pair_table(t) for t in tensors.values())
+        return CompressedMLP(tensors["gate"], tensors["up"], tensors["down"], tables)
 
-def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int) -> LayerWeights:
+    def _pair_table(self, t) -> torch.Tensor:
+        key = t.palette.cpu().numpy().tobytes() + t.code_lengths.cpu().numpy().tobytes()
+        if key not in self.pair_tables:
+            self.pair_tables[key] = pair_table(t.palette, t.code_lengths).to(self.device)
+        return self.pair_tables[key]
+
+
+def _check_shape(name: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if actual != expected:
+        raise CheckpointError(f"tensor {name!r} has shape {actual}, config implies {expected}")
+
+
+def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int,
+                keep_mlp_compressed: bool = False) -> tuple[LayerWeights, CompressedMLP | None]:
     p = f"model.layers.{i}."
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
@@ -120,16 +163,20 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int) -> LayerWeights
         gate_up=None,
         down=None,
     )
+    mlp = None
     if cfg.is_sparse(i):
         layer.moe = _read_moe(reader, cfg, i)
     else:
         inter = cfg.intermediate_size
-        layer.gate_up = torch.cat([
-            reader.read(p + "mlp.gate_proj.weight", (inter, hidden)),
-            reader.read(p + "mlp.up_proj.weight", (inter, hidden)),
-        ])
-        layer.down = reader.read(p + "mlp.down_proj.weight", (hidden, inter))
-    return layer
+        shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        mlp = reader.read_compressed_mlp(p, shapes) if keep_mlp_compressed else None
+        if mlp is None:   # otherwise StreamedLayers points gate_up and down at its decode buffers
+            layer.gate_up = torch.cat([
+                reader.read(p + "mlp.gate_proj.weight", shapes["gate"]),
+                reader.read(p + "mlp.up_proj.weight", shapes["up"]),
+            ])
+            layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"])
+    return layer, mlp
 
 
 # Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
@@ -164,13 +211,21 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int) -> MoEWeights:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               show_progress: bool = True) -> CausalLM:
+               show_progress: bool = True, weight_mode: str = "decompress_on_load") -> CausalLM:
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"weight_mode {weight_mode!r} is not one of {', '.join(WEIGHT_MODES)}")
     model_dir = Path(model_dir)
-    files = _checkpoint_files(model_dir)
-    with tqdm(total=len(files), desc=f"loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
-        reader = _TensorReader(files, device, dtype, bar)
+    files = checkpoint_files(model_dir)
+    compressed = CompressedCheckpoint(model_dir, files) if is_compressed(model_dir) else None
+    keep_compressed = weight_mode == "compressed_in_memory"
+    if keep_compressed and compressed is None:
+        log.warning("%s is not a compressed checkpoint (edgefire compress makes one): weight_mode "
+                    "compressed_in_memory has nothing to keep compressed; loading it plainly", model_dir)
+    total = len(compressed.names()) if compressed else len(files)
+    with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
+        reader = _TensorReader(files, device, dtype, bar, compressed)
         embed = reader.read("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        layers = [_read_layer(reader, cfg, i) for i in range(cfg.num_layers)]
+        read = [_read_layer(reader, cfg, i, keep_compressed) for i in range(cfg.num_layers)]
         norm = reader.read("model.norm.weight", (cfg.hidden_size,))
         if reader.has("lm_head.weight") and not cfg.tie_word_embeddings:
             lm_head = reader.read("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
@@ -178,5 +233,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
             lm_head = embed
         else:
             raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-    log.info("loaded %s: %d layers, %s on %s", model_dir, cfg.num_layers, dtype, device)
+    layers = [layer for layer, _ in read]
+    mlps = [mlp for _, mlp in read]
+    if any(mlps):
+        layers = StreamedLayers(layers, mlps, device, dtype)
+    elif keep_compressed and compressed is not None:
+        log.warning("%s: no layer has all its MLP projections compressed; loading them plainly", model_dir)
+    log.info("loaded %s: %d layers, %s on %s%s", model_dir, cfg.num_layers, dtype, device,
+             " (compressed checkpoint)" if compressed else "")
     return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype)

@@ -34,7 +34,7 @@ class LayerWeights:
 @dataclass(slots=True)
 class ModelWeights:
     embed_tokens: torch.Tensor
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]     # or engine.compression.streamed.StreamedLayers (compressed_in_memory)
     norm: torch.Tensor
     lm_head: torch.Tensor         # the embedding itself when tied
 

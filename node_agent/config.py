@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typed_config
+from engine.compression import WEIGHT_MODES
 from registry.client import registry_urls
 from typed_config import ConfigError
 
@@ -55,6 +56,9 @@ class AgentConfig:
     max_waiting: int = 64                       # queued requests beyond which new work is refused
     device: str = "auto"
     dtype: str = "auto"
+    # Compressed checkpoints (edgefire compress): decompress_on_load, or compressed_in_memory (MLP weights
+    # stay compressed, decoded layer by layer; the memory saved goes to the KV cache).
+    weight_mode: str = "decompress_on_load"
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
     fetch_timeout_s: float = 30.0               # a KV pull slower than this falls back to recompute
@@ -103,6 +107,8 @@ class AgentConfig:
         for name in ("kv_cache_bytes", "kv_chunk_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.weight_mode not in WEIGHT_MODES:
+            raise ConfigError(f"weight_mode: must be one of {', '.join(WEIGHT_MODES)}, got {self.weight_mode!r}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if not MIN_THROUGHPUT_BYTES <= self.link_probe_bytes <= MAX_PROBE_BYTES:

@@ -43,7 +43,7 @@ def engine_config(config: AgentConfig) -> EngineConfig:
     return EngineConfig(device=config.device, dtype=config.dtype, block_size=config.block_size,
                         kv_cache_bytes=config.kv_cache_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs, kv_handle_ttl_s=config.kv_lease_ttl_s,
-                        kv_chunk_bytes=config.kv_chunk_bytes, show_progress=False)
+                        kv_chunk_bytes=config.kv_chunk_bytes, show_progress=False, weight_mode=config.weight_mode)
 
 
 def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:

@@ -1,0 +1,155 @@
+"""Reading a compressed checkpoint directory (FORMAT.md): its manifest, and any tensor by name.
+
+The reader maps each logical tensor name to the shard that holds it, plain or compressed, so the
+engine's loader asks for "model.layers.3.mlp.down_proj.weight" and never sees parts. A compressed
+tensor's parts are validated (structure and payload checksum) as they are read, and a decoded
+tensor is checked against the original's checksum, so a corrupt file fails at load naming the
+tensor and is never turned into wrong weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.compression.format import (FORMAT_NAME, FORMAT_VERSION, PARTS, CompressedFormatError, CompressedTensor,
+                                       from_record, part_name, split_part_name, tensor_checksum)
+
+MANIFEST = "compression.json"
+SHARD_VERSION_KEY = "edgefire.format_version"
+RECORD_PREFIX = "edgefire.tensor."
+
+
+@dataclass(slots=True)
+class Manifest:
+    format_version: int
+    source_weights: list[str] | None   # the source's weight files (name:size) when the weights decode bit-identical
+    tensors: str                       # mlp | all
+
+
+def is_compressed(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / MANIFEST).is_file()
+
+
+def read_manifest(model_dir: str | Path) -> Manifest:
+    path = Path(model_dir) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CompressedFormatError(f"{path}: unreadable ({exc}); compress the checkpoint again") from exc
+    found = raw.get("format") if isinstance(raw, dict) else raw
+    if found != FORMAT_NAME:
+        raise CompressedFormatError(f"{path}: not an edgefire compressed checkpoint (format {found!r}, "
+                                    f"expected {FORMAT_NAME!r})")
+    _check_version(raw.get("format_version"), str(path))
+    source = raw.get("source_weights")
+    if source is not None and not (isinstance(source, list) and all(isinstance(s, str) for s in source)):
+        raise CompressedFormatError(f"{path}: source_weights must be a list of 'name:size' strings or null")
+    return Manifest(FORMAT_VERSION, source, str(raw.get("tensors")))
+
+
+def _check_version(version, where: str) -> None:
+    if str(version) != str(FORMAT_VERSION):
+        raise CompressedFormatError(
+            f"{where}: compressed with format version {version!r}; this edgefire reads version {FORMAT_VERSION}. "
+            f"Compress the original checkpoint again with this edgefire (edgefire compress SRC DST)")
+
+
+class CompressedCheckpoint:
+    """Tensors of a compressed checkpoint by logical name, from shards opened once each."""
+
+    def __init__(self, model_dir: str | Path, files: dict[str, Path]):
+        """files: every safetensors entry name -> the shard holding it (as engine.loader finds them)."""
+        self.model_dir = Path(model_dir)
+        self.manifest = read_manifest(self.model_dir)
+        self.handles: dict[Path, object] = {}
+        self.plain: dict[str, Path] = {}
+        self.compressed: dict[str, tuple[Path, dict]] = {}
+        for shard in sorted(set(files.values())):
+            handle = self._handle(shard)
+            metadata = handle.metadata() or {}
+            _check_version(metadata.get(SHARD_VERSION_KEY), str(shard))
+            for key in handle.keys():
+                split = split_part_name(key)
+                if split is None:
+                    self.plain[key] = shard
+                elif split[0] not in self.compressed:
+                    self.compressed[split[0]] = (shard, self._record(shard, metadata, split[0]))
+
+    def names(self) -> list[str]:
+        return [*self.plain, *self.compressed]
+
+    def has(self, name: str) -> bool:
+        return name in self.plain or name in self.compressed
+
+    def is_compressed(self, name: str) -> bool:
+        return name in self.compressed
+
+    def read_compressed(self, name: str) -> CompressedTensor:
+        """The tensor's parts (CPU), validated against the format and the payload checksum."""
+        shard, record = self.compressed[name]
+        handle = self._handle(shard)
+        parts = {}
+        for part in PARTS:
+            try:
+                parts[part] = handle.get_tensor(part_name(name, part))
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CompressedFormatError(f"{shard}: compressed tensor {name!r} is missing part {part!r} ({exc}); "
+                                            f"the checkpoint is corrupt or truncated") from exc
+        return from_record(name, record, parts)
+
+    def read_plain(self, name: str) -> torch.Tensor:
+        shard = self.plain[name]
+        try:
+            return self._handle(shard).get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CompressedFormatError(f"{shard}: cannot read tensor {name!r} ({exc})") from exc
+
+    def read(self, name: str, device: torch.device | None = None) -> torch.Tensor:
+        """The tensor as stored before compression (bf16 for compressed ones), on device."""
+        if name not in self.compressed:
+            tensor = self.read_plain(name)
+            return tensor if device is None else tensor.to(device)
+        from engine.compression.decode import decompress_verified
+        return decompress_verified(self.read_compressed(name), device or torch.device("cpu"))
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start .. stop-1 of a tensor (CPU; bf16 for compressed ones), decoding only the chunks
+        that hold them: a tensor-parallel rank's shard of a row-split weight."""
+        if name not in self.compressed:
+            return self._handle(self.plain[name]).get_slice(name)[start:stop]
+        from engine.compression.torch_decoder import decompress_rows
+        return decompress_rows(self.read_compressed(name), start, stop)
+
+    def _handle(self, shard: Path):
+        if shard not in self.handles:
+            try:
+                self.handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CompressedFormatError(f"{shard}: unreadable safetensors file ({exc}); the checkpoint is "
+                                            f"corrupt or truncated") from exc
+        return self.handles[shard]
+
+    @staticmethod
+    def _record(shard: Path, metadata: dict, name: str) -> dict:
+        text = metadata.get(RECORD_PREFIX + name)
+        if text is None:
+            raise CompressedFormatError(f"{shard}: compressed tensor {name!r} has no record in the file's metadata")
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CompressedFormatError(f"{shard}: the record of compressed tensor {name!r} is not JSON ({exc})") from exc
+        if not isinstance(record, dict):
+            raise CompressedFormatError(f"{shard}: the record of compressed tensor {name!r} is not an object")
+        return record
+
+
+def verify_output(t: CompressedTensor, bits: torch.Tensor) -> None:
+    """Raise unless the decoded bf16 bits (int16 view, any device) match the original's checksum."""
+    if tensor_checksum(bits) != t.xxh3:
+        raise CompressedFormatError(f"compressed tensor {t.name!r} decoded to values whose checksum differs from "
+                                    f"the original's: the checkpoint is corrupt; compress it again")
