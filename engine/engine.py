@@ -358,7 +358,7 @@ class LLMEngine:
         # A matcher in an error state allows nothing; end-of-sequence then ends the row cleanly.
         stuck = ~allowed.any(dim=-1)
         if bool(stuck.any()):
-            allowed[stuck.nonzero().flatten(), sorted(self.eos_token_ids)[0]] = True
+            allowed[stuck.nonzero().flatten(), min(self._grammar_compiler.eos_token_ids)] = True
         return allowed
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> StepOutput:
@@ -386,9 +386,11 @@ class LLMEngine:
             self._finish(seq, out.finish_reason)
         return out
 
-    @staticmethod
-    def _grammar_done(seq: Sequence, token_id: int) -> bool:
-        """Advance the matcher; True once the grammar is complete (only end-of-sequence could follow)."""
+    def _grammar_done(self, seq: Sequence, token_id: int) -> bool:
+        """Advance the matcher; True once the grammar is complete (only end-of-sequence could follow) or
+        the grammar's end token was drawn."""
+        if token_id in self._grammar_compiler.eos_token_ids:
+            return True
         if not seq.matcher.consume(token_id):
             log.error("request %s: token %d broke its grammar (%s); ending it", seq.request_id, token_id,
                       seq.matcher.matcher.get_error())

@@ -107,9 +107,13 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], num_threads: int = 2) -> None:
         self.vocab_size = vocab_size
         try:
-            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+            # A model without end-of-sequence ids still needs one for the grammar: the library's guess (the
+            # engine ends a constrained sequence on it, as on the model's own).
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                    eos_token=sorted(eos_token_ids) or None)
         except (ValueError, RuntimeError) as exc:
             raise InvalidRequestError(f"this model's tokenizer cannot be used for constrained output: {exc}") from exc
+        self.eos_token_ids = frozenset(self.tokenizer.eos_tokens)
         self.executor = llguidance.LLExecutor(num_threads=num_threads)
         self.mask_words = (vocab_size + 31) // 32
         self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()

