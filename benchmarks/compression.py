@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.compression.checkpoint import CompressedCheckpoint  # noqa: E402
 from engine.compression.compress import compress_checkpoint, tensor_group  # noqa: E402
 from engine.compression.encoder import compress_tensor  # noqa: E402
-from engine.compression.format import GROUP_SIZE  # noqa: E402
 from engine.compression.tables import pair_table  # noqa: E402
 from engine.compression.torch_decoder import decompress_into  # noqa: E402
 from engine.loader import checkpoint_files  # noqa: E402

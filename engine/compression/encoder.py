@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 
 from engine.compression.codes import MAX_CODE_LENGTH, canonical_codes, code_lengths
-from engine.compression.format import (DEFAULT_CHUNK_SIZE, GROUP_SIZE, PALETTE_SIZE, CompressedTensor,
-                                       tensor_checksum)
+from engine.compression.format import (DEFAULT_CHUNK_SIZE, GROUP_SIZE, MAX_CHUNK_SIZE, PALETTE_SIZE,
+                                       CompressedTensor, tensor_checksum)
 
-BLOCK_ELEMENTS = 1 << 18
-MAX_CHUNK_SIZE = BLOCK_ELEMENTS
+BLOCK_ELEMENTS = MAX_CHUNK_SIZE   # elements per pass: whole chunks and groups
 MIN_LANES = 4096         # auto chunk size: enough chunks that a lockstep decode amortizes its per-op overhead
 MIN_AUTO_CHUNK_SIZE = 256   # below this the chunk index (8 bytes a chunk) costs more than 1/4 bit an element
 

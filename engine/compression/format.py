@@ -22,6 +22,7 @@ FORMAT_VERSION = 1
 GROUP_SIZE = 64          # elements per escape group ("row" of the published design)
 PALETTE_SIZE = 16        # most frequent exponents coded per tensor
 DEFAULT_CHUNK_SIZE = 1024
+MAX_CHUNK_SIZE = 1 << 18
 PART_MARKER = ".__efc."  # safetensors name of a part: f"{tensor}{PART_MARKER}{part}"
 # Parts in checksum order, with their dtypes.
 PARTS = {
@@ -149,8 +150,8 @@ def validate(t: CompressedTensor) -> None:
 
     if any(d < 0 for d in t.shape):
         fail(f"negative dimension in shape {t.shape}")
-    if t.chunk_size < 2 or t.chunk_size % 2 or t.chunk_size > 1 << 20:
-        fail(f"chunk_size {t.chunk_size} is not an even number in [2, 2^20]")
+    if not GROUP_SIZE <= t.chunk_size <= MAX_CHUNK_SIZE or t.chunk_size & (t.chunk_size - 1):
+        fail(f"chunk_size {t.chunk_size} is not a power of two from {GROUP_SIZE} to {MAX_CHUNK_SIZE}")
     for name, dtype in PARTS.items():
         part = getattr(t, name)
         if part.dtype != dtype:

@@ -20,7 +20,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.int16)
 
 
-@pytest.mark.parametrize("chunk_size", [None, 64, 1024])
+@pytest.mark.parametrize("chunk_size", [None, 64])   # None: 256 for these sizes
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip_is_bit_exact(name, chunk_size):
     original = CASES[name]

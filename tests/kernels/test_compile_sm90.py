@@ -22,6 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from engine.compression.triton_decoder import _decode_kernel as _bf16_decode_kernel  # noqa: E402
 from engine.kernels.activation import _silu_and_mul_kernel  # noqa: E402
 from engine.kernels.decode_attention import _decode_kernel, _merge_splits_kernel  # noqa: E402
 from engine.kernels.fused_moe import _down_kernel, _gate_up_kernel  # noqa: E402
@@ -60,6 +61,10 @@ CASES = {
     "moe_down": (_down_kernel, dict(act_ptr=BF16, w_ptr=BF16, out_ptr=BF16, weights_ptr="*fp32", sorted_pairs_ptr="*i32",
                                     block_expert_ptr="*i32"),
                  dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None)),
+    # Compressed BF16 weights: 1024-element chunks, 128 lanes a program.
+    "bf16_decode": (_bf16_decode_kernel, dict(stream_ptr="*i16", offsets_ptr="*i64", table_ptr="*i32",
+                                              sign_mantissa_ptr="*u8", out_ptr="*i32", n_elements="i64"),
+                    dict(CHUNK=1024, LANES=128)),
     "write_kv": (_write_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16,
                                         slot_mapping_ptr="*i64"), dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)),
 }
