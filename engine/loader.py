@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from engine.compression import WEIGHT_MODES
 from engine.compression.checkpoint import CompressedCheckpoint, is_compressed
-from engine.compression.decode import decompress_verified
+from engine.compression.decode import decompress_verified, uses_kernel
 from engine.compression.streamed import CompressedMLP, StreamedLayers
 from engine.compression.tables import pair_table
 from engine.config import ModelConfig
@@ -115,8 +115,8 @@ class _TensorReader:
         for proj, name in names.items():
             tensor = self.compressed.read_compressed(name)
             _check_shape(name, tensor.shape, shapes[proj])
-            decompress_verified(tensor, self.device)
             tensors[proj] = tensor.to(self.device)
+            decompress_verified(tensors[proj], self.device)   # decoded once, checked, dropped
             self.progress.update(1)
         tables = tuple(self._pair_table(t) for t in tensors.values())
         return CompressedMLP(tensors["gate"], tensors["up"], tensors["down"], tables)
@@ -218,6 +218,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     files = checkpoint_files(model_dir)
     compressed = CompressedCheckpoint(model_dir, files) if is_compressed(model_dir) else None
     keep_compressed = weight_mode == "compressed_in_memory"
+    if keep_compressed and device.type == "cuda" and not uses_kernel(device):
+        raise ValueError("weight_mode compressed_in_memory on a GPU decodes with the Triton kernel: install triton "
+                         "(pip install 'edgefire[gpu]') and leave EDGEFIRE_DISABLE_KERNELS unset, or use "
+                         "decompress_on_load")
     if keep_compressed and compressed is None:
         log.warning("%s is not a compressed checkpoint (edgefire compress makes one): weight_mode "
                     "compressed_in_memory has nothing to keep compressed; loading it plainly", model_dir)

@@ -36,7 +36,7 @@ def decompress_on(t: CompressedTensor, device: torch.device) -> torch.Tensor:
         decompress_into(t, out, table)
         return out[: t.numel].view(torch.bfloat16).view(t.shape)
     out = torch.empty(t.numel, dtype=torch.int16)
-    decompress_into(t, out, table)
+    decompress_into(t.to(torch.device("cpu")), out, table)
     return out.view(torch.bfloat16).view(t.shape).to(device)
 
 

@@ -28,6 +28,7 @@ from engine.compression.tables import LENGTH_BITS, pair_table
 # Chunks decoded together. Measured on a 2-core CPU (chunk 1024): 2048 lanes pay per-op overhead
 # (0.30 GB/s a thread for the loop), 8192 amortize it (0.54 GB/s); more spill the L2.
 LANES_PER_BLOCK = 8192
+BLOCK_ELEMENTS = 1 << 24       # at most per block, so bit positions fit int32 and scratch stays bounded
 SIGN_MANTISSA_BITS = -0x7F81   # 0x807F as int16
 EXPONENT_MASK = 0x7F80         # drops the code length the pair entries carry in bits 0-4
 MERGE_ELEMENTS = 1 << 18       # sign/mantissa bytes widened per pass: a temporary that stays in cache
@@ -92,10 +93,12 @@ def decompress_rows(t: CompressedTensor, start: int, stop: int, table: torch.Ten
 def _decode_chunks(t: CompressedTensor, table: torch.Tensor, out: torch.Tensor, first: int, last: int) -> None:
     """Chunks first .. last-1 into out, whose element 0 is the first chunk's first element."""
     per_block = min(LANES_PER_BLOCK, max(256, -(-(last - first) // _workers())))
+    per_block = max(1, min(per_block, BLOCK_ELEMENTS // t.chunk_size))
     blocks = [(c, min(last, c + per_block)) for c in range(first, last, per_block)]
     origin = first * t.chunk_size
-    if len(blocks) == 1:
-        _decode_block(t, table, out, *blocks[0], origin)
+    if len(blocks) == 1 or _workers() == 1:
+        for block in blocks:
+            _decode_block(t, table, out, *block, origin)
     else:
         for future in [_executor().submit(_decode_block, t, table, out, *b, origin) for b in blocks]:
             future.result()

@@ -51,6 +51,7 @@ def test_toml_env_and_flags_layer(tmp_path, tiny_model_dir):
     ('max_num_seqs = "lots"', "max_num_seqs: must be int, got str"),
     ("heartbeat_interval_s = true", "heartbeat_interval_s: must be float, got bool"),
     ('role = "router"', "role: must be one of prefill, decode, both"),
+    ('weight_mode = "lazy"', "weight_mode: must be one of decompress_on_load, compressed_in_memory"),
     ("lat = 123.0", "lat: must be in [-90, 90]"),
     ('registry_url = "http://registry:8500"', "site_token: required when registry_url is set"),
     ('tls_cert = "/nope/cert.pem"', "tls_cert / tls_key: give both or neither"),
