@@ -179,6 +179,11 @@ class AsyncEngine:
                 if self._error is None and not self._stopped:
                     self._submit(lambda: self.engine.abort(request_id))
 
+    async def prepare_grammar(self, spec) -> None:
+        """Compile a request's grammar on a worker thread (InvalidRequestError when it does not compile), so the
+        step loop only ever finds it cached."""
+        await asyncio.to_thread(self.engine.prepare_grammar, spec)
+
     async def export_kv(self, handle: str) -> KVPayload:
         return await self.call(lambda e: e.export_kv(handle))
 

@@ -177,6 +177,7 @@ class LLMEngine:
         self.decode_kv_tokens = _Average()
         self.num_prefix_hit_tokens = 0
         self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.step_totals = StepTotals()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d%s", num_blocks, config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
@@ -284,16 +285,22 @@ class LLMEngine:
                                           "there is nothing left to generate")
         return seq
 
+    def prepare_grammar(self, spec) -> None:
+        """Compile and cache a request's grammar (InvalidRequestError when it does not compile). Safe on any
+        thread: callers run it off the engine thread, so a large schema never stalls a step."""
+        self.grammar_compiler().compile(spec)
+
     def grammar_compiler(self) -> GrammarCompiler:
         """Built on the first constrained request (only those need the tokenizer's token bytes)."""
-        if self._grammar_compiler is None:
-            path = self.model_dir / "tokenizer.json"
-            if not path.is_file():
-                raise InvalidRequestError("this model has no tokenizer.json, which constrained output "
-                                          "(response_format, tool_choice) needs")
-            self._grammar_compiler = GrammarCompiler(path.read_text(encoding="utf-8"), self.model_config.vocab_size,
-                                                     sorted(self.eos_token_ids))
-        return self._grammar_compiler
+        with self._grammar_lock:  # prepare_grammar may race the engine thread to build it
+            if self._grammar_compiler is None:
+                path = self.model_dir / "tokenizer.json"
+                if not path.is_file():
+                    raise InvalidRequestError("this model has no tokenizer.json, which constrained output "
+                                              "(response_format, tool_choice) needs")
+                self._grammar_compiler = GrammarCompiler(path.read_text(encoding="utf-8"),
+                                                         self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar_compiler
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     generated_ids: list[int] | None = None, prefill_only: bool = False) -> None:

@@ -104,7 +104,8 @@ class GrammarCompiler:
     """One engine's grammars: the model's tokenizer as llguidance sees it, compiled grammars (LRU),
     and the executor that fills a batch's masks in parallel."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], num_threads: int = 2) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 num_threads: int | None = None) -> None:
         self.vocab_size = vocab_size
         try:
             # A model without end-of-sequence ids still needs one for the grammar: the library's guess (the
@@ -114,20 +115,21 @@ class GrammarCompiler:
         except (ValueError, RuntimeError) as exc:
             raise InvalidRequestError(f"this model's tokenizer cannot be used for constrained output: {exc}") from exc
         self.eos_token_ids = frozenset(self.tokenizer.eos_tokens)
-        self.executor = llguidance.LLExecutor(num_threads=num_threads)
+        self.executor = llguidance.LLExecutor(num_threads=num_threads)  # None: the library's share of the CPUs
         self.mask_words = (vocab_size + 31) // 32
         self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the agent checks grammars off the engine thread
 
     def matcher(self, spec: GrammarSpec, generated_ids: list[int] = ()) -> GrammarMatcher:
         """A fresh matcher for the spec, advanced over the tokens already generated."""
-        matcher = self._compile(spec).deep_copy()
+        matcher = self.compile(spec).deep_copy()
         if generated_ids and not matcher.consume_tokens(list(generated_ids)):
             raise InvalidRequestError(f"the tokens already generated do not follow the request's grammar "
                                       f"({matcher.get_error()}); resume with the tokens this grammar produced")
         return GrammarMatcher(matcher)
 
-    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+    def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """The spec's compiled matcher, from the cache when it was compiled before (thread-safe)."""
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:

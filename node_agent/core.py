@@ -158,6 +158,8 @@ class AgentCore:
         model = self.model(model_name)
         self._check_role(step)
         self._validate(model, prompt_ids, generated_ids, params)
+        if params.grammar is not None:  # compiled off the engine thread: a large schema never stalls a step
+            await model.engine.prepare_grammar(params.grammar)
         self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot)
         return model
 
