@@ -452,7 +452,14 @@ class Choices:
         return body
 
     async def response(self) -> dict:
-        bodies = await asyncio.gather(*(run.response() for run in self.runs))
+        tasks = [asyncio.ensure_future(run.response()) for run in self.runs]
+        try:
+            bodies = await asyncio.gather(*tasks)
+        except BaseException:  # one choice failed (or the client left): end the others' generations too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
         body["usage"] = self.usage()
