@@ -14,6 +14,7 @@ import json
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 from safetensors.torch import save_file
 
@@ -56,6 +57,13 @@ ADD = {"type": "function", "function": {
                                                  "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
 SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+class Forecast(pydantic.BaseModel):
+    """What the SDK's `parse` helper turns into a strict json_schema response_format."""
+    city: str = pydantic.Field(max_length=8)
+    rain: bool
+    wind: int = pydantic.Field(ge=0, le=99)
 
 
 def _build(directory):
@@ -111,21 +119,36 @@ async def test_every_seed_and_schema_validates_and_json_object_parses(served):
         return name, completion.choices[0]
 
     async def json_object(seed: int):
-        completion = await client.chat.completions.create(model=MODEL, messages=QUESTION, seed=seed, max_tokens=48,
+        completion = await client.chat.completions.create(model=MODEL, messages=QUESTION, seed=seed, max_tokens=256,
                                                           response_format={"type": "json_object"})
         return "json_object", completion.choices[0]
 
+    async def sdk_parse(seed: int):
+        completion = await client.chat.completions.parse(model=MODEL, messages=QUESTION, seed=seed, max_tokens=60,
+                                                         response_format=Forecast)
+        return "sdk_parse", completion.choices[0]
+
     jobs = [structured(name, schema, seed) for name, schema in SCHEMAS.items() for seed in SEEDS]
+    jobs += [sdk_parse(seed) for seed in range(4)]
     jobs += [json_object(seed) for seed in range(8)]
+    num_closed = 0
     for name, choice in await asyncio.gather(*jobs):
+        if name == "sdk_parse":
+            assert isinstance(choice.message.parsed, Forecast), choice.message.content
+            continue
         if name == "json_object":
-            if choice.finish_reason == "stop":  # an object cut by max_tokens is "length", as OpenAI's
+            # any JSON object may be long: one cut by max_tokens is "length" (as OpenAI's), every other parses
+            num_closed += choice.finish_reason == "stop"
+            if choice.finish_reason == "stop":
                 assert isinstance(json.loads(choice.message.content), dict)
             else:
                 assert choice.finish_reason == "length"
+                with pytest.raises(json.JSONDecodeError):
+                    json.loads(choice.message.content)
             continue
         assert choice.finish_reason == "stop", (name, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
+    assert num_closed >= 4  # most noise objects close within 256 tokens
 
 
 async def test_required_and_named_tool_calls_validate_and_stream_the_same(served):
