@@ -1,15 +1,17 @@
 """Structured output, tool calls, penalties and n > 1 through the official `openai` client, against a
-router and a real engine (an in-process agent) on a random-weight checkpoint whose free output is
+router and a real engine (an in-process agent) on random-weight checkpoints whose free output is
 noise: whatever parses and validates here does so because of the grammar.
 
-The checkpoint is the tiny demo Llama with a tokenizer carrying Qwen2.5's control tokens and
-Qwen2.5's published chat template, so tools reach the model through the template and tool calls
-use the Hermes format (`<tool_call>` ... `</tool_call>`, special tokens here).
+The schemas run on the tiny demo model itself. Tools run on the same architecture with a tokenizer
+carrying Qwen2.5's control tokens and Qwen2.5's published chat template, so tools reach the model
+through the template and tool calls use the Hermes format (`<tool_call>` ... `</tool_call>`, special
+tokens here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import jsonschema
@@ -24,6 +26,7 @@ from node_agent.daemon import Agent
 from tests.engine.chat_checkpoints import CONTROL_TOKEN, template_text, train_tokenizer
 
 MODEL = "qwen-noise"
+DEMO = "demo"
 PEER_TOKEN = "peer-secret"
 SEEDS = range(20)
 
@@ -89,42 +92,56 @@ def model_dir(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("qwen-noise"))
 
 
-@pytest.fixture
-async def served(cluster, make_router, model_dir):
-    """(openai client, the agent's engine) for a router in front of one real agent."""
-    agent = Agent(AgentConfig(site="oslo", models={MODEL: str(model_dir)}, grpc_listen="127.0.0.1:0",
+@contextlib.asynccontextmanager
+async def serving(cluster, make_router, directory, model: str):
+    """(openai client, the agent's engine) for a router in front of one real agent serving `directory`."""
+    agent = Agent(AgentConfig(site="oslo", models={model: str(directory)}, grpc_listen="127.0.0.1:0",
                               metrics_listen=None, peer_token=PEER_TOKEN, kv_cache_bytes=16 << 20, device="cpu",
                               dtype="float32", max_num_seqs=128, max_waiting=256))
     await agent.start()
     try:
         await cluster.admin.create_site("oslo", region="eu", country="NO", lat=59.9, lon=10.7,
-                                        grpc_address=agent.address, models=[{"model": MODEL, "role": "both"}],
+                                        grpc_address=agent.address, models=[{"model": model, "role": "both"}],
                                         heartbeat_interval_s=60)
         await cluster.heartbeat("oslo")
         key = await cluster.create_key()
         _router, url = await make_router(peer_token=PEER_TOKEN, first_token_timeout_s=60, token_idle_timeout_s=60)
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120) as client:
-            yield client, agent.models[MODEL].engine.engine
+            yield client, agent.models[model].engine.engine
     finally:
         await agent.stop()
 
 
-async def test_every_seed_and_schema_validates_and_json_object_parses(served):
-    client, _engine = served
+@pytest.fixture
+async def served(cluster, make_router, model_dir):
+    """The Qwen2.5-templated checkpoint (tools reach the model; Hermes tool calls)."""
+    async with serving(cluster, make_router, model_dir, MODEL) as served:
+        yield served
+
+
+@pytest.fixture
+async def served_demo(cluster, make_router, tiny_model_dir):
+    """The demo model itself (`edgefire make-demo-model --size tiny`)."""
+    async with serving(cluster, make_router, tiny_model_dir, DEMO) as served:
+        yield served
+
+
+async def test_every_seed_and_schema_validates_and_json_object_parses(served_demo):
+    client, _engine = served_demo
 
     async def structured(name: str, schema: dict, seed: int):
         fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": seed % 2 == 0}}
-        completion = await client.chat.completions.create(model=MODEL, messages=QUESTION, seed=seed, temperature=1.0,
+        completion = await client.chat.completions.create(model=DEMO, messages=QUESTION, seed=seed, temperature=1.0,
                                                           max_tokens=160, response_format=fmt)
         return name, completion.choices[0]
 
     async def json_object(seed: int):
-        completion = await client.chat.completions.create(model=MODEL, messages=QUESTION, seed=seed, max_tokens=256,
+        completion = await client.chat.completions.create(model=DEMO, messages=QUESTION, seed=seed, max_tokens=256,
                                                           response_format={"type": "json_object"})
         return "json_object", completion.choices[0]
 
     async def sdk_parse(seed: int):
-        completion = await client.chat.completions.parse(model=MODEL, messages=QUESTION, seed=seed, max_tokens=60,
+        completion = await client.chat.completions.parse(model=DEMO, messages=QUESTION, seed=seed, max_tokens=60,
                                                          response_format=Forecast)
         return "sdk_parse", completion.choices[0]
 
