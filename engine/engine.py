@@ -36,7 +36,7 @@ from engine.runner import prepare_step
 from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
-from engine.step_totals import StepTotals
+from engine.step_totals import StepPhases, StepTotals
 from engine.config import read_json
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self.step_totals = StepTotals()
+        self.step_phases = StepPhases()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d%s", num_blocks, config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
                  f"; {self.num_kv_blocks_from_compression} of them from the memory compressed_in_memory saves"
@@ -326,21 +327,43 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One step: schedule, build inputs, run the model, sample, record. The single-device hot path."""
+        clock = time.perf_counter
+        began = clock()
         self.expire_handles()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        started = time.perf_counter()
+        started = clock()
         inputs = prepare_step(scheduled, self.config.block_size, self.device)
+        prepared = clock()
         hidden = self._forward(inputs)
         sampled: list[SampledToken] = []
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
+            forwarded = clock()
             seqs = [item.seq for item in inputs.sample_seqs]
             sampled = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                              [s.num_output_tokens for s in seqs], [s.token_ids for s in seqs],
                              [s.num_prompt_tokens for s in seqs], self._allowed_tokens(seqs, logits))
-        elapsed = time.perf_counter() - started
+        else:
+            forwarded = clock()
+        sampled_at = clock()
+        self._record_rates(scheduled, sampled_at - started)
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(item.seq)
+        outputs = [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)]
+        phases = self.step_phases
+        phases.num_steps += 1
+        phases.schedule += started - began
+        phases.prepare += prepared - started
+        phases.forward += forwarded - prepared
+        phases.sample += sampled_at - forwarded
+        phases.output += clock() - sampled_at
+        return outputs
+
+    def _record_rates(self, scheduled: list[ScheduledSeq], elapsed: float) -> None:
         num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
         num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
         self.prefill_rate.update(num_prefill, elapsed * num_prefill / max(1, num_prefill + num_decode))
@@ -349,10 +372,6 @@ class LLMEngine:
         if num_decode and elapsed > 0:
             self.decode_batch_size.update(num_decode)
             self.decode_kv_tokens.update(sum(i.seq.num_tokens for i in scheduled if i.num_new_tokens == 1))
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(item.seq)
-        return [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)]
 
     def _allowed_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
         """The grammar masks of the constrained rows (bool [rows, vocab]); None when no row has a grammar."""
