@@ -66,7 +66,7 @@ class CausalLM:
             attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is None:
-                hidden = self.ops.silu_and_mul(normed @ layer.gate_up.T) @ layer.down.T
+                hidden = self.ops.linear(self.ops.silu_and_mul(self.ops.linear(normed, layer.gate_up)), layer.down)
             else:
                 hidden = moe_forward(layer.moe, normed, self.ops)
         normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
@@ -76,7 +76,7 @@ class CausalLM:
                    batch: ops.AttentionBatch, layer_cache: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = x @ layer.qkv.T
+        qkv = self.ops.linear(x, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -91,8 +91,8 @@ class CausalLM:
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, cfg.sliding_windows[index])
-        return out.reshape(num_tokens, q_size) @ layer.o_proj.T
+        return self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.weights.lm_head.T).float()
+        return self.ops.linear(hidden, self.weights.lm_head).float()

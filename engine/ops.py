@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# A CPU matmul with this many rows or fewer runs on one thread whatever torch's thread count, so
+# a decode step with a small batch is bound by one core streaming the weights from memory.
+LINEAR_SPLIT_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ weight [out, in].T.
+
+    On a CPU with several threads and few rows, the weight's rows are cut into one slab per thread
+    and multiplied as one batched matmul, which torch spreads over its threads: a small-batch
+    decode step then streams its weights on every core (about 1.5x less time per matmul on
+    2 cores at 1-4 rows; no loss up to 32 rows, where torch's own threading takes over).
+    """
+    rows, num_threads = x.shape[0], torch.get_num_threads()
+    if (rows > LINEAR_SPLIT_ROWS or num_threads == 1 or x.device.type != "cpu"
+            or weight.shape[0] % num_threads):
+        return x @ weight.T
+    slabs = weight.view(num_threads, weight.shape[0] // num_threads, weight.shape[1])
+    return torch.matmul(x, slabs.transpose(1, 2)).transpose(0, 1).reshape(rows, weight.shape[0])
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -72,16 +93,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values [T, Hkv, D] at flat cache slots [T] (block_id * block_size + offset)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 @dataclass(slots=True)
 class AttentionBatch:
     """Where each sequence's queries sit in the flat token batch and where its keys sit in the cache.
 
-    Decode sequences (one query each) come first and are attended in one batched call; each
-    prefill chunk after them is attended on its own.
+    Decode sequences (one query each) come first; the kernels attend them in one batched call and
+    each other sequence on its own.
     """
 
     num_decode: int                  # the first num_decode sequences have exactly one query
@@ -90,6 +111,8 @@ class AttentionBatch:
     block_tables: torch.Tensor       # [num_seqs, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decode] int64 on the model's device
     slot_mapping: torch.Tensor       # [num_tokens] int64: cache slot of each new token
+    # The CPU path's attention groups, planned by the first layer and reused by the others.
+    cpu_plan: CPUAttentionPlan | None = None
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -100,70 +123,95 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids).flatten(0, 1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B, 1, Q, L] bool (True = attend)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                     scale: float, sliding_window: int | None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each sequence's cached keys; returns [T, H, D].
 
     k_cache/v_cache are one layer's pool [num_blocks, block_size, Hkv, D]; the new tokens' keys
     must already be written (write_kv) so a sequence's keys are exactly its cache prefix.
+
+    Sequences with few queries (decode, speculative verification) are attended in groups of
+    similar context length, one gather and one attention call per group; longer prefill chunks
+    one by one. The plan is made once per step (every layer attends the same sequences).
     """
+    if batch.cpu_plan is None:
+        batch.cpu_plan = plan_attention(batch, k_cache.shape[1], q.device)
     out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
-    if batch.num_decode:
-        out[: batch.num_decode] = _decode_attention(q[: batch.num_decode], k_cache, v_cache, batch, scale, sliding_window)
-    for i in range(batch.num_decode, len(batch.context_lens)):
+    for group in batch.cpu_plan.groups:
+        out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window))
+    for i in batch.cpu_plan.chunks:
         start, end = batch.query_start[i], batch.query_start[i + 1]
-        context_len = batch.context_lens[i]
-        num_blocks = -(-context_len // block_size)
-        table = batch.block_tables[i, :num_blocks]
-        k = gather_blocks(k_cache, table)[:context_len]
-        v = gather_blocks(v_cache, table)[:context_len]
-        num_queries = end - start
-        query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
-        key_pos = torch.arange(context_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        if sliding_window:
-            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        out[start:end] = _attend(
-            q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), mask[None, None], scale,
-        )[0].transpose(0, 1)
+        out[start:end] = _attend_chunk(q[start:end], k_cache, v_cache, batch.block_tables[i], batch.context_lens[i],
+                                       scale, sliding_window)
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                      scale: float, sliding_window: int | None) -> torch.Tensor:
-    """One query per sequence. Sequences are attended in groups of similar context length, so the
-    keys gathered out of the paged pool are padded to the group's longest, not the batch's."""
-    lens = batch.context_lens[: batch.num_decode]
-    out = torch.empty_like(q)
-    for rows in decode_groups(lens):
-        index = torch.tensor(rows, device=q.device)
-        out[index] = _decode_group(q[index], k_cache, v_cache, batch.block_tables[index],
-                                   batch.decode_context_lens[index], max(lens[r] for r in rows), scale, sliding_window)
-    return out
-
-
-# A decode group holds at most DECODE_GROUP sequences, and a sequence joins the group of the
-# shorter ones before it only while that pads the group's keys by at most DECODE_PAD_TOKENS: one
-# more group costs about as much as gathering and attending that many padded keys on a CPU, while
-# padding a batch of short chats to one 1,500-token document made a decode step several times
-# slower.
+# Sequences with at most this many queries in a step are attended in groups.
+GROUPED_QUERIES_MAX = 16
+# A group holds at most DECODE_GROUP sequences, and a sequence joins the group of the shorter ones
+# before it only while that pads the group's keys by at most DECODE_PAD_TOKENS: one more group
+# costs about as much as gathering and attending that many padded keys on a CPU, while padding a
+# batch of short chats to one 1,500-token document made a decode step several times slower.
 DECODE_GROUP = 8
 DECODE_PAD_TOKENS = 512
 
 
-def decode_groups(context_lens: list[int]) -> list[list[int]]:
-    """Rows of the decode sequences, grouped by context length (shortest first)."""
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences with the same number of queries, attended together over their padded keys."""
+
+    rows: torch.Tensor            # [size * num_queries] the queries' rows in the flat batch, by sequence
+    block_ids: torch.Tensor       # [size * num_blocks] the sequences' block tables, cut to the longest
+    query_pos: torch.Tensor       # [size, num_queries] position of each query
+    size: int
+    num_queries: int
+    masks: dict = field(default_factory=dict)  # sliding window -> additive mask [size, 1, Q, L]
+
+    def mask(self, num_keys: int, sliding_window: int | None) -> torch.Tensor:
+        mask = self.masks.get(sliding_window)
+        if mask is None:
+            key_pos = torch.arange(num_keys, device=self.query_pos.device)
+            hidden = key_pos > self.query_pos[..., None]
+            if sliding_window:
+                hidden |= key_pos <= self.query_pos[..., None] - sliding_window
+            mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).unsqueeze(1)
+            self.masks[sliding_window] = mask
+        return mask
+
+
+@dataclass(slots=True)
+class CPUAttentionPlan:
+    groups: list[AttentionGroup]
+    chunks: list[int]             # sequences attended one by one (long prefill chunks)
+
+
+def plan_attention(batch: AttentionBatch, block_size: int, device) -> CPUAttentionPlan:
+    num_queries = [end - start for start, end in zip(batch.query_start, batch.query_start[1:])]
+    short = [i for i, n in enumerate(num_queries) if n <= GROUPED_QUERIES_MAX]
+    groups = []
+    for members in decode_groups([batch.context_lens[i] for i in short], [num_queries[i] for i in short]):
+        seqs = [short[m] for m in members]
+        count, longest = num_queries[seqs[0]], max(batch.context_lens[i] for i in seqs)
+        rows = [batch.query_start[i] + j for i in seqs for j in range(count)]
+        query_pos = [[batch.context_lens[i] - count + j for j in range(count)] for i in seqs]
+        tables = batch.block_tables[torch.tensor(seqs, device=batch.block_tables.device)]
+        groups.append(AttentionGroup(
+            rows=torch.tensor(rows, device=device),
+            block_ids=tables[:, : -(-longest // block_size)].flatten(),
+            query_pos=torch.tensor(query_pos, device=device),
+            size=len(seqs), num_queries=count))
+    chunks = [i for i, n in enumerate(num_queries) if n > GROUPED_QUERIES_MAX]
+    return CPUAttentionPlan(groups, chunks)
+
+
+def decode_groups(context_lens: list[int], num_queries: list[int] | None = None) -> list[list[int]]:
+    """Indices into context_lens, grouped: the same number of queries, similar context lengths
+    (shortest first), at most DECODE_GROUP each."""
+    num_queries = num_queries or [1] * len(context_lens)
     groups: list[list[int]] = []
-    for row in sorted(range(len(context_lens)), key=context_lens.__getitem__):
+    for row in sorted(range(len(context_lens)), key=lambda r: (num_queries[r], context_lens[r])):
         group = groups[-1] if groups else None
-        if group is not None and len(group) < DECODE_GROUP:
+        if group is not None and len(group) < DECODE_GROUP and num_queries[group[-1]] == num_queries[row]:
             padding = len(group) * (context_lens[row] - context_lens[group[-1]])
             if padding <= DECODE_PAD_TOKENS:
                 group.append(row)
@@ -172,18 +220,42 @@ def decode_groups(context_lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                  context_lens: torch.Tensor, max_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
-    block_size = k_cache.shape[1]
-    tables = tables[:, : -(-max_len // block_size)]
-    k = gather_blocks(k_cache, tables.flatten()).view(tables.shape[0], -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
-    v = gather_blocks(v_cache, tables.flatten()).view(tables.shape[0], -1, *v_cache.shape[2:])
-    key_pos = torch.arange(k.shape[1], device=q.device)
-    mask = key_pos[None, :] < context_lens[:, None]
-    if sliding_window:
-        mask &= key_pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
-    out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
-    return out.squeeze(2)
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+                  scale: float, sliding_window: int | None) -> torch.Tensor:
+    """The group's outputs [size * Q, H, D], in the order of group.rows."""
+    size, count = group.size, group.num_queries
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
+    queries = q.index_select(0, group.rows).view(size, count, num_heads, head_dim).transpose(1, 2)
+    k = k_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
+    mask = group.mask(k.shape[2], sliding_window)
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out.transpose(1, 2).reshape(size * count, num_heads, head_dim)
+
+
+def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                  context_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One sequence's queries q [Q, H, D] (its last Q positions) over its first context_len keys."""
+    block_size, num_queries = k_cache.shape[1], q.shape[0]
+    table = table[: -(-context_len // block_size)]
+    k = gather_blocks(k_cache, table)[:context_len].transpose(0, 1).unsqueeze(0)
+    v = gather_blocks(v_cache, table)[:context_len].transpose(0, 1).unsqueeze(0)
+    q = q.transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != k.shape[1]
+    if num_queries == context_len and not (sliding_window and sliding_window < context_len):
+        # A whole prompt in one chunk: plain causal attention, no mask to build (and the upper
+        # triangle is skipped rather than masked).
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
+        key_pos = torch.arange(context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        if sliding_window:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor) -> torch.Tensor:
