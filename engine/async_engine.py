@@ -65,6 +65,7 @@ class AsyncEngine:
                 with self._cond:
                     while not self._stopped and not self._commands and not self.engine.has_work():
                         self._cond.wait(IDLE_WAKE_S)
+                        self.engine.check_ranks()  # a parallel engine's dead rank ends this loop while idle too
                         if self.engine.expire_handles():
                             self._refresh_stats()
                     if self._stopped:
@@ -231,6 +232,7 @@ class AsyncEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
 
 async def kv_chunks(export: KVExport) -> AsyncIterator[KVChunk]:

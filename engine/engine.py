@@ -6,6 +6,12 @@ primitives: a prefill-only request ends with its blocks held under a KV handle (
 continues. Not thread-safe: engine.async_engine drives it from one thread; the one exception is
 `open_export`, which transports call from their own threads so that a decode site's pull never
 waits for the prefill site's step in progress (a long prefill chunk).
+
+The model runs on an executor: one `ModelShard` in this process, or with tensor/pipeline
+parallelism a `ParallelExecutor` (engine.parallel) whose ranks each hold part of it. Either way
+the scheduler, block manager and sampler are here, once. With pipeline_parallel_size > 1 up to
+that many batches are in flight, each stage working on a different one; a sequence is in at most
+one of them, so each sequence's tokens are computed exactly as in one batch at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import secrets
 import threading
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,19 +30,20 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.compression import WEIGHT_MODES
-from engine.compression.streamed import StreamedLayers
 from engine.config import ModelConfig, load_config
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
-from engine.kv_export import KVExport
+from engine.kv_export import KVExport, KVMap
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.fingerprint import model_fingerprint
-from engine.loader import load_model, resolve_dtype
 from engine.grammar import GrammarCompiler
+from engine.loader import load_model, resolve_dtype
 from engine.memory import check_fits
-from engine.runner import prepare_step
+from engine.parallel.layout import ParallelLayout
+from engine.runner import StepInputs, prepare_step
 from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.shard import ModelShard, max_model_len
 from engine.step_totals import StepPhases, StepTotals
 from engine.config import read_json
 
@@ -47,8 +55,10 @@ class EngineConfig:
     device: str = "auto"                 # auto: cuda if available, else cpu
     dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU
     block_size: int = 16
-    kv_cache_bytes: int | None = None    # explicit KV budget; default 256 MiB on CPU
+    kv_cache_bytes: int | None = None    # explicit KV budget per rank; default 256 MiB on CPU
     gpu_memory_utilization: float = 0.9  # GPU: fraction of free memory (after weights) for KV
+    tensor_parallel_size: int = 1        # ranks splitting each layer's heads and MLP (one process and device each)
+    pipeline_parallel_size: int = 1      # stages splitting the layers (tp ranks each)
     enable_cuda_graphs: bool = True      # GPU: replay decode-only steps from graphs captured at start-up
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -72,6 +82,11 @@ class EngineConfig:
             raise ValueError(f"weight_mode must be one of {', '.join(WEIGHT_MODES)}, got {self.weight_mode!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        self.layout.validate()
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
 @dataclass(slots=True)
@@ -120,6 +135,15 @@ class EngineStats:
 
 
 @dataclass(slots=True)
+class _Batch:
+    """A batch whose forward is in flight (pipeline parallelism)."""
+
+    scheduled: list[ScheduledSeq]
+    inputs: StepInputs
+    started: float
+
+
+@dataclass(slots=True)
 class _Rate:
     """Exponentially averaged tokens per second of busy time."""
 
@@ -157,17 +181,28 @@ class LLMEngine:
         self.model_config: ModelConfig = load_config(self.model_dir)
         self.device = _pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes)
-        self.model = load_model(self.model_dir, self.model_config, self.device, self.dtype, config.show_progress,
-                                config.weight_mode)
+        self.layout = config.layout
+        self.layout.check_model(self.model_config)
+        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes,
+                                       self.layout.world_size)
         self.eos_token_ids = self._eos_token_ids()
         self.fingerprint = model_fingerprint(self.model_dir)
-        self.kv_cache = self._allocate_kv_cache()
-        num_blocks = self.kv_cache.shape[2]
+        if self.layout.world_size == 1:
+            self.executor = self._local_executor()
+        else:
+            from engine.parallel.executor import ParallelExecutor
+            self.executor = ParallelExecutor(self.model_dir, self.model_config, config, self.device, self.dtype)
+        self.model = self.executor.model           # this process's part of it
+        self.kv_map: KVMap = self.executor.kv_map  # where every layer's K/V live, in whichever process
+        num_blocks = self.executor.num_blocks
+        self.max_model_len = self.executor.max_model_len
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.block_manager)
-        limit = config.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(limit, self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        self.pipeline_depth = self.layout.pp
+        self._in_flight: deque[_Batch] = deque()
+        self._busy: set[Sequence] = set()          # sequences in an in-flight batch
+        self._ready: list[StepOutput] = []         # outputs of batches completed outside step()
+        self._last_completed = 0.0
         self.sequences: dict[str, Sequence] = {}
         self.leases: dict[str, Lease] = {}   # kv_handle -> lease
         self._lease_lock = threading.Lock()  # open_export runs on transport threads
@@ -180,11 +215,11 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         self.step_totals = StepTotals()
         self.step_phases = StepPhases()
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d%s", num_blocks, config.block_size,
-                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
+        self.num_kv_blocks_from_compression = self.executor.num_kv_blocks_from_compression
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB per rank, %s), max_model_len %d%s", num_blocks,
+                 config.block_size, num_blocks * self.executor.bytes_per_block / 2**20, self.layout, self.max_model_len,
                  f"; {self.num_kv_blocks_from_compression} of them from the memory compressed_in_memory saves"
                  if self.num_kv_blocks_from_compression else "")
-        self.decode_graphs = self._capture_decode_graphs()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -195,66 +230,25 @@ class LLMEngine:
             return set()
         return {eos} if isinstance(eos, int) else set(eos)
 
-    def _allocate_kv_cache(self) -> torch.Tensor:
-        cfg, mc = self.config, self.model_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * element
-        saved = self._weight_bytes_saved()
-        if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes + saved   # the configured pool, plus what compression saved
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()       # free memory after the weights: the saving is in it
-            saved = int(saved * cfg.gpu_memory_utilization)
-        else:
-            budget = (256 << 20) + saved
-        num_blocks = budget // bytes_per_block
-        self.num_kv_blocks_from_compression = num_blocks - (budget - saved) // bytes_per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks; at least 2 needed "
-                             f"({bytes_per_block} bytes per block)")
-        shape = (mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
-
-    def _weight_bytes_saved(self) -> int:
-        """Bytes compressed_in_memory saves against plain MLP weights in the engine's dtype (0 otherwise)."""
-        layers = self.model.weights.layers
-        if not isinstance(layers, StreamedLayers):
-            return 0
-        plain, saved = layers.plain_bytes, layers.bytes_saved
-        log.info("compressed_in_memory: the MLP weights of %d layers take %.1f MiB compressed plus %.1f MiB of "
-                 "decode buffers instead of %.1f MiB: %.1f MiB more for the KV cache", layers.num_compressed,
-                 layers.compressed_bytes / 2**20, layers.buffer_bytes / 2**20, plain / 2**20, saved / 2**20)
-        return max(0, saved)
-
-    # -- GPU fast path (CPU engines never enter these) -----------------------------------------
-
-    def _cuda_kv_budget(self) -> int:
-        """KV bytes on a GPU: the free memory after the weights, less the activations of the largest
-        step (measured by running it), times gpu_memory_utilization."""
-        from engine.kernels.profile import activation_peak_bytes
+    def _local_executor(self) -> ModelShard:
         cfg = self.config
-        activations = activation_peak_bytes(self.model, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int((free - activations) * cfg.gpu_memory_utilization)
+        model = load_model(self.model_dir, self.model_config, self.device, self.dtype, cfg.show_progress,
+                           cfg.weight_mode)
+        shard = ModelShard(model, cfg)
+        shard.allocate(shard.blocks_fit())
+        shard.max_model_len = max_model_len(cfg, self.model_config.max_position_embeddings, shard.num_blocks)
+        shard.capture_graphs(shard.max_model_len)
+        return shard
 
-    def _capture_decode_graphs(self):
-        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
-            return None
-        if isinstance(self.model.weights.layers, StreamedLayers):
-            # Decoding on a side stream inside a captured graph has not been validated on a GPU yet.
-            log.info("compressed_in_memory: decode steps run without CUDA graphs")
-            return None
-        from engine import kernels
-        if not kernels.available():
-            return None
-        from engine.kernels.cuda_graphs import DecodeGraphs
-        max_blocks = -(-self.max_model_len // self.config.block_size)
-        return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, max_blocks)
+    def shutdown(self) -> None:
+        """Stop the other ranks (tensor/pipeline parallelism); a single-process engine holds nothing to stop."""
+        if self.layout.world_size > 1:
+            self.executor.shutdown()
 
-    def _forward(self, inputs) -> torch.Tensor:
-        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
-            return self.decode_graphs.run(inputs)
-        return self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
+    def check_ranks(self) -> None:
+        """Raise RankFailedError once a rank of this engine has died, even while it is idle."""
+        if self.layout.world_size > 1:
+            self.executor.raise_if_failed()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -315,14 +309,16 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        if seq.block_table:
+        # A batch in flight still writes this sequence's K/V: its blocks are freed when that batch
+        # completes, so nothing else can be given them (and overwritten by it) before.
+        if seq.block_table and seq not in self._busy:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight or self._ready)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -331,29 +327,20 @@ class LLMEngine:
         clock = time.perf_counter
         began = clock()
         self.expire_handles()
+        if self.pipeline_depth > 1:
+            return self._pipelined_step()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         started = clock()
         inputs = prepare_step(scheduled, self.config.block_size, self.device)
         prepared = clock()
-        hidden = self._forward(inputs)
-        sampled: list[SampledToken] = []
-        if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
-            forwarded = clock()
-            seqs = [item.seq for item in inputs.sample_seqs]
-            sampled = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                             [s.num_output_tokens for s in seqs], [s.token_ids for s in seqs],
-                             [s.num_prompt_tokens for s in seqs], self._allowed_tokens(seqs, logits))
-        else:
-            forwarded = clock()
+        logits = self.executor.run(inputs)
+        forwarded = clock()
+        sampled = self._sample(inputs, logits)
         sampled_at = clock()
         self._record_rates(scheduled, sampled_at - started)
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(item.seq)
-        outputs = [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)]
+        outputs = self._advance(scheduled, inputs, sampled)
         phases = self.step_phases
         phases.num_steps += 1
         phases.schedule += started - began
@@ -362,6 +349,61 @@ class LLMEngine:
         phases.sample += sampled_at - forwarded
         phases.output += clock() - sampled_at
         return outputs
+
+    def _pipelined_step(self) -> list[StepOutput]:
+        """Fill the pipeline up to its depth with batches of sequences not already in flight, then
+        complete the oldest. Each batch takes about 1/depth of the sequences, so the next batch has
+        sequences of its own to keep the first stage busy while later stages run this one."""
+        outputs, self._ready = self._ready, []
+        while len(self._in_flight) < self.pipeline_depth:
+            waiting_or_running = len(self.scheduler.running) + len(self.scheduler.waiting)
+            scheduled = self.scheduler.schedule(self._busy, max(1, -(-waiting_or_running // self.pipeline_depth)))
+            if not scheduled:
+                break
+            inputs = prepare_step(scheduled, self.config.block_size, self.device)
+            started = time.perf_counter()
+            self.executor.submit(inputs)
+            self._in_flight.append(_Batch(scheduled, inputs, started))
+            self._busy.update(item.seq for item in scheduled)
+        if self._in_flight:
+            outputs += self._complete_oldest()
+        return outputs
+
+    def _complete_oldest(self) -> list[StepOutput]:
+        batch = self._in_flight.popleft()
+        logits = self.executor.collect()
+        self._busy.difference_update(item.seq for item in batch.scheduled)
+        sampled = self._sample(batch.inputs, logits)
+        # batches overlap: this one's time is what it added after the previous one completed
+        now = time.perf_counter()
+        self._record_rates(batch.scheduled, now - max(batch.started, self._last_completed))
+        self._last_completed = now
+        return self._advance(batch.scheduled, batch.inputs, sampled)
+
+    def _drain_pipeline(self) -> None:
+        """Complete every in-flight batch now; their outputs come with the next step()."""
+        while self._in_flight:
+            self._ready += self._complete_oldest()
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> list[SampledToken]:
+        if not inputs.sample_rows:
+            return []
+        seqs = [item.seq for item in inputs.sample_seqs]
+        return sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                      [s.num_output_tokens for s in seqs], [s.token_ids for s in seqs],
+                      [s.num_prompt_tokens for s in seqs], self._allowed_tokens(seqs, logits))
+
+    def _advance(self, scheduled: list[ScheduledSeq], inputs: StepInputs,
+                 sampled: list[SampledToken]) -> list[StepOutput]:
+        """The step's tokens are computed: sequences move on, full blocks are published, tokens go out."""
+        for item in scheduled:
+            if item.seq.status is SequenceStatus.FINISHED:  # aborted while in flight: its blocks waited for this
+                self.block_manager.free(item.seq)
+                continue
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(item.seq)
+        return [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)
+                if item.seq.status is not SequenceStatus.FINISHED]
 
     def _record_rates(self, scheduled: list[ScheduledSeq], elapsed: float) -> None:
         num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
@@ -485,8 +527,8 @@ class LLMEngine:
         layout = self.kv_layout(seq.num_prompt_tokens)
         bs = self.config.block_size
         tokens_per_chunk = max(bs, (self.config.kv_chunk_bytes // layout.bytes_per_token_per_layer) // bs * bs)
-        table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
-        return KVExport(handle, layout, seq.token_ids[: seq.num_prompt_tokens], self.kv_cache, table, tokens_per_chunk)
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        return KVExport(handle, layout, seq.token_ids[: seq.num_prompt_tokens], self.kv_map, table, tokens_per_chunk)
 
     def close_export(self, export: KVExport) -> None:
         with self._lease_lock:
@@ -532,9 +574,11 @@ class LLMEngine:
         self.scheduler.add_running(seq)
 
     def _write_payload(self, seq: Sequence, payload: KVPayload) -> None:
+        """Each chunk's heads go straight into the pool (of whichever rank) that holds them."""
         mc, bs = self.model_config, self.config.block_size
         already = seq.num_computed_tokens  # prefix-cache hits already hold these tokens' K/V
         table = torch.tensor(seq.block_table, dtype=torch.int64)
+        devices = set()
         for chunk in payload.chunks:
             first, count = max(chunk.first_token, already), chunk.first_token + chunk.num_tokens
             if first >= count:
@@ -544,10 +588,18 @@ class LLMEngine:
                 kv = torch.frombuffer(chunk.data, dtype=self.dtype)
             kv = kv.view(2, chunk.num_tokens, mc.num_kv_heads, mc.head_dim)[:, first - chunk.first_token:]
             positions = torch.arange(first, count)
-            slots = (table[positions // bs] * bs + positions % bs).to(self.device)
-            layer_cache = self.kv_cache[chunk.layer]
-            layer_cache[0].view(-1, mc.num_kv_heads, mc.head_dim)[slots] = kv[0].to(self.device)
-            layer_cache[1].view(-1, mc.num_kv_heads, mc.head_dim)[slots] = kv[1].to(self.device)
+            slots = table[positions // bs] * bs + positions % bs
+            for piece in self.kv_map.write[chunk.layer]:
+                device, heads = piece.pool.device, piece.heads
+                layer_cache = piece.pool[piece.layer]
+                part = kv[:, :, heads.start:heads.stop].to(device)
+                on_device = slots.to(device)
+                layer_cache[0].view(-1, len(heads), mc.head_dim)[on_device] = part[0]
+                layer_cache[1].view(-1, len(heads), mc.head_dim)[on_device] = part[1]
+                devices.add(device)
+        for device in devices:
+            if device.type == "cuda" and device != self.device:
+                torch.cuda.synchronize(device)  # another rank's GPU: done before that rank's next step reads it
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits [len(prompt_ids), vocab] of every prompt position (scoring; uses free blocks briefly)."""
@@ -558,9 +610,10 @@ class LLMEngine:
             if not self.block_manager.can_allocate(seq):
                 raise InvalidRequestError(f"no room in the KV pool to score {len(prompt_ids)} tokens now")
             self.block_manager.allocate(seq)
-            inputs = prepare_step([ScheduledSeq(seq, seq.num_tokens)], self.config.block_size, self.device)
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache)
-            return self.model.compute_logits(hidden)
+            self._drain_pipeline()
+            inputs = prepare_step([ScheduledSeq(seq, seq.num_tokens)], self.config.block_size, self.device,
+                                  all_rows=True)
+            return self.executor.run(inputs)
         finally:
             self.block_manager.free(seq)
             self.block_manager.enable_prefix_caching = caching

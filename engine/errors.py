@@ -27,3 +27,7 @@ class UnknownHandleError(EngineError):
 
 class InsufficientMemoryError(EngineError):
     """The model's weights and KV pool do not fit the memory of the device it is to run on."""
+
+
+class RankFailedError(EngineError):
+    """A rank of a tensor/pipeline-parallel engine died or failed; the engine stopped all of them."""

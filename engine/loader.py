@@ -7,6 +7,11 @@ A checkpoint written by `edgefire compress` (engine/compression) loads the same 
 decoded and checked as they are read (weight mode `decompress_on_load`), or, in
 `compressed_in_memory`, the MLP projections stay compressed on the device and the model's layers
 become an `engine.compression.streamed.StreamedLayers` that decodes them layer by layer.
+
+Under tensor/pipeline parallelism each rank reads only its part (engine.parallel.layout.RankShard):
+its stage's layers, and of each tensor only its rows or columns, sliced in the file, never read
+whole and cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
+and keeps its slice; compressed_in_memory keeps whole MLP weights and is for whole layers only.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.model import CausalLM, LayerWeights, ModelWeights
 from engine.moe import MoEWeights
+from engine.parallel.layout import RankShard, whole_model
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +95,35 @@ class _TensorReader:
     def has(self, name: str) -> bool:
         return self.compressed.has(name) if self.compressed else name in self.files
 
-    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def read(self, name: str, shape: tuple[int, ...], rows: range | None = None,
+             cols: range | None = None) -> torch.Tensor:
+        """The tensor, or only its `rows` (first dimension) / `cols` (second)."""
         if not self.has(name):
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        rows = None if rows is None or len(rows) == shape[0] else rows
+        cols = None if cols is None or len(cols) == shape[1] else cols
         if self.compressed is not None:
             tensor = self.compressed.read(name, self.device)
+            _check_shape(name, tuple(tensor.shape), shape)
+            tensor = _part(tensor, rows, cols)
         else:
-            path = self.files[name]
-            handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
-            try:
-                tensor = handle.get_tensor(name)
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
-        _check_shape(name, tuple(tensor.shape), shape)
+            tensor = self._read_plain(name, shape, rows, cols)
         self.progress.update(1)
         return tensor.to(device=self.device, dtype=self.dtype)
+
+    def _read_plain(self, name: str, shape: tuple[int, ...], rows: range | None, cols: range | None) -> torch.Tensor:
+        path = self.files[name]
+        handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
+        try:
+            part = handle.get_slice(name)
+            _check_shape(name, tuple(part.get_shape()), shape)
+            if rows is None and cols is None:
+                return handle.get_tensor(name)
+            if cols is None:
+                return part[rows.start:rows.stop]  # only these rows are read from the file
+            return part[:, cols.start:cols.stop]
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
     def read_compressed_mlp(self, prefix: str, shapes: dict[str, tuple[int, ...]]) -> CompressedMLP | None:
         """The layer's gate/up/down projections still compressed, on the device (each decoded once
@@ -128,27 +148,37 @@ class _TensorReader:
         return self.pair_tables[key]
 
 
+def _part(tensor: torch.Tensor, rows: range | None, cols: range | None) -> torch.Tensor:
+    if rows is not None:
+        return tensor[rows.start:rows.stop].clone()  # not a view: the whole decoded tensor is freed
+    if cols is not None:
+        return tensor[:, cols.start:cols.stop].clone()
+    return tensor
+
+
 def _check_shape(name: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:
     if actual != expected:
         raise CheckpointError(f"tensor {name!r} has shape {actual}, config implies {expected}")
 
 
-def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int,
+def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
                 keep_mlp_compressed: bool = False) -> tuple[LayerWeights, CompressedMLP | None]:
     p = f"model.layers.{i}."
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+    q_part = range(shard.heads.start * head_dim, shard.heads.stop * head_dim)
+    kv_part = range(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
     qkv = torch.cat([
-        reader.read(p + "self_attn.q_proj.weight", (q_rows, hidden)),
-        reader.read(p + "self_attn.k_proj.weight", (kv_rows, hidden)),
-        reader.read(p + "self_attn.v_proj.weight", (kv_rows, hidden)),
+        reader.read(p + "self_attn.q_proj.weight", (q_rows, hidden), rows=q_part),
+        reader.read(p + "self_attn.k_proj.weight", (kv_rows, hidden), rows=kv_part),
+        reader.read(p + "self_attn.v_proj.weight", (kv_rows, hidden), rows=kv_part),
     ])
     qkv_bias = None
     if cfg.qkv_bias:
         qkv_bias = torch.cat([
-            reader.read(p + "self_attn.q_proj.bias", (q_rows,)),
-            reader.read(p + "self_attn.k_proj.bias", (kv_rows,)),
-            reader.read(p + "self_attn.v_proj.bias", (kv_rows,)),
+            reader.read(p + "self_attn.q_proj.bias", (q_rows,), rows=q_part),
+            reader.read(p + "self_attn.k_proj.bias", (kv_rows,), rows=kv_part),
+            reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
     if cfg.mlp_bias:
         raise CheckpointError("checkpoints with mlp_bias=true are not supported")
@@ -158,7 +188,7 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int,
         qkv_bias=qkv_bias,
         q_norm=reader.read(p + "self_attn.q_norm.weight", (head_dim,)) if cfg.qk_norm else None,
         k_norm=reader.read(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
-        o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows)),
+        o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows), cols=q_part),
         post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
         gate_up=None,
         down=None,
@@ -172,11 +202,20 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int,
         mlp = reader.read_compressed_mlp(p, shapes) if keep_mlp_compressed else None
         if mlp is None:   # otherwise StreamedLayers points gate_up and down at its decode buffers
             layer.gate_up = torch.cat([
-                reader.read(p + "mlp.gate_proj.weight", shapes["gate"]),
-                reader.read(p + "mlp.up_proj.weight", shapes["up"]),
+                reader.read(p + "mlp.gate_proj.weight", shapes["gate"], rows=shard.mlp),
+                reader.read(p + "mlp.up_proj.weight", shapes["up"], rows=shard.mlp),
             ])
-            layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"])
+            layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"], cols=shard.mlp)
     return layer, mlp
+
+
+def _wanted(name: str, shard: RankShard) -> bool:
+    """Whether this rank reads the named tensor (for the progress bar's total)."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) in shard.layers
+    if name == "model.embed_tokens.weight":
+        return shard.is_first_stage
+    return shard.is_last_stage
 
 
 # Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
@@ -211,10 +250,13 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int) -> MoEWeights:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               show_progress: bool = True, weight_mode: str = "decompress_on_load") -> CausalLM:
+               show_progress: bool = True, weight_mode: str = "decompress_on_load", shard: RankShard | None = None,
+               tp_group=None) -> CausalLM:
+    """The model, or under TP/PP only `shard`'s part of it (tp_group: its stage's TP process group)."""
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight_mode {weight_mode!r} is not one of {', '.join(WEIGHT_MODES)}")
     model_dir = Path(model_dir)
+    shard = shard or whole_model(cfg)
     files = checkpoint_files(model_dir)
     compressed = CompressedCheckpoint(model_dir, files) if is_compressed(model_dir) else None
     keep_compressed = weight_mode == "compressed_in_memory"
@@ -225,24 +267,30 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if keep_compressed and compressed is None:
         log.warning("%s is not a compressed checkpoint (edgefire compress makes one): weight_mode "
                     "compressed_in_memory has nothing to keep compressed; loading it plainly", model_dir)
-    total = len(compressed.names()) if compressed else len(files)
+    if keep_compressed and compressed is not None and shard.tp_size > 1:
+        raise ValueError("weight_mode compressed_in_memory keeps whole MLP weights, which tensor parallelism splits; "
+                         "use decompress_on_load with tensor_parallel_size > 1")
+    total = sum(1 for name in (compressed.names() if compressed else files) if _wanted(name, shard))
     with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
         reader = _TensorReader(files, device, dtype, bar, compressed)
-        embed = reader.read("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        read = [_read_layer(reader, cfg, i, keep_compressed) for i in range(cfg.num_layers)]
-        norm = reader.read("model.norm.weight", (cfg.hidden_size,))
-        if reader.has("lm_head.weight") and not cfg.tie_word_embeddings:
-            lm_head = reader.read("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
-        elif cfg.tie_word_embeddings:
-            lm_head = embed
-        else:
-            raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        full = (cfg.vocab_size, cfg.hidden_size)
+        embed = reader.read("model.embed_tokens.weight", full, rows=shard.vocab) if shard.is_first_stage else None
+        read = [_read_layer(reader, cfg, i, shard, keep_compressed) for i in shard.layers]
+        norm = lm_head = None
+        if shard.is_last_stage:
+            norm = reader.read("model.norm.weight", (cfg.hidden_size,))
+            if reader.has("lm_head.weight") and not cfg.tie_word_embeddings:
+                lm_head = reader.read("lm_head.weight", full, rows=shard.vocab)
+            elif cfg.tie_word_embeddings:
+                lm_head = embed if embed is not None else reader.read("model.embed_tokens.weight", full, rows=shard.vocab)
+            else:
+                raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
     layers = [layer for layer, _ in read]
     mlps = [mlp for _, mlp in read]
     if any(mlps):
         layers = StreamedLayers(layers, mlps, device, dtype)
     elif keep_compressed and compressed is not None:
         log.warning("%s: no layer has all its MLP projections compressed; loading them plainly", model_dir)
-    log.info("loaded %s: %d layers, %s on %s%s", model_dir, cfg.num_layers, dtype, device,
+    log.info("loaded %s: %d of %d layers, %s on %s%s", model_dir, len(layers), cfg.num_layers, dtype, device,
              " (compressed checkpoint)" if compressed else "")
-    return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype)
+    return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype, shard, tp_group)

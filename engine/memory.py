@@ -37,11 +37,18 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_bytes: int | None) -> int:
-    """The model's weight bytes; raises InsufficientMemoryError when weights plus the KV pool exceed free memory."""
+def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_bytes: int | None,
+               num_ranks: int = 1) -> int:
+    """The model's weight bytes; raises InsufficientMemoryError when weights plus the KV pool exceed free memory.
+
+    With tensor/pipeline parallelism over num_ranks GPUs, each device holds about 1/num_ranks of the
+    weights and its own KV pool; on CPU the ranks share the host's memory: all the weights, num_ranks pools."""
     weights = weight_bytes(cfg, dtype)
     available = available_bytes(device)
-    needed = weights + (kv_cache_bytes or 0)
+    if device.type == "cuda":
+        needed = weights // num_ranks + (kv_cache_bytes or 0)
+    else:
+        needed = weights + num_ranks * (kv_cache_bytes or 0)
     experts = ""
     if cfg.moe is not None:
         num_sparse = sum(cfg.moe.sparse_layers)

@@ -4,6 +4,11 @@ batch of tokens and a paged KV cache.
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time so a dense layer is
 four matmuls. A mixture-of-experts layer replaces the MLP with engine.moe's block. Every op goes
 through engine.ops so kernels can replace them.
+
+Under tensor/pipeline parallelism (engine.parallel) one CausalLM is one rank's part: its stage's
+layers and its share of the heads, MLP and vocabulary (a RankShard). A TP rank's o_proj and down
+produce partial sums, all-reduced across its stage; a stage other than the first continues from
+the residual stream the previous stage returned. With one rank, none of that runs.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine import ops
 from engine.config import ModelConfig
 from engine.moe import MoEWeights, moe_forward
+from engine.parallel.groups import all_reduce
+from engine.parallel.layout import RankShard, whole_model
 
 
 @dataclass(slots=True)
@@ -33,18 +41,23 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed_tokens: torch.Tensor
-    layers: list[LayerWeights]     # or engine.compression.streamed.StreamedLayers (compressed_in_memory)
-    norm: torch.Tensor
-    lm_head: torch.Tensor         # the embedding itself when tied
+    embed_tokens: torch.Tensor | None  # first stage only; under TP this rank's vocab rows
+    layers: list[LayerWeights]         # this stage's; or engine.compression.streamed.StreamedLayers (compressed_in_memory)
+    norm: torch.Tensor | None          # last stage only
+    lm_head: torch.Tensor | None       # last stage only, this rank's vocab rows; the embedding itself when tied
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 shard: RankShard | None = None, tp_group: dist.ProcessGroup | None = None):
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        self.shard = shard = shard or whole_model(config)
+        self.tp_group = tp_group if shard.tp_size > 1 else None
+        self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
+        self.sliding_windows = config.sliding_windows[shard.layers.start:shard.layers.stop]
         self.scale = config.head_dim ** -0.5
         max_positions = config.max_position_embeddings
         self.cos_table, self.sin_table = ops.rope_cos_sin(config.head_dim, config.rope, max_positions, device)
@@ -52,10 +65,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ops.AttentionBatch,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, blocks, block_size, Hkv, D]."""
+                kv_cache: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, blocks, block_size, Hkv, D]
+        (this stage's layers and this rank's KV heads). A pipeline stage after the first starts from
+        `hidden`, the residual stream the stage before it returned; a stage before the last returns its own."""
         cfg = self.config
-        hidden = self.weights.embed_tokens[input_ids]
+        if hidden is None:
+            hidden = self._embed(input_ids)
         residual = None
         for index, layer in enumerate(self.weights.layers):
             if residual is None:
@@ -67,10 +83,25 @@ class CausalLM:
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is None:
                 hidden = self.ops.linear(self.ops.silu_and_mul(self.ops.linear(normed, layer.gate_up)), layer.down)
+                if self.tp_group is not None:
+                    all_reduce(self.tp_group, hidden)
             else:
                 hidden = moe_forward(layer.moe, normed, self.ops)
+        if self.weights.norm is None:
+            return residual + hidden  # what add_rms_norm's sum would be: the next stage's input
         normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
         return normed
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return self.weights.embed_tokens[input_ids]
+        # vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is exact
+        vocab = self.shard.vocab
+        local = input_ids - vocab.start
+        outside = (local < 0) | (local >= len(vocab))
+        hidden = self.weights.embed_tokens[local.clamp(0, len(vocab) - 1)].masked_fill_(outside[:, None], 0)
+        all_reduce(self.tp_group, hidden)
+        return hidden
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
                    batch: ops.AttentionBatch, layer_cache: torch.Tensor) -> torch.Tensor:
@@ -79,20 +110,29 @@ class CausalLM:
         qkv = self.ops.linear(x, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        q_size, kv_size = num_heads * cfg.head_dim, num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q = q.reshape(num_tokens, num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None:
             q = self.ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = self.ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = self.ops.apply_rotary(q, k, positions, self.cos_table, self.sin_table)
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, cfg.sliding_windows[index])
-        return self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
+        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index])
+        out = self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
+        if self.tp_group is not None:
+            all_reduce(self.tp_group, out)
+        return out
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head output in the model's dtype (under TP: this rank's vocab columns)."""
+        return self.ops.linear(hidden, self.weights.lm_head)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.weights.lm_head).float()
+        return self.project(hidden).float()

@@ -1,7 +1,9 @@
 """Turns one step's schedule into model inputs: flat token ids, positions, cache slots, attention metadata.
 
-Everything is built on the host and, for a GPU, packed into one pinned buffer and sent with a
-single non-blocking copy: one transfer per step, and no wait on the GPU.
+Everything is built on the host as one int64 message, and for a GPU sent with a single
+non-blocking copy from pinned memory: one transfer per step, and no wait on the GPU. The message
+is self-describing (counts first), so it is also what rank 0 hands the other ranks of a
+tensor/pipeline-parallel engine, which rebuild the same inputs from it (`unpack_step`).
 """
 
 from __future__ import annotations
@@ -13,19 +15,27 @@ import torch
 from engine.ops import AttentionBatch
 from engine.scheduler import ScheduledSeq
 
+# the message: [num_seqs, num_decode, num_tokens, num_sample_rows, max_blocks], query_start (num_seqs + 1),
+# context_lens (num_seqs), input_ids, positions, slots (num_tokens each), sample_rows, block tables
+NUM_COUNTS = 5
+NUM_TOKENS_AT, NUM_SAMPLE_ROWS_AT = 2, 3
+
 
 @dataclass(slots=True)
 class StepInputs:
-    order: list[ScheduledSeq]     # decode-shaped (one token) first, then prefill chunks
+    order: list[ScheduledSeq]     # decode-shaped (one token) first, then prefill chunks; empty on other ranks
     input_ids: torch.Tensor
     positions: torch.Tensor
     batch: AttentionBatch
     sample_rows: list[int]        # flat row of the last token of each sequence that samples this step
     sample_index: torch.Tensor    # the same rows, on the device
     sample_seqs: list[ScheduledSeq]
+    message: torch.Tensor         # all of the above, packed on the host (int64)
 
 
-def prepare_step(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> StepInputs:
+def prepare_step(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
+                 all_rows: bool = False) -> StepInputs:
+    """all_rows: logits of every row, not only each sequence's last (prompt scoring)."""
     order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
     num_decode = sum(1 for s in order if s.num_new_tokens == 1)
     input_ids: list[int] = []
@@ -48,22 +58,43 @@ def prepare_step(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         context_lens.append(end)
         tables.extend(table)
         tables.extend([0] * (max_blocks - len(table)))
-        if end == seq.num_tokens:
+        if end == seq.num_tokens and not all_rows:
             sample_rows.append(query_start[-1] - 1)
             sample_seqs.append(item)
-    parts = [input_ids, positions, slots, context_lens[:num_decode], sample_rows, tables]
-    packed = _to_device(torch.tensor([v for part in parts for v in part], dtype=torch.int64), device)
-    ids_t, pos_t, slots_t, lens_t, rows_t, tables_t = packed.split([len(p) for p in parts])
+    if all_rows:
+        sample_rows = list(range(len(input_ids)))
+    counts = [len(order), num_decode, len(input_ids), len(sample_rows), max_blocks]
+    parts = [counts, query_start, context_lens, input_ids, positions, slots, sample_rows, tables]
+    message = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+    return _inputs(message, counts, query_start, context_lens, sample_rows, device, order, sample_seqs)
+
+
+def unpack_step(message: torch.Tensor, device: torch.device) -> StepInputs:
+    """Another rank's inputs for the step rank 0 packed into `message` (a host tensor)."""
+    counts = message[:NUM_COUNTS].tolist()
+    num_seqs, num_tokens, num_sample = counts[0], counts[2], counts[3]
+    lists = message[NUM_COUNTS:NUM_COUNTS + 2 * num_seqs + 1].tolist()
+    rows_at = NUM_COUNTS + 2 * num_seqs + 1 + 3 * num_tokens
+    sample_rows = message[rows_at:rows_at + num_sample].tolist()
+    return _inputs(message, counts, lists[:num_seqs + 1], lists[num_seqs + 1:], sample_rows, device, [], [])
+
+
+def _inputs(message: torch.Tensor, counts: list[int], query_start: list[int], context_lens: list[int],
+            sample_rows: list[int], device: torch.device, order: list[ScheduledSeq],
+            sample_seqs: list[ScheduledSeq]) -> StepInputs:
+    num_seqs, num_decode, num_tokens, num_sample, max_blocks = counts
+    sizes = [NUM_COUNTS, num_seqs + 1, num_seqs, num_tokens, num_tokens, num_tokens, num_sample, num_seqs * max_blocks]
+    _, _, lens_t, ids_t, pos_t, slots_t, rows_t, tables_t = _to_device(message, device).split(sizes)
     batch = AttentionBatch(
         num_decode=num_decode,
         query_start=query_start,
         context_lens=context_lens,
-        block_tables=tables_t.view(len(order), max_blocks),
-        decode_context_lens=lens_t,
+        block_tables=tables_t.view(num_seqs, max_blocks),
+        decode_context_lens=lens_t[:num_decode],
         slot_mapping=slots_t,
     )
     return StepInputs(order=order, input_ids=ids_t, positions=pos_t, batch=batch, sample_rows=sample_rows,
-                      sample_index=rows_t, sample_seqs=sample_seqs)
+                      sample_index=rows_t, sample_seqs=sample_seqs, message=message)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,10 @@ a budget per step, and queued long prompts keep their order. When a running sequ
 and none is free, the most recently admitted sequence is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed (its cached prefix blocks usually make that
 cheap).
+
+With pipeline parallelism the engine schedules several batches before the first completes: it
+names the sequences already in flight (`busy`), which are neither scheduled again nor preempted
+(their K/V are being written), and caps each batch's sequences so the batches share the work.
 """
 
 from __future__ import annotations
@@ -67,31 +71,36 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self, busy: set[Sequence] | None = None, max_seqs: int | None = None) -> list[ScheduledSeq]:
+        """The next batch. busy: sequences in a batch still in flight; max_seqs: at most this many sequences."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        limit = max_seqs or self.config.max_num_seqs
         shorts = self._short_prompts()
         reserved = sum(seq.num_tokens - seq.num_computed_tokens for seq in shorts)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < limit:
             seq = self.running[index]
+            if busy and seq in busy:
+                index += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new > 1:  # a prefill chunk leaves the short prompts their share
                 num_new = min(num_new, budget - reserved)
                 if num_new < 1:
                     index += 1
                     continue
-            if not self._make_room(seq, seq.num_computed_tokens + num_new):
-                break  # seq itself was preempted; everything after it already was
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, busy):
+                break  # seq itself was preempted; everything after it that could be already was
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             index += 1
         # The short prompts first, wherever they wait, then first come, first served.
         for seq in shorts:
-            if budget < 1 or not self._admit(seq, budget, scheduled):
+            if budget < 1 or len(scheduled) >= limit or not self._admit(seq, budget, scheduled):
                 break
             budget -= scheduled[-1].num_new_tokens
-        while self.waiting and budget > 0 and self._admit(self.waiting[0], budget, scheduled):
+        while self.waiting and budget > 0 and len(scheduled) < limit and self._admit(self.waiting[0], budget, scheduled):
             budget -= scheduled[-1].num_new_tokens
         return scheduled
 
@@ -126,11 +135,12 @@ class Scheduler:
         scheduled.append(ScheduledSeq(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)))
         return True
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Ensure seq has blocks for num_tokens, preempting the newest others; False if seq itself went."""
+    def _make_room(self, seq: Sequence, num_tokens: int, busy: set[Sequence] | None = None) -> bool:
+        """Ensure seq has blocks for num_tokens, preempting the newest others not in flight; False if
+        seq itself went."""
         bm = self.block_manager
         while not bm.can_grow(seq, num_tokens):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if not busy or s not in busy)
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -1,0 +1,184 @@
+"""Which part of the model each rank holds: its pipeline stage's layers, its share of the heads,
+the MLP and the vocabulary.
+
+TP splits attention heads and KV heads across the ranks of a stage (column-parallel q/k/v and
+gate/up, row-parallel o_proj and down). With fewer KV heads than ranks, each KV head is
+replicated on tp / num_kv_heads ranks, and every rank still holds whole query-head groups.
+
+The embedding and the LM head are vocab-parallel: each TP rank holds vocab/tp rows. The LM head
+is the largest matmul of a decode step (vocab x hidden, e.g. 128k x 4096 = 2.4 Llama-8B layers),
+so splitting it splits the step's biggest single cost; the embedding split costs one all-reduce of
+[tokens, hidden] per step (one more than the 2 per layer TP already pays) and saves vocab x hidden
+x (tp-1)/tp of memory on every rank; with tied embeddings the two are one tensor. See
+benchmarks/parallel.py for the measured LM-head split.
+
+Stages are contiguous runs of layers chosen to balance estimated per-stage cost: the weight bytes a
+decode step reads (decode is memory-bound), with the LM head's vocab x hidden on the last stage.
+The embedding is a lookup of one row per token, so it weighs next to nothing on the first stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+
+
+@dataclass(slots=True, frozen=True)
+class ParallelLayout:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tp
+
+    def rank_of(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp + tp_rank
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [self.rank_of(stage, t) for t in range(self.tp)]
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp}"
+
+    def validate(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raise ValueError saying which size to change when the model cannot be split this way."""
+        tp, pp = self.tp, self.pp
+        if cfg.num_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {cfg.num_heads} attention heads; "
+                             f"use one of {_divisors(cfg.num_heads)}")
+        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {cfg.num_kv_heads} KV heads or be a "
+                             f"multiple of them")
+        if cfg.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the MLP size {cfg.intermediate_size}")
+        if cfg.vocab_size < tp:
+            raise ValueError(f"tensor_parallel_size {tp} exceeds the vocabulary ({cfg.vocab_size} tokens)")
+        if cfg.num_layers < pp:
+            raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {cfg.num_layers} layers")
+        if cfg.moe is not None and tp > 1:
+            raise ValueError("tensor_parallel_size > 1 does not split a mixture-of-experts model's experts; "
+                             "serve it with pipeline_parallel_size (each stage holds whole layers)")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(slots=True, frozen=True)
+class RankShard:
+    """What one rank holds. Ranges are in the whole model's numbering."""
+
+    rank: int
+    tp_rank: int
+    tp_size: int
+    stage: int
+    num_stages: int
+    layers: range
+    heads: range          # query heads
+    kv_heads: range       # KV heads (a replica when the model has fewer KV heads than tp)
+    mlp: range            # rows of gate/up, columns of down
+    vocab: range          # rows of the embedding and the LM head
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def whole_model(cfg: ModelConfig) -> RankShard:
+    """The single-process engine's shard: everything."""
+    return RankShard(0, 0, 1, 0, 1, range(cfg.num_layers), range(cfg.num_heads), range(cfg.num_kv_heads),
+                     range(cfg.intermediate_size), range(cfg.vocab_size))
+
+
+def vocab_range(vocab_size: int, tp: int, tp_rank: int) -> range:
+    per_rank = -(-vocab_size // tp)
+    return range(min(vocab_size, tp_rank * per_rank), min(vocab_size, (tp_rank + 1) * per_rank))
+
+
+def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> range:
+    if num_kv_heads >= tp:
+        per_rank = num_kv_heads // tp
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    head = tp_rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def rank_shard(layout: ParallelLayout, cfg: ModelConfig, rank: int, stages: list[range]) -> RankShard:
+    tp, t = layout.tp, layout.tp_rank_of(rank)
+    heads, inter = cfg.num_heads // tp, cfg.intermediate_size // tp
+    stage = layout.stage_of(rank)
+    return RankShard(rank, t, tp, stage, layout.pp, stages[stage], range(t * heads, (t + 1) * heads),
+                     kv_head_range(cfg.num_kv_heads, tp, t), range(t * inter, (t + 1) * inter),
+                     vocab_range(cfg.vocab_size, tp, t))
+
+
+# -- the stage split ---------------------------------------------------------------------------
+
+
+def layer_cost(cfg: ModelConfig, layer: int) -> int:
+    """Weight elements of one decoder layer (every expert of a mixture-of-experts layer: all are resident,
+    and a batch of any size touches most of them)."""
+    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    if cfg.is_sparse(layer):
+        moe = cfg.moe
+        return attention + moe.num_experts * (3 * cfg.hidden_size * moe.intermediate_size + cfg.hidden_size)
+    return attention + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def split_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimizing the costliest stage's estimated cost (the
+    last stage also carries the LM head; the first the embedding's lookups). Among equally good
+    splits, the earliest stages take the extra layers."""
+    num_layers = cfg.num_layers
+    before = [0]  # before[n]: the cost of layers 0..n-1
+    for layer in range(num_layers):
+        before.append(before[-1] + layer_cost(cfg, layer))
+    head, embed = cfg.vocab_size * cfg.hidden_size, cfg.hidden_size  # the embedding: one row per token
+
+    def cost(stage: int, start: int, end: int) -> int:
+        return before[end] - before[start] + (embed if stage == 0 else 0) + (head if stage == num_stages - 1 else 0)
+
+    # best[s][start]: the smallest possible max cost of stages s.. holding layers start..
+    worst = 1 << 62
+    best = [[worst] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[num_stages][num_layers] = 0
+    end_of = [[0] * (num_layers + 1) for _ in range(num_stages)]
+    for s in range(num_stages - 1, -1, -1):
+        for start in range(num_layers - (num_stages - s) + 1):
+            # every stage keeps at least one layer; the largest first stage wins a tie
+            for end in range(num_layers - (num_stages - s - 1), start, -1):
+                value = max(cost(s, start, end), best[s + 1][end])
+                if value < best[s][start]:
+                    best[s][start], end_of[s][start] = value, end
+    ranges, start = [], 0
+    for s in range(num_stages):
+        end = end_of[s][start]
+        ranges.append(range(start, end))
+        start = end
+    return ranges
