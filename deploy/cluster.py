@@ -45,7 +45,8 @@ def add_parser(subparsers) -> None:
                     help="run every hop over TLS (HTTPS, gRPC, KV data port) with a local CA made in the state dir")
     up.set_defaults(func=run_up)
 
-    status = subparsers.add_parser("status", help="a table of sites: state, role, load, KV free, heartbeat age")
+    status = subparsers.add_parser("status", help="a table of sites: state, role, GPUs and layout, load, KV free, "
+                                                   "heartbeat age")
     status.add_argument("--registry-url", help="registry base URL (default: the running `edgefire up` cluster's)")
     status.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
                         help="admin token (default $EDGEFIRE_ADMIN_TOKEN, else the `edgefire up` cluster's)")
@@ -266,7 +267,8 @@ def watch_status(registry, registry_url: str, args: argparse.Namespace) -> int:
 
 
 def status_table(sites: list[dict]) -> str:
-    rows = [("site", "state", "alive", "role", "region", "load (run/wait)", "KV free", "heartbeat", "address")]
+    rows = [("site", "state", "alive", "role", "region", "GPUs (tp x pp)", "load (run/wait)", "KV free", "heartbeat",
+             "address")]
     for site in sites:
         cap = site.get("capacity") or {}
         roles = sorted({m["role"] for m in site.get("models", ())}) or site.get("roles", [])
@@ -277,8 +279,10 @@ def status_table(sites: list[dict]) -> str:
         load = f"{cap.get('num_running', 0)}/{cap.get('num_waiting', 0)}" if cap else "-"
         age = site.get("heartbeat_age_s")
         state = site["state"] + (" (draining)" if cap.get("draining") and site["state"] != "draining" else "")
+        devices = (f"{cap.get('num_gpus') or 'cpu'} ({cap.get('tensor_parallel_size', 1)}x"
+                   f"{cap.get('pipeline_parallel_size', 1)})") if cap else "-"
         rows.append((site["name"], state, "yes" if site.get("alive") else "no", ",".join(roles),
-                     site.get("region") or "-", load, kv, "never" if age is None else f"{age:.1f}s ago",
+                     site.get("region") or "-", devices, load, kv, "never" if age is None else f"{age:.1f}s ago",
                      site.get("grpc_address") or "-"))
     return format_table(rows)
 

@@ -227,6 +227,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread stopped, when it crashed."""
+        return self._error
+
     def shutdown(self) -> None:
         with self._cond:
             self._stopped = True

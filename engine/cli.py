@@ -28,6 +28,10 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--weight-mode", default="decompress_on_load", choices=WEIGHT_MODES,
                      help="for a compressed checkpoint: decode every weight at load (default), or keep the MLP "
                           "weights compressed and decode them layer by layer (more KV cache)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="split each layer's heads and MLP across N ranks (one process and device each)")
+    gen.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="M",
+                     help="split the layers into M pipeline stages")
     gen.set_defaults(func=run_generate)
 
     comp = subparsers.add_parser("compress", help="write a losslessly compressed copy of a bf16 checkpoint")
@@ -94,8 +98,9 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt_ids = tokenizer.encode(args.prompt)
-        engine = AsyncEngine(LLMEngine(args.model, EngineConfig(device=args.device, dtype=args.dtype,
-                                                                weight_mode=args.weight_mode)))
+        engine = AsyncEngine(LLMEngine(args.model, EngineConfig(
+            device=args.device, dtype=args.dtype, weight_mode=args.weight_mode,
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

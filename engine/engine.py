@@ -132,6 +132,9 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     steps: StepTotals = field(default_factory=StepTotals)  # running totals since start
     num_kv_blocks_from_compression: int = 0   # KV blocks paid for by compressed_in_memory's savings
+    num_gpus: int = 0                    # GPUs the engine's ranks run on (0: CPU)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(slots=True)
@@ -645,4 +648,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             steps=self.step_totals.copy(),
             num_kv_blocks_from_compression=self.num_kv_blocks_from_compression,
+            num_gpus=self.layout.world_size if self.device.type == "cuda" else 0,
+            tensor_parallel_size=self.layout.tp,
+            pipeline_parallel_size=self.layout.pp,
         )

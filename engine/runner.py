@@ -18,7 +18,7 @@ from engine.scheduler import ScheduledSeq
 # the message: [num_seqs, num_decode, num_tokens, num_sample_rows, max_blocks], query_start (num_seqs + 1),
 # context_lens (num_seqs), input_ids, positions, slots (num_tokens each), sample_rows, block tables
 NUM_COUNTS = 5
-NUM_TOKENS_AT, NUM_SAMPLE_ROWS_AT = 2, 3
+NUM_TOKENS_AT = 2
 
 
 @dataclass(slots=True)

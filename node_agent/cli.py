@@ -57,5 +57,5 @@ async def _serve(config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.request_drain)
     await agent.wait_stopped()
-    log.info("agent %s stopped", config.site)
-    return 0
+    log.info("agent %s stopped (exit status %d)", config.site, agent.exit_code)
+    return agent.exit_code

@@ -59,6 +59,8 @@ class AgentConfig:
     # Compressed checkpoints (edgefire compress): decompress_on_load, or compressed_in_memory (MLP weights
     # stay compressed, decoded layer by layer; the memory saved goes to the KV cache).
     weight_mode: str = "decompress_on_load"
+    tensor_parallel_size: int = 1               # each model on this many ranks per pipeline stage (one device each)
+    pipeline_parallel_size: int = 1             # each model's layers in this many stages
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
     fetch_timeout_s: float = 30.0               # a KV pull slower than this falls back to recompute
@@ -104,7 +106,8 @@ class AgentConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
-        for name in ("kv_cache_bytes", "kv_chunk_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("kv_cache_bytes", "kv_chunk_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.weight_mode not in WEIGHT_MODES:

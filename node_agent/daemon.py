@@ -7,6 +7,11 @@
 
 Tests and the one-machine launcher run agents in-process through this class; `edgefire agent` runs
 one and drains it on SIGTERM.
+
+An engine that stops (its step loop crashed, or a rank of a tensor/pipeline-parallel engine died)
+cannot serve again in this process: the agent reports NOT_SERVING and draining at once (routers
+move on), deregisters, stops, and sets `exit_code` 1, which `edgefire agent` exits with so that
+a supervisor (systemd, Kubernetes) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from registry.wire import CapacityReport
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0
+ENGINE_WATCH_S = 0.5      # how often the agent checks that its engines still run
+FAILED_LINGER_S = 2.0     # after an engine died, Health answers NOT_SERVING this long before the agent exits
 
 
 class Agent:
@@ -51,7 +58,9 @@ class Agent:
         self._server: aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._drain_task: asyncio.Task | None = None
+        self._engine_watch: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        self.exit_code = 0                # 1 once an engine died
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -75,6 +84,7 @@ class Agent:
             self.metrics_port = self._metrics_server.port
         if cfg.registry_url:
             self._start_heartbeats()
+        self._engine_watch = asyncio.create_task(self._watch_engines(), name="engine-watch")
         log.info("agent %s serving %s on %s", cfg.site, ", ".join(self.models), self.address)
 
     async def _start_kv_data(self, host: str, port: int) -> None:
@@ -130,6 +140,8 @@ class Agent:
         """Stop now: in-flight streams are cancelled (their blocks freed), engines shut down."""
         if self._stopped.is_set():
             return
+        if self._engine_watch is not None and self._engine_watch is not asyncio.current_task():
+            self._engine_watch.cancel()
         if self.link_loop is not None:
             await self.link_loop.stop()  # before the heartbeats close the registry client they share
         if self.heartbeats is not None:
@@ -145,6 +157,25 @@ class Agent:
         for model in self.models.values():
             await asyncio.to_thread(model.engine.shutdown)
         self._stopped.set()
+
+    async def _watch_engines(self) -> None:
+        while not self._stopped.is_set():
+            await asyncio.sleep(ENGINE_WATCH_S)
+            dead = {name: model.engine.error for name, model in self.models.items() if not model.engine.alive}
+            if dead and not self._stopped.is_set():
+                await self._engine_failed(dead)
+                return
+
+    async def _engine_failed(self, dead: dict[str, BaseException | None]) -> None:
+        for name, error in dead.items():
+            log.error("the engine of model %s stopped (%s); agent %s stops with exit status 1 for its supervisor "
+                      "to restart it", name, error, self.config.site)
+        self.exit_code = 1
+        self.core.draining = True  # admission refuses new work; Health is NOT_SERVING (the engine is not alive)
+        if self.heartbeats is not None:
+            await self.heartbeats.beat_now()  # routers stop placing here before the site leaves the registry
+        await asyncio.sleep(FAILED_LINGER_S)
+        await self.stop(deregister=True)
 
     async def kill_server(self) -> None:
         """Tests: drop every connection at once, as if the site died (engines keep running)."""
@@ -169,6 +200,9 @@ class Agent:
         """The heartbeat body: engine stats summed over hosted models, and their prefix-cache hashes."""
         stats, hashes = [], []
         for model in self.models.values():
+            if not model.engine.alive:  # its last figures; the site reports draining until it stops
+                stats.append(model.engine.latest_stats)
+                continue
             model_stats = await model.engine.stats()
             self.metrics.observe_stats(model.name, model_stats)
             stats.append(model_stats)
@@ -177,6 +211,7 @@ class Agent:
 
     async def refresh_metrics(self) -> None:
         for model in self.models.values():
-            self.metrics.observe_stats(model.name, await model.engine.stats())
+            if model.engine.alive:
+                self.metrics.observe_stats(model.name, await model.engine.stats())
         self.metrics.observe_links(self.core.links.peers)
         self.metrics.observe_role(self.core.role)

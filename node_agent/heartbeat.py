@@ -55,6 +55,10 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         decode_kv_tokens=float(sum(e.decode_kv_tokens for e in engines)),
         prefix_cache_summary=PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:MAX_CACHE_HASHES])),
         draining=draining,
+        num_gpus=sum(e.num_gpus for e in engines),
+        # one layout per agent (its config): every engine has it
+        tensor_parallel_size=max((e.tensor_parallel_size for e in engines), default=1),
+        pipeline_parallel_size=max((e.pipeline_parallel_size for e in engines), default=1),
     )
 
 

@@ -43,7 +43,9 @@ def engine_config(config: AgentConfig) -> EngineConfig:
     return EngineConfig(device=config.device, dtype=config.dtype, block_size=config.block_size,
                         kv_cache_bytes=config.kv_cache_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs, kv_handle_ttl_s=config.kv_lease_ttl_s,
-                        kv_chunk_bytes=config.kv_chunk_bytes, show_progress=False, weight_mode=config.weight_mode)
+                        kv_chunk_bytes=config.kv_chunk_bytes, tensor_parallel_size=config.tensor_parallel_size,
+                        pipeline_parallel_size=config.pipeline_parallel_size, show_progress=False,
+                        weight_mode=config.weight_mode)
 
 
 def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
@@ -61,6 +63,8 @@ def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
         context_length=engine.max_model_len,
         vocab_size=engine.model_config.vocab_size,
         block_size=engine.config.block_size,
+        # the canonical layout's (every layer, every KV head): the same at every site serving this model,
+        # whatever its tensor/pipeline layout, so routers size KV transfers per model
         kv_bytes_per_token=layout.bytes_per_token_per_layer * layout.num_layers,
         eos_token_ids=sorted(engine.eos_token_ids),
     )

@@ -44,6 +44,7 @@ _SITE_COLUMNS = [SITES.c[n] for n in ("id", "name", "region", "country", "lat", 
                                       "roles", "heartbeat_interval_s", "active_role", "active_role_since")]
 _CAPACITY_COLUMNS = [CAPACITY.c.site_id, *(CAPACITY.c[n] for n in CAPACITY_FIELDS)]
 _PLAIN_CAPACITY_FIELDS = [n for n in CAPACITY_FIELDS if n != "prefix_cache_summary"]
+_REPORTED_AT = 1 + CAPACITY_FIELDS.index("reported_at")  # in a capacity row: site_id, then CAPACITY_FIELDS
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -170,7 +171,7 @@ class SnapshotReader:
             tail = b""
             if cap is not None:
                 tail = tails[cap] = self._tails.get(cap) or _tail(capacity_json(dict(zip(("site_id", *CAPACITY_FIELDS), cap))))
-                reported_at = cap[-1]
+                reported_at = cap[_REPORTED_AT]
                 deadlines.append(reported_at + ttl_s)
             site = by_id[site_id] = SnapshotSite(head, tail, reported_at, ttl_s, row[7])
             sites.append(site)

@@ -68,6 +68,9 @@ class CapacityRow(Base):
     prefix_cache_summary: Mapped[str | None] = mapped_column(Text)  # opaque JSON text
     draining: Mapped[bool] = mapped_column(Boolean)
     reported_at: Mapped[float] = mapped_column(Float)
+    num_gpus: Mapped[int] = mapped_column(Integer, server_default="0")
+    tensor_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
+    pipeline_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
 
 
 class LinkRow(Base):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from engine.config import ModelConfig
 from engine.errors import EngineError, RankFailedError
 from engine.kv_export import KVMap
-from engine.parallel import protocol
+from engine.parallel import protocol, timing
 from engine.parallel.groups import RankGroups, rendezvous
 from engine.parallel.kv_pool import build_kv_map, map_cpu_pool, open_cuda_pool
 from engine.parallel.layout import ParallelLayout, rank_shard, split_layers
@@ -60,6 +60,7 @@ class ParallelExecutor:
         self.model_config = model_config
         self.failure: RankFailedError | None = None
         self._pending: deque[_Pending] = deque()
+        self.rank_times: dict[int, dict] = {}   # per rank, with EDGEFIRE_PARALLEL_TIMING=1, once shut down
         self._threads_before = torch.get_num_threads()
         num_threads = max(1, self._threads_before // layout.world_size) if device.type == "cpu" else 1
         stages = split_layers(model_config, layout.pp)
@@ -125,7 +126,7 @@ class ParallelExecutor:
         groups, layout = self.groups, self.layout
         message, rows = inputs.message, len(inputs.sample_rows)
         head = protocol.header(protocol.STEP, message)
-        with self._guard():
+        with self._guard(), timing.step():
             if groups.first_stage_control is not None:
                 protocol.broadcast_first_stage(groups, head, message)
             last = layout.pp - 1
@@ -146,7 +147,7 @@ class ParallelExecutor:
         """Logits [rows, vocab] (float32) of the oldest submitted batch; None when none of its rows sample."""
         pending = self._pending.popleft()
         self.raise_if_failed()
-        with self._guard():
+        with self._guard(), timing.step(count=False), timing.comm():
             for _, work in pending.receives:
                 work.wait()
             pending.sends.wait()
@@ -171,8 +172,8 @@ class ParallelExecutor:
             # a dead peer fails rank 0's op at once; give the watchdog a moment to say which and how
             reason = self.processes.wait_failure(timeout=2.0)
             if reason is None:
-                reason = f"rank 0 failed: {type(exc).__name__}: {exc}"
-                self.processes.mark_failed(reason)
+                self.processes.mark_failed(f"rank 0 failed: {type(exc).__name__}: {exc}")
+                reason = self.processes.failure
             self.failure = RankFailedError(self._describe(reason))
             log.error("%s", self.failure)
             raise self.failure from exc
@@ -197,6 +198,9 @@ class ParallelExecutor:
                     protocol.broadcast_first_stage(self.groups, stop, None)
                 if self.layout.pp > 1:
                     protocol.send_next_stage(self.groups, stop, None, None).wait()
+                if timing.ENABLED:
+                    self.rank_times = {0: timing.TIMES.to_dict()} | {
+                        rank: self.processes.receive(rank, "timings", 10.0)[0] for rank in self.processes.procs}
             except (RuntimeError, RankFailedError) as exc:
                 log.warning("ranks did not take the stop (%s); killing them", exc)
         self.processes.stop(grace_s=5.0)

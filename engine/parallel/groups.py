@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.parallel import timing
 from engine.parallel.layout import ParallelLayout
 
 SETUP_TIMEOUT = datetime.timedelta(seconds=120)   # every rank started and connected
@@ -104,7 +105,8 @@ def subgroup(store: dist.Store, name: str, members: list[int], rank: int, backen
 
 
 def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    group.allreduce([tensor]).wait()
+    with timing.comm():
+        group.allreduce([tensor]).wait()
 
 
 def agree_min(group: dist.ProcessGroup, value: int) -> int:

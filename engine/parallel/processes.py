@@ -76,6 +76,7 @@ class RankProcesses:
         self.failure: str | None = None         # the first rank that died, and how
         self.on_failure = lambda: None          # called on the watchdog thread once a rank failed
         self._stopping = False
+        self._failing = False                   # a failure is being handled (published once done)
         self._lock = threading.Lock()
         env = _worker_env(specs[0].num_threads) if specs else {}
         for spec in specs:
@@ -117,17 +118,19 @@ class RankProcesses:
 
     def _failed(self, rank: int) -> None:
         with self._lock:
-            if self._stopping or self.failure is not None:
+            if self._stopping or self._failing:
                 return
-            proc = self.procs[rank]
-            try:
-                proc.wait(timeout=1.0)  # end of file comes a moment before the exit status
-            except subprocess.TimeoutExpired:
-                pass
-            self.failure = f"rank {rank} (pid {proc.pid}) {_how(proc, self.errors.get(rank))}"
-        log.error("%s; stopping every rank of this engine", self.failure)
+            self._failing = True
+        proc = self.procs[rank]
+        try:
+            proc.wait(timeout=1.0)  # end of file comes a moment before the exit status
+        except subprocess.TimeoutExpired:
+            pass
+        reason = f"rank {rank} (pid {proc.pid}) {_how(proc, self.errors.get(rank))}"
+        log.error("%s; stopping every rank of this engine", reason)
         self.kill()
         self.on_failure()
+        self.failure = reason  # published last: whoever sees it finds every rank already gone
 
     # -- rank 0's engine thread ----------------------------------------------------------------
 
@@ -186,9 +189,12 @@ class RankProcesses:
     def mark_failed(self, reason: str) -> None:
         """Rank 0 itself failed mid-step: the ranks are out of step, so they all go."""
         with self._lock:
-            if self.failure is None:
-                self.failure = reason
+            failing, self._failing = self._failing, True
+        if failing:  # the watchdog is on it
+            self.wait_failure(timeout=5.0)
+            return
         self.kill()
+        self.failure = reason
 
 
 def _how(proc: subprocess.Popen, error: str | None) -> str:

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.parallel import timing
 from engine.parallel.groups import RankGroups
-from engine.runner import NUM_SAMPLE_ROWS_AT, NUM_TOKENS_AT
+from engine.runner import NUM_TOKENS_AT
 
 STEP, STOP = 1, 2
 TAG = 0
@@ -34,8 +35,9 @@ class Sends:
     tensors: list[torch.Tensor] = field(default_factory=list)  # alive until the works complete
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        with timing.comm():
+            for work in self.works:
+                work.wait()
         self.works, self.tensors = [], []
 
 
@@ -47,26 +49,39 @@ def num_tokens(message: torch.Tensor) -> int:
     return int(message[NUM_TOKENS_AT])
 
 
-def num_sample_rows(message: torch.Tensor) -> int:
-    return int(message[NUM_SAMPLE_ROWS_AT])
-
-
 def broadcast_first_stage(groups: RankGroups, head: torch.Tensor, message: torch.Tensor | None) -> None:
     """Rank 0's side: stage 0's other TP ranks get the step."""
-    groups.first_stage_control.broadcast(head, 0).wait()
-    if message is not None:
-        groups.first_stage_control.broadcast(message, 0).wait()
+    with timing.comm():
+        groups.first_stage_control.broadcast(head, 0).wait()
+        if message is not None:
+            groups.first_stage_control.broadcast(message, 0).wait()
 
 
-def receive_first_stage(groups: RankGroups) -> tuple[int, torch.Tensor | None]:
+def receive_header(groups: RankGroups, first_stage: bool) -> tuple[int, int]:
+    """(command, message length) of the next step: from rank 0 on stage 0, else from the stage before.
+    This is where a worker waits while the engine is idle."""
     head = torch.empty(2, dtype=torch.int64)
-    groups.first_stage_control.broadcast(head, 0).wait()
+    if first_stage:
+        groups.first_stage_control.broadcast(head, 0).wait()
+    else:
+        groups.control.recv([head], groups.rank - groups.layout.tp, TAG).wait()
     command, length = head.tolist()
-    if command == STOP:
-        return command, None
+    return command, length
+
+
+def receive_body(groups: RankGroups, first_stage: bool, length: int, hidden_size: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's message, and on a later stage the hidden states it continues from."""
     message = torch.empty(length, dtype=torch.int64)
-    groups.first_stage_control.broadcast(message, 0).wait()
-    return command, message
+    with timing.comm():
+        if first_stage:
+            groups.first_stage_control.broadcast(message, 0).wait()
+            return message, None
+        src = groups.rank - groups.layout.tp
+        groups.control.recv([message], src, TAG).wait()
+        hidden = torch.empty((num_tokens(message), hidden_size), dtype=dtype, device=groups.device)
+        groups.world.recv([hidden], src, TAG).wait()
+    return message, hidden
 
 
 def send_next_stage(groups: RankGroups, head: torch.Tensor, message: torch.Tensor | None,
@@ -81,23 +96,9 @@ def send_next_stage(groups: RankGroups, head: torch.Tensor, message: torch.Tenso
     return sends
 
 
-def receive_previous_stage(groups: RankGroups, hidden_size: int,
-                           dtype: torch.dtype) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-    src = groups.rank - groups.layout.tp
-    head = torch.empty(2, dtype=torch.int64)
-    groups.control.recv([head], src, TAG).wait()
-    command, length = head.tolist()
-    if command == STOP:
-        return command, None, None
-    message = torch.empty(length, dtype=torch.int64)
-    groups.control.recv([message], src, TAG).wait()
-    hidden = torch.empty((num_tokens(message), hidden_size), dtype=dtype, device=groups.device)
-    groups.world.recv([hidden], src, TAG).wait()
-    return command, message, hidden
-
-
 def send_logits(groups: RankGroups, logits: torch.Tensor) -> None:
-    groups.results.send([logits], 0, TAG).wait()
+    with timing.comm():
+        groups.results.send([logits], 0, TAG).wait()
 
 
 def post_logits_receive(groups: RankGroups, src: int, rows: int, columns: int,

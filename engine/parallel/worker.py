@@ -21,7 +21,7 @@ import torch
 
 from engine.config import load_config
 from engine.loader import resolve_dtype
-from engine.parallel import protocol
+from engine.parallel import protocol, timing
 from engine.parallel.groups import RankGroups, rendezvous
 from engine.parallel.kv_pool import cuda_pool_handle, shared_cpu_pool
 from engine.parallel.layout import ParallelLayout
@@ -91,32 +91,34 @@ def serve(spec: WorkerSpec, control: socket.socket) -> None:
     log.info("rank %d ready: layers %d-%d, KV heads %s", spec.rank, shard.model.shard.layers.start,
              shard.model.shard.layers.stop - 1, list(shard.model.shard.kv_heads))
     step_loop(groups, shard)
+    if timing.ENABLED:
+        send_message(control, "timings", **timing.TIMES.to_dict())
 
 
 def step_loop(groups: RankGroups, shard: ModelShard) -> None:
     """Take steps from rank 0 (stage 0) or the stage before, pass them on, until STOP."""
     part = shard.model.shard
+    first, last = part.is_first_stage, part.is_last_stage
     hidden_size, dtype = shard.model.config.hidden_size, shard.model.dtype
     sends = protocol.Sends()
     while True:
-        if part.is_first_stage:
-            command, message = protocol.receive_first_stage(groups)
-            hidden_in = None
-        else:
-            command, message, hidden_in = protocol.receive_previous_stage(groups, hidden_size, dtype)
-        sends.wait()  # the previous step has reached the next stage: its buffers may be reused
+        command, length = protocol.receive_header(groups, first)
         if command == protocol.STOP:
-            if not part.is_last_stage:
+            sends.wait()
+            if not last:
                 protocol.send_next_stage(groups, protocol.header(protocol.STOP), None, None).wait()
             return
-        inputs = unpack_step(message, groups.device)
-        hidden = shard.forward(inputs, hidden_in)
-        if not part.is_last_stage:
-            if shard.decode_graphs is not None:
-                hidden = hidden.clone()  # a graph's output buffer is overwritten by the next replay
-            sends = protocol.send_next_stage(groups, protocol.header(protocol.STEP, message), message, hidden)
-        elif inputs.sample_rows:
-            protocol.send_logits(groups, shard.model.project(hidden.index_select(0, inputs.sample_index)))
+        with timing.step():
+            message, hidden_in = protocol.receive_body(groups, first, length, hidden_size, dtype)
+            sends.wait()  # the previous step has reached the next stage: its buffers may be reused
+            inputs = unpack_step(message, groups.device)
+            hidden = shard.forward(inputs, hidden_in)
+            if not last:
+                if shard.decode_graphs is not None:
+                    hidden = hidden.clone()  # a graph's output buffer is overwritten by the next replay
+                sends = protocol.send_next_stage(groups, protocol.header(protocol.STEP, message), message, hidden)
+            elif inputs.sample_rows:
+                protocol.send_logits(groups, shard.model.project(hidden.index_select(0, inputs.sample_index)))
 
 
 if __name__ == "__main__":

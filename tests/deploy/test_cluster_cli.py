@@ -69,17 +69,22 @@ def test_generated_agent_toml_loads_as_the_agent_config(tmp_path, tiny_model_dir
     assert config.models == {"tiny-1.0": str(tiny_model_dir)} and config.registry_url is None
 
 
-def test_status_table_shows_state_role_load_kv_and_heartbeat_age():
+def test_status_table_shows_state_role_devices_load_kv_and_heartbeat_age():
     sites = [{"name": "lisbon", "state": "cordoned", "alive": True, "region": "eu-west", "grpc_address": "h:1",
               "models": [{"model": "m", "role": "prefill"}], "heartbeat_age_s": 0.42,
-              "capacity": {"kv_blocks_free": 30, "kv_blocks_total": 40, "num_running": 2, "num_waiting": 1}},
+              "capacity": {"kv_blocks_free": 30, "kv_blocks_total": 40, "num_running": 2, "num_waiting": 1,
+                           "num_gpus": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
              {"name": "warsaw", "state": "active", "alive": False, "region": None, "grpc_address": None,
-              "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": None, "capacity": None}]
+              "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": None, "capacity": None},
+             {"name": "oslo", "state": "active", "alive": True, "region": "eu-north", "grpc_address": "h:2",
+              "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": 1.0,
+              "capacity": {"kv_blocks_free": 1, "kv_blocks_total": 2}}]  # an agent older than the layout fields
     lines = status_table(sites).splitlines()
     assert lines[0].split()[:4] == ["site", "state", "alive", "role"]
-    assert lines[2].split() == ["lisbon", "cordoned", "yes", "prefill", "eu-west", "2/1", "30/40", "(75%)",
-                                "0.4s", "ago", "h:1"]
+    assert lines[2].split() == ["lisbon", "cordoned", "yes", "prefill", "eu-west", "4", "(2x2)", "2/1", "30/40",
+                                "(75%)", "0.4s", "ago", "h:1"]
     assert lines[3].split()[:4] == ["warsaw", "active", "no", "both"] and "never" in lines[3]
+    assert lines[4].split()[5:7] == ["cpu", "(1x1)"]
 
 
 def test_status_table_shows_the_planners_active_role():

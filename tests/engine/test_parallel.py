@@ -272,3 +272,16 @@ def test_workers_exit_when_rank_zero_is_killed(engines, tmp_path):
     finally:
         rank0.kill()
         rank0.wait()
+
+
+def test_generate_command_takes_the_layout(tiny_model_dir, capsys):
+    from deploy.cli import main
+
+    command = ["generate", "--model", str(tiny_model_dir), "--prompt", "the quick brown fox", "--max-tokens", "6"]
+    assert main(command) == 0
+    single = capsys.readouterr().out
+    assert main([*command, "--pipeline-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == single
+    assert main([*command, "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size 3 does not divide the model's 4 attention heads; use one of [1, 2, 4]" in \
+        capsys.readouterr().err
