@@ -25,7 +25,7 @@ from engine.errors import RankFailedError
 from engine.parallel.layout import ParallelLayout, kv_head_range, split_layers
 from engine.sampling import SamplingParams
 from engine.config import load_config
-from tests.engine.conftest import _llama, _qwen2, _qwen3, _randomize
+from tests.engine.conftest import _llama, _qwen2, _qwen3, _qwen3_moe, _randomize
 
 pytestmark = pytest.mark.parallel
 
@@ -33,10 +33,12 @@ CHECKPOINTS = {
     "llama-gqa": lambda: _llama(num_hidden_layers=4),                                  # 4 heads, 2 KV heads
     "qwen2-tied": lambda: _qwen2(num_hidden_layers=4, tie_word_embeddings=True),       # q/k/v bias, tied head
     "qwen3-mqa": lambda: _qwen3(num_hidden_layers=4, num_key_value_heads=1),           # q/k norm, 1 KV head < tp
+    "qwen3-moe": _qwen3_moe,                                # experts in layers 0 and 2, a dense MLP in layer 1
 }
-# every layout on Llama (it also carries the KV layout pairs); TP x PP on the other two
+# every layout on Llama (it also carries the KV layout pairs); TP x PP on two more; the MoE model
+# on stages (TP does not split experts)
 CASES = [("llama-gqa", (2, 1)), ("llama-gqa", (1, 2)), ("llama-gqa", (2, 2)),
-         ("qwen2-tied", (2, 2)), ("qwen3-mqa", (2, 2))]
+         ("qwen2-tied", (2, 2)), ("qwen3-mqa", (2, 2)), ("qwen3-moe", (1, 2))]
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 NUM_BLOCKS = 16     # in every layout, so every engine meets the same pressure on its pool
 BLOCK_SIZE = 8
@@ -47,7 +49,7 @@ PROMPT = [5, 17, 260, 3, 99, 41, 41, 7, 150, 310, 2, 64, 88, 12, 19, 200, 201, 2
 def _kv_budget(model_dir: Path, tp: int, pp: int) -> int:
     """Per-rank KV bytes that hold NUM_BLOCKS blocks on the rank with the most layers and KV heads."""
     cfg = load_config(model_dir)
-    layers = max(len(r) for r in split_layers(cfg, pp))
+    layers = max(len(r) for r in split_layers(cfg, pp))  # KV: every layer of a stage, dense or not
     heads = len(kv_head_range(cfg.num_kv_heads, tp, 0))
     return NUM_BLOCKS * 2 * layers * BLOCK_SIZE * heads * cfg.head_dim * 4
 
