@@ -236,7 +236,7 @@ def main() -> None:
         started = time.perf_counter()
         engine = LLMEngine(directory, config)
         print(f"engine ready in {time.perf_counter() - started:.0f} s (load, warm-up, KV sizing, graph capture): "
-              f"{engine.block_manager.num_blocks} KV blocks, CUDA graphs: {engine.decode_graphs is not None}")
+              f"{engine.block_manager.num_blocks} KV blocks, CUDA graphs: {engine.executor.decode_graphs is not None}")
         decode = [engine_decode(engine, batch) for batch in DECODE_BATCHES]
         prefill_rate, flops_per_token = engine_prefill(engine)
         del engine

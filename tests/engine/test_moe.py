@@ -43,10 +43,10 @@ def one_expert_checkpoint(tmp_path_factory):
 def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
     """Greedy outputs per request and the logits of every row the engine computed, by (request, position)."""
     logits: dict[tuple[str, int], torch.Tensor] = {}
-    forward = engine._forward
+    forward = engine.executor.forward
 
-    def recording_forward(inputs):
-        hidden = forward(inputs)
+    def recording_forward(inputs, hidden_in=None):
+        hidden = forward(inputs, hidden_in)
         rows = engine.model.compute_logits(hidden)
         for i, item in enumerate(inputs.order):
             start = item.seq.num_computed_tokens
@@ -54,9 +54,9 @@ def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], max_tokens: 
                 logits[(item.seq.request_id, start + offset)] = rows[row]
         return hidden
 
-    engine._forward = recording_forward
+    engine.executor.forward = recording_forward
     outputs = engine_greedy(engine, prompts, max_tokens)
-    engine._forward = forward
+    engine.executor.forward = forward
     return outputs, logits
 
 

@@ -67,7 +67,7 @@ def _greedy(directory, use_kernels: bool, cuda_graphs: bool) -> dict[str, list[i
     engine = LLMEngine(directory, config)
     if not use_kernels:
         engine.model.ops = ops
-    assert (engine.decode_graphs is not None) == cuda_graphs
+    assert (engine.executor.decode_graphs is not None) == cuda_graphs
     prompts = {f"r{i}": list(range(10 + i, 10 + i + n)) for i, n in enumerate([5, 40, 17, 90, 3])}
     outputs = {rid: [] for rid in prompts}
     for i, (rid, prompt) in enumerate(prompts.items()):
