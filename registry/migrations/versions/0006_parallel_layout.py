@@ -1,15 +1,15 @@
 """A site's devices: the GPUs its engines run on and their tensor x pipeline-parallel layout.
 
-Revision ID: 0005_parallel_layout
-Revises: 0004_site_model_kv
+Revision ID: 0006_parallel_layout
+Revises: 0005_placements
 Create Date: 2026-11-23
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005_parallel_layout"
-down_revision = "0004_site_model_kv"
+revision = "0006_parallel_layout"
+down_revision = "0005_placements"
 branch_labels = None
 depends_on = None
 
