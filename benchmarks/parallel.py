@@ -2,7 +2,9 @@
 rank), the same checkpoint and requests, in one run.
 
 Each configuration serves the same batch of requests (prompts of different lengths, answers of
-different lengths, all arriving at once) to the end. Printed per configuration: output tokens/s,
+different lengths, all arriving at once) to the end, after one untimed warm-up request; the
+configurations take turns for --rounds rounds, so a change in the machine's load hits them
+alike, and the medians are printed. Printed per configuration: output tokens/s,
 the mean time of one engine step, and per rank the share of its busy time spent inside
 torch.distributed calls (all-reduces, step messages, hidden states, logits; waiting on a peer that
 is still computing counts, as it does in any such measurement). Greedy tokens must equal the
@@ -54,16 +56,19 @@ def make_requests(num: int, vocab: int) -> list[tuple[list[int], int]]:
     return requests
 
 
-def run(directory: str, requests, tp: int, pp: int) -> dict:
+def run(directory: str, requests, tp: int, pp: int, threads: int) -> dict:
     from engine.engine import EngineConfig, LLMEngine
     from engine.parallel import timing
     from engine.sampling import SamplingParams
 
-    torch.set_num_threads(2)  # the engine gives each of its ranks an equal share of these
-    timing.TIMES.steps, timing.TIMES.step_s, timing.TIMES.comm_s = 0, 0.0, 0.0
+    torch.set_num_threads(threads)  # a parallel engine gives each of its ranks an equal share of these
     engine = LLMEngine(directory, EngineConfig(kv_cache_bytes=256 << 20, show_progress=False, max_num_batched_tokens=512,
                                                max_num_seqs=64, tensor_parallel_size=tp, pipeline_parallel_size=pp))
     threads = torch.get_num_threads()
+    engine.add_request("warm-up", requests[0][0][:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    timing.TIMES.steps, timing.TIMES.step_s, timing.TIMES.comm_s = 0, 0.0, 0.0
     outputs = {str(i): [] for i in range(len(requests))}
     steps = 0
     started = time.perf_counter()
@@ -75,9 +80,16 @@ def run(directory: str, requests, tp: int, pp: int) -> dict:
         steps += 1
     elapsed = time.perf_counter() - started
     engine.shutdown()
-    ranks = getattr(engine.executor, "rank_times", {})
+    ranks = getattr(engine.executor, "rank_times", {})  # the workers' times include the warm-up
     return {"seconds": elapsed, "steps": steps, "threads": threads, "outputs": [outputs[str(i)] for i in range(len(requests))],
             "comm": {rank: t["comm_s"] / t["step_s"] for rank, t in sorted(ranks.items()) if t["step_s"]}}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time; every run's outputs must agree."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    median = ordered[len(ordered) // 2]
+    return {**median, "outputs": median["outputs"] if all(r["outputs"] == runs[0]["outputs"] for r in runs) else None}
 
 
 def lm_head_split(hidden: int, vocab: int, rows: int, repeats: int = 20) -> tuple[float, float]:
@@ -118,10 +130,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=3, help="each configuration runs once per round, in turn")
     parser.add_argument("--gpu-layers", type=int, default=32, help="GPU part: decoder layers (32 = Llama-3.1-8B)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    configs = [("1 process, 2 threads", 1, 1), ("tp=2, 1 thread/rank", 2, 1), ("pp=2, 1 thread/rank", 1, 2)]
+    # (name, tp, pp, threads of the process that makes the engine); 1 process with 1 thread is for context:
+    # on a busy 2-core machine the 2 threads of one process wait on each other far more than 2 processes do
+    configs = [("1 process, 2 threads", 1, 1, 2), ("tp=2, 1 thread/rank", 2, 1, 2), ("pp=2, 1 thread/rank", 1, 2, 2),
+               ("1 process, 1 thread", 1, 1, 1)]
     with tempfile.TemporaryDirectory() as directory:
         print(f"building a random-weight Llama (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}) ...",
               flush=True)
@@ -130,12 +146,15 @@ def main() -> None:
         useful = sum(m for _, m in requests)
         print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {useful} output tokens; "
               f"{os.cpu_count()} CPUs", flush=True)
-        results = []
-        for name, tp, pp in configs:
-            print(f"running {name} ...", flush=True)
-            results.append((name, run(directory, requests, tp, pp)))
+        runs: dict[str, list[dict]] = {name: [] for name, *_ in configs}
+        for round_number in range(1, args.rounds + 1):
+            for name, tp, pp, threads in configs:
+                print(f"round {round_number}/{args.rounds}: {name} ...", flush=True)
+                runs[name].append(run(directory, requests, tp, pp, threads))
+    results = [(name, _median_run(runs[name])) for name, *_ in configs]
     reference = results[0][1]["outputs"]
-    print(f"\n{'':22}{'threads/rank':>13}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}  comm share of busy time per rank")
+    print(f"\nmedian of {args.rounds} rounds; load average now {os.getloadavg()[0]:.1f}")
+    print(f"{'':22}{'threads/rank':>13}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}  comm share of busy time per rank")
     for name, r in results:
         comm = ", ".join(f"rank {rank} {share:.0%}" for rank, share in r["comm"].items()) or "-"
         same = "" if r["outputs"] == reference else "   GREEDY TOKENS DIFFER"
