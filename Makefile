@@ -13,7 +13,8 @@ $(BIN)/python:
 # torch first and pinned to a CPU-capable build: a bare `torch` requirement pulls several GB of CUDA.
 TORCH_SPEC ?= torch==2.13.0
 
-$(STAMP): $(BIN)/python pyproject.toml
+# The native decoder is compiled by the editable install: rebuild when its source changes.
+$(STAMP): $(BIN)/python pyproject.toml engine/compression/native_decoder.c
 	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q '$(TORCH_SPEC)'
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)

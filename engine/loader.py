@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from engine.compression import WEIGHT_MODES
 from engine.compression.checkpoint import CompressedCheckpoint, is_compressed
-from engine.compression.decode import decompress_verified, uses_kernel
+from engine.compression.decode import decompress_verified, needs_pair_tables, uses_kernel
 from engine.compression.streamed import CompressedMLP, StreamedLayers
 from engine.compression.tables import pair_table
 from engine.config import ModelConfig
@@ -138,7 +138,7 @@ class _TensorReader:
             tensors[proj] = tensor.to(self.device)
             decompress_verified(tensors[proj], self.device)   # decoded once, checked, dropped
             self.progress.update(1)
-        tables = tuple(self._pair_table(t) for t in tensors.values())
+        tables = tuple(self._pair_table(t) for t in tensors.values()) if needs_pair_tables(self.device) else None
         return CompressedMLP(tensors["gate"], tensors["up"], tensors["down"], tables)
 
     def _pair_table(self, t) -> torch.Tensor:

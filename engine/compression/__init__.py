@@ -6,9 +6,10 @@ holding a rarer exponent are stored verbatim, and the sign/mantissa byte is kept
 weights shrink by about a third, bit-exactly. FORMAT.md is the file format.
 
 Modules: `codes` (code lengths, canonical codes), `format` (a compressed tensor, its checks),
-`encoder`, `tables` (decode tables), `torch_decoder` (CPU, reference), `triton_decoder` (CUDA),
-`decode` (picks one), `checkpoint` (reading a compressed checkpoint), `writer` and `compress`
-(`edgefire compress`), `streamed` (compressed_in_memory's layer-by-layer decoding).
+`encoder`, `tables` (decode tables), `native_decoder` (CPU: C, built by the install),
+`torch_decoder` (CPU fallback, reference), `triton_decoder` (CUDA), `workers` (the CPU decode
+threads), `decode` (picks one), `checkpoint` (reading a compressed checkpoint), `writer` and
+`compress` (`edgefire compress`), `streamed` (compressed_in_memory's layer-by-layer decoding).
 This module stays free of torch imports: configs read WEIGHT_MODES from it.
 """
 

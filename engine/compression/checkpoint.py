@@ -122,7 +122,7 @@ class CompressedCheckpoint:
         that hold them: a tensor-parallel rank's shard of a row-split weight."""
         if name not in self.compressed:
             return self._handle(self.plain[name]).get_slice(name)[start:stop]
-        from engine.compression.torch_decoder import decompress_rows
+        from engine.compression.decode import decompress_rows
         return decompress_rows(self.read_compressed(name), start, stop)
 
     def _handle(self, shard: Path):

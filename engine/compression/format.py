@@ -93,6 +93,12 @@ class CompressedTensor:
                                 payload_xxh3=self.payload_xxh3)
 
 
+def corrupt(name: str, problem: str) -> CompressedFormatError:
+    """The error for a compressed tensor that breaks the format, naming it and what to do."""
+    return CompressedFormatError(f"compressed tensor {name!r}: {problem}; the checkpoint is corrupt or truncated: "
+                                 f"compress it again from the original")
+
+
 def part_name(tensor: str, part: str) -> str:
     return f"{tensor}{PART_MARKER}{part}"
 
@@ -145,8 +151,7 @@ def from_record(name: str, record: dict, parts: dict[str, torch.Tensor]) -> Comp
 def validate(t: CompressedTensor) -> None:
     """Every rule of FORMAT.md that can be checked without decoding, then the payload checksum."""
     def fail(problem: str):
-        raise CompressedFormatError(f"compressed tensor {t.name!r}: {problem}; the checkpoint is corrupt or "
-                                    f"truncated: compress it again from the original")
+        raise corrupt(t.name, problem)
 
     if any(d < 0 for d in t.shape):
         fail(f"negative dimension in shape {t.shape}")

@@ -22,7 +22,7 @@ class CompressedMLP:
     gate: CompressedTensor     # parts on the model's device
     up: CompressedTensor
     down: CompressedTensor
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # pair tables, same device
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # pair tables (decode.needs_pair_tables)
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +57,7 @@ class StreamedLayers:
 
     @property
     def compressed_bytes(self) -> int:
-        tables = {id(table): table for m in self.mlps if m is not None for table in m.tables}
+        tables = {id(table): table for m in self.mlps if m is not None for table in m.tables or ()}
         return sum(m.nbytes for m in self.mlps if m is not None) + sum(
             table.numel() * table.element_size() for table in tables.values())
 
@@ -120,11 +120,12 @@ class StreamedLayers:
         mlp = self.mlps[index]
         gate_up, down = self.buffers[index % len(self.buffers)]
         intermediate = mlp.gate.shape[0]
-        self._decode_one(mlp.gate, mlp.tables[0], gate_up[:intermediate])
-        self._decode_one(mlp.up, mlp.tables[1], gate_up[intermediate:])
-        self._decode_one(mlp.down, mlp.tables[2], down)
+        gate_table, up_table, down_table = mlp.tables or (None, None, None)
+        self._decode_one(mlp.gate, gate_table, gate_up[:intermediate])
+        self._decode_one(mlp.up, up_table, gate_up[intermediate:])
+        self._decode_one(mlp.down, down_table, down)
 
-    def _decode_one(self, t: CompressedTensor, table: torch.Tensor, target: torch.Tensor) -> None:
+    def _decode_one(self, t: CompressedTensor, table: torch.Tensor | None, target: torch.Tensor) -> None:
         n = t.numel
         if self.scratch is None and n % 2 == 0:
             decompress_into(t, target.view(-1).view(torch.int16), table)

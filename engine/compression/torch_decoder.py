@@ -1,4 +1,4 @@
-"""The vectorized torch decoder: the CPU path, and the reference the Triton kernel is tested against.
+"""The vectorized torch decoder: the CPU fallback, and the reference the other decoders are tested against.
 
 Chunks are independent, so all chunks of a block are decoded in lockstep as lanes: each step reads
 every lane's next 16 stream bits (one gather of a 32-bit window, one shift, one mask), looks up two
@@ -7,7 +7,11 @@ advances: 8 torch ops per step for two symbols of thousands of lanes, so per-op 
 amortized and nothing runs per symbol in Python. The entries hold the exponents already in bf16
 position; after the loop one blocked transpose puts them in element order and two masks and an
 OR with the sign/mantissa bytes (sign-extended to 16 bits) give the bf16 bits. Blocks of lanes
-run on a small thread pool (torch ops release the GIL).
+run on the decode threads (workers.py; torch ops release the GIL).
+
+Each op reads and writes whole lane arrays, so the loop is bound by that memory traffic: about
+0.4 GB/s of output per CPU-second. The CPU uses the native decoder (native_decoder.py) when it was
+built; this one is the fallback and the reference the other decoders are tested against.
 
 Bit bookkeeping: a lane keeps q = K - p, p its bit position in the block's stream and
 K = 16 * windows - 1. Then q >> 4 indexes the reversed window array and q & 15 is the shift,
@@ -16,12 +20,11 @@ with no subtraction per step; advancing is q -= length.
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from engine.compression import workers
 from engine.compression.format import GROUP_SIZE, CompressedTensor
 from engine.compression.tables import LENGTH_BITS, pair_table
 
@@ -32,7 +35,6 @@ BLOCK_ELEMENTS = 1 << 24       # at most per block, so bit positions fit int32 a
 SIGN_MANTISSA_BITS = -0x7F81   # 0x807F as int16
 EXPONENT_MASK = 0x7F80         # drops the code length the pair entries carry in bits 0-4
 MERGE_ELEMENTS = 1 << 18       # sign/mantissa bytes widened per pass: a temporary that stays in cache
-_pool: ThreadPoolExecutor | None = None
 _local = threading.local()
 
 
@@ -46,62 +48,18 @@ def _workspace(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[:numel]
 
 
-def _workers() -> int:
-    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="bf16-decode")
-    return _pool
-
-
-def decompress(t: CompressedTensor, table: torch.Tensor | None = None) -> torch.Tensor:
-    """The original bf16 tensor (CPU)."""
-    out = torch.empty(t.numel, dtype=torch.int16)
-    decompress_into(t, out, table)
-    return out.view(torch.bfloat16).view(t.shape)
-
-
-def decompress_into(t: CompressedTensor, out: torch.Tensor, table: torch.Tensor | None = None) -> None:
-    """Write the bf16 bit patterns of t into out, a contiguous int16 vector of t.numel elements.
-    table: pair_table(t.palette, t.code_lengths), for callers that decode the same tensor often."""
-    if out.dtype != torch.int16 or out.shape != (t.numel,) or not out.is_contiguous():
-        raise ValueError(f"decompress_into needs a contiguous int16 vector of {t.numel} elements, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    if t.numel:
-        _decode_chunks(t, pair_table(t.palette, t.code_lengths) if table is None else table, out, 0, t.num_chunks)
-
-
-def decompress_rows(t: CompressedTensor, start: int, stop: int, table: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows start .. stop-1 (first dimension) of the original bf16 tensor, decoding only the chunks that
-    hold them: how one tensor-parallel rank reads its shard of a row-split weight."""
-    if not t.shape or not 0 <= start <= stop <= t.shape[0]:
-        raise ValueError(f"rows {start}:{stop} are outside tensor {t.name!r} of shape {t.shape}")
-    row = t.numel // t.shape[0] if t.shape[0] else 0
-    begin, end = start * row, stop * row
-    if begin == end:
-        return torch.empty(stop - start, *t.shape[1:], dtype=torch.bfloat16)
-    first, last = begin // t.chunk_size, -(-end // t.chunk_size)
-    origin = first * t.chunk_size
-    out = torch.empty(min(t.numel, last * t.chunk_size) - origin, dtype=torch.int16)
-    _decode_chunks(t, pair_table(t.palette, t.code_lengths) if table is None else table, out, first, last)
-    return out[begin - origin: end - origin].view(torch.bfloat16).view(stop - start, *t.shape[1:])
-
-
-def _decode_chunks(t: CompressedTensor, table: torch.Tensor, out: torch.Tensor, first: int, last: int) -> None:
-    """Chunks first .. last-1 into out, whose element 0 is the first chunk's first element."""
-    per_block = min(LANES_PER_BLOCK, max(256, -(-(last - first) // _workers())))
+def decode_chunks(t: CompressedTensor, out: torch.Tensor, first: int, last: int,
+                  table: torch.Tensor | None = None) -> None:
+    """Chunks first .. last-1 into out (contiguous int16), whose element 0 is the first chunk's first
+    element. table: pair_table(t.palette, t.code_lengths), for callers that decode the same tensor often."""
+    if last <= first:
+        return
+    table = pair_table(t.palette, t.code_lengths) if table is None else table
+    per_block = min(LANES_PER_BLOCK, max(256, -(-(last - first) // workers.num_workers())))
     per_block = max(1, min(per_block, BLOCK_ELEMENTS // t.chunk_size))
-    blocks = [(c, min(last, c + per_block)) for c in range(first, last, per_block)]
     origin = first * t.chunk_size
-    if len(blocks) == 1 or _workers() == 1:
-        for block in blocks:
-            _decode_block(t, table, out, *block, origin)
-    else:
-        for future in [_executor().submit(_decode_block, t, table, out, *b, origin) for b in blocks]:
-            future.result()
+    workers.run(_decode_block, [(t, table, out, c, min(last, c + per_block), origin)
+                                for c in range(first, last, per_block)])
     write_escapes(t, out, origin)
 
 

@@ -1,4 +1,5 @@
-"""The compressed tensor format: bit-exact round trips, code construction, and rejected corruption."""
+"""The compressed tensor format: bit-exact round trips through both CPU decoders (native and torch),
+code construction, and rejected corruption."""
 
 from __future__ import annotations
 
@@ -8,21 +9,24 @@ import pytest
 import torch
 
 from tests.compression_cases import cases
+from engine.compression import native_decoder, torch_decoder
 from engine.compression.codes import MAX_CODE_LENGTH, canonical_codes, code_lengths, kraft_ok
+from engine.compression.decode import decompress, decompress_rows
 from engine.compression.encoder import compress_tensor
 from engine.compression.format import GROUP_SIZE, CompressedFormatError, validate
-from engine.compression.torch_decoder import decompress, decompress_rows
 
 CASES = cases()
+DECODERS = {"native": native_decoder, "torch": torch_decoder}
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.int16)
 
 
+@pytest.mark.parametrize("decoder", list(DECODERS))
 @pytest.mark.parametrize("chunk_size", [None, 64])   # None: 256 for these sizes
 @pytest.mark.parametrize("name", list(CASES))
-def test_round_trip_is_bit_exact(name, chunk_size):
+def test_round_trip_is_bit_exact(name, chunk_size, decoder):
     original = CASES[name]
     compressed = compress_tensor(name, original, chunk_size)
     if compressed is None:
@@ -30,19 +34,20 @@ def test_round_trip_is_bit_exact(name, chunk_size):
         assert name in ("escapes-everywhere", "tiny", "one-element")
         return
     validate(compressed)
-    restored = decompress(compressed)
+    restored = decompress(compressed, DECODERS[decoder])
     assert restored.shape == original.shape and restored.dtype == torch.bfloat16
     assert torch.equal(bits(restored), bits(original))
     assert compressed.nbytes < 2 * original.numel()
 
 
+@pytest.mark.parametrize("decoder", list(DECODERS))
 @pytest.mark.parametrize("rows", [(0, 96), (0, 1), (5, 6), (31, 77), (95, 96), (40, 40)])
-def test_a_row_range_decodes_only_its_chunks_bit_exactly(rows):
+def test_a_row_range_decodes_only_its_chunks_bit_exactly(rows, decoder):
     original = CASES["normal-0.02"].clone()   # 96 rows of 200: chunks of 64 straddle rows
     original[50, 3] = 1e-38   # an escape group inside the range of some cases
     compressed = compress_tensor("w", original, 64)
     start, stop = rows
-    assert torch.equal(bits(decompress_rows(compressed, start, stop)), bits(original[start:stop]))
+    assert torch.equal(bits(decompress_rows(compressed, start, stop, DECODERS[decoder])), bits(original[start:stop]))
 
 
 def test_escape_groups_are_only_where_rare_exponents_are():

@@ -60,5 +60,6 @@ def test_kernel_path_generates_the_original_tokens(tmp_path, monkeypatch):
         triton_decoder.decompress_into(t, out, table)
 
     monkeypatch.setattr("engine.compression.streamed.decompress_into", kernel_decode)
+    monkeypatch.setattr("engine.loader.needs_pair_tables", lambda device: True)   # as on CUDA: the kernel reads them
     assert tokens(tmp_path / "compressed", "compressed_in_memory") == expected
     assert len(kernel_calls) == 2 * 3   # each of the two forwards decoded the layer's three projections
