@@ -40,6 +40,18 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def start_run(threads: int) -> float:
+    """Set torch's threads (0: its default) and print the load the run starts under; returns that load."""
+    if threads:
+        torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    load_before = load_average()
+    print(f"1-minute load average before the run: {load_before:.2f} on {os.cpu_count()} CPUs "
+          f"({'quiet' if load_before < QUIET_LOAD else 'LOADED'}); torch threads {torch.get_num_threads()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    return load_before
+
+
 def build_checkpoint(directory: str, hidden: int, layers: int, vocab: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,18 +72,19 @@ def make_requests(num: int, vocab: int) -> list[tuple[list[int], int]]:
     return requests
 
 
-def new_engine(directory: str):
+def new_engine(directory: str, **options):
+    """The benchmark's engine; `options` override EngineConfig fields (benchmarks/moe.py: expert parallelism)."""
     from engine.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(directory, EngineConfig(kv_cache_bytes=1 << 30, show_progress=False,
-                                             max_num_batched_tokens=1024, max_num_seqs=64))
+    return LLMEngine(directory, EngineConfig(**{"kv_cache_bytes": 1 << 30, "show_progress": False,
+                                                "max_num_batched_tokens": 1024, "max_num_seqs": 64, **options}))
 
 
-def run_engine(directory: str, requests: list[tuple[list[int], int]]) -> tuple[float, float, list[list[int]]]:
+def run_engine(directory: str, requests: list[tuple[list[int], int]], **options) -> tuple[float, float, list[list[int]]]:
     """(wall seconds, CPU seconds, tokens) of one run on a fresh engine (an empty prefix cache)."""
     from engine.sampling import SamplingParams
 
-    engine = new_engine(directory)
+    engine = new_engine(directory, **options)
     outputs = {str(i): [] for i in range(len(requests))}
     started, cpu_started = time.perf_counter(), time.process_time()
     for i, (prompt, max_tokens) in enumerate(requests):
@@ -142,15 +155,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=0, help="torch threads for both sides (default: torch's choice)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)
+    load_before = start_run(args.threads)
     from transformers import AutoModelForCausalLM
 
-    load_before = load_average()
-    print(f"1-minute load average before the run: {load_before:.2f} on {os.cpu_count()} CPUs "
-          f"({'quiet' if load_before < QUIET_LOAD else 'LOADED'}); torch threads {torch.get_num_threads()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     with tempfile.TemporaryDirectory() as directory:
         print(f"building a random-weight Llama (hidden {args.hidden}, {args.layers} layers) ...", flush=True)
         build_checkpoint(directory, args.hidden, args.layers, args.vocab)

@@ -265,6 +265,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     [E, 2 * inter, hidden] (gate rows first); down [E, hidden, inter]. One stable sort groups the
     T * k (token, expert) pairs by expert, so each expert that received tokens runs one pair of
     matmuls over all of them, however unevenly they are spread; an expert with none costs nothing.
+    In a decode step an expert gets a few rows: `linear` spreads such a matmul over the threads.
     """
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
@@ -276,11 +277,10 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            activated = silu_and_mul(rows[start:end] @ gate_up[expert].T)
-            torch.matmul(activated, down[expert].T, out=expert_out[start:end])
+            expert_out[start:end] = linear(silu_and_mul(linear(rows[start:end], gate_up[expert])), down[expert])
             start = end
     # Back to (token, slot) order, then the router-weighted sum over each token's k experts.
-    per_slot = torch.empty_like(expert_out).index_copy_(0, order, expert_out).view(num_tokens, top_k, -1)
+    per_slot = torch.empty_like(expert_out).index_copy_(0, order, expert_out).view(num_tokens, top_k, down.shape[1])
     return torch.bmm(topk_weights.unsqueeze(1), per_slot.float()).squeeze(1).to(x.dtype)
 
 
