@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism on CPU: one process with 2 threads vs tp=2 vs pp=2 (1 thread per
 rank), the same checkpoint and requests, in one run.
 
-Each configuration serves the same batch of requests (prompts of different lengths, answers of
-different lengths, all arriving at once) to the end, after one untimed warm-up request; the
+Each configuration serves the same batch of requests (benchmarks/engine_cpu.py's: prompts of
+16-255 tokens, answers of 8-127, all arriving at once) to the end, after one untimed warm-up request; the
 configurations take turns for --rounds rounds, so a change in the machine's load hits them
 alike, and the medians are printed. Printed per configuration: output tokens/s,
 the mean time of one engine step, and per rank the share of its busy time spent inside
@@ -35,25 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def build_checkpoint(directory: str, hidden: int, layers: int, vocab: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=max(2, hidden // 256), intermediate_size=int(hidden * 2.75) // 16 * 16,
-                         vocab_size=vocab, max_position_embeddings=2048)
-    LlamaForCausalLM(config).save_pretrained(directory)
-
-
-def make_requests(num: int, vocab: int) -> list[tuple[list[int], int]]:
-    generator = torch.Generator().manual_seed(1)
-    requests = []
-    for _ in range(num):
-        prompt_len = int(torch.randint(16, 192, (1,), generator=generator))
-        max_tokens = int(torch.randint(16, 64, (1,), generator=generator))
-        requests.append((torch.randint(3, vocab, (prompt_len,), generator=generator).tolist(), max_tokens))
-    return requests
+from benchmarks.engine_cpu import build_checkpoint, make_requests  # noqa: E402  the same checkpoint and requests
 
 
 def run(directory: str, requests, tp: int, pp: int, threads: int) -> dict:
