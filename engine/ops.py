@@ -32,19 +32,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # A CPU matmul with this many rows or fewer runs on one thread whatever torch's thread count, so
 # a decode step with a small batch is bound by one core streaming the weights from memory.
 LINEAR_SPLIT_ROWS = 32
+# Below this many weight elements (1 MiB of float32) a slab streams in well under 100 us and handing
+# half of it to another thread costs more than it saves.
+LINEAR_SPLIT_MIN_ELEMENTS = 1 << 18
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ weight [out, in].T.
 
-    On a CPU with several threads and few rows, the weight's rows are cut into one slab per thread
-    and multiplied as one batched matmul, which torch spreads over its threads: a small-batch
-    decode step then streams its weights on every core (about 1.5x less time per matmul on
-    2 cores at 1-4 rows; no loss up to 32 rows, where torch's own threading takes over).
+    On a CPU with several threads, few rows and a large weight, the weight's rows are cut into one
+    slab per thread and multiplied as one batched matmul, which torch spreads over its threads: a
+    small-batch decode step then streams its weights on every core (about 1.5x less time per matmul
+    on 2 cores at 1-4 rows; no loss up to 32 rows, where torch's own threading takes over).
     """
     rows, num_threads = x.shape[0], torch.get_num_threads()
     if (rows > LINEAR_SPLIT_ROWS or num_threads == 1 or x.device.type != "cpu"
-            or weight.shape[0] % num_threads):
+            or weight.numel() < LINEAR_SPLIT_MIN_ELEMENTS or weight.shape[0] % num_threads):
         return x @ weight.T
     slabs = weight.view(num_threads, weight.shape[0] // num_threads, weight.shape[1])
     return torch.matmul(x, slabs.transpose(1, 2)).transpose(0, 1).reshape(rows, weight.shape[0])
