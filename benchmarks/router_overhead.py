@@ -126,14 +126,23 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.response += data
-        if self.response.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body
+        head, sep, body = self.response.partition(b"\r\n\r\n")
+        if not sep:
+            return
+        if body.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body (a stream)
+            self.done.set_result(None)
+            return
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), None)
+        if length is not None and len(body) >= length:  # a whole body (an error's JSON)
             self.done.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.done is not None and not self.done.done():
             self.done.set_exception(ConnectionError("the router closed the connection"))
 
-    async def post(self) -> None:
+    async def status(self) -> int:
+        """Posts the request and reads the whole answer; its HTTP status."""
         loop = asyncio.get_running_loop()
         if self.transport is None:
             self.transport, _ = await loop.create_connection(lambda: self, self.host, self.port)
@@ -141,7 +150,10 @@ class HttpConnection(asyncio.Protocol):
         self.done = loop.create_future()
         self.transport.write(self.request)
         await self.done
-        if not self.response.startswith(b"HTTP/1.1 200"):
+        return int(self.response[9:12])
+
+    async def post(self) -> None:
+        if await self.status() != 200:
             raise RuntimeError(self.response.decode(errors="replace"))
         if b"data: [DONE]" not in self.response[-64:]:
             raise RuntimeError("stream ended without [DONE]")

@@ -1,5 +1,6 @@
-"""`edgefire up` (the whole system on this machine, until Ctrl-C) and `edgefire status` (a table of
-sites, or with --links the matrix of measured links; with --watch redrawn in place until Ctrl-C)."""
+"""`edgefire up` (the whole system on this machine, until Ctrl-C), `edgefire status` (a table of
+sites, or with --links the matrix of measured links; with --watch redrawn in place until Ctrl-C) and
+`edgefire usage` (what each API key was served, per model, by hour or day)."""
 
 from __future__ import annotations
 
@@ -43,23 +44,48 @@ def add_parser(subparsers) -> None:
     up.add_argument("--demo-size", default="small", choices=["tiny", "small"], help="size of the demo model")
     up.add_argument("--tls", action="store_true", default=None,
                     help="run every hop over TLS (HTTPS, gRPC, KV data port) with a local CA made in the state dir")
+    up.add_argument("--routers", type=int, help="routers to run (default 1); they share every key's limits and "
+                                                "listen on --port, --port + 1, ...")
+    up.add_argument("--registry-replicas", type=int,
+                    help="registry processes over one database (default 1), on --registry-port, + 1, ...; routers "
+                         "and agents move to another when one fails")
+    up.add_argument("--db", help="the registry's database, e.g. postgresql+psycopg://user@host:5432/edgefire "
+                                 "(migrated and seeded, never emptied; default: SQLite in the state dir, made afresh)")
     up.set_defaults(func=run_up)
 
     status = subparsers.add_parser("status", help="a table of sites: state, role, GPUs and layout, load, KV free, "
                                                    "heartbeat age")
-    status.add_argument("--registry-url", help="registry base URL (default: the running `edgefire up` cluster's)")
-    status.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
-                        help="admin token (default $EDGEFIRE_ADMIN_TOKEN, else the `edgefire up` cluster's)")
-    status.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                        help=f"where `edgefire up` keeps cluster.json (default {DEFAULT_STATE_DIR})")
+    _registry_arguments(status)
     status.add_argument("--json", action="store_true", help="print the raw site list (or links) as JSON")
     status.add_argument("--links", action="store_true",
                         help="the measured links instead: RTT, throughput and age for each pair of sites")
-    status.add_argument("--ca", help="CA bundle verifying an https registry (default: the `edgefire up` cluster's)")
     status.add_argument("--watch", action="store_true", help="redraw the table in place every --interval seconds "
                                                              "until Ctrl-C")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (default 2)")
     status.set_defaults(func=run_status)
+
+    usage = subparsers.add_parser("usage", help="what each API key was served: requests and tokens per model and "
+                                                "hour (or day, or in total)")
+    _registry_arguments(usage)
+    usage.add_argument("--key", type=int, help="one API key's id (default: every key)")
+    usage.add_argument("--model", help="one model (default: every model)")
+    usage.add_argument("--from", dest="start", help="epoch seconds or ISO 8601, e.g. 2026-11-23T10:00Z "
+                                                    "(hours starting at or after it)")
+    usage.add_argument("--to", dest="end", help="epoch seconds or ISO 8601 (hours starting before it)")
+    usage.add_argument("--granularity", default="hour", choices=["hour", "day", "total"],
+                       help="one row per key, model and hour (UTC), day, or the whole range (default hour)")
+    usage.add_argument("--json", action="store_true", help="print the registry's answer as JSON")
+    usage.set_defaults(func=run_usage)
+
+
+def _registry_arguments(parser) -> None:
+    parser.add_argument("--registry-url", help="registry base URL, or several replicas comma-separated (default: "
+                                               "the running `edgefire up` cluster's)")
+    parser.add_argument("--admin-token", default=os.environ.get("EDGEFIRE_ADMIN_TOKEN"),
+                        help="admin token (default $EDGEFIRE_ADMIN_TOKEN, else the `edgefire up` cluster's)")
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                        help=f"where `edgefire up` keeps cluster.json (default {DEFAULT_STATE_DIR})")
+    parser.add_argument("--ca", help="CA bundle verifying an https registry (default: the `edgefire up` cluster's)")
 
 
 # -- up ----------------------------------------------------------------------------------------
@@ -68,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     overrides = {"model_dir": args.model, "model_name": args.model_name, "router_port": args.port,
                  "registry_port": args.registry_port, "host": args.host, "api_key": args.api_key,
                  "admin_token": args.admin_token, "state_dir": args.state_dir, "planner": args.planner,
-                 "tls": args.tls}
+                 "tls": args.tls, "routers": args.routers, "registry_replicas": args.registry_replicas, "db": args.db}
     if args.sites is not None:
         overrides["sites"] = demo_sites(args.sites)
     if args.config is not None:
@@ -103,8 +129,8 @@ def run_up(args: argparse.Namespace) -> int:
     # SIGTERM (systemd, kill) stops the cluster the same way Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     cluster = Cluster(config)
-    print(f"starting {len(config.sites)} site(s), a registry and a router (logs in "
-          f"{cluster.state_dir / 'logs'}) ...", flush=True)
+    print(f"starting {len(config.sites)} site(s), {_count(config.registry_replicas, 'registry', 'registries')} and "
+          f"{_count(config.routers, 'router', 'routers')} (logs in {cluster.state_dir / 'logs'}) ...", flush=True)
     try:
         started = time.monotonic()
         cluster.start()
@@ -124,6 +150,10 @@ def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"a {one}" if n == 1 else f"{n} {many}"
+
+
 def supervise(cluster) -> None:
     """Restarts a process that dies (up to MAX_RESTARTS times each) until interrupted."""
     while True:
@@ -139,13 +169,15 @@ def supervise(cluster) -> None:
 def banner(cluster, startup_s: float) -> str:
     c = cluster.config
     rows = [("process", "listens on", "role", "where", "log")]
-    rows.append(("registry", cluster.registry_url, "sites, capacity, admin API", "sqlite: registry.db",
-                 "logs/registry.log"))
+    database = _redacted(c.db) if c.db else "sqlite: registry.db"
+    for name, url in zip(cluster.registry_names, cluster.registry_urls):
+        rows.append((name, url, "sites, capacity, usage, admin API", database, f"logs/{name}.log"))
     for site in c.sites:
         rows.append((f"agent {site.name}", f"grpc{'s' if c.tls else ''}://{cluster.site_address(site.name)}", site.role,
                      f"{site.name} ({site.lat:.2f}, {site.lon:.2f})", f"logs/{site.name}.log"))
-    rows.append(("router", cluster.router_url, "OpenAI-compatible endpoint",
-                 f"({c.router['lat']:.2f}, {c.router['lon']:.2f})", "logs/router.log"))
+    for name, url in zip(cluster.router_names, cluster.router_urls):
+        rows.append((name, url, "OpenAI-compatible endpoint", f"({c.router['lat']:.2f}, {c.router['lon']:.2f})",
+                     f"logs/{name}.log"))
     url, ca = cluster.router_url, cluster.ca_path
     curl_ca = f" --cacert {ca}" if ca else ""
     python_client = (f'OpenAI(base_url="{url}/v1", api_key="{c.api_key}",\n'
@@ -175,6 +207,7 @@ print(reply.choices[0].message.content)
 EOF
 
   EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire status --watch     # sites, load, KV, heartbeats, live
+  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire usage             # requests and tokens per key, model, hour
 
 Watch it:
   dashboard     {cluster.registry_url}/dashboard   (sign in with the admin token)
@@ -183,30 +216,26 @@ Watch it:
 Ctrl-C stops everything."""
 
 
+def _redacted(db_url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(db_url).render_as_string(hide_password=True)
+
+
 # -- status --------------------------------------------------------------------------------------
 
 def run_status(args: argparse.Namespace) -> int:
-    from node_agent.tls import client_context
-    from registry.client import SyncRegistryClient
-
     if args.watch and args.json:
         print("error: --watch redraws tables; --json prints once (leave one out)", file=sys.stderr)
         return 2
     if args.watch and not args.interval >= 0.1:
         print(f"error: --interval must be at least 0.1 seconds, got {args.interval}", file=sys.stderr)
         return 2
-    registry_url, admin_token, ca = args.registry_url, args.admin_token, args.ca
-    if registry_url is None or admin_token is None:
-        try:
-            saved = json.loads((args.state_dir / "cluster.json").read_text())
-        except (OSError, ValueError):
-            print(f"error: no running `edgefire up` cluster in {args.state_dir}; give --registry-url and "
-                  f"--admin-token", file=sys.stderr)
-            return 2
-        registry_url = registry_url or saved["registry_url"]
-        admin_token = admin_token or saved["admin_token"]
-        ca = ca or saved.get("ca")
-    with SyncRegistryClient(registry_url, admin_token, verify=client_context(ca) if ca else True) as registry:
+    found = _admin_client(args)
+    if found is None:
+        return 2
+    registry, registry_url = found
+    with registry:
         if args.watch:
             return watch_status(registry, registry_url, args)
         text, error = status_text(registry, registry_url, args)
@@ -215,6 +244,52 @@ def run_status(args: argparse.Namespace) -> int:
         return 1
     print(text)
     return 0
+
+
+def run_usage(args: argparse.Namespace) -> int:
+    import httpx
+
+    from registry.client import RegistryError
+
+    found = _admin_client(args)
+    if found is None:
+        return 2
+    registry, registry_url = found
+    try:
+        with registry:
+            answer = registry.usage(args.key, args.model, args.start, args.end, args.granularity)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach the registry at {registry_url} ({exc})", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2) if args.json else usage_table(answer))
+    return 0
+
+
+def _admin_client(args: argparse.Namespace):
+    """(an admin client, the URL(s) it calls) from the flags or the running `edgefire up` cluster; None
+    after saying what is missing."""
+    from node_agent.tls import client_context
+    from registry.client import SyncRegistryClient
+
+    registry_url, admin_token, ca = args.registry_url, args.admin_token, args.ca
+    if registry_url is None or admin_token is None:
+        try:
+            saved = json.loads((args.state_dir / "cluster.json").read_text())
+        except (OSError, ValueError):
+            print(f"error: no running `edgefire up` cluster in {args.state_dir}; give --registry-url and "
+                  f"--admin-token", file=sys.stderr)
+            return None
+        registry_url = registry_url or ",".join(saved.get("registry_urls") or [saved["registry_url"]])
+        admin_token = admin_token or saved["admin_token"]
+        ca = ca or saved.get("ca")
+    try:
+        return SyncRegistryClient(registry_url, admin_token, verify=client_context(ca) if ca else True), registry_url
+    except ValueError as exc:   # a malformed --registry-url
+        print(f"error: --registry-url: {exc}", file=sys.stderr)
+        return None
 
 
 def status_text(registry, registry_url: str, args: argparse.Namespace) -> tuple[str, str | None]:
@@ -264,6 +339,24 @@ def watch_status(registry, registry_url: str, args: argparse.Namespace) -> int:
     finally:
         out.write(LEAVE)
         out.flush()
+
+
+def usage_table(answer: dict) -> str:
+    rows = [("period (UTC)", "key", "model", "requests", "prompt tokens", "cached", "completion tokens", "total")]
+    size = {"hour": 3600, "day": 86400}.get(answer["granularity"])
+    for item in answer["items"]:
+        period = "all" if item["period_start"] is None else _utc(item["period_start"], size)
+        rows.append((period, f"{item['key_id']} {item['key_name']}", item["model"], item["requests"],
+                     item["prompt_tokens"], item["cached_prompt_tokens"], item["completion_tokens"],
+                     item["total_tokens"]))
+    t = answer["totals"]
+    rows.append(("total", "", "", t["requests"], t["prompt_tokens"], t["cached_prompt_tokens"],
+                 t["completion_tokens"], t["total_tokens"]))
+    return format_table(rows)
+
+
+def _utc(epoch_s: int, size: int | None) -> str:
+    return time.strftime("%Y-%m-%d" if size == 86400 else "%Y-%m-%d %H:00", time.gmtime(epoch_s))
 
 
 def status_table(sites: list[dict]) -> str:

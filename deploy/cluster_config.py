@@ -4,6 +4,9 @@
 
     model = "/models/Llama-3.2-1B-Instruct"   # optional: the demo model when absent
     router_port = 8080
+    routers = 2                                # optional: routers sharing keys' limits (ports from router_port up)
+    registry_replicas = 2                      # optional: registry processes over one database
+    db = "postgresql+psycopg://user@db:5432/edgefire"   # optional: the registry's database (default SQLite)
     [router]                                   # any RouterConfig field
     lat = 38.7
     lon = -9.1
@@ -24,6 +27,9 @@
     max_num_seqs = 32
 
 Port 0 anywhere means "pick a free port when starting" (tests use that).
+A fleet: with `routers` > 1 the extra routers listen on router_port + 1, + 2, ... (or free ports when
+router_port is 0), likewise the extra registry replicas after registry_port. Every router and agent
+is given every replica's URL, each starting at a different one, so losing one moves some of them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 import typed_config
 from node_agent.config import ROLES, AgentConfig
@@ -46,6 +55,7 @@ DEFAULT_ROUTER_PORT = 8080
 DEFAULT_REGISTRY_PORT = 8500
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
+MAX_FLEET_PROCESSES = 16   # routers or registry replicas one machine runs
 
 # Settings the launcher writes itself: a cluster file may not override them.
 LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
@@ -108,6 +118,9 @@ class ClusterConfig:
     planner: bool = False                       # run the registry's prefill/decode pool planner
     planner_settings: dict = field(default_factory=dict)  # PlannerSettings fields (registry.planner)
     tls: bool = False                    # every hop over TLS, with a local CA made at start
+    routers: int = 1                     # routers sharing every key's limits (router_port, then the next ports)
+    registry_replicas: int = 1           # registry processes over one database
+    db: str = ""                         # the registry's database URL; empty: SQLite in the state dir, made afresh
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -139,6 +152,17 @@ class ClusterConfig:
         self.planner_settings = _check_table("planner_settings", self.planner_settings, PlannerSettings, frozenset())
         if len(self.api_key) < 16:
             raise ClusterConfigError("api_key: must be at least 16 characters")
+        for name in ("routers", "registry_replicas"):
+            if not 1 <= getattr(self, name) <= MAX_FLEET_PROCESSES:
+                raise ClusterConfigError(f"{name}: must be 1 to {MAX_FLEET_PROCESSES}, got {getattr(self, name)}")
+        if self.db:
+            try:
+                backend = make_url(self.db).get_backend_name()
+            except ArgumentError:
+                backend = None
+            if backend not in ("sqlite", "postgresql"):
+                raise ClusterConfigError(f"db: {self.db!r} is not a SQLite or PostgreSQL URL "
+                                         f"(e.g. postgresql+psycopg://user@host:5432/edgefire)")
 
 
 def _check_table(table: str, values: dict, config_class, owned) -> dict:

@@ -1,11 +1,15 @@
 """`Cluster`: the whole system on one machine, as real processes on loopback.
 
     cluster = Cluster(config)      # deploy.cluster_config.ClusterConfig
-    cluster.start()                # registry (SQLite, migrated, seeded), one agent per site, a router
+    cluster.start()                # registry (migrated, seeded), one agent per site, router(s)
     ...                            # cluster.router_url, cluster.api_key, cluster.admin()
-    cluster.stop()                 # router, then agents (they drain), then the registry
+    cluster.stop()                 # routers, then agents (they drain), then the registry
 
-`edgefire up` and the end-to-end tests both drive this class. Everything it writes lives in the state
+`edgefire up` and the end-to-end tests both drive this class. A fleet (`routers`, `registry_replicas`)
+runs `router`, `router-2`, ... and `registry`, `registry-2`, ...; every router and agent gets every
+replica's URL, each list starting at a different replica. The database is SQLite in the state
+directory, made afresh at every start, or the `db` URL (PostgreSQL), which is migrated and seeded
+(sites, their tokens, the API key) but never emptied. Everything it writes lives in the state
 directory: `registry.db`, `config/<process>.toml` (0600: they hold tokens), `logs/<process>.log`,
 `run/<process>.pid`, and `cluster.json` (URLs and tokens, for `edgefire status`). With `tls`, a
 fresh local CA (deploy.tls) signs one certificate per process into `tls/` (keys 0600; the CA's key
@@ -58,6 +62,9 @@ class Cluster:
         self.processes: dict[str, ManagedProcess] = {}
         self._admin: SyncRegistryClient | None = None
         self._verify = True  # how HTTPS clients check the cluster's certificates; an SSLContext under tls
+        self._registry_ports: list[int] = [config.registry_port]
+        self._router_ports: list[int] = [config.router_port]
+        self._router_metrics_ports: list[int] = [config.router_metrics_port]
 
     # -- addresses ---------------------------------------------------------------------------
 
@@ -67,11 +74,27 @@ class Cluster:
 
     @property
     def registry_url(self) -> str:
-        return f"{self.scheme}://{self.config.host}:{self.config.registry_port}"
+        return self.registry_urls[0]
+
+    @property
+    def registry_urls(self) -> list[str]:
+        return [f"{self.scheme}://{self.config.host}:{port}" for port in self._registry_ports]
 
     @property
     def router_url(self) -> str:
-        return f"{self.scheme}://{self.config.host}:{self.config.router_port}"
+        return self.router_urls[0]
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [f"{self.scheme}://{self.config.host}:{port}" for port in self._router_ports]
+
+    @property
+    def registry_names(self) -> list[str]:
+        return [_numbered(REGISTRY_NAME, i) for i in range(self.config.registry_replicas)]
+
+    @property
+    def router_names(self) -> list[str]:
+        return [_numbered(ROUTER_NAME, i) for i in range(self.config.routers)]
 
     @property
     def ca_path(self) -> Path | None:
@@ -105,7 +128,7 @@ class Cluster:
 
     @property
     def db_url(self) -> str:
-        return f"sqlite:///{self.state_dir / 'registry.db'}"
+        return self.config.db or f"sqlite:///{self.state_dir / 'registry.db'}"
 
     def site(self, name: str) -> SiteSpec:
         return next(s for s in self.config.sites if s.name == name)
@@ -115,7 +138,7 @@ class Cluster:
 
     def admin(self) -> SyncRegistryClient:
         if self._admin is None:
-            self._admin = SyncRegistryClient(self.registry_url, self.config.admin_token, actor="launcher",
+            self._admin = SyncRegistryClient(self.registry_urls, self.config.admin_token, actor="launcher",
                                              verify=self._verify)
         return self._admin
 
@@ -129,23 +152,25 @@ class Cluster:
         self._assign_ports()
         self._seed_registry()
         try:
-            self._start_registry()
-            for site in self.config.sites:
-                self._start_agent(site)
+            for i in range(self.config.registry_replicas):
+                self._start_registry(i)
+            for i, site in enumerate(self.config.sites):
+                self._start_agent(site, i)
             deadline = time.monotonic() + timeout_s
             self.wait_for(lambda: all(self.site_alive(s.name) for s in self.config.sites),
                           deadline - time.monotonic(), "every site to register and heartbeat")
-            self._start_router()
-            self.wait_for(self._router_ready, deadline - time.monotonic(), "the router to list the model")
+            for i in range(self.config.routers):
+                self._start_router(i)
+            self.wait_for(self._router_ready, deadline - time.monotonic(), "the router(s) to list the model")
             self._write_cluster_json()
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        """Router first (no new requests), then agents (they drain and deregister), then the registry."""
+        """Routers first (no new requests), then agents (they drain and deregister), then the registry."""
         self._close_admin()
-        order = [ROUTER_NAME] + [s.name for s in self.config.sites] + [REGISTRY_NAME]
+        order = [*self.router_names, *(s.name for s in self.config.sites), *self.registry_names]
         for name in order:
             process = self.processes.get(name)
             if process is not None:
@@ -171,7 +196,8 @@ class Cluster:
     # -- faults and restarts (tests, the supervisor) -------------------------------------------
 
     def kill_site(self, name: str) -> None:
-        """kill -9 the site's agent: no drain, no deregistration; the registry ages it out."""
+        """kill -9 a site's agent (no drain, no deregistration; the registry ages it out), or any other
+        process of the cluster by name: `router-2`, `registry`, ..."""
         self.processes[name].kill()
 
     def start_site(self, name: str, wait: bool = True, timeout_s: float = 60.0) -> None:
@@ -183,11 +209,14 @@ class Cluster:
             self.wait_for(lambda: self.site_alive(name), timeout_s, f"site {name} to heartbeat again")
 
     def stop_registry(self) -> None:
+        """Stops every registry replica (a registry outage)."""
         self._close_admin()
-        self.processes[REGISTRY_NAME].stop(signal.SIGTERM)
+        for name in self.registry_names:
+            self.processes[name].stop(signal.SIGTERM)
 
     def start_registry(self, timeout_s: float = 30.0) -> None:
-        self.processes[REGISTRY_NAME].start()
+        for name in self.registry_names:
+            self.processes[name].start()
         self.wait_for(self._registry_ready, timeout_s, "the registry to answer")
 
     def dead_processes(self) -> list[ManagedProcess]:
@@ -228,13 +257,17 @@ class Cluster:
         """The agent's metrics endpoint answers only after its engines loaded and its gRPC server started."""
         return httpx.get(self.metrics_url(name), timeout=2.0, verify=self._verify).status_code == 200
 
-    def _registry_ready(self) -> bool:
-        return httpx.get(f"{self.registry_url}/healthz", timeout=2.0, verify=self._verify).status_code == 200
+    def _registry_ready(self, index: int | None = None) -> bool:
+        urls = self.registry_urls if index is None else [self.registry_urls[index]]
+        return all(httpx.get(f"{url}/healthz", timeout=2.0, verify=self._verify).status_code == 200 for url in urls)
 
     def _router_ready(self) -> bool:
-        response = httpx.get(f"{self.router_url}/v1/models", timeout=2.0, verify=self._verify,
-                             headers={"Authorization": f"Bearer {self.api_key}"})
-        return response.status_code == 200 and any(m["id"] == self.model for m in response.json()["data"])
+        for url in self.router_urls:
+            response = httpx.get(f"{url}/v1/models", timeout=2.0, verify=self._verify,
+                                 headers={"Authorization": f"Bearer {self.api_key}"})
+            if response.status_code != 200 or not any(m["id"] == self.model for m in response.json()["data"]):
+                return False
+        return True
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -245,14 +278,16 @@ class Cluster:
         killed = kill_stale(self.state_dir / "run")
         if killed:
             log.warning("stopped processes left by an earlier launcher: %s", ", ".join(killed))
-        ports = [self.config.registry_port, self.config.router_port, self.config.router_metrics_port]
+        ports = [*_run_of(self.config.registry_port, self.config.registry_replicas),
+                 *_run_of(self.config.router_port, self.config.routers), self.config.router_metrics_port]
         ports += [p for s in self.config.sites for p in (s.grpc_port, s.metrics_port)]
         busy = wait_ports_free(self.config.host, ports, timeout_s=10.0 if killed else 0.5)
         if busy:
             raise ClusterError(f"port(s) {', '.join(map(str, busy))} on {self.config.host} are in use by another "
                                f"program; stop it or choose other ports (--port, or a cluster file)")
-        for path in self.state_dir.glob("registry.db*"):
-            path.unlink()  # every start begins from an empty registry: no stale sites or keys
+        if not self.config.db:
+            for path in self.state_dir.glob("registry.db*"):
+                path.unlink()  # every start begins from an empty registry: no stale sites or keys
 
     def _claim_launcher_pid(self) -> None:
         pid_path = self.state_dir / "launcher.pid"
@@ -272,7 +307,7 @@ class Cluster:
             path.unlink()  # a new CA: nothing signed by an earlier one stays around
         self.ca_path.write_bytes(ca.cert_pem)
         hosts = local_hosts(self.config.host)
-        for name in (REGISTRY_NAME, ROUTER_NAME, *(s.name for s in self.config.sites)):
+        for name in (*self.registry_names, *self.router_names, *(s.name for s in self.config.sites)):
             cert, key = ca.issue(name, hosts)
             (directory / f"{name}.pem").write_bytes(cert)
             _write_private(directory / f"{name}-key.pem", key.decode())
@@ -285,15 +320,19 @@ class Cluster:
 
     def _assign_ports(self) -> None:
         c, host = self.config, self.config.host
-        c.registry_port = c.registry_port or free_port(host)
-        c.router_port = c.router_port or free_port(host)
+        self._registry_ports = _run_of(c.registry_port, c.registry_replicas) or [
+            free_port(host) for _ in range(c.registry_replicas)]
+        self._router_ports = _run_of(c.router_port, c.routers) or [free_port(host) for _ in range(c.routers)]
+        c.registry_port, c.router_port = self._registry_ports[0], self._router_ports[0]
         c.router_metrics_port = c.router_metrics_port or free_port(host)
+        self._router_metrics_ports = [c.router_metrics_port] + [free_port(host) for _ in range(1, c.routers)]
         for site in c.sites:
             site.grpc_port = site.grpc_port or free_port(host)
             site.metrics_port = site.metrics_port or free_port(host)
 
     def _seed_registry(self) -> None:
-        """Migrates a fresh SQLite registry and creates the sites, their tokens and the API key."""
+        """Migrates the registry database and creates (or, in a kept PostgreSQL one, updates) the sites,
+        their tokens and the API key."""
         from registry.migrate import upgrade_to_head
         from registry.records import ApiKeySpec, ModelServed
         from registry.records import SiteSpec as RegistrySiteSpec
@@ -306,9 +345,12 @@ class Cluster:
             for site in self.config.sites:
                 spec = RegistrySiteSpec(region=site.region, country=site.country, lat=site.lat, lon=site.lon,
                                         models=[ModelServed(self.model, site.role)])
-                store.sites.create(site.name, spec, actor="launcher")
-                self._site_tokens[site.name] = store.access.issue_site_token(site.name, actor="launcher")
-            store.access.create_api_key(ApiKeySpec("edgefire-up"), actor="launcher", secret=self.api_key)
+                store.sites.put(site.name, spec, actor="launcher")
+                # A kept database may hold this site's token from an earlier run: that one stops working.
+                self._site_tokens[site.name] = store.access.issue_site_token(site.name, actor="launcher",
+                                                                             revoke_previous=True)
+            if store.access.lookup_api_key(self.api_key) is None:
+                store.access.create_api_key(ApiKeySpec("edgefire-up"), actor="launcher", secret=self.api_key)
         finally:
             store.close()
 
@@ -327,34 +369,42 @@ class Cluster:
         self.processes[name] = process
         return process
 
-    def _start_registry(self) -> None:
-        c = self.config
+    def _start_registry(self, index: int) -> None:
+        c, name = self.config, self.registry_names[index]
         planner = []
-        if c.planner:
+        if c.planner:   # on every replica: a lease keeps one planner active at a time
             path = self._write_toml("planner", {"planner": c.planner_settings})
             planner = ["--planner", "--planner-config", str(path)]
-        cert, key = self.tls_files(REGISTRY_NAME)
+        cert, key = self.tls_files(name)
         tls = ["--tls-cert", cert, "--tls-key", key] if c.tls else []
-        self._process(REGISTRY_NAME, ["registry", "serve", "--db", self.db_url, "--host", c.host,
-                                      "--port", str(c.registry_port), "--no-migrate", *planner, *tls],
+        self._process(name, ["registry", "serve", "--db", self.db_url, "--host", c.host,
+                             "--port", str(self._registry_ports[index]), "--no-migrate", *planner, *tls],
                       {"EDGEFIRE_ADMIN_TOKEN": c.admin_token, "EDGEFIRE_ROUTER_TOKEN": c.router_token}).start()
-        self.wait_for(self._registry_ready, 30.0, "the registry to answer")
+        self.wait_for(lambda: self._registry_ready(index), 30.0, f"{name} to answer")
 
-    def agent_settings(self, site: SiteSpec) -> dict:
+    def agent_settings(self, site: SiteSpec, index: int = 0) -> dict:
         c = self.config
         return {**AGENT_DEFAULTS, **c.agent, **site.agent,
                 "site": site.name, "region": site.region, "country": site.country, "lat": site.lat,
                 "lon": site.lon, "role": site.role, "models": {self.model: str(c.model_dir.resolve())},
                 "grpc_listen": f"{c.host}:{site.grpc_port}", "metrics_listen": f"{c.host}:{site.metrics_port}",
-                "registry_url": self.registry_url, "site_token": self._site_tokens[site.name],
+                "registry_url": self._registry_list(index), "site_token": self._site_tokens[site.name],
                 "peer_token": c.peer_token, **self._agent_tls(site.name)}
 
-    def router_settings(self) -> dict:
+    def router_settings(self, index: int = 0) -> dict:
         c = self.config
-        return {**ROUTER_DEFAULTS, **c.router, "host": c.host, "port": c.router_port,
-                "metrics_listen": f"{c.host}:{c.router_metrics_port}",
-                "registry_url": self.registry_url, "registry_token": c.router_token, "peer_token": c.peer_token,
-                **self._router_tls()}
+        return {**ROUTER_DEFAULTS, **c.router, "host": c.host, "port": self._router_ports[index],
+                "metrics_listen": f"{c.host}:{self._router_metrics_ports[index]}",
+                "name": self.router_names[index], "registry_url": self._registry_list(index),
+                "registry_token": c.router_token, "peer_token": c.peer_token, **self._router_tls(index)}
+
+    def _registry_list(self, index: int) -> str | list[str]:
+        """Every replica's URL, starting at a different one for each router or agent (one URL: a string)."""
+        urls = self.registry_urls
+        if len(urls) == 1:
+            return urls[0]
+        start = index % len(urls)
+        return urls[start:] + urls[:start]
 
     def _agent_tls(self, name: str) -> dict:
         if not self.config.tls:
@@ -363,20 +413,21 @@ class Cluster:
         ca = str(self.ca_path)
         return {"tls_cert": cert, "tls_key": key, "tls_ca": ca, "tls_client_ca": ca, "metrics_tls": True}
 
-    def _router_tls(self) -> dict:
+    def _router_tls(self, index: int = 0) -> dict:
         if not self.config.tls:
             return {}
-        cert, key = self.tls_files(ROUTER_NAME)
+        cert, key = self.tls_files(self.router_names[index])
         return {"tls_cert": cert, "tls_key": key, "tls_ca": str(self.ca_path), "agent_tls": True,
                 "agent_client_cert": cert, "agent_client_key": key, "metrics_tls": True}
 
-    def _start_agent(self, site: SiteSpec) -> None:
-        path = self._write_toml(site.name, self.agent_settings(site))
+    def _start_agent(self, site: SiteSpec, index: int) -> None:
+        path = self._write_toml(site.name, self.agent_settings(site, index))
         self._process(site.name, ["agent", "--config", str(path)], cpus=site.cpus).start()
 
-    def _start_router(self) -> None:
-        path = self._write_toml(ROUTER_NAME, {"router": self.router_settings()})
-        self._process(ROUTER_NAME, ["router", "--config", str(path)]).start()
+    def _start_router(self, index: int) -> None:
+        name = self.router_names[index]
+        path = self._write_toml(name, {"router": self.router_settings(index)})
+        self._process(name, ["router", "--config", str(path)]).start()
 
     def _write_toml(self, name: str, document: dict) -> Path:
         path = self.state_dir / "config" / f"{name}.toml"
@@ -387,13 +438,23 @@ class Cluster:
         c = self.config
         document = {"registry_url": self.registry_url, "router_url": self.router_url,
                     "router_metrics": self.router_metrics_url, "dashboard": f"{self.registry_url}/dashboard",
-                    "model": self.model,
+                    "registry_urls": self.registry_urls, "router_urls": self.router_urls, "model": self.model,
                     "ca": str(self.ca_path) if self.ca_path else None,
                     "admin_token": c.admin_token, "api_key": c.api_key, "launcher_pid": os.getpid(),
                     "sites": {s.name: {"role": s.role, "city": s.name, "grpc_address": self.site_address(s.name),
                                        "metrics": self.metrics_url(s.name),
                                        "log": str(self.processes[s.name].log_path)} for s in c.sites}}
         _write_private(self.state_dir / "cluster.json", json.dumps(document, indent=2) + "\n")
+
+
+def _numbered(name: str, index: int) -> str:
+    """router, router-2, router-3, ... (the first keeps the plain name)."""
+    return name if index == 0 else f"{name}-{index + 1}"
+
+
+def _run_of(port: int, count: int) -> list[int]:
+    """`count` consecutive ports from `port`; none when `port` is 0 (free ports are picked instead)."""
+    return [port + i for i in range(count)] if port else []
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -10,10 +10,13 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from registry.fleet import FleetReport, KeyDemand, RateCharge, UsageCount
 from registry.placements import PlacedPair
 from registry.records import DEFAULT_HEARTBEAT_INTERVAL_S, SITE_ROLES, ApiKeySpec, LinkMeasurement, ModelServed, SiteSpec
 
 MAX_LIST = 10_000
+MAX_COUNT = 2**53   # counts travel as JSON numbers: exact up to here
+MAX_KEY_ID = 2**31 - 1
 
 
 # Lone surrogates (JSON "\ud800") cannot be encoded for the database or an answer; control
@@ -169,3 +172,49 @@ class PlacementsBody(Body):
 
     def records(self) -> list[PlacedPair]:
         return [PlacedPair(p.prefill_site, p.decode_site, p.num_requests) for p in self.placements]
+
+
+KeyId = Field(ge=1, le=MAX_KEY_ID)
+Count = Field(default=0, ge=0, le=MAX_COUNT)
+
+
+class RateChargeBody(Body):
+    key_id: int = KeyId
+    slot: int = Field(ge=0, le=MAX_COUNT, description="epoch second of the router's clock")
+    requests: int = Count
+    tokens: int = Field(default=0, ge=-MAX_COUNT, le=MAX_COUNT, description="negative: tokens given back")
+
+
+class UsageCountBody(Body):
+    key_id: int = KeyId
+    model: str = Field(min_length=1, max_length=200)
+    hour: int = Field(ge=0, le=MAX_COUNT, description="epoch second starting the hour (a multiple of 3600)")
+    requests: int = Count
+    prompt_tokens: int = Count
+    cached_prompt_tokens: int = Count
+    completion_tokens: int = Count
+
+
+class KeyDemandBody(Body):
+    key_id: int = KeyId
+    requests: float = Field(default=0.0, ge=0, le=MAX_COUNT)
+    tokens: float = Field(default=0.0, ge=0, le=MAX_COUNT)
+    remaining_requests: int = Count
+    remaining_tokens: int = Count
+
+
+class FleetReportBody(Body):
+    """A router's report: what it charged each key per second, what it served, the grants it wants."""
+
+    router_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str = Field(default="", max_length=200)
+    seq: int = Field(ge=1, le=MAX_COUNT, description="1, 2, 3, ... per router_id; a resent report keeps its number")
+    charges: list[RateChargeBody] = Field(default_factory=list, max_length=MAX_LIST)
+    usage: list[UsageCountBody] = Field(default_factory=list, max_length=MAX_LIST)
+    demand: list[KeyDemandBody] = Field(default_factory=list, max_length=MAX_LIST)
+
+    def report(self) -> FleetReport:
+        return FleetReport(self.router_id, self.seq, self.name,
+                           [RateCharge(**c.model_dump()) for c in self.charges],
+                           [UsageCount(**u.model_dump()) for u in self.usage],
+                           [KeyDemand(**d.model_dump()) for d in self.demand])

@@ -208,6 +208,10 @@ class RegistryOperations:
         """placements: [{"prefill_site", "decode_site", "num_requests"}] placed since the last report."""
         return self._call("POST", "/v1/router/placements", json={"placements": placements})
 
+    def fleet_report(self, report: dict):
+        """{"applied", "live_routers", "grant_ttl_s", "grants": [...]}; resending the same `seq` is safe."""
+        return self._call("POST", "/v1/router/reports", json=report, idempotent=True)
+
     # Operator (admin token).
     def create_site(self, name: str, **fields):
         return self._call("POST", "/v1/admin/sites", json={"name": name, **fields})
@@ -272,6 +276,17 @@ class RegistryOperations:
     def placements(self, window_s: float = 300.0):
         """{"window_s", "pairs": [{"prefill_site", "decode_site", "num_requests", "last_at"}]}."""
         return self._call("GET", "/v1/admin/placements", params={"window_s": window_s})
+
+    def usage(self, key_id: int | None = None, model: str | None = None, start: float | str | None = None,
+              end: float | str | None = None, granularity: str = "hour"):
+        """{"items": [{"key_id", "model", "period_start", "requests", "prompt_tokens", ...}], "totals": {...}};
+        `start`/`end`: epoch seconds or ISO 8601."""
+        params = _drop_none({"key": key_id, "model": model, "from": start, "to": end, "granularity": granularity})
+        return self._call("GET", "/v1/admin/usage", params=params)
+
+    def routers(self):
+        """{"items": [{"router_id", "name", "last_seq", "last_report_at", "live"}]}"""
+        return self._call("GET", "/v1/admin/routers")
 
     def audit_log(self, limit: int = 100, cursor: str | None = None):
         return self._call("GET", "/v1/admin/audit-log", params=_drop_none({"limit": limit, "cursor": cursor}))

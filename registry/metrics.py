@@ -58,6 +58,9 @@ class RegistryMetrics:
                                      "status", ["action", "status"], registry=r)
         self.placement_reports = Counter("edgefire_registry_placement_reports", "Placement reports received "
                                          "from routers", registry=r)
+        self.fleet_reports = Counter("edgefire_registry_fleet_reports", "Routers' usage and rate-limit reports, "
+                                     "by outcome: applied, or resent (applied before; answered again)", ["outcome"],
+                                     registry=r)
         for outcome in ("stored", "rejected", "failed"):
             self.heartbeats.labels(outcome)
         self._sites: _SitesCollector | None = None

@@ -25,8 +25,3 @@ class Backoff:
 
     def reset(self) -> None:
         self._next_s = 0.0
-
-    @property
-    def failing(self) -> bool:
-        """Whether a failure was seen since the last reset."""
-        return self._next_s > 0.0

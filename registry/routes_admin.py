@@ -1,19 +1,26 @@
 """The operator's admin API (admin token): sites, their state, roles and models, site tokens,
-API keys, and the audit log. Every change is audited by the store in the same transaction.
+API keys, the audit log, per-key usage and the routers reporting it. Every change is audited by the
+store in the same transaction.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from registry.api_models import (ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
+from registry.api_models import (UNFIT_TEXT, ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
                                  SitePatchBody, SiteTokenBody)
 from registry.app_state import CredentialFirstRoute, RegistryService, admin_actor, registry
+from registry.errors import InvalidInput
+from registry.fleet import USAGE_COUNTS, UsageQuery
 from registry.http_errors import status_of
 from registry.placements import MAX_WINDOW_S
 from registry.records import Page
 from registry.validate import MAX_ID
+
+MAX_EPOCH_S = 2**40   # far past any usage row; keeps the query's bounds within a 64-bit column
 
 
 class AdminRoute(CredentialFirstRoute):
@@ -166,3 +173,44 @@ def audit_log(limit: int = Limit, cursor: str | None = Cursor, _: str = Depends(
               svc: RegistryService = Depends(registry)) -> dict:
     """Newest first."""
     return _page(svc.store.audit.list(limit, cursor))
+
+
+@router.get("/usage")
+def usage(key: int | None = Query(None, ge=1, le=MAX_ID, description="an API key's id (default: every key)"),
+          model: str | None = Query(None, max_length=200, description="a model id (default: every model)"),
+          start: str | None = Query(None, alias="from", description="epoch seconds or ISO 8601 (UTC unless it "
+                                                                    "says otherwise); hours starting at or after it"),
+          end: str | None = Query(None, alias="to", description="epoch seconds or ISO 8601; hours starting before it"),
+          granularity: str = Query("hour", description="hour | day (UTC) | total"),
+          _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """Requests and tokens served per key and model, as clients saw them in `usage`, by hour, day or in total."""
+    if model is not None and UNFIT_TEXT.search(model):
+        raise InvalidInput("model: must be text without control characters", "invalid_field")
+    query = UsageQuery(key, model, _instant(start, "from"), _instant(end, "to"), granularity)
+    rows = [row.to_json() for row in svc.store.fleet.usage(query)]
+    totals = {c: sum(row[c] for row in rows) for c in (*USAGE_COUNTS, "total_tokens")}
+    return {"granularity": granularity, "from": query.start, "to": query.end, "items": rows, "totals": totals}
+
+
+@router.get("/routers")
+def routers(_: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """Router processes that report usage, with their last report; `live` ones share keys' limits."""
+    return {"items": [r.to_json() for r in svc.store.fleet.routers()]}
+
+
+def _instant(text: str | None, name: str) -> float | None:
+    """Epoch seconds from epoch seconds or an ISO 8601 time (UTC unless it says otherwise)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise InvalidInput(f"{name}: {text!r} is neither epoch seconds nor an ISO 8601 time "
+                               f"(e.g. 2026-11-23T10:00:00Z)", "invalid_time") from None
+        value = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    if not 0 <= value <= MAX_EPOCH_S:   # NaN fails this too
+        raise InvalidInput(f"{name}: {text!r} is out of range (epoch seconds from 0 to {MAX_EPOCH_S})", "invalid_time")
+    return value

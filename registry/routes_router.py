@@ -1,12 +1,13 @@
-"""The routers' API (router token): the site snapshot with ETag revalidation, API-key lookup, and the
-placements routers report for the dashboard."""
+"""The routers' API (router token): the site snapshot with ETag revalidation, API-key lookup, the
+placements routers report for the dashboard, and fleet reports (usage, rate-limit charges; answered
+with the router's grants)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from registry.api_models import ApiKeyLookupBody, PlacementsBody
+from registry.api_models import ApiKeyLookupBody, FleetReportBody, PlacementsBody
 from registry.app_state import CredentialFirstRoute, RegistryService, registry, router_caller
 from registry.http_errors import ApiError
 
@@ -40,3 +41,12 @@ def report_placements(body: PlacementsBody, svc: RegistryService = Depends(regis
     across routers. Pairs naming unknown sites are dropped (a site deleted meanwhile)."""
     svc.metrics.placement_reports.inc()
     return {"stored": svc.store.placements.record(body.records())}
+
+
+@router.post("/reports")
+def fleet_report(body: FleetReportBody, svc: RegistryService = Depends(registry)) -> dict:
+    """Applies the report once (a resent `seq` adds nothing) and answers with the router's grant per key in
+    `demand` (registry/allowance.py)."""
+    result = svc.store.fleet.apply_report(body.report())
+    svc.metrics.fleet_reports.labels("applied" if result.applied else "resent").inc()
+    return result.to_json()

@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from registry.access import AccessStore
 from registry.audit import AuditLog
 from registry.db import make_engine
+from registry.fleet import FleetStore
 from registry.leases import LeaseStore
 from registry.placements import PlacementStore
 from registry.sites import SiteStore
@@ -31,6 +32,7 @@ class RegistryStore:
         self.audit = AuditLog(engine)
         self.leases = LeaseStore(engine, clock)
         self.placements = PlacementStore(engine, clock)
+        self.fleet = FleetStore(engine, clock)
 
     @classmethod
     def open(cls, db_url: str, clock: Callable[[], float] = time.time) -> RegistryStore:

@@ -151,3 +151,55 @@ class RegistryVersionRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     version: Mapped[int] = mapped_column(BigInteger)
+
+
+class FleetRouterRow(Base):
+    """A router process that reports to the registry: its report sequence (a retried report is applied
+    once) and when it last reported (the live routers a key's limit is shared by when the registry is away)."""
+
+    __tablename__ = "fleet_routers"
+
+    router_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    first_report_at: Mapped[float] = mapped_column(Float)
+    last_report_at: Mapped[float] = mapped_column(Float)
+
+
+class RateUsageRow(Base):
+    """What routers charged a key per second of their clocks (its rate-limit window; registry/allowance.py)."""
+
+    __tablename__ = "rate_usage"
+
+    key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True)
+    slot: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # epoch second
+    requests: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class RateHoldRow(Base):
+    """One router's hold on a key's window: what it may have charged and not reported yet, and its demand."""
+
+    __tablename__ = "rate_holds"
+
+    key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True)
+    router_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    demand_requests: Mapped[float] = mapped_column(Float)
+    demand_tokens: Mapped[float] = mapped_column(Float)
+    reported_at: Mapped[float] = mapped_column(Float)
+
+
+class KeyUsageRow(Base):
+    """Usage accounting: what each key was served, per model and hour, as clients saw it in `usage`."""
+
+    __tablename__ = "key_usage"
+
+    key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    hour: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)  # epoch second starting the hour (UTC)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)

@@ -83,7 +83,9 @@ def create_app(router: Router) -> FastAPI:
 
     async def healthz(_request: Request) -> Response:
         status = router.feed.status()  # what makes a router unhealthy: router/snapshot_feed.py
-        return JSONResponse(status.body(), status_code=200 if status.healthy else 503)
+        # Rate limits held locally (the registry away) do not make a router unhealthy; they show here.
+        return JSONResponse({**status.body(), "rate_limits": router.fleet.status()},
+                            status_code=200 if status.healthy else 503)
 
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])

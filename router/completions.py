@@ -29,7 +29,8 @@ from router.metrics import RouterMetrics, elapsed_s
 from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import MAX_SEED, CompletionRequest
 from router.placement import CostModel, PlacementRequest, rank, servable_models
-from router.rate_limit import RateLimiter
+from router.fleet_reporter import FleetReporter
+from router.rate_limit import Charge, Refusal
 from router.reasoning import ReasoningStream
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
@@ -59,10 +60,10 @@ class Limits:
 
 class CompletionService:
     def __init__(self, feed: SnapshotFeed, assets: ModelAssetsCache, agents, health: PassiveHealth,
-                 limiter: RateLimiter, cost: CostModel, policy: FailoverPolicy, limits: Limits,
+                 fleet: FleetReporter, cost: CostModel, policy: FailoverPolicy, limits: Limits,
                  sessions: SessionTable | None = None, metrics: RouterMetrics | None = None) -> None:
         self.feed, self.assets, self.agents, self.health = feed, assets, agents, health
-        self.limiter, self.cost, self.policy, self.limits = limiter, cost, policy, limits
+        self.fleet, self.cost, self.policy, self.limits = fleet, cost, policy, limits
         self.metrics = metrics or RouterMetrics()
         self.ledger = InflightLedger()
         self.sessions = sessions or SessionTable()
@@ -78,34 +79,36 @@ class CompletionService:
         if request.max_tokens is None and key.tokens_per_minute:
             # Up to the context, but never more than a minute's allowance: the charge must fit the bucket.
             max_tokens = max(1, min(max_tokens, key.tokens_per_minute - len(prompt_ids)))
-        charge = len(prompt_ids) + request.n * max_tokens
-        wait_s, limit = self.limiter.admit(key.id, key.requests_per_minute, key.tokens_per_minute, charge)
-        if wait_s:
-            self.metrics.rate_limited.labels(limit).inc()
-            raise rate_limited(f"Rate limit on {limit} per minute reached for this API key; retry after the "
-                               f"Retry-After delay.", wait_s)
+        charge = await self.fleet.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
+                                        len(prompt_ids) + request.n * max_tokens)
+        if isinstance(charge, Refusal):
+            self.metrics.rate_limited.labels(charge.limit).inc()
+            raise rate_limited(f"Rate limit on {charge.limit} per minute reached for this API key; retry after "
+                               f"the Retry-After delay.", charge.retry_after_s)
+        served = Served(self.fleet, charge, key.id, request.model, request.stream, request.n)
         run = None
         try:
-            run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar)
+            run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, served)
             await run.begin()
             self.sessions.remember(ctx.session_key, run.generation.prefill_site, run.generation.decode_site)
             placed = run.generation.placed
             self.metrics.placed(placed.prefill_site.name, placed.decode_site.name, placed.decode_site.region)
         finally:
             if run is None or run.first_step is None:
-                self.limiter.refund_tokens(key.id, charge)
+                served.failed_to_start()
         if request.n == 1:
             return run
-        return await self._more_choices(run, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar)
+        return await self._more_choices(run, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar,
+                                        served)
 
     async def _more_choices(self, first: CompletionRun, request, ctx, snapshot, assets, prompt_ids, max_tokens,
-                            grammar) -> Choices:
+                            grammar, served: Served) -> Choices:
         """Choices 1..n-1, started once the first has its first token: its prompt is in the prefix cache
         then, so theirs is read from it rather than computed again."""
         runs = [first]
         try:
             for index in range(1, request.n):
-                run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, index)
+                run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, served, index)
                 run.id, run.created = first.id, first.created  # one response, one id
                 runs.append(run)
             await asyncio.gather(*(run.begin() for run in runs[1:]))
@@ -115,7 +118,7 @@ class CompletionService:
             raise
         return Choices(runs)
 
-    def _new_run(self, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar,
+    def _new_run(self, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, served: Served,
                  index: int = 0) -> CompletionRun:
         placement = PlacementRequest(
             model=request.model, prompt_ids=prompt_ids, max_tokens=max_tokens, client_lat=ctx.location.lat,
@@ -131,7 +134,7 @@ class CompletionService:
         request_id = ctx.request_id if not index else f"{ctx.request_id}.{index}"
         generation = Generation(request_id, request.model, prompt_ids, sampling, candidates, self.agents,
                                 self.health, self.policy, self.ledger, metrics=self.metrics)
-        return CompletionRun(request, ctx, assets, generation, self.limiter, max_tokens, self.limits.retry_after_s,
+        return CompletionRun(request, ctx, assets, generation, served, max_tokens, self.limits.retry_after_s,
                              self.metrics, index)
 
     def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
@@ -232,10 +235,10 @@ class CompletionRun:
     """One choice of a completion: its generation across sites, its text, reasoning and tool calls."""
 
     def __init__(self, request: CompletionRequest, ctx: RequestContext, assets: ModelAssets, generation: Generation,
-                 limiter: RateLimiter, max_tokens: int, retry_after_s: float,
+                 served: Served, max_tokens: int, retry_after_s: float,
                  metrics: RouterMetrics | None = None, index: int = 0) -> None:
         self.request, self.ctx, self.assets, self.generation = request, ctx, assets, generation
-        self.limiter, self.max_tokens, self.retry_after_s = limiter, max_tokens, retry_after_s
+        self.served, self.max_tokens, self.retry_after_s = served, max_tokens, retry_after_s
         self.metrics = (metrics or RouterMetrics()).for_model(request.model)
         self.index = index
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + os.urandom(16).hex()
@@ -257,7 +260,7 @@ class CompletionRun:
         self.calls: list[ToolCall] = []
         self.emit_usage = request.include_usage and request.n == 1  # Choices sends one usage for all
         self._steps = generation.steps()
-        self._refunded = False
+        self._settled = False
         self._last_step_at = 0.0
 
     async def begin(self) -> None:
@@ -274,9 +277,9 @@ class CompletionRun:
             raise bad_request(f"The request was rejected by the serving site: {exc}") from exc
 
     async def close(self) -> None:
-        """Ends the generation early (the agent call is cancelled) and refunds what it did not use."""
+        """Ends the generation early (the agent call is cancelled) and gives back what it did not use."""
         await self._steps.aclose()
-        self._refund()
+        self._settle()
 
     def headers(self) -> dict[str, str]:
         return {"x-request-id": self.ctx.request_id, "x-edgefire-trace-id": self.ctx.trace_id,
@@ -333,7 +336,7 @@ class CompletionRun:
                 self._last_step_at = now
         finally:
             await self._steps.aclose()  # cancels the agent call when we stop early
-            self._refund()
+            self._settle()
             self._observe_end()
 
     def _observe_end(self) -> None:
@@ -343,10 +346,10 @@ class CompletionRun:
         m.generation_tokens.inc(self.num_completion_tokens)
         m.cached_tokens.inc(g.num_cached_tokens)
 
-    def _refund(self) -> None:
-        if not self._refunded:
-            self._refunded = True
-            self.limiter.refund_tokens(self.ctx.api_key.id, self.max_tokens - self.num_completion_tokens)
+    def _settle(self) -> None:
+        if not self._settled:
+            self._settled = True
+            self.served.settled(self)
 
     async def chunks(self) -> AsyncIterator[list[bytes]]:
         """JSON bodies of the stream chunks, one list per agent step (sent in one write); the final list
@@ -419,6 +422,38 @@ class CompletionRun:
                                            [call.body() for call in self.calls], self.index)
         return responses.completion_response(self.id, self.created, r.model, text, self.finish_reason,
                                              completion_lp, self.usage(), self.index)
+
+
+class Served:
+    """What one request (its n choices) took from its key's rate limit and gave the client, settled once
+    every choice has ended: the unused tokens go back to the limit, and the usage the client saw is
+    metered for the registry (router/fleet_reporter.py) — a stream's tokens as they were sent, a whole
+    response only when every choice completed (a failed one is an error, not text). The prompt counts once."""
+
+    def __init__(self, fleet: FleetReporter, charge: Charge | None, key_id, model: str, stream: bool, n: int) -> None:
+        self.fleet, self.charge, self.key_id, self.model, self.stream = fleet, charge, key_id, model, stream
+        self.runs: list[CompletionRun] = []
+        self.num_runs = n
+
+    def failed_to_start(self) -> None:
+        """No choice got a first token: the whole token charge goes back; nothing was served."""
+        if self.charge is not None:
+            self.fleet.limiter.give_back(self.charge, self.charge.tokens)
+        self.num_runs = -1
+
+    def settled(self, run: CompletionRun) -> None:
+        if self.charge is not None:
+            self.fleet.limiter.give_back(self.charge, run.max_tokens - run.num_completion_tokens)
+        self.runs.append(run)
+        if len(self.runs) != self.num_runs or not isinstance(self.key_id, int):
+            return
+        first = min(self.runs, key=lambda r: r.index)
+        completion = sum(r.num_completion_tokens for r in self.runs)
+        delivered = completion > 0 if self.stream else all(r.finish_reason is not None for r in self.runs)
+        if delivered:
+            usage = first.usage()
+            self.fleet.meter.record(self.key_id, self.model, usage["prompt_tokens"],
+                                    usage["prompt_tokens_details"]["cached_tokens"], completion)
 
 
 class Choices:

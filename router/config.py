@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typed_config
+from registry.allowance import GRANT_TTL_S
 from registry.client import registry_urls
 from router.reasoning import parser_names
 from router.tool_calls import parser_names as tool_call_parser_names
@@ -24,6 +25,10 @@ class RouterConfig:
     # The registry: one URL, or several replicas (a list, or comma-separated) tried in order on failure.
     registry_url: str | list[str] = "http://127.0.0.1:8500"
     registry_token: str = ""          # the registry's router token
+    name: str = ""                    # how operators see this router (registry `routers`, logs); any text
+    # Usage and rate-limit charges go to the registry this often; the answer brings this router's share
+    # of every key's limits (router/rate_limit.py). A router that dies loses at most one interval of usage.
+    report_interval_s: float = 1.0
     peer_token: str = ""              # bearer token sent to agents
     # TLS. tls_cert/tls_key: serve HTTPS. tls_ca: the CA bundle that verifies agents and an https
     # registry (None: the system roots). agent_tls: call agents over TLS; agent_client_cert/key answer
@@ -106,7 +111,8 @@ class RouterConfig:
                      "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("snapshot_refresh_s", "snapshot_max_age_s", "site_check_interval_s", "heartbeat_max_age_s",
+        for name in ("report_interval_s", "snapshot_refresh_s", "snapshot_max_age_s", "site_check_interval_s",
+                     "heartbeat_max_age_s",
                      "recently_served_s", "first_token_timeout_s", "token_idle_timeout_s", "request_timeout_s", "retry_after_s",
                      "default_prefill_tokens_per_s", "default_decode_tokens_per_s", "link_max_age_s", "session_ttl_s",
                      "decode_seq_kv_bytes"):
@@ -116,6 +122,9 @@ class RouterConfig:
                      "session_margin", "decode_step_fixed", "placement_report_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
+        if self.report_interval_s > GRANT_TTL_S / 2:
+            raise ConfigError(f"report_interval_s: at most {GRANT_TTL_S / 2:g} (half a grant's life, "
+                              f"{GRANT_TTL_S:g} s), got {self.report_interval_s:g}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
         if self.metrics_listen is not None:

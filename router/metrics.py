@@ -89,6 +89,11 @@ class RouterMetrics:
         self.snapshot_age = Gauge("edgefire_router_snapshot_age_seconds", "Age of the registry snapshot placed "
                                   "with (+Inf before the first)", registry=r)
         self.live_sites = Gauge("edgefire_router_live_sites", "Sites alive in the view placed with", registry=r)
+        self.rate_limit_local_share = Gauge("edgefire_router_rate_limit_local_share", "1 while keys' limits are "
+                                            "held from this router's local share (no answer from the registry "
+                                            "for a grant's life), else 0 (router/rate_limit.py)", registry=r)
+        self.rate_limit_routers = Gauge("edgefire_router_rate_limit_live_routers", "Routers sharing keys' limits, "
+                                        "as the registry last counted them", registry=r)
         self._models: dict[str, ModelMetrics] = {}
         self._feed = None
         # (prefill site, decode site) -> requests placed since the last report to the registry (the
@@ -100,6 +105,11 @@ class RouterMetrics:
         self.snapshot_age.set_function(feed.age_s)
         self.live_sites.set_function(lambda: feed.status().live_sites)
         self._feed = feed
+
+    def follow_rate_limits(self, limiter) -> None:
+        """The rate-limit gauges read `limiter` (router.rate_limit.RateLimiter) at each scrape."""
+        self.rate_limit_local_share.set_function(lambda: float(limiter.local_share))
+        self.rate_limit_routers.set_function(lambda: float(limiter.live_routers))
 
     # -- per request -------------------------------------------------------------------------
 

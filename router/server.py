@@ -31,6 +31,7 @@ from router.metrics import RouterMetrics
 from router.model_assets import ModelAssetsCache
 from router.placement import CostModel
 from router.placement_report import PlacementReporter
+from router.fleet_reporter import FleetReporter, UsageMeter
 from router.rate_limit import RateLimiter
 from router.sessions import SessionTable
 from router.site_checks import SiteChecks
@@ -54,10 +55,15 @@ class Router:
         self.locator = ClientLocator(config.lat, config.lon, config.geoip_db, config.location_header,
                                      config.forwarded_for_header, config.trusted_proxies)
         self.health = PassiveHealth(config.failures_to_cool_down, config.cooldown_s)
-        self.limiter = RateLimiter()
+        # Usage and rate-limit charges go to the registry in a report about every second; its answer
+        # brings this router's share of each key's limits (router/rate_limit.py, registry/allowance.py).
+        self.fleet = FleetReporter(self.metrics.counting_errors("fleet_report", self.registry.fleet_report),
+                                   RateLimiter(report_interval_s=config.report_interval_s), UsageMeter(), config.name,
+                                   config.report_interval_s)
+        self.metrics.follow_rate_limits(self.fleet.limiter)
         self.service = CompletionService(
             self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers,
-                                         config.tool_call_parsers), self.agents, self.health, self.limiter,
+                                         config.tool_call_parsers), self.agents, self.health, self.fleet,
             cost_model(config), failover_policy(config),
             Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site),
             SessionTable(config.max_sessions, config.session_ttl_s), self.metrics)
@@ -81,6 +87,7 @@ class Router:
 
     async def start(self) -> None:
         await self.feed.start()
+        self.fleet.start()
         if self.placement_reporter is not None:
             self.placement_reporter.start()
         if self.config.metrics_listen:
@@ -126,6 +133,7 @@ class Router:
         if self.placement_reporter is not None:
             await self.placement_reporter.stop()
         await self.feed.stop()
+        await self.fleet.stop()   # after the server: requests that finished while it stopped are reported too
         await self.agents.close()
         self.locator.close()
         if self._owns_registry:

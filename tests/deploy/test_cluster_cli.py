@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.cluster import ENTER, ERASE_LINE, HOME, LEAVE, links_matrix, status_table
+from deploy.cluster import ENTER, ERASE_LINE, HOME, LEAVE, links_matrix, status_table, usage_table
 from deploy.cluster_config import ClusterConfigError, demo_sites, load_cluster_toml
 from deploy.launcher import to_toml
 from deploy.processes import free_port, is_ours
@@ -92,6 +92,19 @@ def test_status_table_shows_the_planners_active_role():
             "models": [{"model": "m", "role": "both"}], "active_role": "prefill", "heartbeat_age_s": 1.0,
             "capacity": None}
     assert "both (now prefill)" in status_table([site]).splitlines()[2]
+
+
+def test_usage_table_shows_periods_keys_models_and_totals():
+    answer = {"granularity": "hour", "items": [
+        {"key_id": 3, "key_name": "team-a", "model": "tiny", "period_start": 1795449600, "requests": 2,
+         "prompt_tokens": 40, "cached_prompt_tokens": 16, "completion_tokens": 8, "total_tokens": 48}],
+        "totals": {"requests": 2, "prompt_tokens": 40, "cached_prompt_tokens": 16, "completion_tokens": 8,
+                   "total_tokens": 48}}
+    lines = usage_table(answer).splitlines()
+    assert lines[0].split() == ["period", "(UTC)", "key", "model", "requests", "prompt", "tokens", "cached",
+                                "completion", "tokens", "total"]
+    assert lines[2].split() == ["2026-11-23", "16:00", "3", "team-a", "tiny", "2", "40", "16", "8", "48"]
+    assert lines[3].split() == ["total", "2", "40", "16", "8", "48"]
 
 
 def test_links_matrix_shows_rtt_throughput_and_age_per_measured_pair():
@@ -195,6 +208,18 @@ def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_pa
         assert not any(is_ours(pid) for pid in stale)
         response = chat(port)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
+        seen = response.json()["usage"]
+        deadline = time.monotonic() + 30
+        while True:   # the router reports what it served within about a second
+            usage = subprocess.run(EDGEFIRE + ["usage", "--state-dir", str(state_dir), "--granularity", "total",
+                                               "--json"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+            assert usage.returncode == 0, usage.stderr
+            totals = json.loads(usage.stdout)["totals"]
+            if totals["requests"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (totals["requests"], totals["prompt_tokens"], totals["completion_tokens"]) == (
+            1, seen["prompt_tokens"], seen["completion_tokens"])
         status = subprocess.run(EDGEFIRE + ["status", "--state-dir", str(state_dir)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=30)
         assert status.returncode == 0, status.stderr

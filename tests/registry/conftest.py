@@ -31,7 +31,8 @@ from registry.wire import CapacityReport
 PG_URL = os.environ.get("EDGEFIRE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 ADMIN_TOKEN = "admin-secret"
 ROUTER_TOKEN = "router-secret"
-TABLES = "sites, site_models, capacity, links, api_keys, site_tokens, audit_log, leases, placements"
+TABLES = ("sites, site_models, capacity, links, api_keys, site_tokens, audit_log, leases, placements, "
+          "fleet_routers, rate_usage, rate_holds, key_usage")
 
 
 def capacity(total: int, free: int, block_size: int, **fields) -> CapacityReport:

@@ -15,7 +15,8 @@ from registry.tables import Base
 from .conftest import drop_pg_schema, new_pg_schema, pg_schema_url
 
 REGISTRY_TABLES = {"sites", "site_models", "capacity", "links", "api_keys", "site_tokens", "audit_log",
-                   "registry_version", "leases", "placements"}
+                   "registry_version", "leases", "placements", "fleet_routers", "rate_usage", "rate_holds",
+                   "key_usage"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

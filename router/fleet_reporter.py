@@ -1,0 +1,207 @@
+"""This router's reports to the registry, about once a second: the usage it served per key, model and
+hour, and its rate-limit charges per key and second; the answer brings its grants (router/rate_limit.py,
+registry/allowance.py).
+
+One report is in flight at a time and a report keeps its number (`seq`) until an answer comes: a
+report whose answer was lost is sent again as it was, to whichever registry replica answers, and the
+registry applies it once. Meanwhile new usage and charges wait for the next report. So a router that
+crashes loses at most what it served since its last answered report (about a second while the
+registry answers), and a clean stop sends a last report. A report the registry refuses (4xx) cannot
+succeed by being sent again: it is logged with its figures and dropped, so later ones still go out.
+
+`ask()` is for a request that found no room in its key's budget: it has the next report go out at
+once (with that request's demand in it) and waits, up to `ask_timeout_s`, for its answer; concurrent
+askers share that report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from registry.client import RegistryError
+from registry.fleet import UsageCount
+from registry.retry import Backoff
+from router.rate_limit import Charge, RateLimiter, Refusal
+
+log = logging.getLogger(__name__)
+
+MIN_GAP_S = 0.05          # early reports are at least this far apart
+STOP_FLUSH_TIMEOUT_S = 3.0
+USAGE_COUNTS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+
+
+class UsageMeter:
+    """What this router served, per key, model and hour, until it goes out in a report."""
+
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall
+        self._counts: dict[tuple[int, str, int], list[int]] = {}
+
+    def record(self, key_id: int, model: str, num_prompt_tokens: int, num_cached_tokens: int,
+               num_completion_tokens: int) -> None:
+        hour = math.floor(self._wall()) // 3600 * 3600
+        counts = self._counts.setdefault((key_id, model, hour), [0, 0, 0, 0])
+        counts[0] += 1
+        counts[1] += num_prompt_tokens
+        counts[2] += num_cached_tokens
+        counts[3] += num_completion_tokens
+
+    def take(self) -> list[UsageCount]:
+        counts, self._counts = self._counts, {}
+        return [UsageCount(key_id, model, hour, *values) for (key_id, model, hour), values in sorted(counts.items())]
+
+
+@dataclass(slots=True)
+class _Report:
+    seq: int
+    body: dict
+    num_requests: int                   # served requests it carries (for the log when it is lost)
+    waiters: list[asyncio.Future]       # askers waiting for its answer
+
+
+class FleetReporter:
+    def __init__(self, send: Callable[[dict], Awaitable[dict]], limiter: RateLimiter, meter: UsageMeter,
+                 name: str = "", interval_s: float = 1.0, ask_timeout_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._send = send
+        self.limiter = limiter
+        self.meter = meter
+        self.name = name
+        self.router_id = f"{name or 'router'}-{os.urandom(8).hex()}"[-64:]
+        self._interval_s = interval_s
+        self._ask_timeout_s = ask_timeout_s
+        self._clock = clock
+        self._backoff = Backoff(initial_s=0.2, max_s=max(2.0, interval_s))
+        self._inflight: _Report | None = None
+        self._failing = False   # the last attempt got no answer
+        self._waiters: list[asyncio.Future] = []   # askers since the last report was taken
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._last_start = -math.inf
+        self.num_reports = 0
+        self.num_failures = 0
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="fleet-reports")
+
+    async def stop(self) -> None:
+        """Stops the loop, then sends what is left (the report in flight, then one last), briefly."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        try:
+            async with asyncio.timeout(STOP_FLUSH_TIMEOUT_S):
+                while self._inflight is not None:
+                    if not await self.report_once():
+                        await asyncio.sleep(self._backoff.next_delay())
+                await self.report_once()
+        except TimeoutError:
+            log.warning("stopping without the last fleet report: the registry did not answer in %.0f s",
+                        STOP_FLUSH_TIMEOUT_S)
+
+    async def _run(self) -> None:
+        while True:
+            delay = self._backoff.next_delay() if self._failing else self._interval_s
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            gap = self._last_start + MIN_GAP_S - self._clock()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            try:
+                await self.report_once()
+            except Exception:  # a bug here must not end the reports: the next round tries again
+                log.exception("fleet report failed")
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    async def report_once(self) -> bool:
+        """Sends the report in flight again, or takes a new one and sends it; True when answered."""
+        if self._inflight is None:
+            self._inflight = self._take()
+        report = self._inflight
+        self._last_start = sent_at = self._clock()
+        try:
+            answer = await self._send(report.body)
+        except RegistryError as exc:
+            if exc.status >= 500:
+                return self._failed(report, exc)
+            log.error("the registry refused fleet report %d (%s); dropping it with %d served request(s) in it",
+                      report.seq, exc, report.num_requests)
+            self._inflight = None
+            return False
+        except httpx.HTTPError as exc:
+            return self._failed(report, exc)
+        self._inflight = None
+        self._failing = False
+        self._backoff.reset()
+        self.num_reports += 1
+        self.limiter.answered(report.seq, sent_at, answer)
+        for waiter in report.waiters:
+            if not waiter.done():
+                waiter.set_result(True)
+        return True
+
+    def _take(self) -> _Report:
+        part = self.limiter.take_report()
+        usage = self.meter.take()
+        body = {"router_id": self.router_id, "name": self.name, "seq": part.seq,
+                "charges": [{"key_id": c.key_id, "slot": c.slot, "requests": c.requests, "tokens": c.tokens}
+                            for c in part.charges],
+                "usage": [{"key_id": u.key_id, "model": u.model, "hour": u.hour,
+                           **{name: getattr(u, name) for name in USAGE_COUNTS}} for u in usage],
+                "demand": [{"key_id": d.key_id, "requests": d.requests, "tokens": d.tokens,
+                            "remaining_requests": d.remaining_requests, "remaining_tokens": d.remaining_tokens}
+                           for d in part.demand]}
+        waiters, self._waiters = self._waiters, []
+        return _Report(part.seq, body, sum(u.requests for u in usage), waiters)
+
+    def _failed(self, report: _Report, exc: Exception) -> bool:
+        self.num_failures += 1
+        self.limiter.failed()
+        if not self._failing:
+            log.warning("fleet report %d got no answer (%s); sending it again with backoff", report.seq, exc)
+        self._failing = True
+        return False
+
+    async def admit(self, key_id, requests_per_minute: int | None, tokens_per_minute: int | None,
+                    num_tokens: int) -> Charge | Refusal | None:
+        """The limiter's decision, after one early report when it says one may bring room; None for a key
+        without limits (or without a registry id: nothing to charge or meter)."""
+        if not isinstance(key_id, int):
+            return None
+        decision = self.limiter.admit(key_id, requests_per_minute, tokens_per_minute, num_tokens)
+        if isinstance(decision, Refusal) and decision.ask and await self.ask():
+            decision = self.limiter.admit(key_id, requests_per_minute, tokens_per_minute, num_tokens, retry=True)
+        return decision
+
+    async def ask(self) -> bool:
+        """Has a report go out now (after the one in flight, if any) and waits for its answer, up to
+        `ask_timeout_s`; False when none came in time."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self._ask_timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def status(self) -> dict:
+        return {**self.limiter.status(), "router_id": self.router_id, "num_reports": self.num_reports,
+                "num_report_failures": self.num_failures, "reports_failing": self._failing}
