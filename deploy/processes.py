@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -159,6 +160,26 @@ def wait_ports_free(host: str, ports: list[int], timeout_s: float = 10.0) -> lis
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a child to bind in a few seconds. Taken below the kernel's ephemeral range
+    where there is room: ports there are never handed to outgoing connections, which otherwise (a busy
+    client, another cluster starting beside this one) can take a port between this check and the bind."""
+    low, _high = _ephemeral_range()
+    if low - FIXED_PORTS_FLOOR >= 1000:
+        for _ in range(100):
+            port = random.randrange(FIXED_PORTS_FLOOR, low)
+            if port_free(host, port):
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+FIXED_PORTS_FLOOR = 20000   # below this, well-known and registered services
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999   # Linux's default; macOS starts at 49152

@@ -125,8 +125,9 @@ async def hammer(fleet: Cluster, api_key: str, started: float, stop_router_2: th
             await client.aclose()
 
 
-def watch_heartbeats(fleet: Cluster, stop: threading.Event, ages: dict[str, float]) -> None:
-    """The oldest heartbeat age each site showed, sampled every half second through any replica."""
+def watch_heartbeats(fleet: Cluster, stop: threading.Event, ages: dict[str, float], beats: dict[str, set]) -> None:
+    """The oldest heartbeat age each site showed, and the heartbeats seen, sampled every half second
+    through any replica."""
     while not stop.wait(0.5):
         try:
             snapshot = fleet.snapshot()
@@ -136,6 +137,8 @@ def watch_heartbeats(fleet: Cluster, stop: threading.Event, ages: dict[str, floa
         for site in snapshot["sites"]:
             age = site["heartbeat_age_s"] if site["alive"] else float("inf")
             ages[site["name"]] = max(ages.get(site["name"], 0.0), age if age is not None else float("inf"))
+            if site["capacity"]:
+                beats.setdefault(site["name"], set()).add(site["capacity"]["reported_at"])
 
 
 def admitted_in(outcomes: list[Outcome], start: float, end: float) -> int:
@@ -152,11 +155,12 @@ def totals(outcomes) -> dict[str, int]:
     return out
 
 
-def test_two_routers_two_replicas_one_limit_exact_usage_through_kills(fleet):
+def test_two_routers_two_replicas_one_limit_exact_usage_through_kills(fleet, record_property):
     admin = fleet.admin()
     key = admin.create_api_key("fleet-test", requests_per_minute=R)
-    stop_router_2, stop_watch, ages_after_kill = threading.Event(), threading.Event(), {}
-    watcher = threading.Thread(target=watch_heartbeats, args=(fleet, stop_watch, ages_after_kill), daemon=True)
+    stop_router_2, stop_watch, ages_after_kill, beats_after_kill = threading.Event(), threading.Event(), {}, {}
+    watcher = threading.Thread(target=watch_heartbeats, args=(fleet, stop_watch, ages_after_kill, beats_after_kill),
+                               daemon=True)
 
     def kill() -> None:
         stop_router_2.set()
@@ -183,10 +187,13 @@ def test_two_routers_two_replicas_one_limit_exact_usage_through_kills(fleet):
     # Agents kept heartbeating through the remaining replica (heartbeat every 1 s; dead after 3).
     assert ages_after_kill and "registry unreachable" not in ages_after_kill, ages_after_kill
     assert max(ages_after_kill.values()) < 3.0, ages_after_kill
+    assert {site: len(times) >= (RUN_S - KILL_AT_S) / 4 for site, times in beats_after_kill.items()} == {
+        s.name: True for s in fleet.config.sites}, {site: len(times) for site, times in beats_after_kill.items()}
 
     # R a minute in total, not 2R. The second minute may fall short by what the dead router held.
     first, second = admitted_in(outcomes, 0, 60), admitted_in(outcomes, 60, 120)
     print(f"\nadmitted per minute: {first}, {second} (limit {R}); killed at {killed_at:.0f} s")
+    record_property("admitted_per_minute", f"{first}, {second} (limit {R})")
     assert first == R
     assert R // 2 <= second <= R
 
@@ -205,6 +212,7 @@ def test_two_routers_two_replicas_one_limit_exact_usage_through_kills(fleet):
     late = [o for o in served if o.router == 1 and o.ended_at >= killed_at - 2.0]
     print(f"usage: clients saw {seen}; the registry has {recorded}; missing {missing} "
           f"({len(late)} response(s) of the dead router ended in its last 2 s)")
+    record_property("usage_missing", f"{missing} of {seen}")
     assert all(value >= 0 for value in missing.values()), (seen, recorded)   # nothing counted twice
     subsets = (totals(combo) for n in range(len(late) + 1) for combo in itertools.combinations(late, n))
     assert missing in list(subsets), (missing, [o.usage for o in late])
