@@ -296,8 +296,10 @@ class LLMEngine:
                 if not path.is_file():
                     raise InvalidRequestError("this model has no tokenizer.json, which constrained output "
                                               "(response_format, tool_choice) needs")
+                # On a CPU the model's threads own the cores: masks are filled on this thread (see grammar).
                 self._grammar_compiler = GrammarCompiler(path.read_text(encoding="utf-8"),
-                                                         self.model_config.vocab_size, sorted(self.eos_token_ids))
+                                                         self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                                         num_threads=1 if self.device.type == "cpu" else None)
             return self._grammar_compiler
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
