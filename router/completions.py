@@ -342,9 +342,10 @@ class CompletionRun:
     def _observe_end(self) -> None:
         m, g = self.metrics, self.generation
         m.e2e.observe(elapsed_s(self.ctx.started_at))
-        m.prompt_tokens.inc(g.num_prompt_tokens or len(g.prompt_ids))
         m.generation_tokens.inc(self.num_completion_tokens)
-        m.cached_tokens.inc(g.num_cached_tokens)
+        if self.index == 0:  # n > 1: the prompt is counted once, as the response's usage counts it
+            m.prompt_tokens.inc(g.num_prompt_tokens or len(g.prompt_ids))
+            m.cached_tokens.inc(g.num_cached_tokens)
 
     def _settle(self) -> None:
         if not self._settled:

@@ -66,6 +66,20 @@ async def test_one_split_stream_moves_each_counter_by_what_it_did(split_pair, cl
     assert 0 <= after.get("edgefire_router_snapshot_age_seconds") < 60
 
 
+async def test_n_choices_count_the_prompt_once_as_usage_does(split_pair, http):
+    router, url, auth = split_pair
+    before = await scrape(http, router)
+    response = await http.post(f"{url}/v1/chat/completions", headers=auth, json=chat(4, n=3, temperature=1.0, seed=3))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    after = await scrape(http, router)
+    assert len(body["choices"]) == 3
+    assert after.delta(before, "edgefire_router_prompt_tokens_total", model=MODEL) == body["usage"]["prompt_tokens"]
+    assert after.delta(before, "edgefire_router_generation_tokens_total", model=MODEL) == \
+        body["usage"]["completion_tokens"] == 12
+    assert after.delta(before, "edgefire_router_requests_total", model=MODEL, route="chat", status="200") == 1
+
+
 async def test_the_public_port_does_not_serve_metrics(split_pair, http):
     _router, url, auth = split_pair
     assert (await http.get(f"{url}/metrics", headers=auth)).status_code == 404
