@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
                      help="split each layer's heads and MLP across N ranks (one process and device each)")
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="M",
                      help="split the layers into M pipeline stages")
+    gen.add_argument("--expert-parallel-size", type=int, default=1, metavar="E",
+                     help="split each mixture-of-experts layer's experts across E ranks per stage (E equal to "
+                          "--tensor-parallel-size, or with tensor parallelism 1: attention repeated on each)")
     gen.set_defaults(func=run_generate)
 
     comp = subparsers.add_parser("compress", help="write a losslessly compressed copy of a bf16 checkpoint")
@@ -100,7 +103,8 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode(args.prompt)
         engine = AsyncEngine(LLMEngine(args.model, EngineConfig(
             device=args.device, dtype=args.dtype, weight_mode=args.weight_mode,
-            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)))
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+            expert_parallel_size=args.expert_parallel_size)))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

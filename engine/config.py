@@ -64,21 +64,10 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Weights the engine keeps resident: every expert of every MoE layer counts, not just the active ones."""
-        hidden, head_dim = self.hidden_size, self.head_dim
-        attention = hidden * (self.num_heads + 2 * self.num_kv_heads) * head_dim + self.num_heads * head_dim * hidden
-        if self.qkv_bias:
-            attention += (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        if self.qk_norm:
-            attention += 2 * head_dim
-        total = 0
-        for layer in range(self.num_layers):
-            if self.is_sparse(layer):
-                mlp = self.moe.num_experts * (3 * hidden * self.moe.intermediate_size + hidden)
-            else:
-                mlp = 3 * hidden * self.intermediate_size
-            total += attention + mlp + 2 * hidden
-        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
-        return total + embeddings + hidden
+        from engine.memory import shard_parameters   # counts any rank's part (engine.parallel.layout)
+        from engine.parallel.layout import whole_model
+
+        return shard_parameters(self, whole_model(self))
 
 
 def _require(raw: dict, key: str, path: Path):

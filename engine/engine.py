@@ -7,7 +7,7 @@ continues. Not thread-safe: engine.async_engine drives it from one thread; the o
 `open_export`, which transports call from their own threads so that a decode site's pull never
 waits for the prefill site's step in progress (a long prefill chunk).
 
-The model runs on an executor: one `ModelShard` in this process, or with tensor/pipeline
+The model runs on an executor: one `ModelShard` in this process, or with tensor/pipeline/expert
 parallelism a `ParallelExecutor` (engine.parallel) whose ranks each hold part of it. Either way
 the scheduler, block manager and sampler are here, once. With pipeline_parallel_size > 1 up to
 that many batches are in flight, each stage working on a different one; a sequence is in at most
@@ -58,7 +58,10 @@ class EngineConfig:
     kv_cache_bytes: int | None = None    # explicit KV budget per rank; default 256 MiB on CPU
     gpu_memory_utilization: float = 0.9  # GPU: fraction of free memory (after weights) for KV
     tensor_parallel_size: int = 1        # ranks splitting each layer's heads and MLP (one process and device each)
-    pipeline_parallel_size: int = 1      # stages splitting the layers (tp ranks each)
+    pipeline_parallel_size: int = 1      # stages splitting the layers (max(tp, ep) ranks each)
+    # ranks splitting each mixture-of-experts layer's experts: the stage's TP ranks (ep == tp), or
+    # ep ranks that each repeat the attention (tp == 1)
+    expert_parallel_size: int = 1
     enable_cuda_graphs: bool = True      # GPU: replay decode-only steps from graphs captured at start-up
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -86,7 +89,7 @@ class EngineConfig:
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size)
+        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel_size)
 
 
 @dataclass(slots=True)
@@ -135,6 +138,7 @@ class EngineStats:
     num_gpus: int = 0                    # GPUs the engine's ranks run on (0: CPU)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
 
 @dataclass(slots=True)
@@ -186,8 +190,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.layout = config.layout
         self.layout.check_model(self.model_config)
-        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes,
-                                       self.layout.world_size)
+        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes, self.layout)
         self.eos_token_ids = self._eos_token_ids()
         self.fingerprint = model_fingerprint(self.model_dir)
         if self.layout.world_size == 1:
@@ -653,4 +656,5 @@ class LLMEngine:
             num_gpus=self.layout.world_size if self.device.type == "cuda" else 0,
             tensor_parallel_size=self.layout.tp,
             pipeline_parallel_size=self.layout.pp,
+            expert_parallel_size=self.layout.ep,
         )

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from engine.moe import MoEWeights, route
+from engine.parallel import timing
+from engine.parallel.layout import expert_range
 
 
 @dataclass(slots=True)
@@ -47,14 +49,10 @@ class ExpertGroup:
         return expert_range(self.num_experts, self.size, self.rank)
 
 
-def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
-    per_rank = num_experts // ep_size
-    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-
-
 def _all_to_all(group: dist.ProcessGroup, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
     out = rows.new_empty((sum(receive), *rows.shape[1:]))
-    group.alltoall_base(out, rows.contiguous(), receive, send, dist.AllToAllOptions()).wait()
+    with timing.comm():
+        group.alltoall_base(out, rows.contiguous(), receive, send, dist.AllToAllOptions()).wait()
     return out
 
 
@@ -71,8 +69,7 @@ def moe_forward_parallel(moe: MoEWeights, x: torch.Tensor, experts: ExpertGroup,
     owners = flat_ids // experts.experts_per_rank
     order = owners.argsort(stable=True)
     send = torch.bincount(owners, minlength=size)
-    receive = torch.empty_like(send)
-    group.alltoall_base(receive, send, [1] * size, [1] * size, dist.AllToAllOptions()).wait()
+    receive = _all_to_all(group, send, [1] * size, [1] * size)
     send_sizes, receive_sizes = send.tolist(), receive.tolist()
 
     rows = _all_to_all(group, mine.index_select(0, order // moe.top_k), send_sizes, receive_sizes)
@@ -86,5 +83,6 @@ def moe_forward_parallel(moe: MoEWeights, x: torch.Tensor, experts: ExpertGroup,
     padded = x.new_zeros((per_rank, hidden))
     padded[: last - first] = combined
     gathered = x.new_empty((size * per_rank, hidden))
-    group._allgather_base(gathered, padded).wait()
+    with timing.comm():
+        group._allgather_base(gathered, padded).wait()
     return gathered[:num_tokens]

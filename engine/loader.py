@@ -8,9 +8,10 @@ decoded and checked as they are read (weight mode `decompress_on_load`), or, in
 `compressed_in_memory`, the MLP projections stay compressed on the device and the model's layers
 become an `engine.compression.streamed.StreamedLayers` that decodes them layer by layer.
 
-Under tensor/pipeline parallelism each rank reads only its part (engine.parallel.layout.RankShard):
-its stage's layers, and of each tensor only its rows or columns, sliced in the file, never read
-whole and cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
+Under tensor/pipeline/expert parallelism each rank reads only its part
+(engine.parallel.layout.RankShard): its stage's layers, of each tensor only its rows or columns,
+and of each mixture-of-experts layer only its experts, sliced in the file, never read whole and
+cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
 and keeps its slice; compressed_in_memory keeps whole MLP weights and is for whole layers only.
 """
 
@@ -195,7 +196,7 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
     )
     mlp = None
     if cfg.is_sparse(i):
-        layer.moe = _read_moe(reader, cfg, i)
+        layer.moe = _read_moe(reader, cfg, i, shard.experts)
     else:
         inter = cfg.intermediate_size
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
@@ -212,10 +213,20 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
 def _wanted(name: str, shard: RankShard) -> bool:
     """Whether this rank reads the named tensor (for the progress bar's total)."""
     if name.startswith("model.layers."):
-        return int(name.split(".")[2]) in shard.layers
+        expert = _expert_of(name)
+        return int(name.split(".")[2]) in shard.layers and (expert is None or expert in shard.experts)
     if name == "model.embed_tokens.weight":
         return shard.is_first_stage
+    if name == "lm_head.weight":
+        return shard.computes_logits
     return shard.is_last_stage
+
+
+def _expert_of(name: str) -> int | None:
+    """The expert a per-expert tensor belongs to (`...experts.{e}.w1.weight`); None for any other tensor."""
+    _, found, rest = name.partition(".experts.")
+    head = rest.split(".", 1)[0]
+    return int(head) if found and head.isdigit() else None
 
 
 # Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
@@ -223,12 +234,13 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
 
-def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int) -> MoEWeights:
-    """The router and every expert, stacked into [E, 2 * inter, hidden] and [E, hidden, inter].
+def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -> MoEWeights:
+    """The router (whole: every rank routes its tokens over all experts) and this rank's `experts`,
+    stacked into [len(experts), 2 * inter, hidden] and [len(experts), hidden, inter].
 
     Checkpoints store one tensor per expert projection (`experts.{e}.gate_proj.weight`); some tools
-    write them already stacked (`experts.gate_up_proj`, `experts.down_proj`), which is read as is.
-    Each expert is copied into a preallocated stack so loading never holds two copies of a layer.
+    write them already stacked (`experts.gate_up_proj`, `experts.down_proj`), whose rows of `experts`
+    are read. Each expert is copied into a preallocated stack so loading never holds two copies of a layer.
     """
     moe = cfg.moe
     prefix, (gate_name, up_name, down_name) = MOE_NAMES[cfg.model_type]
@@ -236,23 +248,24 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int) -> MoEWeights:
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
     router = reader.read(p + "gate.weight", (num_experts, hidden))
     if reader.has(p + "experts.gate_up_proj"):
-        gate_up = reader.read(p + "experts.gate_up_proj", (num_experts, 2 * inter, hidden))
-        down = reader.read(p + "experts.down_proj", (num_experts, hidden, inter))
+        gate_up = reader.read(p + "experts.gate_up_proj", (num_experts, 2 * inter, hidden), rows=experts)
+        down = reader.read(p + "experts.down_proj", (num_experts, hidden, inter), rows=experts)
     else:
-        gate_up = torch.empty((num_experts, 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
-        down = torch.empty((num_experts, hidden, inter), dtype=reader.dtype, device=reader.device)
-        for expert in range(num_experts):
+        gate_up = torch.empty((len(experts), 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
+        down = torch.empty((len(experts), hidden, inter), dtype=reader.dtype, device=reader.device)
+        for local, expert in enumerate(experts):
             e = f"{p}experts.{expert}."
-            gate_up[expert, :inter] = reader.read(f"{e}{gate_name}.weight", (inter, hidden))
-            gate_up[expert, inter:] = reader.read(f"{e}{up_name}.weight", (inter, hidden))
-            down[expert] = reader.read(f"{e}{down_name}.weight", (hidden, inter))
+            gate_up[local, :inter] = reader.read(f"{e}{gate_name}.weight", (inter, hidden))
+            gate_up[local, inter:] = reader.read(f"{e}{up_name}.weight", (inter, hidden))
+            down[local] = reader.read(f"{e}{down_name}.weight", (hidden, inter))
     return MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob)
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                show_progress: bool = True, weight_mode: str = "decompress_on_load", shard: RankShard | None = None,
-               tp_group=None) -> CausalLM:
-    """The model, or under TP/PP only `shard`'s part of it (tp_group: its stage's TP process group)."""
+               tp_group=None, expert_group=None) -> CausalLM:
+    """The model, or under TP/PP/EP only `shard`'s part of it (tp_group: its stage's TP process group;
+    expert_group: the ranks sharing its experts)."""
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight_mode {weight_mode!r} is not one of {', '.join(WEIGHT_MODES)}")
     model_dir = Path(model_dir)
@@ -279,6 +292,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         norm = lm_head = None
         if shard.is_last_stage:
             norm = reader.read("model.norm.weight", (cfg.hidden_size,))
+        if shard.computes_logits:
             if reader.has("lm_head.weight") and not cfg.tie_word_embeddings:
                 lm_head = reader.read("lm_head.weight", full, rows=shard.vocab)
             elif cfg.tie_word_embeddings:
@@ -293,4 +307,4 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         log.warning("%s: no layer has all its MLP projections compressed; loading them plainly", model_dir)
     log.info("loaded %s: %d of %d layers, %s on %s%s", model_dir, len(layers), cfg.num_layers, dtype, device,
              " (compressed checkpoint)" if compressed else "")
-    return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype, shard, tp_group)
+    return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype, shard, tp_group, expert_group)

@@ -2,6 +2,11 @@
 experts is resident, not only the few a token activates) plus the KV pool, against what the device
 has. Checked up front so an oversized model fails with a message instead of an out-of-memory kill
 half-way through loading.
+
+Under tensor/pipeline/expert parallelism each rank holds its part (engine.parallel.layout.RankShard),
+counted here exactly as the loader reads it: its stage's layers, its heads and MLP rows, its run of
+each MoE layer's experts (1/ep of them; the router whole), its vocabulary rows. Ranks that replicate
+attention for expert parallelism each hold a copy of it, and of the embedding.
 """
 
 from __future__ import annotations
@@ -13,10 +18,43 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InsufficientMemoryError
+from engine.parallel.layout import ParallelLayout, RankShard, rank_shard, whole_model
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+
+def shard_parameters(cfg: ModelConfig, shard: RankShard) -> int:
+    """Weight elements one rank holds (the whole model for `whole_model(cfg)`)."""
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    heads, kv_heads = len(shard.heads), len(shard.kv_heads)
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    if cfg.qkv_bias:
+        attention += (heads + 2 * kv_heads) * head_dim
+    if cfg.qk_norm:
+        attention += 2 * head_dim
+    total = 0
+    for layer in shard.layers:
+        if cfg.is_sparse(layer):
+            mlp = len(shard.experts) * 3 * hidden * cfg.moe.intermediate_size + cfg.moe.num_experts * hidden
+        else:
+            mlp = 3 * hidden * len(shard.mlp)
+        total += attention + mlp + 2 * hidden
+    vocab_rows = len(shard.vocab) * hidden
+    embed = vocab_rows if shard.is_first_stage else 0
+    lm_head = 0
+    if shard.computes_logits and not (cfg.tie_word_embeddings and shard.is_first_stage):
+        lm_head = vocab_rows   # tied on the first stage: the embedding itself
+    return total + embed + lm_head + (hidden if shard.is_last_stage else 0)
+
+
+def rank_parameters(cfg: ModelConfig, layout: ParallelLayout) -> list[int]:
+    """Weight elements of each rank of `layout`, by rank."""
+    if layout.world_size == 1:
+        return [shard_parameters(cfg, whole_model(cfg))]
+    stages = layout.stages(cfg)
+    return [shard_parameters(cfg, rank_shard(layout, cfg, rank, stages)) for rank in range(layout.world_size)]
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -38,25 +76,36 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_bytes: int | None,
-               num_ranks: int = 1) -> int:
-    """The model's weight bytes; raises InsufficientMemoryError when weights plus the KV pool exceed free memory.
+               layout: ParallelLayout | None = None) -> int:
+    """The model's weight bytes; raises InsufficientMemoryError when a rank's weights plus its KV pool
+    exceed free memory.
 
-    With tensor/pipeline parallelism over num_ranks GPUs, each device holds about 1/num_ranks of the
-    weights and its own KV pool; on CPU the ranks share the host's memory: all the weights, num_ranks pools."""
+    On GPUs each rank has a device of its own: the rank holding the most must fit (checked against
+    the first device; the engine's GPUs are alike). On CPU the ranks share the host's memory: every
+    rank's weights (replicas included) and every rank's pool."""
+    layout = layout or ParallelLayout()
+    element = torch.tensor([], dtype=dtype).element_size()
     weights = weight_bytes(cfg, dtype)
-    available = available_bytes(device)
+    per_rank = [n * element for n in rank_parameters(cfg, layout)]
+    kv = kv_cache_bytes or 0
     if device.type == "cuda":
-        needed = weights // num_ranks + (kv_cache_bytes or 0)
+        needed, held = max(per_rank) + kv, max(per_rank)
     else:
-        needed = weights + num_ranks * (kv_cache_bytes or 0)
+        needed, held = sum(per_rank) + layout.world_size * kv, sum(per_rank)
     experts = ""
     if cfg.moe is not None:
         num_sparse = sum(cfg.moe.sparse_layers)
-        experts = f", all {cfg.moe.num_experts} experts of its {num_sparse} MoE layers resident"
-    log.info("weights: %.2f GiB in %s%s", weights / GIB, str(dtype).removeprefix("torch."), experts)
+        split = f", {cfg.moe.num_experts // layout.ep} per rank" if layout.ep > 1 else ""
+        experts = f", all {cfg.moe.num_experts} experts of its {num_sparse} MoE layers resident{split}"
+    where = "" if layout.world_size == 1 else f" ({layout}: {max(per_rank) / GIB:.2f} GiB on the largest rank)"
+    log.info("weights: %.2f GiB in %s%s%s", weights / GIB, str(dtype).removeprefix("torch."), experts, where)
+    available = available_bytes(device)
     if available is not None and needed > available:
-        kv = f" + a {kv_cache_bytes / GIB:.2f} GiB KV pool" if kv_cache_bytes else ""
+        pool = f" + a {kv / GIB:.2f} GiB KV pool" if kv else ""
+        scope = "" if layout.world_size == 1 else (
+            f" ({layout}: {held / GIB:.2f} GiB on the largest rank)" if device.type == "cuda"
+            else f" ({layout}: {held / GIB:.2f} GiB across its {layout.world_size} ranks, and a pool each)")
         raise InsufficientMemoryError(
-            f"the model needs {weights / GIB:.2f} GiB of weights{experts}{kv}, but {device} has "
+            f"the model needs {weights / GIB:.2f} GiB of weights{experts}{pool}{scope}, but {device} has "
             f"{available / GIB:.2f} GiB free; use a smaller dtype or KV pool (kv_cache_bytes), or a device with more memory")
     return weights

@@ -5,10 +5,12 @@ Weights are plain tensors; q/k/v and gate/up projections are fused at load time 
 four matmuls. A mixture-of-experts layer replaces the MLP with engine.moe's block. Every op goes
 through engine.ops so kernels can replace them.
 
-Under tensor/pipeline parallelism (engine.parallel) one CausalLM is one rank's part: its stage's
-layers and its share of the heads, MLP and vocabulary (a RankShard). A TP rank's o_proj and down
-produce partial sums, all-reduced across its stage; a stage other than the first continues from
-the residual stream the previous stage returned. With one rank, none of that runs.
+Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
+stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
+o_proj and down produce partial sums, all-reduced across its stage; a mixture-of-experts layer
+whose experts are split sends each token to their owners and gets the whole block's output back
+(engine.expert_parallel); a stage other than the first continues from the residual stream the
+previous stage returned. With one rank, none of that runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from engine import ops
 from engine.config import ModelConfig
+from engine.expert_parallel import ExpertGroup, moe_forward_parallel
 from engine.moe import MoEWeights, moe_forward
 from engine.parallel.groups import all_reduce
 from engine.parallel.layout import RankShard, whole_model
@@ -36,7 +39,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
     down: torch.Tensor | None
-    moe: MoEWeights | None = None
+    moe: MoEWeights | None = None   # under expert parallelism: this rank's experts only
 
 
 @dataclass(slots=True)
@@ -49,13 +52,17 @@ class ModelWeights:
 
 class CausalLM:
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 shard: RankShard | None = None, tp_group: dist.ProcessGroup | None = None):
+                 shard: RankShard | None = None, tp_group: dist.ProcessGroup | None = None,
+                 expert_group: dist.ProcessGroup | None = None):
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.shard = shard = shard or whole_model(config)
         self.tp_group = tp_group if shard.tp_size > 1 else None
+        self.experts = None   # the ranks sharing this stage's experts (expert parallelism)
+        if shard.ep_size > 1:
+            self.experts = ExpertGroup(expert_group, shard.ep_rank, shard.ep_size, config.moe.num_experts)
         self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
         self.sliding_windows = config.sliding_windows[shard.layers.start:shard.layers.stop]
         self.scale = config.head_dim ** -0.5
@@ -85,6 +92,8 @@ class CausalLM:
                 hidden = self.ops.linear(self.ops.silu_and_mul(self.ops.linear(normed, layer.gate_up)), layer.down)
                 if self.tp_group is not None:
                     all_reduce(self.tp_group, hidden)
+            elif self.experts is not None:
+                hidden = moe_forward_parallel(layer.moe, normed, self.experts, self.ops)
             else:
                 hidden = moe_forward(layer.moe, normed, self.ops)
         if self.weights.norm is None:

@@ -111,6 +111,10 @@ class ModelShard:
             # Decoding on a side stream inside a captured graph has not been validated on a GPU yet.
             log.info("compressed_in_memory: decode steps run without CUDA graphs")
             return
+        if self.model.experts is not None:
+            # an expert-parallel step sizes its all-to-alls by counts read on the host: not capturable
+            log.info("expert parallelism: decode steps run without CUDA graphs")
+            return
         from engine import kernels
         if not kernels.available():
             return

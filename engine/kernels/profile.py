@@ -22,8 +22,8 @@ def activation_peak_bytes(model, num_tokens: int, num_sample_rows: int, block_si
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    # one rank's part under tensor/pipeline parallelism: its layers, its KV heads (every rank
-    # profiles at the same point of start-up, so the TP all-reduces inside the forward pair up)
+    # one rank's part under tensor/pipeline/expert parallelism: its layers, its KV heads (every rank
+    # profiles at the same point of start-up, so the all-reduces and all-to-alls inside the forward pair up)
     cache = torch.zeros((len(model.shard.layers), 2, num_blocks, block_size, model.num_kv_heads, cfg.head_dim),
                         dtype=model.dtype, device=device)
     cache_bytes = cache.numel() * cache.element_size()
@@ -38,7 +38,7 @@ def activation_peak_bytes(model, num_tokens: int, num_sample_rows: int, block_si
     if not model.shard.is_first_stage:
         hidden_in = torch.zeros((num_tokens, cfg.hidden_size), dtype=model.dtype, device=device)
     hidden = model.forward(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, batch, cache, hidden_in)
-    if model.shard.is_last_stage:
+    if model.shard.computes_logits:
         model.compute_logits(hidden[-min(num_sample_rows, num_tokens):])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before - cache_bytes

@@ -1,11 +1,12 @@
-"""Rank 0's side of a tensor/pipeline-parallel engine: starts the other ranks, hands each step to
-them, runs its own part (stage 0, TP rank 0), and gathers the logits for the sampler.
+"""Rank 0's side of a tensor/pipeline/expert-parallel engine: starts the other ranks, hands each step
+to them, runs its own part (stage 0, TP rank 0), and gathers the logits for the sampler.
 
 `submit` starts a batch and returns once rank 0's stage is done with it; `collect` waits for the
 oldest submitted batch's logits. With pipeline parallelism the engine submits up to pp batches
 before collecting, so while later stages run batch k, rank 0 already runs batch k+1. `run` is
-both at once (one batch at a time; every TP-only step). Logits come back vocab-parallel: each rank
-of the last stage sends its vocabulary rows' columns straight to rank 0.
+both at once (one batch at a time; every TP-only step). Logits come back vocab-parallel: each TP rank
+of the last stage sends its vocabulary rows' columns straight to rank 0 (ranks that only replicate
+attention for expert parallelism send none).
 
 Any failure (a rank that died, a collective that failed or timed out, an error in rank 0's own
 part mid-step) leaves the ranks out of step: every rank is stopped and the engine raises
@@ -30,7 +31,7 @@ from engine.kv_export import KVMap
 from engine.parallel import protocol, timing
 from engine.parallel.groups import RankGroups, rendezvous
 from engine.parallel.kv_pool import build_kv_map, map_cpu_pool, open_cuda_pool
-from engine.parallel.layout import ParallelLayout, rank_shard, split_layers
+from engine.parallel.layout import rank_shard
 from engine.parallel.processes import RankProcesses, WorkerSpec
 from engine.parallel.rank import finish_rank, start_rank
 from engine.runner import StepInputs
@@ -63,12 +64,12 @@ class ParallelExecutor:
         self.rank_times: dict[int, dict] = {}   # per rank, with EDGEFIRE_PARALLEL_TIMING=1, once shut down
         self._threads_before = torch.get_num_threads()
         num_threads = max(1, self._threads_before // layout.world_size) if device.type == "cpu" else 1
-        stages = split_layers(model_config, layout.pp)
+        stages = layout.stages(model_config)
         self.shards = [rank_shard(layout, model_config, r, stages) for r in range(layout.world_size)]
         log.info("starting %d ranks (%s); stages hold layers %s", layout.world_size, layout,
                  ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
         store = rendezvous(layout.world_size, None)
-        specs = [WorkerSpec(rank, str(model_dir), layout.tp, layout.pp, store.port, -1,
+        specs = [WorkerSpec(rank, str(model_dir), layout.tp, layout.pp, layout.ep, store.port, -1,
                             _rank_device(device, rank), str(dtype).removeprefix("torch."), num_threads,
                             asdict(config), logging.getLogger().getEffectiveLevel())
                  for rank in range(1, layout.world_size)]

@@ -10,15 +10,18 @@ group's members build it, so adding one is local to its members.
   NCCL runs point-to-point ops between two ranks on one stream per group: logits coming back would
   otherwise queue behind the next batch's hidden states going out.
 - `tp`: the ranks of this rank's stage, data backend (None when tp == 1): the model's all-reduces.
+- `experts`: the ranks sharing this stage's experts, data backend (None when ep == 1): the
+  mixture-of-experts all-to-alls. With tp == ep it is the `tp` group itself; with tp == 1, a group
+  of the stage's ranks of its own.
 - `control`: every rank, gloo, idle timeout: each step's message from stage to stage, and set-up
   agreements. A rank waits on it while the engine is idle, which may last days, so its timeout is
   long; a dead rank is noticed by the watchdog (engine.parallel.processes), not by this timeout.
-- `first_stage_control`: stage 0's ranks, gloo, idle timeout (None when tp == 1): rank 0's
+- `first_stage_control`: stage 0's ranks, gloo, idle timeout (None with one rank per stage): rank 0's
   broadcast of each step's message.
 
 Data groups time out after DATA_TIMEOUT: a rank that is alive but stuck makes the others fail then.
-To add a group (e.g. expert parallelism over some partition of the ranks), call `subgroup` with a
-new name on every rank of the partition and keep it on `RankGroups`.
+To add a group over some partition of the ranks, call `subgroup` with a new name on every rank of
+the partition and keep it on `RankGroups`.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ class RankGroups:
     tp: dist.ProcessGroup | None
     control: dist.ProcessGroup
     first_stage_control: dist.ProcessGroup | None
+    experts: dist.ProcessGroup | None = None
 
     def data_groups(self) -> list[dist.ProcessGroup]:
-        return [g for g in (self.world, self.results, self.tp) if g is not None]
+        groups = [g for g in (self.world, self.results, self.tp) if g is not None]
+        return groups + ([self.experts] if self.experts is not None and self.experts is not self.tp else [])
 
     def abort(self) -> None:
         """Make every pending op of the data groups fail now (NCCL waits for a dead peer forever;
@@ -72,11 +77,14 @@ def connect(store: dist.Store, layout: ParallelLayout, rank: int, device: torch.
     every = list(range(layout.world_size))
     stage = layout.stage_of(rank)
     data = "nccl" if device.type == "cuda" else "gloo"
-    tp = first = None
+    tp = first = experts = None
     if layout.tp > 1:
         tp = subgroup(store, f"tp{stage}", layout.stage_ranks(stage), rank, data, DATA_TIMEOUT)
-        if stage == 0:
-            first = subgroup(store, "control0", layout.stage_ranks(0), rank, "gloo", IDLE_TIMEOUT)
+    if layout.ep > 1:
+        experts = tp if layout.ep == layout.tp else subgroup(store, f"ep{stage}", layout.stage_ranks(stage), rank,
+                                                              data, DATA_TIMEOUT)
+    if layout.stage_size > 1 and stage == 0:
+        first = subgroup(store, "control0", layout.stage_ranks(0), rank, "gloo", IDLE_TIMEOUT)
     return RankGroups(
         rank=rank, layout=layout, device=device,
         world=subgroup(store, "world", every, rank, data, DATA_TIMEOUT),
@@ -84,6 +92,7 @@ def connect(store: dist.Store, layout: ParallelLayout, rank: int, device: torch.
         tp=tp,
         control=subgroup(store, "control", every, rank, "gloo", IDLE_TIMEOUT),
         first_stage_control=first,
+        experts=experts,
     )
 
 

@@ -1,9 +1,22 @@
 """Which part of the model each rank holds: its pipeline stage's layers, its share of the heads,
-the MLP and the vocabulary.
+the MLP, the experts and the vocabulary.
 
 TP splits attention heads and KV heads across the ranks of a stage (column-parallel q/k/v and
 gate/up, row-parallel o_proj and down). With fewer KV heads than ranks, each KV head is
 replicated on tp / num_kv_heads ranks, and every rank still holds whole query-head groups.
+
+Expert parallelism (EP) splits each mixture-of-experts layer's experts across the ranks of a stage
+in contiguous runs (engine.expert_parallel dispatches tokens to them). A stage has
+max(tp, ep) ranks, and one of two shapes:
+
+- ep == tp: the EP group is the stage's TP group. Attention and the dense MLP layers are split by
+  heads and rows as under TP alone; the experts are split by expert. tp=2, ep=2 is 2 ranks per stage.
+- tp == 1: attention, the dense MLP layers, the embedding and the LM head are replicated on the ep
+  ranks (each computes them for the whole batch and holds the whole KV of its stage); only the
+  experts are split. Only the first rank of the last stage computes logits, so only it holds the LM head.
+
+Any other mix (tp=2, ep=4; tp=4, ep=2) would need attention replicated within a part of the stage
+and is refused, as is tp > 1 with ep == 1 for a mixture of experts (its experts would not be split).
 
 The embedding and the LM head are vocab-parallel: each TP rank holds vocab/tp rows. The LM head
 is the largest matmul of a decode step (vocab x hidden, e.g. 128k x 4096 = 2.4 Llama-8B layers),
@@ -28,6 +41,7 @@ from engine.config import ModelConfig
 class ParallelLayout:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     @property
     def tp(self) -> int:
@@ -38,29 +52,49 @@ class ParallelLayout:
         return self.pipeline_parallel_size
 
     @property
+    def ep(self) -> int:
+        return self.expert_parallel_size
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage."""
+        return max(self.tp, self.ep)
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.stage_size * self.pp
 
     def stage_of(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // self.stage_size
 
     def tp_rank_of(self, rank: int) -> int:
-        return rank % self.tp
+        return rank % self.stage_size % self.tp
+
+    def ep_rank_of(self, rank: int) -> int:
+        return rank % self.stage_size % self.ep
 
     def rank_of(self, stage: int, tp_rank: int) -> int:
-        return stage * self.tp + tp_rank
+        return stage * self.stage_size + tp_rank
 
     def stage_ranks(self, stage: int) -> list[int]:
-        return [self.rank_of(stage, t) for t in range(self.tp)]
+        return [stage * self.stage_size + r for r in range(self.stage_size)]
+
+    def stages(self, cfg: ModelConfig) -> list[range]:
+        """Each stage's layers, balanced by what one of its ranks holds."""
+        return split_layers(cfg, self.pp, self.ep // self.tp if self.ep > self.tp else 1)
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp}"
+        return f"tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
 
     def validate(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.ep > 1 and self.tp > 1 and self.ep != self.tp:
+            raise ValueError(f"expert_parallel_size {self.ep} with tensor_parallel_size {self.tp}: the experts split "
+                             f"across the stage's tensor-parallel ranks (expert_parallel_size {self.tp}), or across "
+                             f"ranks that replicate attention (tensor_parallel_size 1)")
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Raise ValueError saying which size to change when the model cannot be split this way."""
@@ -77,9 +111,18 @@ class ParallelLayout:
             raise ValueError(f"tensor_parallel_size {tp} exceeds the vocabulary ({cfg.vocab_size} tokens)")
         if cfg.num_layers < pp:
             raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {cfg.num_layers} layers")
-        if cfg.moe is not None and tp > 1:
-            raise ValueError("tensor_parallel_size > 1 does not split a mixture-of-experts model's experts; "
-                             "serve it with pipeline_parallel_size (each stage holds whole layers)")
+        ep = self.ep
+        if cfg.moe is None:
+            if ep > 1:
+                raise ValueError(f"expert_parallel_size {ep} needs a mixture-of-experts model; this {cfg.model_type} "
+                                 f"model is dense (use tensor_parallel_size to split it)")
+            return
+        if tp > 1 and ep == 1:
+            raise ValueError(f"tensor_parallel_size {tp} alone does not split a mixture-of-experts model's experts; "
+                             f"set expert_parallel_size {tp} as well (experts split across the same ranks)")
+        if cfg.moe.num_experts % ep:
+            raise ValueError(f"expert_parallel_size {ep} does not divide the model's {cfg.moe.num_experts} experts; "
+                             f"use one of {_divisors(cfg.moe.num_experts)}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,6 +143,9 @@ class RankShard:
     kv_heads: range       # KV heads (a replica when the model has fewer KV heads than tp)
     mlp: range            # rows of gate/up, columns of down
     vocab: range          # rows of the embedding and the LM head
+    ep_rank: int = 0
+    ep_size: int = 1
+    experts: range = range(0)   # of each mixture-of-experts layer: the experts this rank holds
 
     @property
     def is_first_stage(self) -> bool:
@@ -109,11 +155,25 @@ class RankShard:
     def is_last_stage(self) -> bool:
         return self.stage == self.num_stages - 1
 
+    @property
+    def is_replica(self) -> bool:
+        """Expert parallelism without TP: this rank repeats the attention of its stage's first rank."""
+        return self.tp_size == 1 and self.ep_rank > 0
+
+    @property
+    def computes_logits(self) -> bool:
+        """Holds the LM head (its vocabulary rows) and sends their logits to rank 0."""
+        return self.is_last_stage and not self.is_replica
+
+
+def _all_experts(cfg: ModelConfig) -> range:
+    return range(cfg.moe.num_experts if cfg.moe is not None else 0)
+
 
 def whole_model(cfg: ModelConfig) -> RankShard:
     """The single-process engine's shard: everything."""
     return RankShard(0, 0, 1, 0, 1, range(cfg.num_layers), range(cfg.num_heads), range(cfg.num_kv_heads),
-                     range(cfg.intermediate_size), range(cfg.vocab_size))
+                     range(cfg.intermediate_size), range(cfg.vocab_size), experts=_all_experts(cfg))
 
 
 def vocab_range(vocab_size: int, tp: int, tp_rank: int) -> range:
@@ -129,36 +189,46 @@ def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> range:
     return range(head, head + 1)
 
 
+def expert_range(num_experts: int, ep: int, ep_rank: int) -> range:
+    """Rank ep_rank's contiguous run of the experts (engine.expert_parallel routes to owners by it)."""
+    per_rank = num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
 def rank_shard(layout: ParallelLayout, cfg: ModelConfig, rank: int, stages: list[range]) -> RankShard:
     tp, t = layout.tp, layout.tp_rank_of(rank)
     heads, inter = cfg.num_heads // tp, cfg.intermediate_size // tp
-    stage = layout.stage_of(rank)
+    stage, e = layout.stage_of(rank), layout.ep_rank_of(rank)
+    experts = expert_range(cfg.moe.num_experts, layout.ep, e) if cfg.moe is not None else range(0)
     return RankShard(rank, t, tp, stage, layout.pp, stages[stage], range(t * heads, (t + 1) * heads),
                      kv_head_range(cfg.num_kv_heads, tp, t), range(t * inter, (t + 1) * inter),
-                     vocab_range(cfg.vocab_size, tp, t))
+                     vocab_range(cfg.vocab_size, tp, t), e, layout.ep, experts)
 
 
 # -- the stage split ---------------------------------------------------------------------------
 
 
-def layer_cost(cfg: ModelConfig, layer: int) -> int:
+def layer_cost(cfg: ModelConfig, layer: int, expert_split: int = 1) -> int:
     """Weight elements of one decoder layer (every expert of a mixture-of-experts layer: all are resident,
-    and a batch of any size touches most of them)."""
+    and a batch of any size touches most of them). expert_split: how many more ways the experts are
+    split than the rest of the layer (ep / tp: ep ranks replicating attention hold 1/ep of the experts
+    each, and all of the attention)."""
     attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     if cfg.is_sparse(layer):
         moe = cfg.moe
-        return attention + moe.num_experts * (3 * cfg.hidden_size * moe.intermediate_size + cfg.hidden_size)
+        experts = moe.num_experts // expert_split * 3 * cfg.hidden_size * moe.intermediate_size
+        return attention + experts + moe.num_experts * cfg.hidden_size
     return attention + 3 * cfg.hidden_size * cfg.intermediate_size
 
 
-def split_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
+def split_layers(cfg: ModelConfig, num_stages: int, expert_split: int = 1) -> list[range]:
     """Contiguous layer ranges, one per stage, minimizing the costliest stage's estimated cost (the
     last stage also carries the LM head; the first the embedding's lookups). Among equally good
     splits, the earliest stages take the extra layers."""
     num_layers = cfg.num_layers
     before = [0]  # before[n]: the cost of layers 0..n-1
     for layer in range(num_layers):
-        before.append(before[-1] + layer_cost(cfg, layer))
+        before.append(before[-1] + layer_cost(cfg, layer, expert_split))
     head, embed = cfg.vocab_size * cfg.hidden_size, cfg.hidden_size  # the embedding: one row per token
 
     def cost(stage: int, start: int, end: int) -> int:

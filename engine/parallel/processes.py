@@ -48,6 +48,7 @@ class WorkerSpec:
     model_dir: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    expert_parallel_size: int
     store_port: int
     control_fd: int
     device: str

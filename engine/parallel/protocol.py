@@ -2,9 +2,9 @@
 
 A step starts at rank 0 and flows down the pipeline:
 
-    rank 0 --broadcast(header, message)--> the other TP ranks of stage 0     (first_stage_control)
+    rank 0 --broadcast(header, message)--> the other ranks of stage 0          (first_stage_control)
     stage s rank t --send(header, message) + send(hidden)--> stage s+1 rank t  (control + world)
-    last stage rank t --send(logits of its vocab rows)--> rank 0              (results)
+    last stage TP rank t --send(logits of its vocab rows)--> rank 0           (results)
 
 The header is [command, message length]; the message is the step's packed inputs
 (engine.runner: counts first, so a receiver knows the hidden states' and logits' shapes); the
@@ -50,7 +50,7 @@ def num_tokens(message: torch.Tensor) -> int:
 
 
 def broadcast_first_stage(groups: RankGroups, head: torch.Tensor, message: torch.Tensor | None) -> None:
-    """Rank 0's side: stage 0's other TP ranks get the step."""
+    """Rank 0's side: stage 0's other ranks get the step."""
     with timing.comm():
         groups.first_stage_control.broadcast(head, 0).wait()
         if message is not None:
@@ -64,7 +64,7 @@ def receive_header(groups: RankGroups, first_stage: bool) -> tuple[int, int]:
     if first_stage:
         groups.first_stage_control.broadcast(head, 0).wait()
     else:
-        groups.control.recv([head], groups.rank - groups.layout.tp, TAG).wait()
+        groups.control.recv([head], groups.rank - groups.layout.stage_size, TAG).wait()
     command, length = head.tolist()
     return command, length
 
@@ -77,7 +77,7 @@ def receive_body(groups: RankGroups, first_stage: bool, length: int, hidden_size
         if first_stage:
             groups.first_stage_control.broadcast(message, 0).wait()
             return message, None
-        src = groups.rank - groups.layout.tp
+        src = groups.rank - groups.layout.stage_size
         groups.control.recv([message], src, TAG).wait()
         hidden = torch.empty((num_tokens(message), hidden_size), dtype=dtype, device=groups.device)
         groups.world.recv([hidden], src, TAG).wait()
@@ -86,7 +86,7 @@ def receive_body(groups: RankGroups, first_stage: bool, length: int, hidden_size
 
 def send_next_stage(groups: RankGroups, head: torch.Tensor, message: torch.Tensor | None,
                     hidden: torch.Tensor | None) -> Sends:
-    dst = groups.rank + groups.layout.tp
+    dst = groups.rank + groups.layout.stage_size
     sends = Sends(tensors=[head])
     sends.works.append(groups.control.send([head], dst, TAG))
     if message is not None:

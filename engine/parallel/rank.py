@@ -12,7 +12,7 @@ import torch
 from engine.config import ModelConfig
 from engine.loader import load_model
 from engine.parallel.groups import RankGroups, agree_min, connect
-from engine.parallel.layout import ParallelLayout, rank_shard, split_layers
+from engine.parallel.layout import ParallelLayout, rank_shard
 from engine.shard import ModelShard, max_model_len
 
 if TYPE_CHECKING:
@@ -26,8 +26,9 @@ def start_rank(store: dist.Store, layout: ParallelLayout, rank: int, model_dir: 
                show_progress: bool) -> tuple[RankGroups, ModelShard, int]:
     """This rank's groups, its loaded part of the model, and the KV block count every rank can hold."""
     groups = connect(store, layout, rank, device)
-    shard_info = rank_shard(layout, model_config, rank, split_layers(model_config, layout.pp))
-    model = load_model(model_dir, model_config, device, dtype, show_progress, config.weight_mode, shard_info, groups.tp)
+    shard_info = rank_shard(layout, model_config, rank, layout.stages(model_config))
+    model = load_model(model_dir, model_config, device, dtype, show_progress, config.weight_mode, shard_info, groups.tp,
+                       groups.experts)
     shard = ModelShard(model, config)
     return groups, shard, agree_min(groups.control, shard.blocks_fit())
 

@@ -71,7 +71,7 @@ def serve(spec: WorkerSpec, control: socket.socket) -> None:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(spec.dtype, device)
     config = EngineConfig(**spec.engine_config)
-    layout = ParallelLayout(spec.tensor_parallel_size, spec.pipeline_parallel_size)
+    layout = ParallelLayout(spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.expert_parallel_size)
     model_dir = Path(spec.model_dir)
     model_config = load_config(model_dir)
     send_message(control, "hello")
@@ -88,8 +88,9 @@ def serve(spec: WorkerSpec, control: socket.socket) -> None:
         os.close(fd)
     finish_rank(shard, num_blocks, pool, model_config, config)
     send_message(control, "ready")
-    log.info("rank %d ready: layers %d-%d, KV heads %s", spec.rank, shard.model.shard.layers.start,
-             shard.model.shard.layers.stop - 1, list(shard.model.shard.kv_heads))
+    part = shard.model.shard
+    log.info("rank %d ready: layers %d-%d, KV heads %s%s", spec.rank, part.layers.start, part.layers.stop - 1,
+             list(part.kv_heads), f", experts {part.experts.start}-{part.experts.stop - 1}" if part.ep_size > 1 else "")
     step_loop(groups, shard)
     if timing.ENABLED:
         send_message(control, "timings", **timing.TIMES.to_dict())
@@ -98,7 +99,7 @@ def serve(spec: WorkerSpec, control: socket.socket) -> None:
 def step_loop(groups: RankGroups, shard: ModelShard) -> None:
     """Take steps from rank 0 (stage 0) or the stage before, pass them on, until STOP."""
     part = shard.model.shard
-    first, last = part.is_first_stage, part.is_last_stage
+    first, last, logits = part.is_first_stage, part.is_last_stage, part.computes_logits
     hidden_size, dtype = shard.model.config.hidden_size, shard.model.dtype
     sends = protocol.Sends()
     while True:
@@ -117,7 +118,7 @@ def step_loop(groups: RankGroups, shard: ModelShard) -> None:
                 if shard.decode_graphs is not None:
                     hidden = hidden.clone()  # a graph's output buffer is overwritten by the next replay
                 sends = protocol.send_next_stage(groups, protocol.header(protocol.STEP, message), message, hidden)
-            elif inputs.sample_rows:
+            elif logits and inputs.sample_rows:
                 protocol.send_logits(groups, shard.model.project(hidden.index_select(0, inputs.sample_index)))
 
 

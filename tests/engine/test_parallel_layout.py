@@ -1,4 +1,4 @@
-"""What each rank of a tensor/pipeline-parallel engine holds: pure functions, no processes."""
+"""What each rank of a tensor/pipeline/expert-parallel engine holds: pure functions, no processes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config import parse_config
+from engine.memory import rank_parameters
 from engine.parallel.kv_pool import build_kv_map
 from engine.parallel.layout import ParallelLayout, rank_shard, split_layers
 
@@ -56,7 +57,8 @@ def test_layouts_the_model_cannot_take_are_refused(tp, pp, message):
 
 def test_tp_is_refused_for_experts_and_bad_sizes_are_refused():
     moe = config(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="does not split a mixture-of-experts model's experts"):
+    with pytest.raises(ValueError, match="does not split a mixture-of-experts model's experts; set "
+                                         "expert_parallel_size 2 as well"):
         ParallelLayout(2, 1).check_model(moe)
     ParallelLayout(1, 2).check_model(moe)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
@@ -75,3 +77,89 @@ def test_kv_map_reads_each_head_once_and_writes_every_replica():
         assert len(kv_map.write[layer]) == 4  # 4 TP ranks of the layer's stage
         stage_ranks = [r for r, s in enumerate(shards) if layer in s.layers]
         assert {id(p.pool) for p in kv_map.write[layer]} == {id(pools[r]) for r in stage_ranks}
+
+
+MIXTRAL = dict(LLAMA_8B, model_type="mixtral", vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
+
+
+def shards_of(layout: ParallelLayout, cfg) -> list:
+    return [rank_shard(layout, cfg, rank, layout.stages(cfg)) for rank in range(layout.world_size)]
+
+
+def test_experts_split_in_runs_with_attention_repeated_or_tensor_parallel():
+    moe = config(**MIXTRAL)
+    # tp=1, ep=2: both ranks hold every head and KV head and half the experts; rank 1 computes no logits
+    repeated = shards_of(ParallelLayout(1, 1, 2), moe)
+    assert [(s.experts, s.heads, s.kv_heads, s.vocab) for s in repeated] == [
+        (range(0, 4), range(32), range(8), range(32000)), (range(4, 8), range(32), range(8), range(32000))]
+    assert [(s.is_replica, s.computes_logits) for s in repeated] == [(False, True), (True, False)]
+    # tp=2, ep=2: the experts split across the TP ranks, which split the heads and vocabulary as under TP
+    split = shards_of(ParallelLayout(2, 1, 2), moe)
+    assert [(s.experts, s.heads, s.kv_heads, s.vocab) for s in split] == [
+        (range(0, 4), range(0, 16), range(0, 4), range(0, 16000)),
+        (range(4, 8), range(16, 32), range(4, 8), range(16000, 32000))]
+    assert all(s.computes_logits for s in split)
+    # ep=2 on each of 2 stages: 4 ranks, stage s on ranks 2s and 2s + 1
+    staged = ParallelLayout(1, 2, 2)
+    assert (staged.world_size, [staged.stage_of(r) for r in range(4)]) == (4, [0, 0, 1, 1])
+    assert [(s.stage, s.experts, s.computes_logits) for s in shards_of(staged, moe)] == [
+        (0, range(0, 4), False), (0, range(4, 8), False), (1, range(0, 4), True), (1, range(4, 8), False)]
+
+
+def test_kv_map_of_repeated_attention_reads_once_and_writes_both_copies():
+    moe = config(**{**MIXTRAL, "num_hidden_layers": 2})
+    shards = shards_of(ParallelLayout(1, 1, 2), moe)
+    pools = [torch.zeros(2, 2, 1, 1, 8, 1) for _ in shards]
+    kv_map = build_kv_map(shards, pools, 2)
+    assert [[id(p.pool) for p in kv_map.read[layer]] for layer in range(2)] == [[id(pools[0])]] * 2
+    assert [{id(p.pool) for p in kv_map.write[layer]} for layer in range(2)] == [{id(pools[0]), id(pools[1])}] * 2
+
+
+def test_stages_balance_what_an_expert_parallel_rank_holds():
+    """Experts split 8 ways weigh less than a dense MLP: the dense first half moves to fewer ranks' stage."""
+    moe = config(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4096,
+                 num_hidden_layers=8, mlp_only_layers=[0, 1, 2, 3], vocab_size=256)
+    assert [len(r) for r in ParallelLayout(1, 2).stages(moe)] == [5, 3]
+    assert [len(r) for r in ParallelLayout(2, 2, 2).stages(moe)] == [5, 3]   # experts split as the heads are
+    assert [len(r) for r in ParallelLayout(1, 2, 8).stages(moe)] == [3, 5]
+
+
+def test_memory_counts_each_ranks_share_of_the_experts():
+    moe = config(**MIXTRAL)
+    whole = moe.num_parameters()
+    experts = 32 * 8 * 3 * 4096 * 14336
+    first, second = rank_parameters(moe, ParallelLayout(1, 1, 2))
+    assert first == whole - experts // 2              # everything but the other rank's experts
+    assert second == first - 32000 * 4096             # and no LM head: it computes no logits
+    # tp=2, ep=2: halves of everything but the routers and norms, which both ranks hold
+    replicated = 32 * (8 * 4096 + 2 * 4096) + 4096
+    assert sum(rank_parameters(moe, ParallelLayout(2, 1, 2))) == whole + replicated
+    assert rank_parameters(moe, ParallelLayout()) == [whole]
+
+
+@pytest.mark.parametrize("layout, changes, message", [
+    (ParallelLayout(1, 1, 2), {}, "expert_parallel_size 2 needs a mixture-of-experts model; this llama model is dense"),
+    (ParallelLayout(1, 1, 3), MIXTRAL, "expert_parallel_size 3 does not divide the model's 8 experts; use one of [1, 2, 4, 8]"),
+    (ParallelLayout(2, 1, 1), MIXTRAL, "tensor_parallel_size 2 alone does not split a mixture-of-experts model's experts"),
+])
+def test_expert_layouts_the_model_cannot_take_are_refused(layout, changes, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        layout.check_model(config(**changes))
+
+
+@pytest.mark.parametrize("layout, message", [
+    (ParallelLayout(2, 1, 4), "expert_parallel_size 4 with tensor_parallel_size 2: the experts split across the "
+                              "stage's tensor-parallel ranks"),
+    (ParallelLayout(1, 1, 0), "expert_parallel_size must be an integer >= 1, got 0"),
+])
+def test_expert_layouts_that_mix_replicated_and_split_attention_are_refused(layout, message):
+    with pytest.raises(ValueError, match=message):
+        layout.validate()
+
+
+def test_generate_command_takes_the_expert_parallel_size(tiny_model_dir, capsys):
+    from deploy.cli import main
+
+    command = ["generate", "--model", str(tiny_model_dir), "--prompt", "the quick brown fox", "--max-tokens", "2"]
+    assert main([*command, "--expert-parallel-size", "2"]) == 2
+    assert "expert_parallel_size 2 needs a mixture-of-experts model; this llama model is dense" in capsys.readouterr().err

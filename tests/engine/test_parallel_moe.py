@@ -1,0 +1,228 @@
+"""Expert-parallel engines (gloo, CPU): a mixture of experts' experts split across the ranks of a
+stage compute what the single-process engine computes.
+
+Layouts: ep=2 with attention repeated on both ranks (tp=1), ep=2 inside tp=2 (the experts split
+across the TP ranks), and ep=2 on each of 2 pipeline stages. Checkpoints: a Qwen3-MoE with a dense
+layer between its two sparse ones, and a Mixtral whose first layer's router is zero, so every token
+of every batch goes to the same two experts there (the most uneven load a step can have; the
+second layer routes normally). Each (checkpoint, layout) engine starts once per module and serves
+every check: logits against transformers and the single-process engine, every row of a batched
+chunked greedy run against transformers, the workload of test_parallel (chunked prefill, a
+prefix-cache hit, a preemption, seeded sampling, an abort), and KV moved between single-device
+and expert-parallel engines in both directions. Run them alone with `pytest -m parallel`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import load_config
+from engine.engine import EngineConfig, LLMEngine
+from engine.memory import rank_parameters
+from engine.moe import route
+from engine.parallel.layout import ParallelLayout
+from engine.sampling import SamplingParams
+from tests.engine.conftest import _mixtral, _qwen3_moe, _randomize
+from tests.engine.test_parallel import BLOCK_SIZE, NUM_BLOCKS, PROMPT, _decode, _prefill, _workload
+
+pytestmark = pytest.mark.parallel
+
+SINGLE = (1, 1, 1)   # (tp, pp, ep)
+CASES = [("mixtral-skewed", (1, 1, 2)), ("qwen3-moe", (1, 1, 2)), ("qwen3-moe", (2, 1, 2)), ("qwen3-moe", (1, 2, 2))]
+IDS = [f"{name}-tp{t}pp{p}ep{e}" for name, (t, p, e) in CASES]
+# layouts whose rank 0 computes every logit (tp=1, one stage): each computed row can be read there
+ROW_CASES = [(name, layout) for name, layout in CASES if layout[:2] == (1, 1)]
+
+
+CHECKPOINTS = {"mixtral-skewed": _mixtral, "qwen3-moe": _qwen3_moe}
+
+
+def _kv_budget(model_dir: Path, layout: ParallelLayout) -> int:
+    """Per-rank KV bytes that hold NUM_BLOCKS blocks on the rank with the most layers and KV heads."""
+    cfg = load_config(model_dir)
+    layers = max(len(r) for r in layout.stages(cfg))
+    heads = cfg.num_kv_heads // layout.tp
+    return NUM_BLOCKS * 2 * layers * BLOCK_SIZE * heads * cfg.head_dim * 4
+
+
+class Engines:
+    """Engines by (checkpoint, (tp, pp, ep)), started on first use and stopped with the module."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.references: dict[str, torch.nn.Module] = {}
+        self.started: dict[tuple[str, tuple[int, int, int]], LLMEngine] = {}
+
+    def checkpoint(self, name: str) -> Path:
+        directory = self.root / name
+        if name not in self.references:
+            torch.manual_seed(1234)
+            model = CHECKPOINTS[name]().eval()
+            _randomize(model)
+            if name == "mixtral-skewed":
+                with torch.no_grad():   # equal router logits: every token picks the same two experts
+                    model.model.layers[0].mlp.gate.weight.zero_()
+            model.save_pretrained(directory)
+            self.references[name] = model
+        return directory
+
+    def get(self, name: str, layout: tuple[int, int, int]) -> LLMEngine:
+        key = (name, layout)
+        if key not in self.started:
+            directory = self.checkpoint(name)
+            tp, pp, ep = layout
+            config = EngineConfig(kv_cache_bytes=_kv_budget(directory, ParallelLayout(tp, pp, ep)),
+                                  block_size=BLOCK_SIZE, max_num_batched_tokens=24, max_num_seqs=8, show_progress=False,
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep)
+            self.started[key] = LLMEngine(directory, config)
+        return self.started[key]
+
+    def close(self) -> None:
+        for engine in self.started.values():
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    made = Engines(tmp_path_factory.mktemp("parallel-moe"))
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("name, layout", CASES, ids=IDS)
+def test_logits_match_transformers_and_the_single_process_engine(engines, name, layout):
+    engine = engines.get(name, layout)
+    ours = engine.prompt_logits(PROMPT)
+    with torch.no_grad():
+        theirs = engines.references[name](torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours, engines.get(name, SINGLE).prompt_logits(PROMPT), rtol=1e-5, atol=1e-5)
+
+
+def test_each_rank_holds_its_experts_and_the_skewed_layer_sends_every_token_to_one_pair(engines):
+    engine = engines.get("mixtral-skewed", (1, 1, 2))
+    layers = engine.model.weights.layers
+    assert [layer.moe.gate_up.shape[0] for layer in layers] == [2, 2]   # experts 0-1 of 4 on rank 0
+    # what memory sizing counts for rank 0 is what rank 0 loaded
+    assert rank_parameters(engine.model_config, engine.layout)[0] == _elements(engine.model.weights)
+    # layer 0: one pair of experts for every token; layer 1: spread over all four
+    hidden = torch.randn(200, engine.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    _, skewed = route(hidden, layers[0].moe.router, 2, True)
+    _, spread = route(hidden, layers[1].moe.router, 2, True)
+    assert (skewed == skewed[0]).all()
+    assert set(spread.flatten().tolist()) == {0, 1, 2, 3}
+
+
+def _elements(weights) -> int:
+    tensors = {id(t): t for t in (weights.embed_tokens, weights.norm, weights.lm_head) if t is not None}
+    for layer in weights.layers:
+        for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, layer.o_proj,
+                  layer.post_norm, layer.gate_up, layer.down):
+            if t is not None:
+                tensors[id(t)] = t
+        if layer.moe is not None:
+            for t in (layer.moe.router, layer.moe.gate_up, layer.moe.down):
+                tensors[id(t)] = t
+    return sum(t.numel() for t in tensors.values())
+
+
+def _greedy_with_rows(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
+    """Greedy outputs of a batch that arrives in two halves, and rank 0's logits of every row computed."""
+    shard = engine.executor if engine.layout.world_size == 1 else engine.executor.shard
+    logits: dict[tuple[str, int], torch.Tensor] = {}
+    forward = shard.forward
+
+    def recording_forward(inputs, hidden_in=None):
+        hidden = forward(inputs, hidden_in)
+        rows = engine.model.compute_logits(hidden)
+        for i, item in enumerate(inputs.order):
+            start = item.seq.num_computed_tokens
+            for offset, row in enumerate(range(inputs.batch.query_start[i], inputs.batch.query_start[i + 1])):
+                logits[(item.seq.request_id, start + offset)] = rows[row]
+        return hidden
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    shard.forward = recording_forward
+    try:
+        for i in range(0, len(prompts), 2):
+            engine.add_request(f"row-{i}", prompts[i], params)
+        for _ in range(3):
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out.token.token_id)
+        for i in range(1, len(prompts), 2):
+            engine.add_request(f"row-{i}", prompts[i], params)
+        while engine.has_work():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out.token.token_id)
+    finally:
+        del shard.forward
+    return [outputs[f"row-{i}"] for i in range(len(prompts))], logits
+
+
+@pytest.mark.parametrize("name, layout", ROW_CASES, ids=[f"{n}-ep{layout[2]}" for n, layout in ROW_CASES])
+def test_batched_chunked_rows_match_transformers_and_tokens_match_ep1(engines, name, layout):
+    """Requests batched with chunked prefill (24-token budget): every row's logits within 1e-4 of
+    transformers, and the greedy tokens those of the single-process engine and of transformers."""
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 320, (n,), generator=generator).tolist() for n in (3, 9, 17, 31, 26, 5)]
+    ours, logits = _greedy_with_rows(engines.get(name, layout), prompts, max_tokens=8)
+    single, _ = _greedy_with_rows(engines.get(name, SINGLE), prompts, max_tokens=8)
+    assert ours == single
+    for i, (p, tokens) in enumerate(zip(prompts, ours)):
+        full = p + tokens[:-1]
+        with torch.no_grad():
+            theirs = engines.references[name](torch.tensor([full])).logits[0].float()
+        torch.testing.assert_close(torch.stack([logits[(f"row-{i}", pos)] for pos in range(len(full))]), theirs,
+                                   rtol=1e-4, atol=1e-4)
+        # transformers' greedy pick after each prefix is our token: its greedy run is ours
+        assert theirs[len(p) - 1:].argmax(-1).tolist() == tokens
+
+
+@pytest.fixture(scope="module")
+def reference_runs(engines):
+    """The single-process engine's workload, per checkpoint."""
+    return {name: _workload(engines.get(name, SINGLE)) for name in CHECKPOINTS}
+
+
+@pytest.mark.parametrize("name, layout", CASES, ids=IDS)
+def test_workload_tokens_equal_the_single_process_engine(engines, reference_runs, name, layout):
+    engine = engines.get(name, layout)
+    outputs, cached = _workload(engine)
+    expected, expected_cached = reference_runs[name]
+    assert outputs == expected
+    assert len(outputs["a"]) == 10 and len(outputs["d"]) == 10
+    assert cached["extends-first"] == expected_cached["extends-first"] == 32
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks == NUM_BLOCKS
+
+
+def test_kv_moves_between_single_device_and_expert_parallel_engines(engines):
+    """Prefill on one engine, export (canonical: every layer, every KV head), import on the other,
+    decode: the tokens of a colocated single-device run, both ways and between EP layouts. Ranks that
+    repeat attention hold the same KV: an export reads it once, an import writes every copy."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    replicated = engines.get("qwen3-moe", (1, 1, 2))
+    assert [len(s) for s in replicated.kv_map.read] == [1] * 3 and [len(s) for s in replicated.kv_map.write] == [2] * 3
+    colocated = engines.get("qwen3-moe", SINGLE)
+    pairs = [(SINGLE, (1, 1, 2)), ((1, 1, 2), SINGLE), ((2, 1, 2), (1, 2, 2)), ((1, 2, 2), (2, 1, 2)),
+             (SINGLE, (2, 1, 2))]
+    generator = torch.Generator().manual_seed(11)
+    for source, target in pairs:
+        prompt = torch.randint(0, 320, (21,), generator=generator).tolist()
+        request = f"{source}->{target}"
+        colocated.add_request("colocated", prompt, params)
+        expected = _decode(colocated, "colocated")
+        prefill_engine, decode_engine = engines.get("qwen3-moe", source), engines.get("qwen3-moe", target)
+        first = _prefill(prefill_engine, request, prompt, params)
+        payload = prefill_engine.export_kv(first.kv_handle)
+        prefill_engine.release_kv(first.kv_handle)
+        assert (payload.layout.num_layers, payload.layout.num_kv_heads) == (3, 2)
+        decode_engine.import_kv(request, payload, params, [first.token.token_id])
+        assert [first.token.token_id] + _decode(decode_engine, request) == expected, request
+    for _, layout in CASES[1:]:
+        pool = engines.get("qwen3-moe", layout).block_manager
+        assert pool.num_free_blocks == pool.num_blocks
