@@ -372,8 +372,9 @@ def status_table(sites: list[dict]) -> str:
         load = f"{cap.get('num_running', 0)}/{cap.get('num_waiting', 0)}" if cap else "-"
         age = site.get("heartbeat_age_s")
         state = site["state"] + (" (draining)" if cap.get("draining") and site["state"] != "draining" else "")
+        experts = f",ep{cap['expert_parallel_size']}" if cap.get("expert_parallel_size", 1) > 1 else ""
         devices = (f"{cap.get('num_gpus') or 'cpu'} ({cap.get('tensor_parallel_size', 1)}x"
-                   f"{cap.get('pipeline_parallel_size', 1)})") if cap else "-"
+                   f"{cap.get('pipeline_parallel_size', 1)}{experts})") if cap else "-"
         rows.append((site["name"], state, "yes" if site.get("alive") else "no", ",".join(roles),
                      site.get("region") or "-", devices, load, kv, "never" if age is None else f"{age:.1f}s ago",
                      site.get("grpc_address") or "-"))

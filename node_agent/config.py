@@ -61,6 +61,7 @@ class AgentConfig:
     weight_mode: str = "decompress_on_load"
     tensor_parallel_size: int = 1               # each model on this many ranks per pipeline stage (one device each)
     pipeline_parallel_size: int = 1             # each model's layers in this many stages
+    expert_parallel_size: int = 1               # a mixture of experts' experts split across this many ranks per stage
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
     fetch_timeout_s: float = 30.0               # a KV pull slower than this falls back to recompute
@@ -107,7 +108,7 @@ class AgentConfig:
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
         for name in ("kv_cache_bytes", "kv_chunk_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size", "pipeline_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.weight_mode not in WEIGHT_MODES:

@@ -59,6 +59,7 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         # one layout per agent (its config): every engine has it
         tensor_parallel_size=max((e.tensor_parallel_size for e in engines), default=1),
         pipeline_parallel_size=max((e.pipeline_parallel_size for e in engines), default=1),
+        expert_parallel_size=max((e.expert_parallel_size for e in engines), default=1),
     )
 
 

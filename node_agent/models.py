@@ -44,7 +44,8 @@ def engine_config(config: AgentConfig) -> EngineConfig:
                         kv_cache_bytes=config.kv_cache_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs, kv_handle_ttl_s=config.kv_lease_ttl_s,
                         kv_chunk_bytes=config.kv_chunk_bytes, tensor_parallel_size=config.tensor_parallel_size,
-                        pipeline_parallel_size=config.pipeline_parallel_size, show_progress=False,
+                        pipeline_parallel_size=config.pipeline_parallel_size,
+                        expert_parallel_size=config.expert_parallel_size, show_progress=False,
                         weight_mode=config.weight_mode)
 
 

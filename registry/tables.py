@@ -71,6 +71,7 @@ class CapacityRow(Base):
     num_gpus: Mapped[int] = mapped_column(Integer, server_default="0")
     tensor_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
     pipeline_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
+    expert_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
 
 
 class LinkRow(Base):

@@ -28,7 +28,8 @@ CAPACITY_FIELDS = [c.name for c in CAPACITY.columns if c.name != "site_id"]
 _PG_ARRAY_TYPES = {"site_id": "integer", "block_size": "integer", "num_running": "integer", "num_waiting": "integer",
                    "prefix_cache_summary": "text", "draining": "boolean", "kv_blocks_total": "bigint",
                    "kv_blocks_free": "bigint", "inflight_prefill_tokens": "bigint", "inflight_decode_tokens": "bigint",
-                   "num_gpus": "integer", "tensor_parallel_size": "integer", "pipeline_parallel_size": "integer"}
+                   "num_gpus": "integer", "tensor_parallel_size": "integer", "pipeline_parallel_size": "integer",
+                   "expert_parallel_size": "integer"}
 _PG_COLUMNS = ["site_id", *CAPACITY_FIELDS]
 _PG_ARRAY_COLUMNS = [c for c in _PG_COLUMNS if c != "prefix_cache_summary"]
 # One array parameter per column; the summaries (JSON text with many quotes, which psycopg would

@@ -72,10 +72,12 @@ class CapacityReport(WireModel):
     decode_kv_tokens: float = Field(0.0, ge=0.0, le=MAX_JSON_INT, allow_inf_nan=False)
     prefix_cache_summary: PrefixCacheSummary | None = None
     draining: bool = False
-    # The site's devices: the GPUs its engines run on (0: CPU only) and their tensor x pipeline layout.
+    # The site's devices: the GPUs its engines run on (0: CPU only) and their tensor x pipeline layout,
+    # with the experts of a mixture of experts split expert_parallel_size ways per stage.
     num_gpus: Count = 0
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
     pipeline_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
+    expert_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
 
     @model_validator(mode="after")
     def _free_within_total(self) -> CapacityReport:

@@ -52,6 +52,7 @@ def test_toml_env_and_flags_layer(tmp_path, tiny_model_dir):
     ("heartbeat_interval_s = true", "heartbeat_interval_s: must be float, got bool"),
     ('role = "router"', "role: must be one of prefill, decode, both"),
     ('weight_mode = "lazy"', "weight_mode: must be one of decompress_on_load, compressed_in_memory"),
+    ("expert_parallel_size = 0", "expert_parallel_size: must be >= 1, got 0"),
     ("lat = 123.0", "lat: must be in [-90, 90]"),
     ('registry_url = "http://registry:8500"', "site_token: required when registry_url is set"),
     ('tls_cert = "/nope/cert.pem"', "tls_cert / tls_key: give both or neither"),
@@ -92,3 +93,11 @@ def test_several_registry_replicas_from_file_or_environment(tmp_path, tiny_model
     assert load_config(path, environ=env).registry_url == ["http://c:8500", "http://d:8500"]
     env = {"EDGEFIRE_AGENT_REGISTRY_URL": "http://c:8500"}
     assert load_config(path, environ=env).registry_url == "http://c:8500"
+
+
+def test_parallel_sizes_reach_the_engine_config(tmp_path, tiny_model_dir):
+    from node_agent.models import engine_config
+
+    text = site_toml(tiny_model_dir, "tensor_parallel_size = 2\npipeline_parallel_size = 3\nexpert_parallel_size = 2")
+    config = engine_config(load_config(write(tmp_path, text), environ={}))
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size) == (2, 3, 2)

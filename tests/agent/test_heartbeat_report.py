@@ -7,12 +7,12 @@ from node_agent.heartbeat import capacity_report
 from registry.wire import MAX_CACHE_HASHES, CapacityReport
 
 
-def stats(blocks_free: int, running: int, rate: float) -> EngineStats:
+def stats(blocks_free: int, running: int, rate: float, **layout) -> EngineStats:
     return EngineStats(num_blocks_total=100, num_blocks_free=blocks_free, block_size=16, num_running=running,
                        num_waiting=1, num_pinned_handles=0, inflight_prefill_tokens=40, inflight_decode_tokens=7,
                        prefill_tokens_per_s=rate, decode_tokens_per_s=rate / 10, decode_batch_size=running + 0.5,
                        decode_kv_tokens=100.0 * running, num_preemptions=0,
-                       prefix_cache_hit_tokens=0)
+                       prefix_cache_hit_tokens=0, **layout)
 
 
 def test_report_sums_engines_and_caps_the_hash_list():
@@ -30,3 +30,10 @@ def test_a_site_without_engines_reports_empty_capacity():
     wire = capacity_report(16, True, [], []).to_json()
     assert (wire["kv_blocks_total"], wire["draining"], wire["prefix_cache_summary"]) == (
         0, True, {"block_size": 16, "hashes": []})
+
+
+def test_report_names_the_devices_and_layout():
+    engines = [stats(1, 1, 1.0, num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2)] * 2
+    wire = capacity_report(16, False, engines, []).to_json()
+    assert (wire["num_gpus"], wire["tensor_parallel_size"], wire["pipeline_parallel_size"],
+            wire["expert_parallel_size"]) == (8, 2, 2, 2)

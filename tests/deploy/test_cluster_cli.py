@@ -78,13 +78,18 @@ def test_status_table_shows_state_role_devices_load_kv_and_heartbeat_age():
               "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": None, "capacity": None},
              {"name": "oslo", "state": "active", "alive": True, "region": "eu-north", "grpc_address": "h:2",
               "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": 1.0,
-              "capacity": {"kv_blocks_free": 1, "kv_blocks_total": 2}}]  # an agent older than the layout fields
+              "capacity": {"kv_blocks_free": 1, "kv_blocks_total": 2}},  # an agent older than the layout fields
+             {"name": "sofia", "state": "active", "alive": True, "region": "eu-east", "grpc_address": "h:3",
+              "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": 1.0,
+              "capacity": {"kv_blocks_free": 1, "kv_blocks_total": 2, "num_gpus": 4, "tensor_parallel_size": 2,
+                           "pipeline_parallel_size": 2, "expert_parallel_size": 2}}]
     lines = status_table(sites).splitlines()
     assert lines[0].split()[:4] == ["site", "state", "alive", "role"]
     assert lines[2].split() == ["lisbon", "cordoned", "yes", "prefill", "eu-west", "4", "(2x2)", "2/1", "30/40",
                                 "(75%)", "0.4s", "ago", "h:1"]
     assert lines[3].split()[:4] == ["warsaw", "active", "no", "both"] and "never" in lines[3]
     assert lines[4].split()[5:7] == ["cpu", "(1x1)"]
+    assert lines[5].split()[5:7] == ["4", "(2x2,ep2)"]
 
 
 def test_status_table_shows_the_planners_active_role():

@@ -53,6 +53,7 @@ POISON = {
     "rate too large": {"prefill_tokens_per_s": MAX_TOKENS_PER_S * 10},
     "no tensor-parallel ranks": {"tensor_parallel_size": 0},
     "pipeline stages as text": {"pipeline_parallel_size": "2"},
+    "no expert-parallel ranks": {"expert_parallel_size": 0},
     "negative GPU count": {"num_gpus": -1},
 }
 
@@ -75,7 +76,7 @@ def test_every_bound_fits_the_database(store):
                "num_running": MAX_INT32, "num_waiting": MAX_INT32, "inflight_prefill_tokens": MAX_JSON_INT,
                "inflight_decode_tokens": MAX_JSON_INT, "prefill_tokens_per_s": MAX_TOKENS_PER_S,
                "decode_tokens_per_s": MAX_TOKENS_PER_S, "draining": True, "num_gpus": MAX_INT32,
-               "tensor_parallel_size": MAX_INT32, "pipeline_parallel_size": MAX_INT32,
+               "tensor_parallel_size": MAX_INT32, "pipeline_parallel_size": MAX_INT32, "expert_parallel_size": MAX_INT32,
                **summary(*[f"{i:016x}" for i in range(MAX_CACHE_HASHES)], block_size=MAX_BLOCK_SIZE)}
     store.telemetry.record_heartbeat(store.sites.get("fra-1").id, CapacityReport.model_validate(largest))
     site = json.loads(store.snapshot().render(store.telemetry.now()))["sites"][0]
