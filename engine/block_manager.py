@@ -105,6 +105,17 @@ class BlockManager:
         while len(seq.block_table) < self.blocks_needed(num_tokens):
             seq.block_table.append(self._allocate_fresh())
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past the first num_tokens' (they held rejected speculative tokens only).
+
+        Such a block was grown for this step and is no one else's: never hashed, never shared."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a shrunk block was shared or published"
+            block.ref_count = 0
+            self.free_ids.appendleft(block.block_id)  # reused first: the block grown again next step
+
     # -- prefix cache registration -----------------------------------------------------------
 
     def register_full_blocks(self, seq: Sequence) -> None:

@@ -35,6 +35,12 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--expert-parallel-size", type=int, default=1, metavar="E",
                      help="split each mixture-of-experts layer's experts across E ranks per stage (E equal to "
                           "--tensor-parallel-size, or with tensor parallelism 1: attention repeated on each)")
+    gen.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                     help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model)")
+    gen.add_argument("--speculative-tokens", type=int, default=3, metavar="K",
+                     help="the most tokens proposed per step (default 3)")
+    gen.add_argument("--draft-model", default=None, metavar="DIR",
+                     help="the draft checkpoint (same tokenizer) for --speculative draft")
     gen.set_defaults(func=run_generate)
 
     comp = subparsers.add_parser("compress", help="write a losslessly compressed copy of a bf16 checkpoint")
@@ -90,6 +96,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.engine import EngineConfig, LLMEngine
     from engine.errors import EngineError
     from engine.sampling import SamplingParams
+    from engine.speculative_config import SpeculativeConfig
     from engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -101,10 +108,13 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt_ids = tokenizer.encode(args.prompt)
+        speculative = (SpeculativeConfig(args.speculative, args.speculative_tokens, draft_model=args.draft_model)
+                       if args.speculative else None)
         engine = AsyncEngine(LLMEngine(args.model, EngineConfig(
             device=args.device, dtype=args.dtype, weight_mode=args.weight_mode,
             tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-            expert_parallel_size=args.expert_parallel_size)))
+            expert_parallel_size=args.expert_parallel_size,
+            speculative=speculative)))
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -44,6 +44,8 @@ from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, 
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.shard import ModelShard, max_model_len
+from engine.speculative import Speculator
+from engine.speculative_config import SpeculativeConfig
 from engine.step_totals import StepPhases, StepTotals
 from engine.config import read_json
 
@@ -73,6 +75,7 @@ class EngineConfig:
     # For checkpoints from `edgefire compress`: decompress_on_load decodes every weight while loading;
     # compressed_in_memory keeps the MLP weights compressed and gives the memory saved to the KV pool.
     weight_mode: str = "decompress_on_load"
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -86,6 +89,15 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         self.layout.validate()
+        if self.speculative is not None:
+            self.speculative.validate()
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with pipeline_parallel_size > 1 (batches in "
+                                 "flight would verify proposals made before the previous batch's tokens were known); "
+                                 "use tensor parallelism or turn speculative off")
+            if self.speculative.method == "draft" and self.layout.world_size > 1:
+                raise ValueError("a draft model runs in one process: use speculative method 'ngram' with tensor "
+                                 "parallelism, or a single-process engine")
 
     @property
     def layout(self) -> ParallelLayout:
@@ -139,6 +151,11 @@ class EngineStats:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # Speculative decoding since start: proposed tokens the model verified, those it kept, and the
+    # sequence-steps that verified proposals (kept / verifications + 1: tokens per such step).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_speculative_verifications: int = 0
 
 
 @dataclass(slots=True)
@@ -222,6 +239,7 @@ class LLMEngine:
         self.step_totals = StepTotals()
         self.step_phases = StepPhases()
         self.num_kv_blocks_from_compression = self.executor.num_kv_blocks_from_compression
+        self.speculator = self._speculator(num_blocks) if config.speculative is not None else None
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB per rank, %s), max_model_len %d%s", num_blocks,
                  config.block_size, num_blocks * self.executor.bytes_per_block / 2**20, self.layout, self.max_model_len,
                  f"; {self.num_kv_blocks_from_compression} of them from the memory compressed_in_memory saves"
@@ -245,6 +263,17 @@ class LLMEngine:
         shard.max_model_len = max_model_len(cfg, self.model_config.max_position_embeddings, shard.num_blocks)
         shard.capture_graphs(shard.max_model_len)
         return shard
+
+    def _speculator(self, num_blocks: int) -> Speculator:
+        spec = self.config.speculative
+        if spec.method == "draft":
+            from engine.draft import DraftProposer
+            proposer = DraftProposer(spec.draft_model, self.config, self.model_config, self.device, self.dtype,
+                                     num_blocks)
+        else:
+            from engine.ngram import NgramProposer
+            proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+        return Speculator(spec, proposer, self.block_manager, self.config.max_num_batched_tokens)
 
     def shutdown(self) -> None:
         """Stop the other ranks (tensor/pipeline parallelism); a single-process engine holds nothing to stop."""
@@ -323,6 +352,8 @@ class LLMEngine:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+        if self.speculator is not None:
+            self.speculator.release(seq)
         return True
 
     def has_work(self) -> bool:
@@ -340,15 +371,23 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        # speculation's proposals (an n-gram lookup, or the draft model's steps) count as scheduling
+        num_drafts = self.speculator.plan(scheduled) if self.speculator is not None else 0
         started = clock()
         inputs = prepare_step(scheduled, self.config.block_size, self.device)
         prepared = clock()
         logits = self.executor.run(inputs)
         forwarded = clock()
-        sampled = self._sample(inputs, logits)
-        sampled_at = clock()
-        self._record_rates(scheduled, sampled_at - started)
-        outputs = self._advance(scheduled, inputs, sampled)
+        if num_drafts:
+            emitted = self._verify(inputs, logits)
+            sampled_at = clock()
+            self._record_rates(scheduled, sampled_at - started, sum(len(tokens) - 1 for tokens in emitted))
+            outputs = self._advance_speculative(scheduled, inputs, emitted)
+        else:
+            sampled = self._sample(inputs, logits)
+            sampled_at = clock()
+            self._record_rates(scheduled, sampled_at - started)
+            outputs = self._advance(scheduled, inputs, sampled)
         phases = self.step_phases
         phases.num_steps += 1
         phases.schedule += started - began
@@ -413,14 +452,45 @@ class LLMEngine:
         return [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)
                 if item.seq.status is not SequenceStatus.FINISHED]
 
-    def _record_rates(self, scheduled: list[ScheduledSeq], elapsed: float) -> None:
+    def _verify(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[SampledToken]]:
+        """The tokens each sampled sequence emits in a step that verified proposals (engine.speculative)."""
+        rows = [item.seq for item in inputs.sample_seqs for _ in range(len(item.draft_ids) + 1)]
+        return self.speculator.verify(inputs, logits, self._allowed_tokens(rows, logits))
+
+    def _advance_speculative(self, scheduled: list[ScheduledSeq], inputs: StepInputs,
+                             emitted: list[list[SampledToken]]) -> list[StepOutput]:
+        """As _advance, for a step in which some sequences emit several tokens: before each token is
+        appended the K/V of every token before it is computed (the last one's, and the kept proposals'),
+        exactly the state a plain step leaves; then blocks that held only rejected proposals are freed."""
+        for item in scheduled:
+            if not item.draft_ids:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.register_full_blocks(item.seq)
+        outputs = []
+        for item, tokens in zip(inputs.sample_seqs, emitted):
+            seq = item.seq
+            for token in tokens:
+                if item.draft_ids:
+                    seq.num_computed_tokens = seq.num_tokens
+                    self.block_manager.register_full_blocks(seq)
+                out = self._append_token(seq, token)
+                outputs.append(out)
+                if out.finished:
+                    break
+            if item.draft_ids and seq.status is not SequenceStatus.FINISHED:
+                self.block_manager.shrink(seq, seq.num_computed_tokens)
+        return outputs
+
+    def _record_rates(self, scheduled: list[ScheduledSeq], elapsed: float, num_accepted: int = 0) -> None:
+        """num_accepted: proposals kept this step, decoded tokens beyond one per decoding sequence."""
         num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
-        num_decode = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
+        num_decoding = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
+        num_decode = num_decoding + num_accepted
         self.prefill_rate.update(num_prefill, elapsed * num_prefill / max(1, num_prefill + num_decode))
         self.decode_rate.update(num_decode, elapsed * num_decode / max(1, num_prefill + num_decode))
         self.step_totals.add(num_prefill, num_decode, elapsed)
         if num_decode and elapsed > 0:
-            self.decode_batch_size.update(num_decode)
+            self.decode_batch_size.update(num_decoding)
             self.decode_kv_tokens.update(sum(i.seq.num_tokens for i in scheduled if i.num_new_tokens == 1))
 
     def _allowed_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
@@ -476,6 +546,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
         self.block_manager.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.sequences.pop(seq.request_id, None)
@@ -657,4 +729,10 @@ class LLMEngine:
             tensor_parallel_size=self.layout.tp,
             pipeline_parallel_size=self.layout.pp,
             expert_parallel_size=self.layout.ep,
+            **(self._speculation_counts() if self.speculator is not None else {}),
         )
+
+    def _speculation_counts(self) -> dict[str, int]:
+        spec = self.speculator
+        return {"num_draft_tokens": spec.num_draft_tokens, "num_accepted_draft_tokens": spec.num_accepted_tokens,
+                "num_speculative_verifications": spec.num_verifications}

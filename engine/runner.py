@@ -36,8 +36,10 @@ class StepInputs:
 def prepare_step(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
                  all_rows: bool = False) -> StepInputs:
     """all_rows: logits of every row, not only each sequence's last (prompt scoring)."""
-    order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-    num_decode = sum(1 for s in order if s.num_new_tokens == 1)
+    # a sequence with proposed tokens has several queries: it goes with the prefill chunks
+    order = ([s for s in scheduled if s.num_new_tokens == 1 and not s.draft_ids]
+             + [s for s in scheduled if s.num_new_tokens > 1 or s.draft_ids])
+    num_decode = sum(1 for s in order if s.num_new_tokens == 1 and not s.draft_ids)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -51,15 +53,19 @@ def prepare_step(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
         input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
+        stop = end + len(item.draft_ids)
+        if item.draft_ids:
+            input_ids.extend(item.draft_ids)
+        positions.extend(range(start, stop))
         table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start.append(query_start[-1] + item.num_new_tokens)
-        context_lens.append(end)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, stop))
+        query_start.append(query_start[-1] + stop - start)
+        context_lens.append(stop)
         tables.extend(table)
         tables.extend([0] * (max_blocks - len(table)))
         if end == seq.num_tokens and not all_rows:
-            sample_rows.append(query_start[-1] - 1)
+            # the last token's row, then one row per proposed token (each row's logits verify the next)
+            sample_rows.extend(range(query_start[-1] - 1 - len(item.draft_ids), query_start[-1]))
             sample_seqs.append(item)
     if all_rows:
         sample_rows = list(range(len(input_ids)))

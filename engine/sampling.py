@@ -47,6 +47,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0               # 0 means off; drops tokens below min_p x the top token's probability
     grammar: GrammarSpec | None = None  # the output must follow it (engine.grammar)
+    no_speculation: bool = False     # never verify proposed tokens for this request (engine.speculative)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -109,6 +110,11 @@ def draw_uniform(seed: int, output_index: int, stream: int = 0) -> float:
 
 
 TOKEN_STREAM = 0    # the draw that picks an output position's token
+# Speculative decoding with a draft model (engine.speculative): the draft's own draw of a proposed
+# token, the accept test of that proposal, and the draw from the residual when it is rejected.
+DRAFT_STREAM = 1
+ACCEPT_STREAM = 2
+RESIDUAL_STREAM = 3
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -39,6 +39,9 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Proposed tokens after the sequence's last one (engine.speculative): their K/V are written and every
+    # one of them gets logits, all in this step; those the model disagrees with are rolled back.
+    draft_ids: tuple[int, ...] = ()
 
 
 class Scheduler:

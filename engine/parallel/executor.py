@@ -71,7 +71,8 @@ class ParallelExecutor:
         store = rendezvous(layout.world_size, None)
         specs = [WorkerSpec(rank, str(model_dir), layout.tp, layout.pp, layout.ep, store.port, -1,
                             _rank_device(device, rank), str(dtype).removeprefix("torch."), num_threads,
-                            asdict(config), logging.getLogger().getEffectiveLevel())
+                            {**asdict(config), "speculative": None},  # rank 0 speculates; ranks run the steps
+                            logging.getLogger().getEffectiveLevel())
                  for rank in range(1, layout.world_size)]
         self.processes = RankProcesses(specs)
         self.groups: RankGroups | None = None
