@@ -93,6 +93,7 @@ def run_engine(directory: str, requests: list[tuple[list[int], int]], **options)
         for out in engine.step():
             outputs[out.request_id].append(out.token.token_id)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    engine.shutdown()  # a multi-rank engine's worker processes (a single-process engine has none)
     return wall, cpu, [outputs[str(i)] for i in range(len(requests))]
 
 

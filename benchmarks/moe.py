@@ -1,5 +1,6 @@
-"""Mixture-of-experts engine vs transformers on CPU: the same random-weight MoE checkpoint and the
-same requests, in alternating rounds of one run.
+"""Mixture-of-experts engine vs transformers on CPU, and the engine with its experts split over 2
+ranks (expert parallelism) vs on one: the same random-weight MoE checkpoint and the same requests,
+in alternating rounds of one run.
 
 The workload and the two sides are benchmarks/engine_cpu.py's: 32 requests with prompts and answers
 of different lengths; transformers gets them in one left-padded `generate` (its most efficient use),
@@ -7,12 +8,19 @@ the engine batches continuously. Each round runs every side once (engine, transf
 change in the machine's load hits them alike; the result is the median of the per-round ratios,
 with the load average beside every round. Throughput counts only the tokens each request asked for.
 
+The expert-parallel engine (`--expert-parallel-size`, default 2; 1 leaves it out) runs its ranks as
+processes of their own with torch's threads shared among them (engine.parallel), so it uses the
+cores the one-process engine uses; each rank repeats attention and holds half the experts, and
+every MoE layer costs an all-to-all exchange. Its greedy tokens must equal the one-process engine's.
+Its start (the worker processes, loading) is outside the timed run, as the one-process engine's is.
+
 The checkpoint is Mixtral-shaped by default (top-2 of 8 experts per layer; `--arch qwen3-moe` for
 Qwen3-MoE with renormalized top-k). Its routers are drawn wide, so tokens really spread over the
 experts and a decode step of a few dozen sequences touches every expert of every layer, as it does
 in a served MoE.
 
     .venv/bin/python benchmarks/moe.py [--arch mixtral|qwen3-moe] [--rounds 3] [--requests 32] [--threads N]
+        [--expert-parallel-size 2]
 
 On a machine other jobs share, torch's default of one thread per core makes small matmuls wait for a
 descheduled thread; `--threads 1` gives both sides one core and steadier figures.
@@ -68,6 +76,8 @@ def main() -> None:
     parser.add_argument("--expert-inter", type=int, default=704)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=0, help="torch threads for both sides (default: torch's choice)")
+    parser.add_argument("--expert-parallel-size", type=int, default=2, metavar="E",
+                        help="also run the engine with its experts split over E ranks (1: leave it out)")
     args = parser.parse_args()
     load_before = start_run(args.threads)
     from transformers import AutoModelForCausalLM
@@ -82,17 +92,24 @@ def main() -> None:
         print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {useful} output tokens",
               flush=True)
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        ep = args.expert_parallel_size
+        expert_side = f"edgefire ep={ep}"
         sides = {"edgefire": lambda: run_engine(directory, requests),
                  "transformers": lambda: run_transformers(reference, requests)}
+        if ep > 1:
+            sides[expert_side] = lambda: run_engine(directory, requests, expert_parallel_size=ep)
         run_engine(directory, requests[:2])  # first-call costs (thread pool, allocator) out of round 1
         seconds: dict[str, list[float]] = {name: [] for name in sides}
-        ratios, loads, same = [], [], 0
+        ratios, expert_ratios, loads, same, same_ep = [], [], [], 0, 0
         for round_index in range(1, args.rounds + 1):
             outputs = {}
             for name, run in sides.items():
                 wall, _, outputs[name] = run()
                 seconds[name].append(wall)
             ratios.append(seconds["transformers"][-1] / seconds["edgefire"][-1])
+            if ep > 1:
+                expert_ratios.append(seconds["edgefire"][-1] / seconds[expert_side][-1])
+                same_ep = sum(a == b for a, b in zip(outputs[expert_side], outputs["edgefire"]))
             loads.append(load_average())
             same = sum(a == b for a, b in zip(outputs["edgefire"], outputs["transformers"]))
             print(f"round {round_index}: " + ", ".join(f"{name} {seconds[name][-1]:.2f} s "
@@ -105,6 +122,10 @@ def main() -> None:
     median = statistics.median(ratios)
     print(f"median speed-up {median:.2f}x over {len(ratios)} alternating rounds (min {min(ratios):.2f}x, "
           f"max {max(ratios):.2f}x; target >= 2x); identical greedy outputs: {same}/{len(requests)}")
+    if expert_ratios:
+        print(f"ep={ep} vs ep=1: {statistics.median(expert_ratios):.2f}x the one-process engine's speed (median over "
+              f"{len(expert_ratios)} rounds, min {min(expert_ratios):.2f}x, max {max(expert_ratios):.2f}x); "
+              f"identical greedy outputs: {same_ep}/{len(requests)}")
     print(f"machine: load {load_before:.2f} before the run, {max(loads):.2f} at most after a round -> "
           + ("quiet: the figures stand" if load_before < QUIET_LOAD else "LOADED: figures not valid for the target"))
 
