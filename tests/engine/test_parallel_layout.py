@@ -163,3 +163,35 @@ def test_generate_command_takes_the_expert_parallel_size(tiny_model_dir, capsys)
     command = ["generate", "--model", str(tiny_model_dir), "--prompt", "the quick brown fox", "--max-tokens", "2"]
     assert main([*command, "--expert-parallel-size", "2"]) == 2
     assert "expert_parallel_size 2 needs a mixture-of-experts model; this llama model is dense" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one tensor per expert", "stacked experts"])
+def test_an_expert_parallel_rank_loads_only_its_experts(tmp_path, stacked):
+    """Rank 1 of ep=2 reads experts 2-3 of 4, from per-expert tensors or rows of stacked ones, and no LM head."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.config import load_config
+    from engine.loader import load_model
+    from tests.engine.conftest import build_checkpoint
+
+    build_checkpoint(tmp_path, "mixtral")
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    p = "model.layers.{}.block_sparse_moe.experts."
+    expected = {i: (torch.stack([torch.cat([tensors[f"{p.format(i)}{e}.w1.weight"], tensors[f"{p.format(i)}{e}.w3.weight"]])
+                                 for e in range(4)]),
+                    torch.stack([tensors[f"{p.format(i)}{e}.w2.weight"] for e in range(4)])) for i in range(2)}
+    if stacked:
+        for i in range(2):
+            for name in [n for n in tensors if n.startswith(p.format(i))]:
+                del tensors[name]
+            tensors[p.format(i) + "gate_up_proj"], tensors[p.format(i) + "down_proj"] = expected[i]
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    cfg = load_config(tmp_path)
+    layout = ParallelLayout(1, 1, 2)
+    model = load_model(tmp_path, cfg, torch.device("cpu"), torch.float32, show_progress=False,
+                       shard=rank_shard(layout, cfg, 1, layout.stages(cfg)))
+    for i, layer in enumerate(model.weights.layers):
+        assert torch.equal(layer.moe.gate_up, expected[i][0][2:4]) and torch.equal(layer.moe.down, expected[i][1][2:4])
+        assert layer.moe.router.shape == (4, cfg.hidden_size)   # every rank routes over all experts
+    assert model.weights.lm_head is None and model.weights.norm is not None
