@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typed_config
 from engine.compression import WEIGHT_MODES
+from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
 from registry.client import registry_urls
 from typed_config import ConfigError
 
@@ -62,12 +63,41 @@ class AgentConfig:
     tensor_parallel_size: int = 1               # each model on this many ranks per pipeline stage (one device each)
     pipeline_parallel_size: int = 1             # each model's layers in this many stages
     expert_parallel_size: int = 1               # a mixture of experts' experts split across this many ranks per stage
+    # Speculative decoding (engine.speculative): ngram (prompt lookup) or draft (a smaller checkpoint with the
+    # same tokenizer, speculative_draft_model); None: off. Requests may opt out (no_speculation).
+    speculative_method: str | None = None
+    speculative_tokens: int = 3                 # k: the most tokens proposed per sequence per step
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+    speculative_draft_model: str | None = None  # the draft checkpoint's directory (method draft)
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
     fetch_timeout_s: float = 30.0               # a KV pull slower than this falls back to recompute
     link_probe_interval_s: float = 60.0         # a peer path quiet this long gets one probe; 0: never probe
     link_probe_bytes: int = 256 << 10
     link_report_interval_s: float = 10.0        # measured links go to the registry this often
+
+    def _validate_speculative(self) -> None:
+        method, draft = self.speculative_method, self.speculative_draft_model
+        if method is not None and method not in METHODS:
+            raise ConfigError(f"speculative_method: must be one of {', '.join(METHODS)}, got {method!r}")
+        if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"speculative_ngram_min / speculative_ngram_max: need 1 <= min <= max <= "
+                              f"{MAX_SPECULATIVE_TOKENS}, got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
+        if (method == "draft") != bool(draft):
+            raise ConfigError("speculative_draft_model: give it exactly when speculative_method is \"draft\"")
+        if draft and not (Path(draft) / "config.json").is_file():
+            raise ConfigError(f"speculative_draft_model: {draft!r} is not a checkpoint directory (no config.json)")
+        if method is not None and self.pipeline_parallel_size > 1:
+            raise ConfigError("speculative_method: speculative decoding does not run with pipeline_parallel_size > 1")
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.speculative_tokens, self.speculative_ngram_min,
+                                 self.speculative_ngram_max, self.speculative_draft_model)
 
     @property
     def grpc_address(self) -> str:
@@ -113,6 +143,7 @@ class AgentConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.weight_mode not in WEIGHT_MODES:
             raise ConfigError(f"weight_mode: must be one of {', '.join(WEIGHT_MODES)}, got {self.weight_mode!r}")
+        self._validate_speculative()
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if not MIN_THROUGHPUT_BYTES <= self.link_probe_bytes <= MAX_PROBE_BYTES:

@@ -25,6 +25,7 @@ def sampling_from_proto(msg: agent_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias),
         min_p=msg.min_p,
         grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
+        no_speculation=msg.no_speculation,
     )
 
 
@@ -43,7 +44,7 @@ def sampling_to_proto(params: SamplingParams) -> agent_pb2.SamplingParams:
                                    ignore_eos=params.ignore_eos, repetition_penalty=params.repetition_penalty,
                                    presence_penalty=params.presence_penalty,
                                    frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias,
-                                   min_p=params.min_p)
+                                   min_p=params.min_p, no_speculation=params.no_speculation)
     if params.grammar is not None:
         msg.grammar.CopyFrom(grammar_to_proto(params.grammar))
     if params.seed is not None:

@@ -60,6 +60,8 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         tensor_parallel_size=max((e.tensor_parallel_size for e in engines), default=1),
         pipeline_parallel_size=max((e.pipeline_parallel_size for e in engines), default=1),
         expert_parallel_size=max((e.expert_parallel_size for e in engines), default=1),
+        speculative_acceptance=sum(e.num_accepted_draft_tokens for e in engines)
+        / max(1, sum(e.num_draft_tokens for e in engines)),
     )
 
 

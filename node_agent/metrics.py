@@ -66,6 +66,10 @@ class AgentMetrics:
         self._prompt_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]: the hit ratio
         self._step_totals: dict[str, StepTotals] = {}
         r.register(StepTotalsCollector(self._step_totals))
+        self._speculation: dict[str, tuple[int, int, int]] = {}  # model -> proposed, kept, verifications
+        r.register(SpeculationCollector(self._speculation))
+        self.spec_acceptance = Gauge("edgefire_agent_speculative_acceptance_ratio", "Share of the speculative "
+                                     "proposals the model kept since start (0-1; 0 before any)", ["model"], registry=r)
 
     def observe_stats(self, model: str, stats: EngineStats) -> None:
         self.num_running.labels(model).set(stats.num_running)
@@ -78,6 +82,10 @@ class AgentMetrics:
         self.prefill_rate.labels(model).set(stats.prefill_tokens_per_s)
         self.decode_rate.labels(model).set(stats.decode_tokens_per_s)
         self._step_totals[model] = stats.steps
+        if stats.num_draft_tokens:
+            self._speculation[model] = (stats.num_draft_tokens, stats.num_accepted_draft_tokens,
+                                        stats.num_speculative_verifications)
+            self.spec_acceptance.labels(model).set(stats.num_accepted_draft_tokens / stats.num_draft_tokens)
 
     def observe_prompt(self, model: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """One request's prefill: how much of its prompt the prefix cache held."""
@@ -134,3 +142,24 @@ class StepTotalsCollector:
             decoded.add_metric([model, "decode"], t.num_decode_tokens - t.num_decode_tokens_in_prefill_steps)
             prefilled.add_metric([model], t.num_prefill_tokens)
         yield from (steps, seconds, decoded, prefilled)
+
+
+class SpeculationCollector:
+    """Speculative decoding's counts (engine.speculative) as counters: proposals the model verified,
+    those it kept, and the sequence-steps that verified any (kept / verifications + 1: tokens per such step)."""
+
+    def __init__(self, counts: dict[str, tuple[int, int, int]]):
+        self._counts = counts
+
+    def collect(self):
+        proposed = CounterMetricFamily("edgefire_agent_speculative_draft_tokens",
+                                       "Speculative tokens proposed and verified by the model", labels=["model"])
+        accepted = CounterMetricFamily("edgefire_agent_speculative_accepted_tokens",
+                                       "Of those, tokens the model kept", labels=["model"])
+        verified = CounterMetricFamily("edgefire_agent_speculative_verifications",
+                                       "Sequence-steps that verified speculative tokens", labels=["model"])
+        for model, (num_proposed, num_accepted, num_verifications) in list(self._counts.items()):
+            proposed.add_metric([model], num_proposed)
+            accepted.add_metric([model], num_accepted)
+            verified.add_metric([model], num_verifications)
+        yield from (proposed, accepted, verified)

@@ -46,7 +46,7 @@ def engine_config(config: AgentConfig) -> EngineConfig:
                         kv_chunk_bytes=config.kv_chunk_bytes, tensor_parallel_size=config.tensor_parallel_size,
                         pipeline_parallel_size=config.pipeline_parallel_size,
                         expert_parallel_size=config.expert_parallel_size, show_progress=False,
-                        weight_mode=config.weight_mode)
+                        weight_mode=config.weight_mode, speculative=config.speculative_config())
 
 
 def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:

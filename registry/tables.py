@@ -72,6 +72,7 @@ class CapacityRow(Base):
     tensor_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
     pipeline_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
     expert_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
+    speculative_acceptance: Mapped[float] = mapped_column(Float, server_default="0")
 
 
 class LinkRow(Base):

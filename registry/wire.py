@@ -78,6 +78,8 @@ class CapacityReport(WireModel):
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
     pipeline_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
     expert_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
+    # Speculative decoding: the share of proposed tokens the site's engines kept since start (0: none proposed).
+    speculative_acceptance: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _free_within_total(self) -> CapacityReport:

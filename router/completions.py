@@ -219,7 +219,7 @@ def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens:
         repetition_penalty=_first(request.repetition_penalty, defaults.repetition_penalty, 1.0),
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         logit_bias=request.logit_bias, min_p=request.min_p or 0.0,
-        stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs)
+        stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs, no_speculation=request.no_speculation)
     if grammar is not None:
         setattr(sampling.grammar, grammar.kind, grammar.source)  # Grammar's oneof is named by the kinds
     if request.seed is not None:

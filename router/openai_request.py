@@ -37,11 +37,11 @@ CHAT_FIELDS = frozenset({
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream",
     "stream_options", "logprobs", "top_logprobs", "user", "prompt_cache_key", "tools", "tool_choice",
     "parallel_tool_calls",
-    "response_format", "documents", "chat_template_kwargs", "reasoning_effort"})
+    "response_format", "documents", "chat_template_kwargs", "reasoning_effort", "speculative"})
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream", "stream_options",
-    "logprobs", "user", "prompt_cache_key", "echo", "best_of", "suffix"})
+    "logprobs", "user", "prompt_cache_key", "echo", "best_of", "suffix", "speculative"})
 # Fields clients send that change nothing a model returns here, accepted as OpenAI accepts them:
 # `metadata` (tags for OpenAI's stored completions; nothing is stored), `store` (false only: nothing is
 # stored), `service_tier` ("auto" and "default": every request has the one tier), `modalities`
@@ -85,6 +85,7 @@ class CompletionRequest:
     include_usage: bool = False
     user: str | None = None
     prompt_cache_key: str | None = None      # names the session, as `user` does (prefix-cache affinity)
+    no_speculation: bool = False             # `speculative: false`: the site verifies no proposed tokens for it
 
     @property
     def named_tool(self) -> str | None:
@@ -218,6 +219,8 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request.include_usage = _stream_options(document.get("stream_options"), request.stream)
     request.user = _string(document, "user")
     request.prompt_cache_key = _string(document, "prompt_cache_key")
+    speculative = document.get("speculative")
+    request.no_speculation = speculative is not None and not _bool(speculative, "speculative")
     if not chat:
         _refuse_completion_options(document)
     return request

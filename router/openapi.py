@@ -66,6 +66,8 @@ _SAMPLING = {
                                  "description": "only with stream: true"}),
     "user": _nullable({"type": "string", "description": "names the session (prefix-cache affinity)"}),
     "prompt_cache_key": _nullable({"type": "string", "description": "names the session, as `user` does"}),
+    "speculative": _nullable({"type": "boolean", "description": "false: no speculative decoding for this request "
+                                                                "(see the README: what speculation guarantees)"}),
     # Accepted without effect (router.openai_request.ACCEPTED_WITHOUT_EFFECT):
     "metadata": _nullable({"type": "object", "description": "accepted; nothing is stored"}),
     "store": _nullable({"const": False, "description": "false only; nothing is stored"}),

@@ -57,6 +57,10 @@ def test_toml_env_and_flags_layer(tmp_path, tiny_model_dir):
     ('registry_url = "http://registry:8500"', "site_token: required when registry_url is set"),
     ('tls_cert = "/nope/cert.pem"', "tls_cert / tls_key: give both or neither"),
     ('registry_url = ["http://a:8500", "ftp://b"]\nsite_token = "t"', "registry_url: registry URL 'ftp://b' must start"),
+    ('speculative_method = "medusa"', "speculative_method: must be one of ngram, draft"),
+    ('speculative_method = "ngram"\nspeculative_tokens = 0', "speculative_tokens: must be in [1, 16]"),
+    ('speculative_method = "draft"', "speculative_draft_model: give it exactly when"),
+    ('speculative_method = "draft"\nspeculative_draft_model = "/no/draft"', "'/no/draft' is not a checkpoint"),
 ])
 def test_bad_settings_name_the_field(tmp_path, tiny_model_dir, extra, words):
     with pytest.raises(ConfigError) as error:
@@ -101,3 +105,12 @@ def test_parallel_sizes_reach_the_engine_config(tmp_path, tiny_model_dir):
     text = site_toml(tiny_model_dir, "tensor_parallel_size = 2\npipeline_parallel_size = 3\nexpert_parallel_size = 2")
     config = engine_config(load_config(write(tmp_path, text), environ={}))
     assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size) == (2, 3, 2)
+
+
+def test_speculative_settings_reach_the_engine(tmp_path, tiny_model_dir):
+    from node_agent.models import engine_config
+
+    extra = f'speculative_method = "draft"\nspeculative_tokens = 5\nspeculative_draft_model = "{tiny_model_dir}"'
+    spec = engine_config(load_config(write(tmp_path, site_toml(tiny_model_dir, extra)), environ={})).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.draft_model) == ("draft", 5, str(tiny_model_dir))
+    assert engine_config(load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={})).speculative is None

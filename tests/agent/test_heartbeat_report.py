@@ -37,3 +37,11 @@ def test_report_names_the_devices_and_layout():
     wire = capacity_report(16, False, engines, []).to_json()
     assert (wire["num_gpus"], wire["tensor_parallel_size"], wire["pipeline_parallel_size"],
             wire["expert_parallel_size"]) == (8, 2, 2, 2)
+
+
+def test_report_carries_the_share_of_proposals_kept_over_every_engine():
+    engines = [stats(60, 2, 1000.0), stats(30, 3, 500.0), stats(30, 3, 500.0)]
+    engines[0].num_draft_tokens, engines[0].num_accepted_draft_tokens = 300, 240
+    engines[1].num_draft_tokens, engines[1].num_accepted_draft_tokens = 100, 20
+    assert capacity_report(16, False, engines, []).to_json()["speculative_acceptance"] == 260 / 400
+    assert capacity_report(16, False, engines[2:], []).to_json()["speculative_acceptance"] == 0.0

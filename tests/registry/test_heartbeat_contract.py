@@ -55,6 +55,7 @@ POISON = {
     "pipeline stages as text": {"pipeline_parallel_size": "2"},
     "no expert-parallel ranks": {"expert_parallel_size": 0},
     "negative GPU count": {"num_gpus": -1},
+    "acceptance above one": {"speculative_acceptance": 1.5},
 }
 
 
@@ -77,6 +78,7 @@ def test_every_bound_fits_the_database(store):
                "inflight_decode_tokens": MAX_JSON_INT, "prefill_tokens_per_s": MAX_TOKENS_PER_S,
                "decode_tokens_per_s": MAX_TOKENS_PER_S, "draining": True, "num_gpus": MAX_INT32,
                "tensor_parallel_size": MAX_INT32, "pipeline_parallel_size": MAX_INT32, "expert_parallel_size": MAX_INT32,
+               "speculative_acceptance": 1.0,
                **summary(*[f"{i:016x}" for i in range(MAX_CACHE_HASHES)], block_size=MAX_BLOCK_SIZE)}
     store.telemetry.record_heartbeat(store.sites.get("fra-1").id, CapacityReport.model_validate(largest))
     site = json.loads(store.snapshot().render(store.telemetry.now()))["sites"][0]

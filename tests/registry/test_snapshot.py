@@ -19,7 +19,8 @@ SITE_KEYS = {"name", "region", "country", "lat", "lon", "grpc_address", "state",
 CAPACITY_KEYS = {"kv_blocks_total", "kv_blocks_free", "block_size", "num_running", "num_waiting",
                  "inflight_prefill_tokens", "inflight_decode_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
                  "decode_batch_size", "decode_kv_tokens", "prefix_cache_summary", "draining", "reported_at",
-                 "num_gpus", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"}
+                 "num_gpus", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
+                 "speculative_acceptance"}
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ MALFORMED = [
     ("chat", json.dumps(chat(max_tokens=2 ** 70)).encode(), "max_tokens"),
     ("chat", json.dumps(chat(top_k=2 ** 40)).encode(), "top_k"),
     ("chat", json.dumps(chat(repetition_penalty="1")).encode(), "repetition_penalty"),
+    ("chat", json.dumps(chat(speculative="no")).encode(), "speculative"),
     ("chat", splice(chat(), "tools", '[{"type": "function", "function": {"name": "f\\ud800"}}]'), "tools[0].function"),
     ("chat", json.dumps(chat(tools="f")).encode(), "tools"),
     # Tool-call arguments are JSON inside a string: the same limits apply to what the router decodes there.
@@ -123,3 +124,16 @@ def test_an_error_quoting_unencodable_client_text_is_still_an_openai_body():
     response = _error_response(unknown_model("tiny\ud800"))
     assert response.status_code == 404
     assert json.loads(response.body)["error"]["code"] == "model_not_found"
+
+
+def test_speculative_false_reaches_the_site_as_an_opt_out():
+    from types import SimpleNamespace
+
+    from router.completions import sampling_params
+    from router.model_assets import SamplingDefaults
+    from router.openai_request import parse_request
+
+    assets = SimpleNamespace(sampling_defaults=SamplingDefaults(), eos_token_ids=[2])
+    for fields, opted_out in (({"speculative": False}, True), ({"speculative": True}, False), ({}, False)):
+        request = parse_request(chat(**fields), chat=True)
+        assert sampling_params(request, assets, 2).no_speculation is opted_out
