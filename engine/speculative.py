@@ -30,10 +30,11 @@ What the model "would have produced" at a row is decided exactly as without spec
   positions (the same draft model and k, and a step budget and KV pool that do not cut a step's
   proposals) -- not token for token against an engine without speculation.
 
-When it backs off: a sequence is proposed for only while its own running acceptance says the next
-position is likely enough to be kept (`accept_threshold`; the depth k adapts the same way, and a
-sequence that stopped proposing retries as its record decays toward the prior); an n-gram with no
-earlier match proposes nothing, so text that does not repeat costs nothing beyond the lookup.
+When it backs off: a sequence proposes as many tokens as its own running acceptance says are
+likely enough to be kept (`accept_threshold` on the chance of reaching and keeping each position);
+when that acceptance falls below the threshold it stops proposing for 1, 2, 4, ... up to 64 steps
+and then probes with one token; an n-gram with no earlier match proposes nothing, so text that does
+not repeat costs nothing beyond the lookup.
 Requests with a grammar, prefill-only requests and those with `no_speculation` never speculate.
 """
 
@@ -56,17 +57,23 @@ if TYPE_CHECKING:
 # A sequence's record starts as if 3 of 4 proposals had been kept, and counts recent steps more.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.5, 0.5
 RECORD_DECAY = 0.8
+# A sequence whose record falls below the threshold waits 1, 2, 4, ... up to this many of its steps
+# before it proposes one token again: a model that never agrees with its proposals costs a probe
+# every MAX_BACKOFF_STEPS steps, and one that starts agreeing again is found.
+MAX_BACKOFF_STEPS = 64
 
 
 class SpecState:
-    """One sequence's record of how its proposals fared (decayed counts), and its n-gram index."""
+    """One sequence's record of how its proposals fared (decayed counts, backoff), and its n-gram index."""
 
-    __slots__ = ("accepted", "rejected", "ngrams")
+    __slots__ = ("accepted", "rejected", "backoff", "cooldown", "ngrams")
 
     def __init__(self) -> None:
         self.accepted = 0.0
         self.rejected = 0.0
-        self.ngrams = None  # engine.ngram.NgramIndex, built on the first lookup
+        self.backoff = 0     # steps the last failure made it wait (doubles while it keeps failing)
+        self.cooldown = 0    # steps left to wait before it proposes again
+        self.ngrams = None   # engine.ngram.NgramIndex, built on the first lookup
 
     @property
     def acceptance(self) -> float:
@@ -74,23 +81,27 @@ class SpecState:
         return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
 
     def depth(self, limit: int, threshold: float) -> int:
-        """How many tokens to propose: positions whose chance of being reached and kept is >= threshold."""
+        """How many tokens to propose this step: positions whose chance of being reached and kept is
+        >= threshold; after a wait, at least one (a probe)."""
+        if self.cooldown:
+            self.cooldown -= 1
+            return 0
         alpha, reach, depth = self.acceptance, 1.0, 0
         while depth < limit:
             reach *= alpha
             if reach < threshold:
                 break
             depth += 1
-        return depth
+        return max(depth, 1)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    def record(self, num_proposed: int, num_accepted: int, threshold: float) -> None:
         self.accepted = self.accepted * RECORD_DECAY + num_accepted
         self.rejected = self.rejected * RECORD_DECAY + (num_accepted < num_proposed)
-
-    def rest(self) -> None:
-        """A step without proposals: the record fades toward the prior, so the sequence tries again."""
-        self.accepted *= RECORD_DECAY
-        self.rejected *= RECORD_DECAY
+        if self.acceptance < threshold:
+            self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF_STEPS)
+            self.cooldown = self.backoff
+        else:
+            self.backoff = 0
 
 
 class Speculator:
@@ -129,7 +140,6 @@ class Speculator:
                 seq.spec = SpecState()
             depth = seq.spec.depth(limit, self.config.accept_threshold)
             if depth == 0:
-                seq.spec.rest()
                 continue
             wanted.append((item, depth))
             budget -= depth
@@ -237,7 +247,7 @@ class Speculator:
         return sampled_tokens(torch.tensor(chosen), [seq.params] * rows, torch.log_softmax(logits[:rows], dim=-1))
 
     def _settle(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        seq.spec.record(num_proposed, num_accepted)
+        seq.spec.record(num_proposed, num_accepted, self.config.accept_threshold)
         self.proposer.settle(seq, num_accepted)
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
