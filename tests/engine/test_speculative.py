@@ -327,3 +327,34 @@ def test_pipeline_parallelism_refuses_speculation():
 def test_a_draft_with_another_vocabulary_is_refused(ckpt, tiny_pair):
     with pytest.raises(ValueError, match="vocabulary"):
         make_engine(ckpt, SpeculativeConfig("draft", draft_model=str(tiny_pair[1])))
+
+
+def test_grammar_rows_beside_speculating_rows_get_their_masks(tiny_model_dir):
+    """Constrained requests never speculate, but share steps with rows that verify proposals: each row
+    must get its own grammar mask (the model as its own draft: every greedy proposal is kept)."""
+    from engine.grammar import json_schema_spec
+
+    schema = {"type": "object", "required": ["name"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 12}}}
+    requests = {
+        **{f"json{seed}": (list(range(40, 52)), SamplingParams(max_tokens=60, temperature=1.0, seed=seed,
+                                                               grammar=json_schema_spec(schema))) for seed in range(3)},
+        **{f"free{i}": (random_ids(20, 60 + i, vocab=500), greedy(30)) for i in range(3)},
+    }
+    plain = run(make_engine(tiny_model_dir), requests)
+    engine = make_engine(tiny_model_dir, SpeculativeConfig("draft", 3, draft_model=str(tiny_model_dir)))
+    assert run(engine, requests, check_blocks=True) == plain
+    assert engine.stats().num_accepted_draft_tokens > 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parallel
+def test_ngram_speculation_with_tensor_parallelism(ckpt, plain_outputs):
+    """Rank 0 proposes and verifies; the other rank only runs the 1 + k rows like any chunk."""
+    engine = make_engine(ckpt, speculative("ngram", 3), tensor_parallel_size=2)
+    try:
+        assert run(engine, REQUESTS, check_blocks=True) == plain_outputs
+        assert engine.stats().num_accepted_draft_tokens > 0
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
