@@ -44,15 +44,19 @@ class DraftProposer:
         if self.model_config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {directory} has a vocabulary of {self.model_config.vocab_size} tokens, "
                              f"the model {target.vocab_size}; a draft model must share the model's tokenizer")
-        model = load_model(directory, self.model_config, device, dtype, show_progress=False)
         self.block_size = config.block_size
-        shard = ModelShard(model, dataclasses.replace(config, speculative=None, enable_cuda_graphs=False,
-                                                      kv_cache_bytes=spec.draft_kv_cache_bytes))
         if spec.draft_kv_cache_bytes is None:
             # as many blocks as the model's pool, and room for every sequence's proposals beyond it
             per_seq = -(-spec.num_speculative_tokens // config.block_size) + 1
             num_blocks = num_target_blocks + config.max_num_seqs * per_seq
         else:
+            num_blocks = None
+        if device.type == "cuda":
+            self._check_fits(directory, device, dtype, num_blocks, spec.draft_kv_cache_bytes)
+        model = load_model(directory, self.model_config, device, dtype, show_progress=False)
+        shard = ModelShard(model, dataclasses.replace(config, speculative=None, enable_cuda_graphs=False,
+                                                      kv_cache_bytes=spec.draft_kv_cache_bytes))
+        if num_blocks is None:
             num_blocks = shard.blocks_fit()
         shard.allocate(num_blocks)
         self.shard = shard
@@ -62,6 +66,20 @@ class DraftProposer:
         self._pending: dict[Sequence, tuple[int, int]] = {}  # tokens before the proposals, proposals made
         self._probs: dict[Sequence, list[torch.Tensor]] = {}
         log.info("draft model %s: %d layers, KV pool of %d blocks", directory, self.model_config.num_layers, num_blocks)
+
+    def _check_fits(self, directory, device: torch.device, dtype: torch.dtype, num_blocks: int | None,
+                    kv_bytes: int | None) -> None:
+        """The model's KV pool took its share of the GPU first: the draft's weights and pool must fit in what is left."""
+        mc = self.model_config
+        element = torch.tensor([], dtype=dtype).element_size()
+        pool = kv_bytes if num_blocks is None else \
+            num_blocks * 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
+        need = mc.num_parameters() * element + pool
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > free:
+            raise ValueError(f"the draft model {directory} needs {need / 2**30:.2f} GiB (weights and KV pool) and "
+                             f"{free / 2**30:.2f} GiB are free after the model's pool: lower gpu_memory_utilization "
+                             f"or set speculative.draft_kv_cache_bytes")
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         self._sweep()
