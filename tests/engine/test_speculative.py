@@ -209,8 +209,11 @@ def test_ngram_seeded_sampling_gives_the_plain_tokens(ckpt):
 
 def test_draft_seeded_sampling_repeats_exactly(ckpt, draft_ckpt):
     config = speculative("draft", 3, draft_ckpt)
-    first_engine, second_engine = make_engine(ckpt, config), make_engine(ckpt, config)
-    first, second = run(first_engine, SAMPLED), run(second_engine, SAMPLED)
+    # another engine with the same speculative config: other block size and pool, the requests alone
+    first_engine = make_engine(ckpt, config)
+    second_engine = make_engine(ckpt, config, block_size=16, kv_cache_bytes=16 << 20)
+    first = run(first_engine, SAMPLED)
+    second = {rid: run(second_engine, {rid: request})[rid] for rid, request in SAMPLED.items()}
     assert first == second
     assert first_engine.stats().num_accepted_draft_tokens > 0
     reseeded = {rid: (p, dataclasses.replace(params, seed=99))
