@@ -22,8 +22,8 @@ What the model "would have produced" at a row is decided exactly as without spec
   p(token), otherwise a token from p without it, renormalized) with its two draws coupled to the
   plain one.
 - Sampled rows verifying a draft model's proposals use standard speculative sampling: keep the
-  proposal d with probability min(1, p(d) / q(d)), otherwise draw from max(0, p - q) normalized;
-  after the last kept proposal the next token is the plain draw. p and q are the model's and the
+  proposal d with probability min(1, p(d) / q(d)), otherwise draw from max(0, p - q) normalized
+  and stop; when every proposal is kept, the token after them is the plain draw. p and q are the model's and the
   draft's distributions after the request's own logit processing. Each draw has its own uniform
   from (seed, output index, purpose), so the output has exactly the law of plain sampling, and a
   seeded request repeats on any engine whose speculation proposes the same tokens at the same
