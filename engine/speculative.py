@@ -30,11 +30,21 @@ What the model "would have produced" at a row is decided exactly as without spec
   positions (the same draft model and k, and a step budget and KV pool that do not cut a step's
   proposals) -- not token for token against an engine without speculation.
 
-When it backs off: a sequence proposes as many tokens as its own running acceptance says are
-likely enough to be kept (`accept_threshold` on the chance of reaching and keeping each position);
-when that acceptance falls below the threshold it stops proposing for 1, 2, 4, ... up to 64 steps
-and then probes with one token; an n-gram with no earlier match proposes nothing, so text that does
-not repeat costs nothing beyond the lookup.
+When it backs off: a sequence proposes as many tokens as its running acceptance says are likely
+enough to be kept (`accept_threshold` on the chance of reaching and keeping each position); when
+that acceptance falls below the threshold it stops proposing for 1, 2, 4, ... up to 64 steps and
+then probes with one token; an n-gram with no earlier match proposes nothing, so text that does
+not repeat costs nothing beyond the lookup. A sequence's acceptance starts from the engine's pooled
+record of every sequence's proposals, not from a fixed guess: on a CPU each proposed token costs
+the model about one more row of compute, so a proposer that does not agree with the model must not
+be re-learned by every new sequence. While the pooled record is below the threshold too, a failed
+probe waits the longest backoff at once, and a new sequence starts waiting it, but for one new
+sequence every EXPLORE_STEPS steps, which probes for the engine: the batch then pays a probe per 64
+steps per sequence, and finds a proposer that starts agreeing again. The pooled record steers only
+sequences whose output does not depend on which tokens were proposed (greedy ones, and every n-gram
+proposal: a point mass kept exactly when the plain draw equals it); a draft model's sampled
+sequences keep a record of their own alone, so a seeded request's proposals, and with them its
+tokens, depend on nothing but the request.
 Requests with a grammar, prefill-only requests and those with `no_speculation` never speculate.
 """
 
@@ -54,9 +64,14 @@ from engine.speculative_config import SpeculativeConfig
 if TYPE_CHECKING:
     from engine.runner import StepInputs
 
-# A sequence's record starts as if 3 of 4 proposals had been kept, and counts recent steps more.
+# The engine's pooled record starts as if 3 of 4 proposals had been kept; a sequence's record starts
+# from the pooled acceptance with the weight of PRIOR_WEIGHT outcomes, and counts recent steps more.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.5, 0.5
+PRIOR_WEIGHT = 2.0
 RECORD_DECAY = 0.8
+POOLED_DECAY = 0.95  # per verification of any sequence: the pool follows the last few dozen
+FIXED_PRIOR = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
+EXPLORE_STEPS = 16  # while the pool fails: steps between new sequences allowed to probe at once
 # A sequence whose record falls below the threshold waits 1, 2, 4, ... up to this many of its steps
 # before it proposes one token again: a model that never agrees with its proposals costs a probe
 # every MAX_BACKOFF_STEPS steps, and one that starts agreeing again is found.
@@ -75,18 +90,17 @@ class SpecState:
         self.cooldown = 0    # steps left to wait before it proposes again
         self.ngrams = None   # engine.ngram.NgramIndex, built on the first lookup
 
-    @property
-    def acceptance(self) -> float:
-        """Estimated chance that a proposal is kept, given the ones before it were."""
-        return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+    def acceptance(self, prior: float) -> float:
+        """Estimated chance that a proposal is kept, given the ones before it were (prior: the pooled one)."""
+        return (self.accepted + PRIOR_WEIGHT * prior) / (self.accepted + self.rejected + PRIOR_WEIGHT)
 
-    def depth(self, limit: int, threshold: float) -> int:
+    def depth(self, limit: int, threshold: float, prior: float) -> int:
         """How many tokens to propose this step: positions whose chance of being reached and kept is
         >= threshold; after a wait, at least one (a probe)."""
         if self.cooldown:
             self.cooldown -= 1
             return 0
-        alpha, reach, depth = self.acceptance, 1.0, 0
+        alpha, reach, depth = self.acceptance(prior), 1.0, 0
         while depth < limit:
             reach *= alpha
             if reach < threshold:
@@ -94,14 +108,33 @@ class SpecState:
             depth += 1
         return max(depth, 1)
 
-    def record(self, num_proposed: int, num_accepted: int, threshold: float) -> None:
+    def record(self, num_proposed: int, num_accepted: int, threshold: float, prior: float) -> None:
         self.accepted = self.accepted * RECORD_DECAY + num_accepted
         self.rejected = self.rejected * RECORD_DECAY + (num_accepted < num_proposed)
-        if self.acceptance < threshold:
-            self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF_STEPS)
+        if self.acceptance(prior) < threshold:
+            # the whole engine's proposals fail too: no use finding out again soon
+            longest = prior < threshold
+            self.backoff = MAX_BACKOFF_STEPS if longest else min(max(1, 2 * self.backoff), MAX_BACKOFF_STEPS)
             self.cooldown = self.backoff
         else:
             self.backoff = 0
+
+
+class PooledRecord:
+    """Every sequence's verifications together (decayed): the acceptance a new sequence starts from."""
+
+    __slots__ = ("accepted", "rejected")
+
+    def __init__(self) -> None:
+        self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * POOLED_DECAY + num_accepted
+        self.rejected = self.rejected * POOLED_DECAY + (num_accepted < num_proposed)
 
 
 class Speculator:
@@ -116,6 +149,8 @@ class Speculator:
         self.num_draft_tokens = 0           # proposed tokens verified by the model
         self.num_accepted_tokens = 0        # of those, kept
         self.num_verifications = 0          # sequence-steps that verified at least one proposal
+        self.pooled = PooledRecord()
+        self._explore_in = 0                # steps until a new sequence may probe while the pool fails
 
     # -- before the forward --------------------------------------------------------------------
 
@@ -124,6 +159,8 @@ class Speculator:
         blocks for them; returns the number of proposed tokens in the step."""
         budget = self.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
         wanted: list[tuple[ScheduledSeq, int]] = []
+        threshold = self.config.accept_threshold
+        self._explore_in = max(0, self._explore_in - 1)
         for item in scheduled:
             if budget <= 0:
                 break
@@ -136,9 +173,15 @@ class Speculator:
                         seq.max_total_tokens - seq.num_tokens - 1)
             if limit < 1:
                 continue
+            prior = self._prior(seq)
             if seq.spec is None:
                 seq.spec = SpecState()
-            depth = seq.spec.depth(limit, self.config.accept_threshold)
+                if prior < threshold:  # the engine's proposals fail: wait, unless it is this one's turn to probe
+                    if self._explore_in:
+                        seq.spec.backoff = seq.spec.cooldown = MAX_BACKOFF_STEPS
+                    else:
+                        self._explore_in = EXPLORE_STEPS
+            depth = seq.spec.depth(limit, threshold, prior)
             if depth == 0:
                 continue
             wanted.append((item, depth))
@@ -247,11 +290,19 @@ class Speculator:
         return sampled_tokens(torch.tensor(chosen), [seq.params] * rows, torch.log_softmax(logits[:rows], dim=-1))
 
     def _settle(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        seq.spec.record(num_proposed, num_accepted, self.config.accept_threshold)
+        self.pooled.record(num_proposed, num_accepted)
+        seq.spec.record(num_proposed, num_accepted, self.config.accept_threshold, self._prior(seq))
         self.proposer.settle(seq, num_accepted)
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
+
+    def _prior(self, seq: Sequence) -> float:
+        """The acceptance a sequence's record starts from: the pool's where its output does not depend on
+        the proposals, else a fixed one (its proposals must depend on the request alone)."""
+        if seq.params.greedy or self.config.method == "ngram":
+            return self.pooled.acceptance
+        return FIXED_PRIOR
 
     def release(self, seq: Sequence) -> None:
         """The sequence left the engine (finished, aborted): whatever the proposer holds for it goes."""
