@@ -132,8 +132,17 @@ class CompletionService:
                               f"use; retry shortly.", self.limits.retry_after_s)
         sampling = sampling_params(request, assets, max_tokens, grammar, index)
         request_id = ctx.request_id if not index else f"{ctx.request_id}.{index}"
+
+        def replan() -> list:
+            """The pairs the current snapshot offers now (the placement's own may all have failed)."""
+            try:
+                current = self.feed.current()
+            except ApiError:
+                return []
+            return rank(current, placement, self.cost, self.health.cooling(), self.ledger.pending(current))
+
         generation = Generation(request_id, request.model, prompt_ids, sampling, candidates, self.agents,
-                                self.health, self.policy, self.ledger, metrics=self.metrics)
+                                self.health, self.policy, self.ledger, metrics=self.metrics, replan=replan)
         return CompletionRun(request, ctx, assets, generation, served, max_tokens, self.limits.retry_after_s,
                              self.metrics, index)
 

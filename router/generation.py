@@ -10,14 +10,16 @@ After tokens have reached the client, a lost decode site is replaced by the next
 site with `Decode(prompt_ids, generated_ids)` and no KV source: it re-prefills prompt + everything
 already sent and continues, so the stream the caller sees has no gap and no repeat.
 `sampling.max_tokens` always counts every output token, those already sent included. Attempts
-(fresh starts and resumes) are bounded.
+(fresh starts and resumes) are bounded. When none of the placement's pairs is left, the request is
+placed again on the router's current snapshot (failed sites still excluded): a site that was full or
+late with its heartbeat when the request arrived may have room by the time its first site dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -90,6 +92,9 @@ class Generation:
     policy: FailoverPolicy
     ledger: InflightLedger | None = None   # told of every attempt, so the next placement sees its load
     metrics: RouterMetrics | None = None   # failovers, resumes and site failures are counted there
+    # The current snapshot's ranked pairs, asked for when none of `candidates` is left: a site that
+    # was not viable when the request was placed (full, a late heartbeat) may be by the time it fails.
+    replan: Callable[[], list[Candidate]] | None = None
     placed: Candidate | None = None        # the candidate that produced the first token
     generated_ids: list[int] = field(default_factory=list)
     prefill_site: str | None = None
@@ -103,6 +108,7 @@ class Generation:
     _wrong_role: set[tuple[str, str]] = field(default_factory=set)
     _full: set[str] = field(default_factory=set)   # sites that answered RESOURCE_EXHAUSTED since the last wait
     _num_full_refusals: int = 0
+    _num_replans: int = 0
     _num_full_waits: int = 0
     _full_since: float | None = None
     _last_failure: str = ""   # why the last attempt failed: the reason a failover or resume is counted under
@@ -182,6 +188,17 @@ class Generation:
     def _next_candidate(self) -> Candidate | None:
         if self.num_attempts - self._num_full_refusals >= self.policy.max_attempts:
             return None
+        candidate = self._first_usable()
+        if candidate is None and self.replan is not None and self._num_replans < self.policy.max_attempts:
+            self._num_replans += 1
+            self.candidates = self.replan()
+            candidate = self._first_usable()
+            if candidate is not None:
+                log.info("request %s: none of its placement's pairs is left; placed again on the current "
+                         "snapshot: %s -> %s", self.request_id, candidate.prefill_site.name, candidate.decode_site.name)
+        return candidate
+
+    def _first_usable(self) -> Candidate | None:
         for candidate in self.candidates:
             if candidate.decode_site.name in self._failed or (candidate.decode_site.name, "decode") in self._wrong_role:
                 continue

@@ -94,6 +94,26 @@ async def test_site_silent_mid_stream_times_out_and_the_stream_resumes(cluster, 
     assert method == "Decode" and len(resume.generated_ids) == 3
 
 
+async def test_a_site_live_only_after_placement_takes_the_resume(cluster, make_router, http):
+    """The placement had one site; when it stalls mid-stream, the site that came live since takes over."""
+    near = await cluster.add_site("fra", *FRA)
+    far = await cluster.add_site("par", *PAR, heartbeat=False)  # not live yet: no pair of the placement
+    key = await cluster.create_key()
+    _router, url = await make_router(token_idle_timeout_s=1.0)
+    _response, lines = await stream(http, url, key)
+    reference_text, _ = stream_text(lines)
+    near.stall_after = 3
+    streaming = asyncio.create_task(stream(http, url, key))
+    await asyncio.sleep(0.3)  # placed on fra alone, which stalls after 3 tokens
+    await cluster.heartbeat("par")
+    response, lines = await streaming
+    assert response.headers["x-edgefire-decode-site"] == "fra"  # the stream began there
+    assert lines[-1] == "data: [DONE]"
+    assert stream_text(lines)[0] == reference_text
+    method, resume = far.calls[-1]
+    assert method == "Decode" and len(resume.generated_ids) == 3
+
+
 async def test_decode_site_lost_mid_stream_resumes_without_gap_or_repeat(two_sites, http):
     near, far, key, url = two_sites
     _response, lines = await stream(http, url, key)
