@@ -62,12 +62,11 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`make test` runs `--dist loadgroup`), a test file's tests stay on one worker so
-    # its module fixtures (a router, an agent, a cluster) start once; the end-to-end files that share the
-    # session's cluster run in their file order (the drain test last), so they form one group. An
-    # end-to-end file that starts a cluster of its own (`OWN_CLUSTER = True`) is a group of its own and
-    # runs beside that chain instead of lengthening it.
+    # its module fixtures (a router, an agent, a cluster) start once; the end-to-end files share one
+    # cluster and run in their file order (the drain test last), so they form one group. (The files that
+    # start clusters of their own stay in it too: beside the shared cluster's fault tests, their start-up
+    # load made the router's direct site checks time out.)
     for item in items:
         path = Path(str(item.fspath))
-        shared = path.parent.name == "e2e" and not getattr(item.module, "OWN_CLUSTER", False)
-        group = "e2e" if shared else f"{path.parent.name}/{path.name}"
+        group = "e2e" if path.parent.name == "e2e" else f"{path.parent.name}/{path.name}"
         item.add_marker(pytest.mark.xdist_group(group))
