@@ -24,6 +24,7 @@ from tests.e2e.test_02_placement import test_split_run_equals_colocated_run as c
 from tests.e2e.test_03_faults import test_decode_site_killed_mid_stream_resumes_elsewhere as check_decode_resume
 from tests.e2e.test_04_operations import test_every_agents_kv_blocks_are_free_after_the_run as check_no_kv_left
 
+
 @pytest.fixture(scope="module")
 def tls_cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
     cluster = Cluster(cluster_config(endless_model_dir, tmp_path_factory.mktemp("tls-cluster"), tls=True))

@@ -19,6 +19,7 @@ from deploy.launcher import Cluster
 from tests.e2e.conftest import cluster_config
 from tests.router.test_router_reasoning_model import ANSWER, MODEL, REASONING, _build_thinker
 
+
 @pytest.fixture(scope="module")
 def thinker_cluster(tmp_path_factory) -> Iterator[Cluster]:
     model_dir = _build_thinker(tmp_path_factory.mktemp("thinker") / MODEL)
