@@ -40,6 +40,14 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def verdict(load_before: float, peak_load: float) -> str:
+    """Whether a run's figures stand: quiet before it, and no more load during it than its own threads
+    give (about one per CPU) with the same margin: a job that started meanwhile makes it LOADED."""
+    quiet = load_before < QUIET_LOAD and peak_load < (os.cpu_count() or 1) + QUIET_LOAD
+    return (f"machine: load {load_before:.2f} before the run, {peak_load:.2f} at most during it -> "
+            + ("quiet: the figures stand" if quiet else "LOADED: figures not valid for the targets"))
+
+
 def start_run(threads: int) -> float:
     """Set torch's threads (0: its default) and print the load the run starts under; returns that load."""
     if threads:
@@ -186,9 +194,7 @@ def main() -> None:
         median = statistics.median(ratios)
         print(f"median speed-up {median:.2f}x over {len(ratios)} alternating rounds "
               f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x); identical greedy outputs: {same}/{len(requests)}")
-        quiet = load_before < QUIET_LOAD
-        print(f"machine: load {load_before:.2f} before the run -> "
-              + ("quiet: the figures stand" if quiet else "LOADED: figures not valid for the target"))
+        print(verdict(load_before, max(row[-1] for row in rows)))
         print("\nengine step at a steady decode batch (milliseconds per step; host overhead = all but forward):")
         for batch in (int(b) for b in args.profile_batches.split(",") if b):
             phases, cpu = step_profile(directory, batch, args.vocab, args.profile_steps)

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_cpu import (QUIET_LOAD, load_average, make_requests, run_engine,  # noqa: E402
+from benchmarks.engine_cpu import (load_average, make_requests, run_engine, verdict,  # noqa: E402
                                    run_transformers, start_run)
 
 
@@ -126,8 +126,7 @@ def main() -> None:
         print(f"ep={ep} vs ep=1: {statistics.median(expert_ratios):.2f}x the one-process engine's speed (median over "
               f"{len(expert_ratios)} rounds, min {min(expert_ratios):.2f}x, max {max(expert_ratios):.2f}x); "
               f"identical greedy outputs: {same_ep}/{len(requests)}")
-    print(f"machine: load {load_before:.2f} before the run, {max(loads):.2f} at most after a round -> "
-          + ("quiet: the figures stand" if load_before < QUIET_LOAD else "LOADED: figures not valid for the target"))
+    print(verdict(load_before, max(loads)))
 
 
 if __name__ == "__main__":

@@ -36,10 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_cpu import QUIET_LOAD, build_checkpoint, load_average, make_requests, new_engine, start_run  # noqa: E402
+from benchmarks.engine_cpu import (build_checkpoint, load_average, make_requests, new_engine,  # noqa: E402
+                                   start_run, verdict)
 
 CONFIGS = ("off", "ngram", "draft")
 
+
+ROUND_LOADS: list[float] = []  # the load after every configuration's run, for the verdict
 
 def build_draft(target_dir: str, draft_dir: str, layers: int, damp: float) -> None:
     """The draft: the target's embedding, first `layers` layers and head. A random model's later layers
@@ -110,8 +113,9 @@ def measure(name: str, directory: str, draft_dir: str, requests, rounds: int, k:
             if stats.num_draft_tokens:
                 acceptance[config] = (stats.num_accepted_draft_tokens / stats.num_draft_tokens,
                                       1 + stats.num_accepted_draft_tokens / stats.num_speculative_verifications)
+            ROUND_LOADS.append(load_average())
             print(f"  round {round_index} {config:>5}: {seconds:7.2f} s {rates[config][-1]:8.1f} tokens/s; "
-                  f"load {load_average():.2f}", flush=True)
+                  f"load {ROUND_LOADS[-1]:.2f}", flush=True)
     base = statistics.median(rates["off"])
     print(f"  {'config':>6}{'tokens/s':>10}{'vs off':>8}{'acceptance':>12}{'tokens/verify':>15}")
     for config in CONFIGS:
@@ -146,9 +150,7 @@ def main() -> None:
                 quote_back_requests(args.quote_requests, args.vocab, args.quote_tokens), args.rounds, args.k)
         measure("(b) random (engine_cpu's requests)", directory, draft_dir, make_requests(32, args.vocab),
                 args.rounds, args.k)
-    quiet = load_before < QUIET_LOAD
-    print(f"\nmachine: load {load_before:.2f} before the run, {load_average():.2f} after -> "
-          + ("quiet: the figures stand" if quiet else "LOADED: figures not valid for the targets"))
+    print("\n" + verdict(load_before, max(ROUND_LOADS, default=load_before)))
 
 
 if __name__ == "__main__":
