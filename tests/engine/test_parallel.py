@@ -22,7 +22,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import RankFailedError
-from engine.parallel.layout import ParallelLayout, kv_head_range, split_layers
+from engine.parallel.layout import ParallelLayout, kv_head_range
 from engine.sampling import SamplingParams
 from engine.config import load_config
 from tests.engine.conftest import _llama, _qwen2, _qwen3, _qwen3_moe, _randomize
@@ -46,39 +46,47 @@ PROMPT = [5, 17, 260, 3, 99, 41, 41, 7, 150, 310, 2, 64, 88, 12, 19, 200, 201, 2
           58, 61, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190]
 
 
-def _kv_budget(model_dir: Path, tp: int, pp: int) -> int:
+def _kv_budget(model_dir: Path, layout: ParallelLayout) -> int:
     """Per-rank KV bytes that hold NUM_BLOCKS blocks on the rank with the most layers and KV heads."""
     cfg = load_config(model_dir)
-    layers = max(len(r) for r in split_layers(cfg, pp))  # KV: every layer of a stage, dense or not
-    heads = len(kv_head_range(cfg.num_kv_heads, tp, 0))
+    layers = max(len(r) for r in layout.stages(cfg))  # KV: every layer of a stage, dense or not
+    heads = len(kv_head_range(cfg.num_kv_heads, layout.tp, 0))
     return NUM_BLOCKS * 2 * layers * BLOCK_SIZE * heads * cfg.head_dim * 4
 
 
 class Engines:
-    """Engines by (checkpoint, layout), started on first use and stopped with the module."""
+    """Engines by (checkpoint, layout), started on first use and stopped with the module. A layout is
+    (tp, pp) or (tp, pp, ep)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, checkpoints: dict = CHECKPOINTS):
         self.root = root
+        self.checkpoints = checkpoints
         self.references: dict[str, torch.nn.Module] = {}
-        self.started: dict[tuple[str, tuple[int, int]], LLMEngine] = {}
+        self.started: dict[tuple[str, tuple[int, ...]], LLMEngine] = {}
+
+    def adjust(self, name: str, model: torch.nn.Module) -> None:
+        """Change a randomized checkpoint before it is saved (nothing here)."""
 
     def checkpoint(self, name: str) -> Path:
         directory = self.root / name
         if name not in self.references:
             torch.manual_seed(1234)
-            model = CHECKPOINTS[name]().eval()
+            model = self.checkpoints[name]().eval()
             _randomize(model)
+            self.adjust(name, model)
             model.save_pretrained(directory)
             self.references[name] = model
         return directory
 
-    def get(self, name: str, layout: tuple[int, int]) -> LLMEngine:
+    def get(self, name: str, layout: tuple[int, ...]) -> LLMEngine:
         key = (name, layout)
         if key not in self.started:
             directory = self.checkpoint(name)
-            config = EngineConfig(kv_cache_bytes=_kv_budget(directory, *layout), block_size=BLOCK_SIZE,
+            parallel = ParallelLayout(*layout)
+            config = EngineConfig(kv_cache_bytes=_kv_budget(directory, parallel), block_size=BLOCK_SIZE,
                                   max_num_batched_tokens=24, max_num_seqs=8, show_progress=False,
-                                  tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1])
+                                  tensor_parallel_size=parallel.tp, pipeline_parallel_size=parallel.pp,
+                                  expert_parallel_size=parallel.ep)
             self.started[key] = LLMEngine(directory, config)
         return self.started[key]
 

@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import LLMEngine
 from engine.memory import rank_parameters
 from engine.moe import route
-from engine.parallel.layout import ParallelLayout
 from engine.sampling import SamplingParams
-from tests.engine.conftest import _mixtral, _qwen3_moe, _randomize
-from tests.engine.test_parallel import BLOCK_SIZE, NUM_BLOCKS, PROMPT, _decode, _prefill, _workload
+from tests.engine.conftest import _mixtral, _qwen3_moe
+from tests.engine.test_parallel import Engines as ParallelEngines
+from tests.engine.test_parallel import NUM_BLOCKS, PROMPT, _decode, _prefill, _workload
 
 pytestmark = pytest.mark.parallel
 
@@ -40,49 +39,16 @@ ROW_CASES = [(name, layout) for name, layout in CASES if layout[:2] == (1, 1)]
 CHECKPOINTS = {"mixtral-skewed": _mixtral, "qwen3-moe": _qwen3_moe}
 
 
-def _kv_budget(model_dir: Path, layout: ParallelLayout) -> int:
-    """Per-rank KV bytes that hold NUM_BLOCKS blocks on the rank with the most layers and KV heads."""
-    cfg = load_config(model_dir)
-    layers = max(len(r) for r in layout.stages(cfg))
-    heads = cfg.num_kv_heads // layout.tp
-    return NUM_BLOCKS * 2 * layers * BLOCK_SIZE * heads * cfg.head_dim * 4
-
-
-class Engines:
-    """Engines by (checkpoint, (tp, pp, ep)), started on first use and stopped with the module."""
+class Engines(ParallelEngines):
+    """test_parallel's engines on these checkpoints; layouts are (tp, pp, ep)."""
 
     def __init__(self, root: Path):
-        self.root = root
-        self.references: dict[str, torch.nn.Module] = {}
-        self.started: dict[tuple[str, tuple[int, int, int]], LLMEngine] = {}
+        super().__init__(root, CHECKPOINTS)
 
-    def checkpoint(self, name: str) -> Path:
-        directory = self.root / name
-        if name not in self.references:
-            torch.manual_seed(1234)
-            model = CHECKPOINTS[name]().eval()
-            _randomize(model)
-            if name == "mixtral-skewed":
-                with torch.no_grad():   # equal router logits: every token picks the same two experts
-                    model.model.layers[0].mlp.gate.weight.zero_()
-            model.save_pretrained(directory)
-            self.references[name] = model
-        return directory
-
-    def get(self, name: str, layout: tuple[int, int, int]) -> LLMEngine:
-        key = (name, layout)
-        if key not in self.started:
-            directory = self.checkpoint(name)
-            tp, pp, ep = layout
-            config = EngineConfig(kv_cache_bytes=_kv_budget(directory, ParallelLayout(tp, pp, ep)),
-                                  block_size=BLOCK_SIZE, max_num_batched_tokens=24, max_num_seqs=8, show_progress=False,
-                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep)
-            self.started[key] = LLMEngine(directory, config)
-        return self.started[key]
-
-    def close(self) -> None:
-        for engine in self.started.values():
-            engine.shutdown()
+    def adjust(self, name: str, model: torch.nn.Module) -> None:
+        if name == "mixtral-skewed":
+            with torch.no_grad():   # equal router logits: every token picks the same two experts
+                model.model.layers[0].mlp.gate.weight.zero_()
 
 
 @pytest.fixture(scope="module")
