@@ -8,6 +8,8 @@ are all checked, not only a lone prompt.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -40,10 +42,12 @@ def one_expert_checkpoint(tmp_path_factory):
     return directory, model
 
 
-def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
-    """Greedy outputs per request and the logits of every row the engine computed, by (request, position)."""
+@contextlib.contextmanager
+def recorded_rows(engine: LLMEngine):
+    """While inside: the logits of every row the engine computes (on rank 0), by (request, position)."""
+    shard = engine.executor if engine.layout.world_size == 1 else engine.executor.shard
     logits: dict[tuple[str, int], torch.Tensor] = {}
-    forward = engine.executor.forward
+    forward = shard.forward
 
     def recording_forward(inputs, hidden_in=None):
         hidden = forward(inputs, hidden_in)
@@ -54,9 +58,17 @@ def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], max_tokens: 
                 logits[(item.seq.request_id, start + offset)] = rows[row]
         return hidden
 
-    engine.executor.forward = recording_forward
-    outputs = engine_greedy(engine, prompts, max_tokens)
-    engine.executor.forward = forward
+    shard.forward = recording_forward
+    try:
+        yield logits
+    finally:
+        del shard.forward
+
+
+def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
+    """Greedy outputs per request and the logits of every row the engine computed, by (request, position)."""
+    with recorded_rows(engine) as logits:
+        outputs = engine_greedy(engine, prompts, max_tokens)
     return outputs, logits
 
 

@@ -24,6 +24,7 @@ from engine.memory import rank_parameters
 from engine.moe import route
 from engine.sampling import SamplingParams
 from tests.engine.conftest import _mixtral, _qwen3_moe
+from tests.engine.test_moe import recorded_rows
 from tests.engine.test_parallel import Engines as ParallelEngines
 from tests.engine.test_parallel import NUM_BLOCKS, PROMPT, _decode, _prefill, _workload
 
@@ -97,23 +98,9 @@ def _elements(weights) -> int:
 
 def _greedy_with_rows(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
     """Greedy outputs of a batch that arrives in two halves, and rank 0's logits of every row computed."""
-    shard = engine.executor if engine.layout.world_size == 1 else engine.executor.shard
-    logits: dict[tuple[str, int], torch.Tensor] = {}
-    forward = shard.forward
-
-    def recording_forward(inputs, hidden_in=None):
-        hidden = forward(inputs, hidden_in)
-        rows = engine.model.compute_logits(hidden)
-        for i, item in enumerate(inputs.order):
-            start = item.seq.num_computed_tokens
-            for offset, row in enumerate(range(inputs.batch.query_start[i], inputs.batch.query_start[i + 1])):
-                logits[(item.seq.request_id, start + offset)] = rows[row]
-        return hidden
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     outputs: dict[str, list[int]] = {}
-    shard.forward = recording_forward
-    try:
+    with recorded_rows(engine) as logits:
         for i in range(0, len(prompts), 2):
             engine.add_request(f"row-{i}", prompts[i], params)
         for _ in range(3):
@@ -124,8 +111,6 @@ def _greedy_with_rows(engine: LLMEngine, prompts: list[list[int]], max_tokens: i
         while engine.has_work():
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).append(out.token.token_id)
-    finally:
-        del shard.forward
     return [outputs[f"row-{i}"] for i in range(len(prompts))], logits
 
 
