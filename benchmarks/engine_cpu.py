@@ -88,21 +88,29 @@ def new_engine(directory: str, **options):
                                                 "max_num_batched_tokens": 1024, "max_num_seqs": 64, **options}))
 
 
-def run_engine(directory: str, requests: list[tuple[list[int], int]], **options) -> tuple[float, float, list[list[int]]]:
-    """(wall seconds, CPU seconds, tokens) of one run on a fresh engine (an empty prefix cache)."""
+def run_greedy(engine, requests: list[tuple[list[int], int]]) -> tuple[list[list[int]], int]:
+    """Every request at once, greedy, to the end: (each request's tokens, engine steps taken)."""
     from engine.sampling import SamplingParams
 
-    engine = new_engine(directory, **options)
     outputs = {str(i): [] for i in range(len(requests))}
-    started, cpu_started = time.perf_counter(), time.process_time()
     for i, (prompt, max_tokens) in enumerate(requests):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    steps = 0
     while engine.has_work():
         for out in engine.step():
             outputs[out.request_id].append(out.token.token_id)
+        steps += 1
+    return [outputs[str(i)] for i in range(len(requests))], steps
+
+
+def run_engine(directory: str, requests: list[tuple[list[int], int]], **options) -> tuple[float, float, list[list[int]]]:
+    """(wall seconds, CPU seconds, tokens) of one run on a fresh engine (an empty prefix cache)."""
+    engine = new_engine(directory, **options)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    outputs, _steps = run_greedy(engine, requests)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     engine.shutdown()  # a multi-rank engine's worker processes (a single-process engine has none)
-    return wall, cpu, [outputs[str(i)] for i in range(len(requests))]
+    return wall, cpu, outputs
 
 
 def run_transformers(model, requests: list[tuple[list[int], int]]) -> tuple[float, float, list[list[int]]]:

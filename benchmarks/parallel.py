@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_cpu import build_checkpoint, make_requests  # noqa: E402  the same checkpoint and requests
+from benchmarks.engine_cpu import build_checkpoint, make_requests, run_greedy  # noqa: E402  the same checkpoint and requests
 
 
 def run(directory: str, requests, tp: int, pp: int, threads: int) -> dict:
@@ -51,19 +51,12 @@ def run(directory: str, requests, tp: int, pp: int, threads: int) -> dict:
     while engine.has_work():
         engine.step()
     timing.TIMES.steps, timing.TIMES.step_s, timing.TIMES.comm_s = 0, 0.0, 0.0
-    outputs = {str(i): [] for i in range(len(requests))}
-    steps = 0
     started = time.perf_counter()
-    for i, (prompt, max_tokens) in enumerate(requests):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    while engine.has_work():
-        for out in engine.step():
-            outputs[out.request_id].append(out.token.token_id)
-        steps += 1
+    outputs, steps = run_greedy(engine, requests)
     elapsed = time.perf_counter() - started
     engine.shutdown()
     ranks = getattr(engine.executor, "rank_times", {})  # the workers' times include the warm-up
-    return {"seconds": elapsed, "steps": steps, "threads": threads, "outputs": [outputs[str(i)] for i in range(len(requests))],
+    return {"seconds": elapsed, "steps": steps, "threads": threads, "outputs": outputs,
             "comm": {rank: t["comm_s"] / t["step_s"] for rank, t in sorted(ranks.items()) if t["step_s"]}}
 
 

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_cpu import (build_checkpoint, load_average, make_requests, new_engine,  # noqa: E402
-                                   start_run, verdict)
+                                   run_greedy, start_run, verdict)
 
 CONFIGS = ("off", "ngram", "draft")
 
@@ -83,17 +83,10 @@ def speculative_config(name: str, k: int, draft_dir: str):
 
 
 def run_once(directory: str, requests: list[tuple[list[int], int]], speculative) -> tuple[float, list[list[int]], object]:
-    from engine.sampling import SamplingParams
-
     engine = new_engine(directory, speculative=speculative)
-    outputs = {str(i): [] for i in range(len(requests))}
     started = time.perf_counter()
-    for i, (prompt, max_tokens) in enumerate(requests):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    while engine.has_work():
-        for out in engine.step():
-            outputs[out.request_id].append(out.token.token_id)
-    return time.perf_counter() - started, [outputs[str(i)] for i in range(len(requests))], engine.stats()
+    outputs, _steps = run_greedy(engine, requests)
+    return time.perf_counter() - started, outputs, engine.stats()
 
 
 def measure(name: str, directory: str, draft_dir: str, requests, rounds: int, k: int) -> None:
