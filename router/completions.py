@@ -56,6 +56,7 @@ class Limits:
     default_max_tokens: int = 0  # for requests without max_tokens; 0: up to the model's context
     retry_after_s: float = 1.0
     router_site: str | None = None
+    max_choices: int = 128  # a request's prompts times its n
 
 
 class CompletionService:
@@ -71,55 +72,75 @@ class CompletionService:
     async def start(self, request: CompletionRequest, ctx: RequestContext) -> CompletionRun | Choices:
         snapshot = self.feed.current()
         self._check_served(request.model, snapshot, ctx.api_key.allowed_regions)
+        if request.num_choices > self.limits.max_choices:
+            raise bad_request(f"The request asks for {request.num_choices} choices ({len(request.prompts)} prompts "
+                              f"times n={request.n}); this endpoint answers at most {self.limits.max_choices} per "
+                              f"request. Send fewer prompts or a smaller n.", "prompt" if request.n == 1 else "n")
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
-        prompt_ids = await self._tokenize(request, assets)
-        max_tokens = self._check_lengths(request, prompt_ids, assets)
+        num_prompts = 1 if request.chat else len(request.prompts)
+        prompts = [await self._tokenize(request, assets, i) for i in range(num_prompts)]
+        max_tokens = [self._check_lengths(request, ids, assets, self._prompt_param(request, i))
+                      for i, ids in enumerate(prompts)]
         grammar = request_grammar(request, assets)
         key = ctx.api_key
+        num_prompt_tokens = sum(len(ids) for ids in prompts)
         if request.max_tokens is None and key.tokens_per_minute:
             # Up to the context, but never more than a minute's allowance: the charge must fit the bucket.
-            max_tokens = max(1, min(max_tokens, key.tokens_per_minute - len(prompt_ids)))
+            share = (key.tokens_per_minute - num_prompt_tokens) // request.num_choices
+            max_tokens = [max(1, min(m, share)) for m in max_tokens]
         charge = await self.fleet.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
-                                        len(prompt_ids) + request.n * max_tokens)
+                                        num_prompt_tokens + request.n * sum(max_tokens))
         if isinstance(charge, Refusal):
             self.metrics.rate_limited.labels(charge.limit).inc()
             raise rate_limited(f"Rate limit on {charge.limit} per minute reached for this API key; retry after "
                                f"the Retry-After delay.", charge.retry_after_s)
-        served = Served(self.fleet, charge, key.id, request.model, request.stream, request.n)
-        run = None
+        served = Served(self.fleet, charge, key.id, request.model, request.stream, request.num_choices)
+        runs: list[CompletionRun] = []
         try:
-            run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, served)
-            await run.begin()
-            self.sessions.remember(ctx.session_key, run.generation.prefill_site, run.generation.decode_site)
-            placed = run.generation.placed
-            self.metrics.placed(placed.prefill_site.name, placed.decode_site.name, placed.decode_site.region)
-        finally:
-            if run is None or run.first_step is None:
-                served.failed_to_start()
-        if request.n == 1:
-            return run
-        return await self._more_choices(run, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar,
-                                        served)
-
-    async def _more_choices(self, first: CompletionRun, request, ctx, snapshot, assets, prompt_ids, max_tokens,
-                            grammar, served: Served) -> Choices:
-        """Choices 1..n-1, started once the first has its first token: its prompt is in the prefix cache
-        then, so theirs is read from it rather than computed again."""
-        runs = [first]
-        try:
-            for index in range(1, request.n):
-                run = self._new_run(request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, served, index)
-                run.id, run.created = first.id, first.created  # one response, one id
-                runs.append(run)
-            await asyncio.gather(*(run.begin() for run in runs[1:]))
+            for i, ids in enumerate(prompts):
+                runs.append(self._new_run(request, ctx, snapshot, assets, ids, max_tokens[i], grammar, served,
+                                          i * request.n, self._echo(request, assets, i)))
+            await _begin(runs)
+            self.sessions.remember(ctx.session_key, runs[0].generation.prefill_site, runs[0].generation.decode_site)
+            for run in runs:
+                placed = run.generation.placed
+                self.metrics.placed(placed.prefill_site.name, placed.decode_site.name, placed.decode_site.region)
+            if request.num_choices == 1:
+                return runs[0]
+            # The other choices of each prompt start once its first has its first token: the prompt is in
+            # the prefix cache then, so theirs is read from it rather than computed again.
+            more = [self._new_run(request, ctx, snapshot, assets, ids, max_tokens[i], grammar, served,
+                                  i * request.n + j, self._echo(request, assets, i))
+                    for i, ids in enumerate(prompts) for j in range(1, request.n)]
+            runs.extend(more)
+            await _begin(more)
         except BaseException:
+            served.failed_to_start()
             for run in runs:
                 await run.close()
             raise
+        runs.sort(key=lambda run: run.index)
+        for run in runs[1:]:
+            run.id, run.created = runs[0].id, runs[0].created  # one response, one id
         return Choices(runs)
 
+    @staticmethod
+    def _prompt_param(request: CompletionRequest, index: int) -> str:
+        """The parameter an error about prompt `index` names: `prompt[i]` when the request sent several."""
+        if request.chat:
+            return "messages"
+        return f"prompt[{index}]" if len(request.prompts) > 1 else "prompt"
+
+    @staticmethod
+    def _echo(request: CompletionRequest, assets: ModelAssets, index: int) -> str:
+        """What the choices of prompt `index` start with under `echo`: the string as sent, or the ids decoded."""
+        if not request.echo:
+            return ""
+        prompt = request.prompts[index]
+        return prompt if isinstance(prompt, str) else assets.tokenizer.decode(prompt, skip_special_tokens=False)
+
     def _new_run(self, request, ctx, snapshot, assets, prompt_ids, max_tokens, grammar, served: Served,
-                 index: int = 0) -> CompletionRun:
+                 index: int = 0, echo: str = "") -> CompletionRun:
         placement = PlacementRequest(
             model=request.model, prompt_ids=prompt_ids, max_tokens=max_tokens, client_lat=ctx.location.lat,
             client_lon=ctx.location.lon,
@@ -144,7 +165,7 @@ class CompletionService:
         generation = Generation(request_id, request.model, prompt_ids, sampling, candidates, self.agents,
                                 self.health, self.policy, self.ledger, metrics=self.metrics, replan=replan)
         return CompletionRun(request, ctx, assets, generation, served, max_tokens, self.limits.retry_after_s,
-                             self.metrics, index)
+                             self.metrics, index, echo)
 
     def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
         """404 for a model no site offers; 503 + Retry-After for one whose sites served it lately but
@@ -156,7 +177,8 @@ class CompletionService:
                               self.limits.retry_after_s)
         raise unknown_model(model)
 
-    async def _tokenize(self, request: CompletionRequest, assets: ModelAssets) -> list[int]:
+    async def _tokenize(self, request: CompletionRequest, assets: ModelAssets, index: int = 0) -> list[int]:
+        """The token ids of the chat's messages, or of the completion's prompt `index`."""
         tokenizer = assets.tokenizer
         try:
             if request.chat:
@@ -166,35 +188,50 @@ class CompletionService:
                 encode = functools.partial(tokenizer.encode_chat, tools=tools, documents=request.documents,
                                            **request.template_kwargs)
                 args = (request.messages,)
-            elif isinstance(request.prompt, list):
-                if max(request.prompt) >= tokenizer.vocab_size:
-                    raise bad_request(f"`prompt` holds token ids beyond the vocabulary ({tokenizer.vocab_size}).",
-                                      "prompt")
-                return request.prompt
+            elif isinstance(prompt := request.prompts[index], list):
+                if max(prompt) >= tokenizer.vocab_size:
+                    param = self._prompt_param(request, index)
+                    raise bad_request(f"`{param}` holds token ids beyond the vocabulary ({tokenizer.vocab_size}).",
+                                      param)
+                return prompt
             else:
-                size, encode, args = len(request.prompt), tokenizer.encode, (request.prompt,)
+                size, encode, args = len(prompt), tokenizer.encode, (prompt,)
             if size > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
                 return await asyncio.to_thread(encode, *args)
             return encode(*args)
         except TemplateError as exc:
             raise bad_request(f"The model's chat template rejected these messages: {exc}", "messages") from exc
 
-    def _check_lengths(self, request: CompletionRequest, prompt_ids: list[int], assets: ModelAssets) -> int:
+    def _check_lengths(self, request: CompletionRequest, prompt_ids: list[int], assets: ModelAssets,
+                       param: str) -> int:
+        """The max_tokens of one prompt (`param` names it), or a 4xx when the prompt does not fit."""
         num_prompt = len(prompt_ids)
         context = assets.context_length or (self.limits.max_prompt_tokens + self.limits.default_max_tokens)
         limit = min(self.limits.max_prompt_tokens, context - 1)
-        param = "messages" if request.chat else "prompt"
+        named = param.endswith("]")  # one of several prompts: the messages say which
+        prompt, shorten = (f"The prompt `{param}`", f"`{param}`") if named else ("The prompt", f"the {param}")
         if num_prompt > limit:
-            raise too_large(f"The prompt is {num_prompt} tokens; this endpoint accepts at most {limit}. "
-                            f"Shorten the {param}.", param)
+            raise too_large(f"{prompt} is {num_prompt} tokens; this endpoint accepts at most {limit}. "
+                            f"Shorten {shorten}.", param)
         if request.max_tokens is None:  # up to the context, unless the operator set a default
             room = context - num_prompt
             return min(self.limits.default_max_tokens, room) if self.limits.default_max_tokens else room
         if num_prompt + request.max_tokens > context:
-            raise bad_request(f"The prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds "
-                              f"the model's context length ({context}); lower max_tokens.", "max_tokens",
-                              "context_length_exceeded")
+            raise bad_request(f"{prompt} ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the model's context length "
+                              f"({context}); lower max_tokens.", "max_tokens", "context_length_exceeded")
         return request.max_tokens
+
+
+async def _begin(runs: list[CompletionRun]) -> None:
+    """Every run's first token; when one fails, the others' waits are cancelled before the error is raised."""
+    tasks = [asyncio.ensure_future(run.begin()) for run in runs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarSpec | None:
@@ -245,11 +282,12 @@ class CompletionRun:
 
     def __init__(self, request: CompletionRequest, ctx: RequestContext, assets: ModelAssets, generation: Generation,
                  served: Served, max_tokens: int, retry_after_s: float,
-                 metrics: RouterMetrics | None = None, index: int = 0) -> None:
+                 metrics: RouterMetrics | None = None, index: int = 0, echo: str = "") -> None:
         self.request, self.ctx, self.assets, self.generation = request, ctx, assets, generation
         self.served, self.max_tokens, self.retry_after_s = served, max_tokens, retry_after_s
         self.metrics = (metrics or RouterMetrics()).for_model(request.model)
-        self.index = index
+        self.index = index  # prompt-major: prompt i's choice j is i * n + j
+        self.echo = echo    # the prompt text the choice's text begins with (`echo: true`)
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + os.urandom(16).hex()
         self.created = int(time.time())
         parse_tools = (request.chat and request.tool_choice not in (None, "none") and assets.tool_calls is not None)
@@ -267,7 +305,7 @@ class CompletionRun:
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
         self.calls: list[ToolCall] = []
-        self.emit_usage = request.include_usage and request.n == 1  # Choices sends one usage for all
+        self.emit_usage = request.include_usage and request.num_choices == 1  # Choices sends one usage for all
         self._steps = generation.steps()
         self._settled = False
         self._last_step_at = 0.0
@@ -296,11 +334,19 @@ class CompletionRun:
                 "x-edgefire-decode-site": self.generation.decode_site or "",
                 "x-edgefire-attempts": str(self.generation.num_attempts)}
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.generation.num_prompt_tokens or len(self.generation.prompt_ids)
+
+    @property
+    def counts_prompt(self) -> bool:
+        """Whether this is its prompt's first choice, the one whose prompt (and cached) tokens are counted."""
+        return self.index % self.request.n == 0
+
     def usage(self) -> dict:
-        g = self.generation
         num_reasoning = self.reasoning.num_reasoning_tokens if self.reasoning is not None else None
-        return responses.usage(g.num_prompt_tokens or len(g.prompt_ids), self.num_completion_tokens,
-                               g.num_cached_tokens, num_reasoning)
+        return responses.usage(self.num_prompt_tokens, self.num_completion_tokens,
+                               self.generation.num_cached_tokens, num_reasoning)
 
     async def _deltas(self) -> AsyncIterator[tuple[str, str, list, str | None]]:
         """(answer text, reasoning text, tokens, finish_reason) per step; stops the generation at a stop
@@ -333,6 +379,8 @@ class CompletionRun:
                     self.finish_reason = finish
                 if self.reasoning is not None:
                     delta = self.reasoning.answer_delta(delta)
+                if self.echo:  # the first delta: stop strings and logprobs are the completion's alone
+                    delta, self.echo = self.echo + delta, ""
                 yield delta, reasoning, step.tokens, finish
                 if finish is not None:
                     return
@@ -352,8 +400,8 @@ class CompletionRun:
         m, g = self.metrics, self.generation
         m.e2e.observe(elapsed_s(self.ctx.started_at))
         m.generation_tokens.inc(self.num_completion_tokens)
-        if self.index == 0:  # n > 1: the prompt is counted once, as the response's usage counts it
-            m.prompt_tokens.inc(g.num_prompt_tokens or len(g.prompt_ids))
+        if self.counts_prompt:  # n > 1: each prompt is counted once, as the response's usage counts it
+            m.prompt_tokens.inc(self.num_prompt_tokens)
             m.cached_tokens.inc(g.num_cached_tokens)
 
     def _settle(self) -> None:
@@ -435,43 +483,53 @@ class CompletionRun:
 
 
 class Served:
-    """What one request (its n choices) took from its key's rate limit and gave the client, settled once
-    every choice has ended: the unused tokens go back to the limit, and the usage the client saw is
+    """What one request (its prompts' choices) took from its key's rate limit and gave the client, settled
+    once every choice has ended: the unused tokens go back to the limit, and the usage the client saw is
     metered for the registry (router/fleet_reporter.py) — a stream's tokens as they were sent, a whole
-    response only when every choice completed (a failed one is an error, not text). The prompt counts once."""
+    response only when every choice completed (a failed one is an error, not text). Each prompt counts once."""
 
-    def __init__(self, fleet: FleetReporter, charge: Charge | None, key_id, model: str, stream: bool, n: int) -> None:
+    def __init__(self, fleet: FleetReporter, charge: Charge | None, key_id, model: str, stream: bool,
+                 num_choices: int) -> None:
         self.fleet, self.charge, self.key_id, self.model, self.stream = fleet, charge, key_id, model, stream
         self.runs: list[CompletionRun] = []
-        self.num_runs = n
+        self.num_runs = num_choices
 
     def failed_to_start(self) -> None:
-        """No choice got a first token: the whole token charge goes back; nothing was served."""
+        """Not every choice got a first token: the whole token charge goes back; nothing was served."""
         if self.charge is not None:
             self.fleet.limiter.give_back(self.charge, self.charge.tokens)
         self.num_runs = -1
 
     def settled(self, run: CompletionRun) -> None:
+        if self.num_runs < 0:  # failed_to_start gave everything back
+            return
         if self.charge is not None:
             self.fleet.limiter.give_back(self.charge, run.max_tokens - run.num_completion_tokens)
         self.runs.append(run)
         if len(self.runs) != self.num_runs or not isinstance(self.key_id, int):
             return
-        first = min(self.runs, key=lambda r: r.index)
         completion = sum(r.num_completion_tokens for r in self.runs)
         delivered = completion > 0 if self.stream else all(r.finish_reason is not None for r in self.runs)
         if delivered:
-            usage = first.usage()
-            self.fleet.meter.record(self.key_id, self.model, usage["prompt_tokens"],
-                                    usage["prompt_tokens_details"]["cached_tokens"], completion)
+            num_prompt, num_cached = prompts_usage(self.runs)
+            self.fleet.meter.record(self.key_id, self.model, num_prompt, num_cached, completion)
+
+
+def prompts_usage(runs: list[CompletionRun]) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) of a request's choices: each prompt counted once, by its first choice
+    (the others share its prompt and read it from the prefix cache)."""
+    firsts = [run for run in runs if run.counts_prompt]
+    return sum(run.num_prompt_tokens for run in firsts), sum(run.generation.num_cached_tokens for run in firsts)
 
 
 class Choices:
-    """The n choices of one request (n > 1), answered as one response or one stream.
+    """The choices of one request (n of each of its prompts, more than one in all), answered as one
+    response or one stream, in index order (prompt-major).
 
     Stream chunks carry each choice's index and interleave as the choices produce them; the stream
-    ends (finish_reason set) once every choice has finished. Usage counts the prompt once and every
-    choice's completion tokens; cached tokens are the first choice's (the prompt it shares with the rest).
+    ends (finish_reason set) once every choice has finished. Usage counts each prompt once and every
+    choice's completion tokens; cached tokens are each prompt's first choice's (the prompt it shares with
+    the rest).
     """
 
     def __init__(self, runs: list[CompletionRun]) -> None:
@@ -489,6 +547,7 @@ class Choices:
 
     def usage(self) -> dict:
         body = self.runs[0].usage()
+        body["prompt_tokens"], body["prompt_tokens_details"]["cached_tokens"] = prompts_usage(self.runs)
         body["completion_tokens"] = self.num_completion_tokens
         body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
         if "completion_tokens_details" in body:

@@ -66,6 +66,7 @@ class RouterConfig:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = 32768
     default_max_tokens: int = 0  # max_tokens of requests that send none; 0: up to the model's context
+    max_choices: int = 128            # a request's prompts times its `n` (each choice is a generation)
     # Placement and failover.
     max_attempts: int = 3
     first_token_timeout_s: float = 30.0
@@ -107,7 +108,7 @@ class RouterConfig:
             if parser not in tool_call_parser_names():
                 raise ConfigError(f"tool_call_parsers.{model}: unknown tool-call format {parser!r}; "
                                   f"known: {', '.join(tool_call_parser_names())}")
-        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "failures_to_cool_down",
+        for name in ("max_attempts", "max_body_bytes", "max_prompt_tokens", "max_choices", "failures_to_cool_down",
                      "expected_output_tokens", "default_kv_bytes_per_token", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")

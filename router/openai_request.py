@@ -46,7 +46,7 @@ COMPLETION_FIELDS = frozenset({
 # `metadata` (tags for OpenAI's stored completions; nothing is stored), `store` (false only: nothing is
 # stored), `service_tier` ("auto" and "default": every request has the one tier), `modalities`
 # (["text"] only), `safety_identifier` (an end-user id for abuse reports; no moderation runs here).
-# Completions' `echo: false`, `best_of: 1` and `suffix: null` are the defaults. (`user` and
+# Completions' `best_of: 1` and `suffix: null` are the defaults. (`user` and
 # `prompt_cache_key` do take effect: they name the session whose sites hold its prefix cache.)
 ACCEPTED_WITHOUT_EFFECT = {
     "metadata": lambda v: isinstance(v, dict), "store": lambda v: v is False,
@@ -60,7 +60,8 @@ class CompletionRequest:
     chat: bool                       # /v1/chat/completions (else /v1/completions)
     model: str
     messages: list[dict] = field(default_factory=list)
-    prompt: str | list[int] = ""
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: each is text or token ids
+    echo: bool = False                       # completions: each choice's text begins with its prompt's
     tools: list[dict] | None = None          # passed to the chat template
     documents: list[dict] | None = None      # passed to the chat template (RAG templates read it)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, plus reasoning_effort
@@ -86,6 +87,11 @@ class CompletionRequest:
     user: str | None = None
     prompt_cache_key: str | None = None      # names the session, as `user` does (prefix-cache affinity)
     no_speculation: bool = False             # `speculative: false`: the site verifies no proposed tokens for it
+
+    @property
+    def num_choices(self) -> int:
+        """The choices the request asks for: `n` of each prompt (a chat request has one prompt)."""
+        return self.n * (1 if self.chat else len(self.prompts))
 
     @property
     def named_tool(self) -> str | None:
@@ -189,7 +195,7 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
                                   "arguments already follow the function's schema.", "response_format")
             _check_tool_schemas(request.tools, request.named_tool)
     else:
-        request.prompt = _prompt(document.get("prompt"))
+        request.prompts = _prompts(document.get("prompt"))
     max_tokens = document.get("max_completion_tokens") if chat else None
     param = "max_completion_tokens"
     if max_tokens is None:
@@ -223,6 +229,11 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request.no_speculation = speculative is not None and not _bool(speculative, "speculative")
     if not chat:
         _refuse_completion_options(document)
+        request.echo = _bool(document.get("echo"), "echo")
+        if request.echo and request.logprobs is not None:
+            raise bad_request("`echo` cannot be combined with `logprobs`: the logprobs of prompt tokens are not "
+                              "returned (a site computes logits only where it samples). Send one or the other.",
+                              "logprobs", "unsupported_value")
     return request
 
 
@@ -287,10 +298,9 @@ def _refuse_unimplemented(document: dict, chat: bool) -> None:
 
 def _refuse_completion_options(document: dict) -> None:
     """The legacy completions options this router takes only at their defaults."""
-    for name, default in (("echo", False), ("best_of", 1)):
-        if document.get(name) not in (None, default):
-            raise bad_request(f"`{name}` is supported only as {json.dumps(default)}: the prompt is not echoed, and "
-                              f"`n` asks for several completions.", name, "unsupported_value")
+    if document.get("best_of") not in (None, 1):
+        raise bad_request("`best_of` is supported only as 1; `n` asks for several completions.", "best_of",
+                          "unsupported_value")
     if document.get("suffix") is not None:
         raise bad_request("`suffix` (insertion) is not supported; send the prompt only.", "suffix",
                           "unsupported_value")
@@ -406,18 +416,29 @@ def _content(value, param: str, model: str) -> str:
     raise bad_request(f"`{param}` must be a string or an array of text parts.", param)
 
 
-def _prompt(value) -> str | list[int]:
+def _prompts(value) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes (a string, an array of strings, an array of token ids, an array of
+    arrays of token ids) as a list of prompts, each text or token ids."""
+    if isinstance(value, str):
+        return [_prompt(value, "prompt")]
+    if not isinstance(value, list) or not value:
+        raise bad_request("`prompt` must be a non-empty string, an array of strings, an array of token ids or an "
+                          "array of arrays of token ids.", "prompt")
+    if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        return [_prompt(value, "prompt")]
+    return [_prompt(item, f"prompt[{i}]") for i, item in enumerate(value)]
+
+
+def _prompt(value, param: str) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise bad_request("`prompt` must not be empty.", "prompt")
+            raise bad_request(f"`{param}` must not be empty.", param)
         return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
-        return value[0]
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  for t in value):
         return list(value)
-    raise bad_request("`prompt` must be a non-empty string or an array of token ids (one prompt per request).",
-                      "prompt")
+    raise bad_request(f"`{param}` must be a non-empty string or a non-empty array of token ids (non-negative "
+                      f"integers).", param)
 
 
 def _stop(value) -> list[str]:

@@ -38,6 +38,7 @@ _TOOL = {"type": "object", "required": ["function"],
                         "function": {"type": "object", "required": ["name"],
                                      "properties": {"name": {"type": "string"}, "description": {"type": "string"},
                                                     "parameters": {"type": "object"}}}}}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STOP = _nullable({"anyOf": [{"type": "string"},
                              {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}]})
 
@@ -117,12 +118,16 @@ COMPLETION_REQUEST = {
     "properties": {
         **_SAMPLING,
         "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-                              "maxItems": 1},
-                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}],
-                   "description": "one prompt: text, or token ids"},
+                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                             _TOKEN_IDS,
+                             {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
+                   "description": "one prompt or several, each text or token ids; each gets `n` choices, indexed "
+                                  "prompt-major (prompts times n at most the router's `max_choices`, 128 by "
+                                  "default)"},
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS_COMPLETIONS}),
-        "echo": _nullable({"const": False, "description": "false only"}),
+        "echo": _nullable({"type": "boolean", "description": "true: each choice's text begins with its prompt's "
+                                                             "text; not with `logprobs` (prompt logprobs are not "
+                                                             "returned)"}),
         "best_of": _nullable({"const": 1, "description": "1 only; use n"}),
         "suffix": {"type": "null", "description": "not supported"},
     },

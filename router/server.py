@@ -65,7 +65,8 @@ class Router:
             self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers,
                                          config.tool_call_parsers), self.agents, self.health, self.fleet,
             cost_model(config), failover_policy(config),
-            Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site),
+            Limits(config.max_prompt_tokens, config.default_max_tokens, config.retry_after_s, config.site,
+                   config.max_choices),
             SessionTable(config.max_sessions, config.session_ttl_s), self.metrics)
         self.app = create_app(self)
         self._server: uvicorn.Server | None = None

@@ -73,6 +73,22 @@ def test_repeated_prompt_reports_cached_tokens(client, cluster):
     assert cached % 16 == 0  # whole KV blocks
 
 
+def test_several_prompts_on_a_real_site_match_each_alone_and_echo(client, cluster):
+    """Prompts batched into one request (n choices each, decoded side by side on the site) give what each
+    gives alone; `echo` starts each choice with its prompt decoded as transformers decodes it."""
+    from transformers import AutoTokenizer
+
+    prompts = [prompt_ids(9), prompt_ids(14, start=3)]
+    alone = [client.completions.create(model=cluster.model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model=cluster.model, prompt=prompts, n=2, max_tokens=6, temperature=0,
+                                      echo=True)
+    hf = AutoTokenizer.from_pretrained(str(cluster.config.model_dir))
+    expected = [hf.decode(p) + a.choices[0].text for p, a in zip(prompts, alone) for _ in range(2)]
+    assert [(c.index, c.text) for c in batch.choices] == list(enumerate(expected))
+    assert batch.usage.prompt_tokens == 9 + 14
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+
+
 def test_bad_keys_get_401_error_bodies(cluster):
     for key in ("ef-not-a-real-key-at-all", cluster.api_key[:-2]):
         bad = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key=key, max_retries=0)

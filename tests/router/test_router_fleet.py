@@ -65,6 +65,11 @@ async def test_usage_in_the_registry_equals_what_clients_saw(cluster, two_router
             response = await http.post(f"{urls[i % 2]}/v1/chat/completions", json=body, headers=headers)
             assert response.status_code == 200
             count(response.json()["usage"])
+    # Several prompts with n choices each: every prompt is metered once, as the client's usage counts it.
+    body = {"model": MODEL, "prompt": ["hello", "hello there friend"], "n": 2, "max_tokens": 3}
+    response = await http.post(f"{urls[0]}/v1/completions", json=body, headers=headers)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 4
+    count(response.json()["usage"])
     for router in routers:   # a clean stop sends the last report
         await router.fleet.stop()
     rows = await cluster.admin.usage(granularity="total")

@@ -88,7 +88,9 @@ MALFORMED = [
     ("chat", json.dumps(chat(chat_template_kwargs=[1])).encode(), "chat_template_kwargs"),
     ("chat", json.dumps(chat(max_completion_tokens=[3])).encode(), "max_completion_tokens"),
     ("completions", json.dumps({"model": MODEL, "prompt": [1, 2 ** 64]}).encode(), "prompt"),
-    ("completions", json.dumps({"model": MODEL, "prompt": [[1, 2]]}).encode(), "prompt"),
+    ("completions", json.dumps({"model": MODEL, "prompt": [[1, 2], [1, 2 ** 64]]}).encode(), "prompt[1]"),
+    ("completions", json.dumps({"model": MODEL, "prompt": ["x", [1, -2]]}).encode(), "prompt[1]"),
+    ("completions", json.dumps({"model": MODEL, "prompt": "x", "echo": "yes"}).encode(), "echo"),
     ("completions", json.dumps({"model": MODEL, "prompt": "x", "logprobs": 2 ** 64}).encode(), "logprobs"),
     ("completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True, "n": 2 ** 64}).encode(), "n"),
 ]

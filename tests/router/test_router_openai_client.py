@@ -64,7 +64,7 @@ UNIMPLEMENTED_CHAT = {
     "prompt_cache_options": {"mode": "x"}, "prompt_cache_retention": "24h", "verbosity": "low",
     "web_search_options": {}, "store": True, "service_tier": "flex", "modalities": ["text", "audio"],
 }
-UNIMPLEMENTED_COMPLETIONS = {"echo": True, "best_of": 2, "suffix": "tail"}
+UNIMPLEMENTED_COMPLETIONS = {"best_of": 2, "suffix": "tail"}
 
 
 async def test_each_unimplemented_parameter_is_a_400_naming_it(client):
