@@ -140,8 +140,16 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nstopping: router, sites (draining), registry ...", flush=True)
-        cluster.stop()
+        print("\nstopping: router, sites (draining), registry ... (interrupt again to kill them at once)", flush=True)
+        try:
+            cluster.stop()
+        except KeyboardInterrupt:
+            # A second Ctrl-C, or the SIGTERM that systemd, docker or `timeout` repeat: stop waiting for the
+            # drain, but leave nothing running (the processes have sessions of their own, no signal reaches them).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print("interrupted again: killing what is still running ...", flush=True)
+            cluster.kill_all()
         print("stopped.", flush=True)
     return 0
 

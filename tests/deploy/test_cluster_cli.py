@@ -246,6 +246,32 @@ def test_up_after_a_crashed_up_starts_cleanly_and_ctrl_c_stops_everything(tmp_pa
     assert not list((state_dir / "run").glob("*.pid"))
 
 
+def test_a_second_interrupt_while_stopping_kills_everything_at_once(tmp_path, tiny_model_dir):
+    """Ctrl-C, then SIGTERM while the sites drain (as `timeout`, systemd or docker repeat it): the launcher
+    stops waiting, but no process of the cluster is left running and no pid file is left behind."""
+    state_dir, port, registry_port = tmp_path / "state", free_port(), free_port()
+    log = tmp_path / "up.log"
+    up = start_up(state_dir, tiny_model_dir, port, registry_port, log)
+    try:
+        wait_up(up, log)
+        children = child_pids(state_dir)
+        assert len(children) == 3
+        up.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "stopping:" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "interrupted again: killing what is still running" in text and text.rstrip().endswith("stopped."), text
+    assert not any(is_ours(pid) for pid in children)
+    assert not list((state_dir / "run").glob("*.pid"))
+
+
 def test_status_watch_keeps_the_last_table_while_the_registry_is_away(monkeypatch, capsys):
     """A redraw that cannot reach the registry says so above the last table it had, and tries again."""
     import argparse
