@@ -12,7 +12,10 @@ already sent and continues, so the stream the caller sees has no gap and no repe
 `sampling.max_tokens` always counts every output token, those already sent included. Attempts
 (fresh starts and resumes) are bounded. When none of the placement's pairs is left, the request is
 placed again on the router's current snapshot (failed sites still excluded): a site that was full or
-late with its heartbeat when the request arrived may have room by the time its first site dies.
+late with its heartbeat when the request arrived may have room by the time its first site dies. When
+that snapshot offers no usable pair either (the only other site was cordoned a moment ago, or its
+heartbeat is late), the request waits for one the same way it waits for room, placing itself again
+after each wait, rather than breaking a stream that a site a second later could finish.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class FailoverPolicy:
     first_token_timeout_s: float = 30.0
     token_idle_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
-    max_full_wait_s: float = 5.0  # how long full sites are waited for (within the first-token / idle timeout)
+    # how long a request waits for room on full sites, or for a site to take it when none is left
+    # (within the first-token timeout, or the token idle timeout once tokens were sent)
+    max_full_wait_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -108,16 +113,15 @@ class Generation:
     _wrong_role: set[tuple[str, str]] = field(default_factory=set)
     _full: set[str] = field(default_factory=set)   # sites that answered RESOURCE_EXHAUSTED since the last wait
     _num_full_refusals: int = 0
-    _num_replans: int = 0
-    _num_full_waits: int = 0
-    _full_since: float | None = None
+    _num_waits: int = 0
+    _waiting_since: float | None = None
     _last_failure: str = ""   # why the last attempt failed: the reason a failover or resume is counted under
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         while True:
             candidate = self._next_candidate()
             if candidate is None:
-                if await self._waited_for_room():
+                if await self._waited():
                     continue
                 raise GenerationFailed(self._failure_summary(), bool(self.generated_ids))
             self.num_attempts += 1
@@ -185,12 +189,14 @@ class Generation:
                 if attempt is not None:
                     self.ledger.finished(attempt)
 
+    def _attempts_spent(self) -> bool:
+        return self.num_attempts - self._num_full_refusals >= self.policy.max_attempts
+
     def _next_candidate(self) -> Candidate | None:
-        if self.num_attempts - self._num_full_refusals >= self.policy.max_attempts:
+        if self._attempts_spent():
             return None
         candidate = self._first_usable()
-        if candidate is None and self.replan is not None and self._num_replans < self.policy.max_attempts:
-            self._num_replans += 1
+        if candidate is None and self.replan is not None:
             self.candidates = self.replan()
             candidate = self._first_usable()
             if candidate is not None:
@@ -209,21 +215,26 @@ class Generation:
             return candidate
         return None
 
-    async def _waited_for_room(self) -> bool:
-        """Every candidate left is full: wait a little and let them be tried again (False: no time left)."""
-        if not self._full:
+    async def _waited(self) -> bool:
+        """No candidate is left: wait a little for room on the full ones, or (with a replan) for a site
+        to come live, then let placement try again. False: attempts or time are spent."""
+        if self._attempts_spent() or (not self._full and self.replan is None):
             return False
         now = asyncio.get_running_loop().time()
-        if self._full_since is None:
-            self._full_since = now
+        if self._waiting_since is None:
+            self._waiting_since = now
         timeout_s = self.policy.token_idle_timeout_s if self.generated_ids else self.policy.first_token_timeout_s
         budget_s = min(self.policy.max_full_wait_s, timeout_s)
-        delay_s = min(FULL_RETRY_S * 2 ** self._num_full_waits, FULL_RETRY_MAX_S)
-        if now + delay_s - self._full_since > budget_s:
+        delay_s = min(FULL_RETRY_S * 2 ** self._num_waits, FULL_RETRY_MAX_S)
+        if now + delay_s - self._waiting_since > budget_s:
             return False
-        self._num_full_waits += 1
-        log.info("request %s: every candidate left is full (%s); trying again in %.2f s", self.request_id,
-                 ", ".join(sorted(self._full)), delay_s)
+        self._num_waits += 1
+        if self._full:
+            log.info("request %s: every candidate left is full (%s); trying again in %.2f s", self.request_id,
+                     ", ".join(sorted(self._full)), delay_s)
+        else:
+            log.info("request %s: no site left to take it (failed: %s); placing it again in %.2f s", self.request_id,
+                     ", ".join(sorted(self._failed)) or "none", delay_s)
         await asyncio.sleep(delay_s)
         self._failed -= self._full
         self._full.clear()
@@ -232,7 +243,9 @@ class Generation:
     def _failure_summary(self) -> str:
         if self._full:
             return (f"every site that can take this request is full ({self._num_full_refusals} refusal(s) "
-                    f"over {self._num_full_waits} wait(s))")
+                    f"over {self._num_waits} wait(s))")
+        if self._num_waits:
+            return f"all {self.num_attempts} attempt(s) failed and no other site could take it within the wait"
         return f"all {self.num_attempts} attempt(s) failed"
 
     def _record_attempt(self, candidate: Candidate) -> Attempt | None:
@@ -286,6 +299,8 @@ class Generation:
 
     def _accept(self, step: TokenStep) -> None:
         self.generated_ids.extend(token.token_id for token in step.tokens)
+        self._waiting_since = None  # tokens flowed again: a later failure gets a wait budget of its own
+        self._num_waits = 0
 
     def _fail(self, site: str, reason: str) -> None:
         self._failed.add(site)

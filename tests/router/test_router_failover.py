@@ -114,6 +114,28 @@ async def test_a_site_live_only_after_placement_takes_the_resume(cluster, make_r
     assert method == "Decode" and len(resume.generated_ids) == 3
 
 
+async def test_a_stream_whose_last_site_stalls_waits_for_a_site_to_come_live(cluster, make_router, http):
+    """No site is left when the stream's only site stalls; one comes live a moment later and finishes it
+    (an uncordon or a late heartbeat the router had not seen yet), instead of the stream breaking."""
+    near = await cluster.add_site("fra", *FRA)
+    far = await cluster.add_site("par", *PAR, heartbeat=False)
+    key = await cluster.create_key()
+    _router, url = await make_router(token_idle_timeout_s=1.0, max_full_wait_s=5.0)
+    _response, lines = await stream(http, url, key)
+    reference_text, _ = stream_text(lines)
+    near.stall_after = 3
+    streaming = asyncio.create_task(stream(http, url, key))
+    await asyncio.sleep(1.5)  # fra stalled after 3 tokens and timed out at ~1 s: nothing was left then
+    assert not streaming.done()
+    await cluster.heartbeat("par")
+    response, lines = await streaming
+    assert response.headers["x-edgefire-decode-site"] == "fra"
+    assert lines[-1] == "data: [DONE]"
+    assert stream_text(lines)[0] == reference_text
+    method, resume = far.calls[-1]
+    assert method == "Decode" and len(resume.generated_ids) == 3
+
+
 async def test_decode_site_lost_mid_stream_resumes_without_gap_or_repeat(two_sites, http):
     near, far, key, url = two_sites
     _response, lines = await stream(http, url, key)
