@@ -82,7 +82,7 @@ async def ttft_trials(cluster, trials: int, prompt_len: int, cached_share: float
         for trial in range(trials):
             rng = random.Random(f"ttft/{trial}")
             prefix = random_prompt(rng, num_cached, vocab)
-            await completion(prefix + random_prompt(rng, prompt_len - num_cached, vocab))  # a site caches it
+            first = await completion(prefix + random_prompt(rng, prompt_len - num_cached, vocab))  # a site caches it
             deadline = time.monotonic() + 30.0
             while not await asyncio.to_thread(cached_on_some_site, cluster, prefix):
                 if time.monotonic() > deadline:
@@ -95,7 +95,7 @@ async def ttft_trials(cluster, trials: int, prompt_len: int, cached_share: float
             warm_results.append(warm)
             log(f"trial {trial + 1}/{trials}: cold TTFT {1000 * cold.ttft_s:.0f} ms ({cold.cached_tokens} cached), "
                 f"cached-prefix TTFT {1000 * warm.ttft_s:.0f} ms ({warm.cached_tokens} of {warm.prompt_tokens} "
-                f"cached, on {warm.prefill_site})")
+                f"cached, on {warm.prefill_site}->{warm.decode_site}; the prefix went {first.prefill_site}->{first.decode_site})")
     return warm_results, cold_results
 
 

@@ -32,8 +32,15 @@ async def test_disaggregation_benchmark_reports_both_modes(cluster):
 
 
 async def test_prefix_cache_benchmark_reports_cached_ttft_and_both_chat_settings(cluster):
-    warm, cold = await prefix_cache.ttft_trials(cluster, trials=1, prompt_len=96, cached_share=0.9,
-                                                vocab=vocab_size(cluster.config.model_dir), max_tokens=2)
+    # One site: a 96-token prompt's cached blocks save the router about a millisecond of prefill, less than
+    # what a loaded machine moves its other terms by, so on three sites it may rightly pick a pair without
+    # them (a CI run did); the benchmark's 2,000-token prompts are far from that margin.
+    only(cluster, BOTH)
+    try:
+        warm, cold = await prefix_cache.ttft_trials(cluster, trials=1, prompt_len=96, cached_share=0.9,
+                                                    vocab=vocab_size(cluster.config.model_dir), max_tokens=2)
+    finally:
+        uncordon_all(cluster)
     assert warm[0].cached_tokens >= 80 and cold[0].cached_tokens == 0  # the prefix's 5 whole blocks
     chat = prefix_cache.ChatWorkload(conversations=2, turns=2, system_words=10, user_words=6, answer_tokens=3,
                                      think_s=(0.0, 0.05), stagger_s=0.1)
