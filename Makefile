@@ -14,7 +14,7 @@ $(BIN)/python:
 TORCH_SPEC ?= torch==2.13.0
 
 # The native decoder is compiled by the editable install: rebuild when its source changes.
-$(STAMP): $(BIN)/python pyproject.toml engine/compression/native_decoder.c
+$(STAMP): $(BIN)/python pyproject.toml engine/compression/native_decoder.c engine/cpu_attention.c engine/cpu_matmul.c engine/cpu_buffers.h
 	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q '$(TORCH_SPEC)'
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)

@@ -13,7 +13,10 @@ About 8 minutes with the defaults. Three clusters of real processes run on loopb
                     request is prefilled on one, its KV pulled over the data port, and decoded on
                     the other.
 Each cluster's two agents are held to one CPU each (taskset, one torch thread), the first agent of
-every cluster to the same CPU and the second to the other, so every mode gets the same two cores;
+every cluster to the same CPU and the second to the other, so every mode gets the same two cores.
+Whether the two CPUs are independent is checked first and printed (a one-thread loop on one, alone
+and while the other is busy): were they one core's two hardware threads, a busy prefill site would
+slow the decode site's steps, and split would not be the isolation it is on separate machines;
 the routers and this load generator are not pinned (their CPU use is printed: on a two-core machine
 they take a fifth to a third of a core from the agents). Rounds alternate the order of the modes
 (ABC, CBA, ...) and every figure is the median over rounds.
@@ -53,6 +56,10 @@ demo model without an end-of-text token, so every answer is exactly as long as a
 timed as they reach this client (through the router, `logprobs` on so each token is seen): TTFT
 from request to first token, inter-token latency (ITL) between consecutive tokens of one answer
 (the handoff gap of a split answer included, and shown on its own), TPOT each answer's mean gap.
+"Site ITL" is the same gap as the agents stream tokens out (their edgefire_agent_inter_token_seconds
+histograms, merged over the cluster's sites), before the router and this client add theirs: on a
+two-CPU machine those two share the sites' cores, which puts a floor of a few ms under the client's
+p90 whatever the sites do.
 Per site the agents' engine step totals (`edgefire_agent_engine_*_total` on /metrics) say which
 regime a mode ran in: rho (the share of time in steps with prompt tokens), the share of steps and
 of decoded tokens (gaps) such steps had, a plain decode step and a step with prompt tokens.
@@ -79,8 +86,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import (StreamResult, cpu_for_sites, endless_model, log, machine_line,  # noqa: E402
-                                markdown_table, percentile, random_prompt, running_cluster, sigterm_as_interrupt,
+from benchmarks.harness import (StreamResult, core_interference, cpu_for_sites, endless_model, log,  # noqa: E402
+                                machine_line, markdown_table, percentile, random_prompt, running_cluster, sigterm_as_interrupt,
                                 site, stream, vocab_size)
 from engine.demo import SIZES  # noqa: E402
 
@@ -197,9 +204,13 @@ STEP_COUNTERS = {"edgefire_agent_engine_steps": "steps", "edgefire_agent_engine_
                  "edgefire_agent_engine_decode_tokens": "decoded", "edgefire_agent_engine_prefill_tokens": "prefilled"}
 
 
+SITE_ITL = "edgefire_agent_inter_token_seconds"  # the gaps between the tokens an agent streams out
+
+
 def step_totals(cluster) -> dict[str, dict[str, float] | None]:
-    """Per site: `<counter>/<kind>` -> running total, summed over the site's models (None: its
-    /metrics did not answer after a few tries; that site's regime figures are then left blank)."""
+    """Per site: `<counter>/<kind>` -> running total, and `itl_le/<bound>` -> the site's inter-token
+    histogram (cumulative counts), summed over the site's models (None: its /metrics did not answer
+    after a few tries; that site's figures are then left blank)."""
     totals = {}
     with cluster.http_client(timeout=10.0) as http:
         for spec in cluster.config.sites:
@@ -212,6 +223,12 @@ def step_totals(cluster) -> dict[str, dict[str, float] | None]:
                     continue
                 totals[spec.name] = site_totals = {}
                 for family in text_string_to_metric_families(text):
+                    if family.name == SITE_ITL:
+                        for sample in family.samples:
+                            if sample.name.endswith("_bucket"):
+                                key = f"itl_le/{sample.labels['le']}"
+                                site_totals[key] = site_totals.get(key, 0.0) + sample.value
+                        continue
                     short = STEP_COUNTERS.get(family.name)
                     for sample in family.samples if short else ():
                         if sample.name.endswith("_total"):
@@ -242,6 +259,38 @@ def regime(before: dict[str, dict[str, float]], after: dict[str, dict[str, float
             "prefill_tokens": delta.get("prefilled/all", 0.0),
         }
     return figures
+
+
+def site_itl(before: dict[str, dict[str, float] | None], after: dict[str, dict[str, float] | None]) -> dict:
+    """p50/p90 of the gaps between tokens as the sites streamed them out over a window (all the cluster's
+    sites' histograms merged, each percentile interpolated within its bucket): inter-token latency
+    before the router and the client, which on a two-CPU machine share the sites' cores."""
+    counts: dict[float, float] = {}
+    for name, totals in after.items():
+        if totals is None or before.get(name) is None:
+            return {"site_itl_p50": math.nan, "site_itl_p90": math.nan}
+        for key, value in totals.items():
+            if key.startswith("itl_le/"):
+                bound = float(key.split("/", 1)[1])
+                counts[bound] = counts.get(bound, 0.0) + value - before[name].get(key, 0.0)
+    return {"site_itl_p50": histogram_quantile(counts, 0.5), "site_itl_p90": histogram_quantile(counts, 0.9)}
+
+
+def histogram_quantile(cumulative: dict[float, float], q: float) -> float:
+    """The q-quantile of a cumulative histogram {upper bound: count}, linear within the bucket it falls in."""
+    bounds = sorted(cumulative)
+    total = cumulative[bounds[-1]] if bounds else 0.0
+    if not total:
+        return math.nan
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        if cumulative[bound] >= q * total:
+            if math.isinf(bound):
+                return lower
+            inside = cumulative[bound] - below
+            return lower + (bound - lower) * ((q * total - below) / inside if inside else 1.0)
+        lower, below = bound, cumulative[bound]
+    return lower
 
 
 def process_cpu_s(pid: int | None) -> float:
@@ -286,7 +335,7 @@ def measure(cluster, mode: str, workload: Workload, seed: int | str, dump: Path 
                 out.write(json.dumps({"mode": mode, "seed": seed, "kind": r.kind, "started": r.started,
                                       "token_times": r.token_times, "prefill_site": r.prefill_site,
                                       "decode_site": r.decode_site, "error": r.error}) + "\n")
-    return Measured(stats.figures(), regime(before, after, elapsed), cpu), stats.errors
+    return Measured({**stats.figures(), **site_itl(before, after)}, regime(before, after, elapsed), cpu), stats.errors
 
 
 # -- calibration ---------------------------------------------------------------------------------
@@ -375,7 +424,8 @@ def summary(figures: dict[str, float]) -> str:
     return (f"{figures['requests']:.0f} requests ({figures['failed']:.0f} failed), "
             f"TTFT p50/p90 {1000 * figures['ttft_p50']:.0f}/{1000 * figures['ttft_p90']:.0f} ms, "
             f"ITL p50/p90/p99 {1000 * figures['itl_p50']:.1f}/{1000 * figures['itl_p90']:.1f}/"
-            f"{1000 * figures['itl_p99']:.1f} ms, {figures['tokens_per_s']:.0f} tokens/s, "
+            f"{1000 * figures['itl_p99']:.1f} ms (at the sites p50/p90 {1000 * figures.get('site_itl_p50', math.nan):.1f}/"
+            f"{1000 * figures.get('site_itl_p90', math.nan):.1f} ms), {figures['tokens_per_s']:.0f} tokens/s, "
             f"split {100 * figures['split_share']:.0f}%")
 
 
@@ -398,10 +448,12 @@ def verdicts(medians: dict[str, dict[str, float]]) -> list[str]:
         if name == "split":
             continue
         itl, itl99, tpot, ttft = ratios(colo, split)
+        at_sites = colo.get("site_itl_p90", math.nan) / split.get("site_itl_p90", math.nan)
         lines.append(f"{name} vs split: ITL p90 {itl:.2f}x lower split (target >= {ITL_TARGET:g}x: "
                      f"{'met' if itl >= ITL_TARGET else 'missed'}), ITL p99 {itl99:.2f}x, TPOT p90 {tpot:.2f}x; "
                      f"TTFT p90 split / {name} {ttft:.2f}x (target <= {TTFT_TARGET:g}x: "
-                     f"{'met' if ttft <= TTFT_TARGET else 'missed'})")
+                     f"{'met' if ttft <= TTFT_TARGET else 'missed'}); as the sites stream it, ITL p90 "
+                     f"{at_sites:.2f}x lower split")
     return lines
 
 
@@ -425,13 +477,15 @@ def report(by_mode: dict[str, list[dict[str, float]]], sites: dict[str, list[dic
            cpu: dict[str, list[dict[str, float]]] | None = None) -> str:
     """The tables of one load: latency per mode, details, and (when measured) each site's regime and CPU."""
     medians = {mode: median_figures(rounds) for mode, rounds in by_mode.items()}
-    main = [("mode", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "ITL p99", "TPOT p50 / p90", "output tokens/s")]
+    main = [("mode", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "ITL p99", "TPOT p50 / p90", "output tokens/s",
+             "site ITL p50 / p90")]
     detail = [("mode", "requests", "failed", "split", "stream TTFT p90", "long-prompt TTFT p50 / p90",
                "split handoff gap p50 / p90")]
     for mode, m in medians.items():
         main.append((mode, ms(m["ttft_p50"]), ms(m["ttft_p90"]), ms(m["itl_p50"], 1), ms(m["itl_p90"], 1),
                      ms(m["itl_p99"], 1), f"{ms(m['tpot_p50'], 1)} / {ms(m['tpot_p90'], 1)}",
-                     f"{m['tokens_per_s']:.0f}"))
+                     f"{m['tokens_per_s']:.0f}", f"{ms(m.get('site_itl_p50', math.nan), 1)} / "
+                                                 f"{ms(m.get('site_itl_p90', math.nan), 1)}"))
         detail.append((mode, f"{m['requests']:.0f}", f"{m['failed']:.0f}", pct(m["split_share"]),
                        ms(m["stream_ttft_p90"]), f"{ms(m['long_ttft_p50'])} / {ms(m['long_ttft_p90'])}",
                        f"{ms(m['handoff_p50'])} / {ms(m['handoff_p90'])}"))
@@ -590,6 +644,11 @@ def run_load(clusters: dict, load: float, calibration: Calibration, args: argpar
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log(f"machine: {machine_line()}")
+    interference = core_interference(cpu_for_sites(2))
+    independence = (f"a one-thread loop on the first site's CPU takes {interference:.2f}x as long while the second "
+                    f"site's CPU is busy (1.00x: independent cores)" if interference is not None
+                    else "the sites are not held to separate CPUs")
+    log(f"core check: {independence}")
     minutes = len(args.prefill_loads) * len(args.modes) * args.rounds * args.seconds / 60
     log(f"measuring {len(args.prefill_loads)} load(s) x {len(args.modes)} modes x {args.rounds} round(s) x "
         f"{args.seconds:.0f} s = {minutes:.1f} min, after about 2 min of start-up and calibration")
@@ -598,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = vocab_size(model_dir)
         clusters, calibration, chunk = start_all(stack, model_dir, Path(tmp), args, vocab)
         results = [run_load(clusters, load, calibration, args, vocab) for load in args.prefill_loads]
-    print(f"\nMachine: {machine_line()}. Calibration: {calibration_line(calibration, args, chunk)}.")
+    print(f"\nMachine: {machine_line()}; {independence}. Calibration: {calibration_line(calibration, args, chunk)}.")
     for result in results:
         print(f"\n### Prefill load {result.load:.2f} on the split prefill site (a long prompt every "
               f"{result.long_every:.2f} s on average)\n")

@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -65,6 +66,35 @@ def cpu_for_sites(num_sites: int) -> list[list[int]]:
     if not available or not shutil.which("taskset"):
         return [[] for _ in range(num_sites)]
     return [[available[i % len(available)]] for i in range(num_sites)]
+
+
+# One thread of small matmuls for about half a second: the work of a one-core site.
+_PROBE = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nfor _ in range(50): a @ a\n"
+          "started = time.perf_counter()\nfor _ in range(4000): a @ a\nprint(time.perf_counter() - started)")
+_SPIN = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True: a @ a"
+
+
+def core_interference(cpus: list[list[int]]) -> float | None:
+    """How many times longer one thread of matmuls takes on the first site's CPU while the second site's
+    CPU runs the same loop (1.0: the two CPUs are independent; 2.0: they are one core's two hardware
+    threads, or share what limits it). None where the sites are not held to separate CPUs."""
+    if len(cpus) < 2 or not cpus[0] or not cpus[1] or cpus[0] == cpus[1]:
+        return None
+
+    def timed() -> float:
+        out = subprocess.run(["taskset", "-c", str(cpus[0][0]), sys.executable, "-c", _PROBE],
+                             capture_output=True, text=True, check=True)
+        return float(out.stdout)
+
+    alone = min(timed() for _ in range(2))
+    spinner = subprocess.Popen(["taskset", "-c", str(cpus[1][0]), sys.executable, "-c", _SPIN])
+    try:
+        time.sleep(1.0)  # past the spinner's import
+        busy = min(timed() for _ in range(2))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    return busy / alone
 
 
 @contextmanager

@@ -86,6 +86,10 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"engine crashed: {exc!r}"))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
+        """Hands a step's tokens to their streams: one wake-up of each event loop per step, not one per
+        token (a wake-up is a write to the loop's self-pipe; a step of a few hundred sequences made as
+        many system calls and loop callbacks)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is None:
@@ -95,7 +99,9 @@ class AsyncEngine:
             loop, queue = target
             event = TokenEvent(out.token.token_id, out.token.logprob, out.token.top_logprobs, out.finish_reason,
                                out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle)
-            loop.call_soon_threadsafe(queue.put_nowait, (event, out.finished))
+            batches.setdefault(loop, []).append((queue, (event, out.finished)))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _refresh_stats(self) -> None:
         self.latest_stats = self.engine.stats()  # one reference swap: readers on other threads see a whole object
@@ -252,6 +258,11 @@ async def kv_chunks(export: KVExport) -> AsyncIterator[KVChunk]:
         if not pending.done():
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
+
+
+def _deliver(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,18 +11,25 @@ from engine.errors import CheckpointError, UnsupportedModelError
 
 # model_type -> whether q/k/v projections carry a bias regardless of `attention_bias`
 SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False,
-                         "mixtral": False, "qwen3_moe": False}
+                         "mixtral": False, "qwen3_moe": False, "deepseek_v3": False}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}
 
 
 @dataclass(slots=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"  # "default", "llama3", or "yarn" (DeepSeek-V3 only)
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the band of rotations blended between interpolated and original frequencies, and the
+    # factor cos and sin are multiplied by (from mscale / mscale_all_dim unless given)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0   # DeepSeek: also scales the attention softmax by mscale(factor, this) squared
 
 
 @dataclass(slots=True)
@@ -33,6 +41,42 @@ class MoEConfig:
     intermediate_size: int       # of one expert
     norm_topk_prob: bool         # renormalize the top-k router probabilities to sum to 1
     sparse_layers: list[bool]    # per layer: MoE (True) or the dense MLP of intermediate_size (False)
+    # DeepSeek-V3 routing: sigmoid scores; experts chosen by score plus a per-expert correction bias
+    # among the topk_groups best of num_groups equal groups; weights are the (normalized) sigmoid
+    # scores times routed_scaling_factor. Mixtral and Qwen3-MoE: softmax over all experts.
+    scoring: str = "softmax"     # "softmax" or "sigmoid"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # a dense MLP of num_shared_experts * intermediate_size every token also takes
+
+
+@dataclass(slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3): queries and keys have a position-free part of
+    qk_nope_head_dim and a rotary part of qk_rope_head_dim per head; keys and values of every head
+    are decompressed from one latent per token (kv_lora_rank dims, RMS-normed) by kv_b_proj, and
+    the rotary key part is one head shared by all. The KV cache holds the latent and the rotary key."""
+
+    q_lora_rank: int | None      # None: q_proj straight from the hidden state; else q_a_proj, norm, q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool        # rotary dims stored as interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def num_parameters(self, hidden: int, num_heads: int) -> int:
+        """Weight elements of one layer's attention (projections and the latent norms) with num_heads
+        query heads (under tensor parallelism a rank's share: the latent projections are whole on each)."""
+        rank, q_rows = self.kv_lora_rank, num_heads * self.qk_head_dim
+        query = hidden * q_rows if self.q_lora_rank is None else self.q_lora_rank * (hidden + 1 + q_rows)
+        latent = (rank + self.qk_rope_head_dim) * hidden + rank   # kv_a_proj_with_mqa, kv_a_layernorm
+        kv_b = num_heads * (self.qk_nope_head_dim + self.v_head_dim) * rank
+        return query + latent + kv_b + num_heads * self.v_head_dim * hidden
 
 
 @dataclass(slots=True)
@@ -58,9 +102,18 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     moe: MoEConfig | None = None
+    # Multi-head latent attention; then num_kv_heads and head_dim describe its cache: one "head"
+    # per token of kv_lora_rank + qk_rope_head_dim dims, keys and values at once.
+    mla: MLAConfig | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors per layer in the KV cache: keys and values (2), or one latent whose first
+        kv_lora_rank dims are also the values (1, multi-head latent attention)."""
+        return 1 if self.mla is not None else 2
 
     def num_parameters(self) -> int:
         """Weights the engine keeps resident: every expert of every MoE layer counts, not just the active ones."""
@@ -76,16 +129,19 @@ def _require(raw: dict, key: str, path: Path):
     return raw[key]
 
 
-def _parse_rope(raw: dict, path: Path) -> RopeConfig:
+def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ("default", "llama3")) -> RopeConfig:
     # Newer checkpoints nest everything under rope_parameters; older ones use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3"):
-        raise UnsupportedModelError(f"{path}: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type not in supported:
+        raise UnsupportedModelError(f"{path}: rope type {rope_type!r} is not supported for {raw.get('model_type')} "
+                                    f"(supported: {', '.join(supported)})")
     rope = RopeConfig(theta=float(theta), rope_type=rope_type)
+    if rope_type == "yarn":
+        return _parse_yarn(rope, merged, raw, path)
     if rope_type == "llama3":
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in merged:
@@ -95,6 +151,33 @@ def _parse_rope(raw: dict, path: Path) -> RopeConfig:
         rope.high_freq_factor = float(merged["high_freq_factor"])
         rope.original_max_position_embeddings = int(merged["original_max_position_embeddings"])
     return rope
+
+
+def _parse_yarn(rope: RopeConfig, merged: dict, raw: dict, path: Path) -> RopeConfig:
+    """yarn's fields, defaulted as the reference implementation defaults them."""
+    original = merged.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    if original is None:
+        raise CheckpointError(f"{path}: yarn rope scaling lacks 'original_max_position_embeddings'")
+    rope.original_max_position_embeddings = int(original)
+    factor = merged.get("factor")
+    if factor is None:   # the context the scaling reaches over the one trained at
+        factor = int(raw["max_position_embeddings"]) / rope.original_max_position_embeddings
+    rope.factor = float(factor)
+    rope.beta_fast = float(merged.get("beta_fast") or 32)
+    rope.beta_slow = float(merged.get("beta_slow") or 1)
+    rope.truncate = bool(merged.get("truncate", True))
+    mscale, rope.mscale_all_dim = merged.get("mscale"), float(merged.get("mscale_all_dim") or 0)
+    if merged.get("attention_factor") is not None:
+        rope.attention_factor = float(merged["attention_factor"])
+    elif mscale and rope.mscale_all_dim:
+        rope.attention_factor = yarn_mscale(rope.factor, float(mscale)) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    else:
+        rope.attention_factor = yarn_mscale(rope.factor)
+    return rope
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int) -> list[int | None]:
@@ -132,6 +215,8 @@ def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
 
 
 def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
+    if model_type == "deepseek_v3":
+        return _parse_deepseek_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
@@ -151,6 +236,60 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
                      bool(raw.get("norm_topk_prob", False)), sparse)
 
 
+# DeepSeek checkpoint fields that choose a variant: the values of the one implemented (DeepSeek-V3's)
+DEEPSEEK_VARIANTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def _parse_deepseek_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """DeepSeek-V3's experts: the first first_k_dense_replace layers dense, every later one sparse."""
+    for key, value in DEEPSEEK_VARIANTS.items():
+        if key in raw and raw[key] != value:
+            raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported (only DeepSeek-V3's {value!r})")
+    num_experts = _positive_int(raw, ("n_routed_experts", "num_local_experts"), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    num_groups, topk_groups = _positive_int(raw, ("n_group",), path), _positive_int(raw, ("topk_group",), path)
+    if num_experts % num_groups or num_experts // num_groups < 2:
+        raise CheckpointError(f"{path}: n_group {num_groups} must split the {num_experts} routed experts into equal "
+                              f"groups of at least 2 (a group scores by its best two)")
+    if topk_groups > num_groups:
+        raise CheckpointError(f"{path}: topk_group {topk_groups} exceeds n_group {num_groups}")
+    usable = topk_groups * (num_experts // num_groups)
+    if top_k > usable:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {usable} experts of the "
+                              f"topk_group {topk_groups} groups a token may use")
+    first_sparse = raw.get("first_k_dense_replace") or 0
+    if not isinstance(first_sparse, int) or first_sparse < 0:
+        raise CheckpointError(f"{path}: first_k_dense_replace must be a non-negative integer, got {first_sparse!r}")
+    shared = raw.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or shared < 0:
+        raise CheckpointError(f"{path}: n_shared_experts must be a non-negative integer, got {shared!r}")
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
+                     bool(raw.get("norm_topk_prob", True)), [i >= first_sparse for i in range(num_layers)],
+                     scoring="sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+                     routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)), num_shared_experts=shared)
+
+
+def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
+    if raw.get("attention_bias"):
+        raise UnsupportedModelError(f"{path}: attention_bias true is not supported for multi-head latent attention")
+    num_kv_heads = raw.get("num_key_value_heads")
+    if num_kv_heads is not None and num_kv_heads != num_heads:
+        raise UnsupportedModelError(f"{path}: num_key_value_heads {num_kv_heads} differs from num_attention_heads "
+                                    f"{num_heads}; multi-head latent attention decompresses one K/V per query head")
+    q_lora_rank = raw.get("q_lora_rank")
+    mla = MLAConfig(
+        q_lora_rank=None if q_lora_rank is None else _positive_int(raw, ("q_lora_rank",), path),
+        kv_lora_rank=_positive_int(raw, ("kv_lora_rank",), path),
+        qk_nope_head_dim=_positive_int(raw, ("qk_nope_head_dim",), path),
+        qk_rope_head_dim=_positive_int(raw, ("qk_rope_head_dim",), path),
+        v_head_dim=_positive_int(raw, ("v_head_dim",), path),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise CheckpointError(f"{path}: qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}")
+    return mla
+
+
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -168,6 +307,10 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    mla, rope_types = None, ("default", "llama3")
+    if model_type == "deepseek_v3":
+        mla, rope_types = _parse_mla(raw, num_heads, path), ("default", "yarn")
+        num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(_require(raw, "vocab_size", path)),
@@ -179,7 +322,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         head_dim=head_dim,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(raw, path),
+        rope=_parse_rope(raw, path, rope_types),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=SUPPORTED_MODEL_TYPES[model_type] or bool(raw.get("attention_bias", False)),
         qk_norm=model_type in QK_NORM_MODEL_TYPES,
@@ -189,6 +332,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         eos_token_ids=_as_id_list(raw.get("eos_token_id")),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         moe=_parse_moe(raw, model_type, num_layers, path),
+        mla=mla,
     )
 
 

@@ -1,5 +1,5 @@
-"""A small random-weight checkpoint (Llama, or the mixture-of-experts Mixtral or Qwen3-MoE) with a
-trained byte-level BPE tokenizer.
+"""A small random-weight checkpoint (Llama, or the mixture-of-experts Mixtral, Qwen3-MoE or DeepSeek-V3)
+with a trained byte-level BPE tokenizer.
 
 It lets everything run with no download. Its weights are random, so its output is meaningless
 text: it exercises the machinery (loading, batching, caching, transfer, expert routing), not language.
@@ -61,7 +61,7 @@ SIZES = {
     "small": DemoSize(256, 4, 8, 4, 688, 2048, 4096),  # `make run` and demos
 }
 
-ARCHITECTURES = ("llama", "mixtral", "qwen3-moe")
+ARCHITECTURES = ("llama", "mixtral", "qwen3-moe", "deepseek-v3")
 
 
 @dataclass(slots=True)
@@ -69,10 +69,12 @@ class DemoExperts:
     num_experts: int
     num_experts_per_tok: int
     intermediate_size: int      # of one expert
+    num_groups: int             # DeepSeek-V3: experts routed in this many groups, a token using topk_groups of them
+    topk_groups: int
 
 
 # The MoE demos have the dense demo's attention and several narrower experts per layer.
-EXPERTS = {"tiny": DemoExperts(4, 2, 64), "small": DemoExperts(8, 2, 256)}
+EXPERTS = {"tiny": DemoExperts(4, 2, 64, 2, 1), "small": DemoExperts(8, 2, 256, 4, 2)}
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -103,7 +105,7 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, arc
     tokenizer.save(str(out / "tokenizer.json"))
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     head_dim = shape.hidden_size // shape.num_heads
-    config = {
+    config: dict = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
         "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
@@ -111,7 +113,9 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, arc
         "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": bos_id,
         "eos_token_id": eos_id, "torch_dtype": "float32",
-    } | _moe_config(arch, experts)
+    } | _moe_config(arch, experts, shape)
+    if arch == "deepseek-v3":
+        del config["head_dim"]   # its per-head dims are the latent attention's own
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": [eos_id]}, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -124,7 +128,7 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, arc
     return out
 
 
-def _moe_config(arch: str, experts: DemoExperts | None) -> dict:
+def _moe_config(arch: str, experts: DemoExperts | None, shape: DemoSize) -> dict:
     if arch == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts.num_experts,
                 "num_experts_per_tok": experts.num_experts_per_tok, "intermediate_size": experts.intermediate_size}
@@ -133,7 +137,21 @@ def _moe_config(arch: str, experts: DemoExperts | None) -> dict:
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts.num_experts,
                 "num_experts_per_tok": experts.num_experts_per_tok, "moe_intermediate_size": experts.intermediate_size,
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0]}
+    if arch == "deepseek-v3":
+        # Layer 0 dense (first_k_dense_replace), one shared expert beside the routed ones, latent attention.
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "num_key_value_heads": shape.num_heads, "n_routed_experts": experts.num_experts,
+                "num_experts_per_tok": experts.num_experts_per_tok, "moe_intermediate_size": experts.intermediate_size,
+                "n_group": experts.num_groups, "topk_group": experts.topk_groups, "n_shared_experts": 1,
+                "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                "rope_interleave": True} | _mla_dims(shape)
     return {}
+
+
+def _mla_dims(shape: DemoSize) -> dict:
+    head_dim = shape.hidden_size // shape.num_heads
+    return {"kv_lora_rank": shape.hidden_size // 2, "q_lora_rank": shape.hidden_size // 2,
+            "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim}
 
 
 def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int, arch: str = "llama",
@@ -153,6 +171,9 @@ def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int, a
                "lm_head.weight": normal(vocab_size, h, std=0.5)}
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
+        if arch == "deepseek-v3":
+            weights |= _deepseek_layer(p, shape, experts, i, normal, mlp)
+            continue
         weights |= {
             p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
             p + "self_attn.q_proj.weight": normal(q_rows, h, std=0.2),
@@ -174,4 +195,27 @@ def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int, a
                 expert = {k.replace("gate_proj", "w1").replace("down_proj", "w2").replace("up_proj", "w3"): v
                           for k, v in expert.items()}
             weights |= expert
+    return weights
+
+
+def _deepseek_layer(p: str, shape: DemoSize, experts: DemoExperts, i: int, normal, mlp) -> dict[str, torch.Tensor]:
+    h, heads, dims = shape.hidden_size, shape.num_heads, _mla_dims(shape)
+    rank, q_rank, rope = dims["kv_lora_rank"], dims["q_lora_rank"], dims["qk_rope_head_dim"]
+    a = p + "self_attn."
+    weights = {
+        p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+        a + "q_a_proj.weight": normal(q_rank, h, std=0.2), a + "q_a_layernorm.weight": torch.ones(q_rank),
+        a + "q_b_proj.weight": normal(heads * (dims["qk_nope_head_dim"] + rope), q_rank, std=0.2),
+        a + "kv_a_proj_with_mqa.weight": normal(rank + rope, h, std=0.2), a + "kv_a_layernorm.weight": torch.ones(rank),
+        a + "kv_b_proj.weight": normal(heads * (dims["qk_nope_head_dim"] + dims["v_head_dim"]), rank, std=0.2),
+        a + "o_proj.weight": normal(h, heads * dims["v_head_dim"], std=0.05),
+    }
+    if i == 0:
+        return weights | mlp(p + "mlp.", shape.intermediate_size)
+    # A router with spread-out logits and a correction bias, so tokens really do go to different experts.
+    weights[p + "mlp.gate.weight"] = normal(experts.num_experts, h, std=0.5)
+    weights[p + "mlp.gate.e_score_correction_bias"] = normal(experts.num_experts, std=0.1)
+    weights |= mlp(p + "mlp.shared_experts.", experts.intermediate_size)
+    for e in range(experts.num_experts):
+        weights |= mlp(f"{p}mlp.experts.{e}.", experts.intermediate_size)
     return weights

@@ -73,7 +73,7 @@ class DraftProposer:
         mc = self.model_config
         element = torch.tensor([], dtype=dtype).element_size()
         pool = kv_bytes if num_blocks is None else \
-            num_blocks * 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
+            num_blocks * mc.kv_parts * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
         need = mc.num_parameters() * element + pool
         free, _ = torch.cuda.mem_get_info(device)
         if need > free:

@@ -592,7 +592,7 @@ class LLMEngine:
         mc = self.model_config
         dtype_name = str(self.dtype).removeprefix("torch.")
         return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name, self.config.block_size,
-                        num_tokens, self.fingerprint)
+                        num_tokens, self.fingerprint, mc.kv_parts)
 
     def open_export(self, handle: str) -> KVExport:
         """Hold a leased handle open for reading (see engine.kv_export); close with close_export.
@@ -666,7 +666,7 @@ class LLMEngine:
             with warnings.catch_warnings():  # read-only buffer: we only copy out of it
                 warnings.simplefilter("ignore", UserWarning)
                 kv = torch.frombuffer(chunk.data, dtype=self.dtype)
-            kv = kv.view(2, chunk.num_tokens, mc.num_kv_heads, mc.head_dim)[:, first - chunk.first_token:]
+            kv = kv.view(mc.kv_parts, chunk.num_tokens, mc.num_kv_heads, mc.head_dim)[:, first - chunk.first_token:]
             positions = torch.arange(first, count)
             slots = table[positions // bs] * bs + positions % bs
             for piece in self.kv_map.write[chunk.layer]:
@@ -674,8 +674,8 @@ class LLMEngine:
                 layer_cache = piece.pool[piece.layer]
                 part = kv[:, :, heads.start:heads.stop].to(device)
                 on_device = slots.to(device)
-                layer_cache[0].view(-1, len(heads), mc.head_dim)[on_device] = part[0]
-                layer_cache[1].view(-1, len(heads), mc.head_dim)[on_device] = part[1]
+                for cache, values in zip(layer_cache, part):   # keys and values, or the latents
+                    cache.view(-1, len(heads), mc.head_dim)[on_device] = values
                 devices.add(device)
         for device in devices:
             if device.type == "cuda" and device != self.device:

@@ -5,14 +5,15 @@ Every rank of the group holds the same tokens when the MoE block starts (attenti
 across the group, or tensor-parallel and already all-reduced). The block then runs in five
 collectives over the group, all sized by the batch, never by the expert count:
 
-1. Each rank takes its contiguous slice of the tokens and routes it (softmax top-k, engine.moe).
+1. Each rank takes its contiguous slice of the tokens and routes it (engine.moe.select_experts).
    Its (token, expert) pairs are sorted by owning rank; the counts per owner go out first
    (all-to-all of one integer per rank) so every rank knows how many rows it will receive.
 2. The pairs' hidden rows and their experts' local ids go to the owners (two all-to-alls).
 3. Each owner runs its experts on what it received with `ops.fused_moe` (the grouped path of one
    device; the Triton kernel on CUDA) and sends the rows back (all-to-all).
 4. Each rank puts its rows back in (token, slot) order and sums them with the router weights,
-   exactly as one device combines them; an all-gather gives every rank the block's whole output.
+   exactly as one device combines them, adds its tokens' shared experts (DeepSeek-V3: every rank
+   holds them whole); an all-gather gives every rank the block's whole output.
 
 A skewed batch (every token on one expert) only makes one owner's receive larger: the counts say
 so before any row moves. Ranks hold experts in contiguous runs: rank r owns experts
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.moe import MoEWeights, route
+from engine.moe import MoEWeights, select_experts, shared_experts
 from engine.parallel import timing
 from engine.parallel.layout import expert_range
 
@@ -64,7 +65,7 @@ def moe_forward_parallel(moe: MoEWeights, x: torch.Tensor, experts: ExpertGroup,
     per_rank = -(-num_tokens // size)
     first, last = min(num_tokens, experts.rank * per_rank), min(num_tokens, (experts.rank + 1) * per_rank)
     mine = x[first:last]
-    weights, ids = route(mine, moe.router, moe.top_k, moe.normalize)
+    weights, ids = select_experts(moe, mine)
     flat_ids = ids.flatten()
     owners = flat_ids // experts.experts_per_rank
     order = owners.argsort(stable=True)
@@ -80,6 +81,9 @@ def moe_forward_parallel(moe: MoEWeights, x: torch.Tensor, experts: ExpertGroup,
 
     per_slot = torch.empty_like(returned).index_copy_(0, order, returned).view(last - first, moe.top_k, hidden)
     combined = torch.bmm(weights.unsqueeze(1), per_slot.float()).squeeze(1).to(x.dtype)
+    shared = shared_experts(moe, mine, ops)   # every rank holds the shared experts: each runs its tokens'
+    if shared is not None:
+        combined = combined + shared
     padded = x.new_zeros((per_rank, hidden))
     padded[: last - first] = combined
     gathered = x.new_empty((size * per_rank, hidden))

@@ -26,7 +26,7 @@ from engine.kv_transfer import KVChunk, KVLayout
 class KVSlice:
     """A run of one layer's KV heads inside one rank's pool."""
 
-    pool: torch.Tensor    # [its layers, 2, blocks, block_size, its KV heads, D]
+    pool: torch.Tensor    # [its layers, kv_parts, blocks, block_size, its KV heads, D]
     layer: int            # the layer's index in that pool
     heads: range          # the model's KV heads it holds
 
@@ -76,7 +76,7 @@ class KVExport:
                 yield KVChunk.build(layer, first, count, data)
 
     def _gather(self, piece: KVSlice, first_block: int, end_block: int, count: int) -> torch.Tensor:
-        """[2, count, heads, D] of the piece's pool (on its device)."""
+        """[kv_parts, count, heads, D] of the piece's pool (on its device)."""
         device = piece.pool.device
         table = self._tables.get(device)
         if table is None:

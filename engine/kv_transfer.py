@@ -30,22 +30,25 @@ class KVLayout:
     block_size: int
     num_tokens: int       # tokens whose K/V the payload carries (the prompt)
     model_fingerprint: str
+    # 2: keys then values; 1: one latent per token and KV head that is both (multi-head latent attention)
+    kv_parts: int = 2
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.kv_parts * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def kv_format(self) -> str:
         """What `check_fits` compares, as one string: engines with equal formats can take each other's KV."""
-        return f"{self.dtype}/{self.num_layers}x{self.num_kv_heads}x{self.head_dim}/{self.model_fingerprint}"
+        latent = "/latent" if self.kv_parts == 1 else ""
+        return f"{self.dtype}/{self.num_layers}x{self.num_kv_heads}x{self.head_dim}{latent}/{self.model_fingerprint}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     def check_fits(self, expected: KVLayout) -> None:
         """Raise unless K/V of this layout can go into an engine whose layout is `expected`."""
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "model_fingerprint"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "kv_parts", "dtype", "model_fingerprint"):
             if getattr(self, name) != getattr(expected, name):
                 raise KVTransferError(f"KV layout mismatch: {name} is {getattr(self, name)!r}, "
                                       f"this engine needs {getattr(expected, name)!r}")
@@ -66,7 +69,7 @@ class KVChunk:
     layer: int
     first_token: int
     num_tokens: int
-    data: bytes | bytearray | memoryview  # keys then values, each [num_tokens, num_kv_heads, head_dim]
+    data: bytes | bytearray | memoryview  # each of kv_parts (keys, values) [num_tokens, num_kv_heads, head_dim]
     checksum: int         # xxh3-64 of data
 
     @classmethod

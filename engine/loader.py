@@ -32,6 +32,7 @@ from engine.compression.streamed import CompressedMLP, StreamedLayers
 from engine.compression.tables import pair_table
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
+from engine.mla import MLAWeights, split_kv_b
 from engine.model import CausalLM, LayerWeights, ModelWeights
 from engine.moe import MoEWeights
 from engine.parallel.layout import RankShard, whole_model
@@ -97,8 +98,8 @@ class _TensorReader:
         return self.compressed.has(name) if self.compressed else name in self.files
 
     def read(self, name: str, shape: tuple[int, ...], rows: range | None = None,
-             cols: range | None = None) -> torch.Tensor:
-        """The tensor, or only its `rows` (first dimension) / `cols` (second)."""
+             cols: range | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor, or only its `rows` (first dimension) / `cols` (second), in `dtype` (default: the model's)."""
         if not self.has(name):
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
         rows = None if rows is None or len(rows) == shape[0] else rows
@@ -110,7 +111,7 @@ class _TensorReader:
         else:
             tensor = self._read_plain(name, shape, rows, cols)
         self.progress.update(1)
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def _read_plain(self, name: str, shape: tuple[int, ...], rows: range | None, cols: range | None) -> torch.Tensor:
         path = self.files[name]
@@ -162,9 +163,43 @@ def _check_shape(name: str, actual: tuple[int, ...], expected: tuple[int, ...]) 
         raise CheckpointError(f"tensor {name!r} has shape {actual}, config implies {expected}")
 
 
+def _read_mla(reader: _TensorReader, cfg: ModelConfig, p: str, heads: range) -> MLAWeights:
+    """Latent attention for the query heads `heads` (under TP a rank's share; the latent projections whole)."""
+    mla, hidden, num_heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+    rank, kv_b_dim = mla.kv_lora_rank, mla.qk_nope_head_dim + mla.v_head_dim
+
+    def rows_of(per_head: int) -> range:
+        return range(heads.start * per_head, heads.stop * per_head)
+
+    q_rows, q_part = num_heads * mla.qk_head_dim, rows_of(mla.qk_head_dim)
+    a = p + "self_attn."
+    q_proj = q_a_proj = q_a_norm = q_b_proj = None
+    if mla.q_lora_rank is None:
+        q_proj = reader.read(a + "q_proj.weight", (q_rows, hidden), rows=q_part)
+    else:
+        q_a_proj = reader.read(a + "q_a_proj.weight", (mla.q_lora_rank, hidden))
+        q_a_norm = reader.read(a + "q_a_layernorm.weight", (mla.q_lora_rank,))
+        q_b_proj = reader.read(a + "q_b_proj.weight", (q_rows, mla.q_lora_rank), rows=q_part)
+    kv_b = reader.read(a + "kv_b_proj.weight", (num_heads * kv_b_dim, rank), rows=rows_of(kv_b_dim))
+    k_up, v_up = split_kv_b(kv_b, mla)
+    return MLAWeights(
+        q_proj=q_proj, q_a_proj=q_a_proj, q_a_norm=q_a_norm, q_b_proj=q_b_proj,
+        kv_a_proj=reader.read(a + "kv_a_proj_with_mqa.weight", (rank + mla.qk_rope_head_dim, hidden)),
+        kv_a_norm=reader.read(a + "kv_a_layernorm.weight", (rank,)),
+        k_up=k_up, v_up=v_up,
+        o_proj=reader.read(a + "o_proj.weight", (hidden, num_heads * mla.v_head_dim), cols=rows_of(mla.v_head_dim)),
+    )
+
+
 def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
                 keep_mlp_compressed: bool = False) -> tuple[LayerWeights, CompressedMLP | None]:
     p = f"model.layers.{i}."
+    if cfg.mla is not None:
+        layer = LayerWeights(input_norm=reader.read(p + "input_layernorm.weight", (cfg.hidden_size,)), qkv=None,
+                             qkv_bias=None, q_norm=None, k_norm=None, o_proj=None,
+                             post_norm=reader.read(p + "post_attention_layernorm.weight", (cfg.hidden_size,)),
+                             gate_up=None, down=None, mla=_read_mla(reader, cfg, p, shard.heads))
+        return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     q_part = range(shard.heads.start * head_dim, shard.heads.stop * head_dim)
@@ -194,6 +229,12 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
         gate_up=None,
         down=None,
     )
+    return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
+
+
+def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard, layer: LayerWeights,
+              keep_mlp_compressed: bool) -> tuple[LayerWeights, CompressedMLP | None]:
+    p, hidden = f"model.layers.{i}.", cfg.hidden_size
     mlp = None
     if cfg.is_sparse(i):
         layer.moe = _read_moe(reader, cfg, i, shard.experts)
@@ -231,7 +272,8 @@ def _expert_of(name: str) -> int | None:
 
 # Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
 MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
-             "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -> MoEWeights:
@@ -258,7 +300,18 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
             gate_up[local, :inter] = reader.read(f"{e}{gate_name}.weight", (inter, hidden))
             gate_up[local, inter:] = reader.read(f"{e}{up_name}.weight", (inter, hidden))
             down[local] = reader.read(f"{e}{down_name}.weight", (hidden, inter))
-    return MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob)
+    weights = MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob)
+    if moe.scoring == "sigmoid":
+        # kept in float32, as the reference keeps it: it only ranks experts, and rounded to bfloat16
+        # it would rank near ties differently
+        weights.grouped_routing = moe
+        weights.correction_bias = reader.read(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
+    if moe.num_shared_experts:
+        shared, s = moe.num_shared_experts * inter, p + "shared_experts."
+        weights.shared_gate_up = torch.cat([reader.read(s + "gate_proj.weight", (shared, hidden)),
+                                            reader.read(s + "up_proj.weight", (shared, hidden))])
+        weights.shared_down = reader.read(s + "down_proj.weight", (hidden, shared))
+    return weights
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

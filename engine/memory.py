@@ -29,15 +29,21 @@ def shard_parameters(cfg: ModelConfig, shard: RankShard) -> int:
     """Weight elements one rank holds (the whole model for `whole_model(cfg)`)."""
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     heads, kv_heads = len(shard.heads), len(shard.kv_heads)
-    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    if cfg.qkv_bias:
-        attention += (heads + 2 * kv_heads) * head_dim
-    if cfg.qk_norm:
-        attention += 2 * head_dim
+    if cfg.mla is not None:   # under TP its heads' rows, and the latent projections whole
+        attention = cfg.mla.num_parameters(hidden, heads)
+    else:
+        attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+        if cfg.qkv_bias:
+            attention += (heads + 2 * kv_heads) * head_dim
+        if cfg.qk_norm:
+            attention += 2 * head_dim
     total = 0
     for layer in shard.layers:
         if cfg.is_sparse(layer):
-            mlp = len(shard.experts) * 3 * hidden * cfg.moe.intermediate_size + cfg.moe.num_experts * hidden
+            moe = cfg.moe
+            mlp = len(shard.experts) * 3 * hidden * moe.intermediate_size + moe.num_experts * hidden
+            mlp += moe.num_shared_experts * 3 * hidden * moe.intermediate_size   # shared experts: on every rank
+            mlp += moe.num_experts if moe.scoring == "sigmoid" else 0           # the routing correction bias
         else:
             mlp = 3 * hidden * len(shard.mlp)
         total += attention + mlp + 2 * hidden

@@ -1,9 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the MoE Mixtral and Qwen3-MoE) over a flat
-batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the MoE Mixtral, Qwen3-MoE and DeepSeek-V3)
+over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time so a dense layer is
-four matmuls. A mixture-of-experts layer replaces the MLP with engine.moe's block. Every op goes
-through engine.ops so kernels can replace them.
+four matmuls. A mixture-of-experts layer replaces the MLP with engine.moe's block; DeepSeek-V3's
+multi-head latent attention replaces the attention with engine.mla's, whose cache holds one latent
+per token. Every op goes through engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -21,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from engine import ops
-from engine.config import ModelConfig
+from engine.config import ModelConfig, yarn_mscale
 from engine.expert_parallel import ExpertGroup, moe_forward_parallel
+from engine.mla import MLAWeights, mla_attention
 from engine.moe import MoEWeights, moe_forward
 from engine.parallel.groups import all_reduce
 from engine.parallel.layout import RankShard, whole_model
@@ -31,15 +33,16 @@ from engine.parallel.layout import RankShard, whole_model
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor             # [(H + 2 Hkv) * D, hidden]
+    qkv: torch.Tensor | None      # [(H + 2 Hkv) * D, hidden]; None under multi-head latent attention
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None   # Qwen3: RMSNorm over head_dim before rotary
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
     down: torch.Tensor | None
     moe: MoEWeights | None = None   # under expert parallelism: this rank's experts only
+    mla: MLAWeights | None = None   # DeepSeek-V3's attention, in place of qkv and o_proj
 
 
 @dataclass(slots=True)
@@ -66,16 +69,20 @@ class CausalLM:
         self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
         self.sliding_windows = config.sliding_windows[shard.layers.start:shard.layers.stop]
         self.scale = config.head_dim ** -0.5
+        rotary_dim = config.head_dim
+        if config.mla is not None:
+            rotary_dim, self.scale = config.mla.qk_rope_head_dim, mla_softmax_scale(config)
         max_positions = config.max_position_embeddings
-        self.cos_table, self.sin_table = ops.rope_cos_sin(config.head_dim, config.rope, max_positions, device)
+        self.cos_table, self.sin_table = ops.rope_cos_sin(rotary_dim, config.rope, max_positions, device)
         self.ops = ops.for_device(device)  # Triton kernels on CUDA, engine.ops elsewhere
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ops.AttentionBatch,
                 kv_cache: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, blocks, block_size, Hkv, D]
-        (this stage's layers and this rank's KV heads). A pipeline stage after the first starts from
-        `hidden`, the residual stream the stage before it returned; a stage before the last returns its own."""
+        """Hidden states [T, hidden] after the final norm; kv_cache is [layers, kv_parts, blocks, block_size,
+        Hkv, D] (this stage's layers and this rank's KV heads; kv_parts 2: keys and values, 1: latents).
+        A pipeline stage after the first starts from `hidden`, the residual stream the stage before it
+        returned; a stage before the last returns its own."""
         cfg = self.config
         if hidden is None:
             hidden = self._embed(input_ids)
@@ -86,7 +93,13 @@ class CausalLM:
                 normed = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 normed, residual = self.ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
+            if layer.mla is not None:
+                attn = mla_attention(layer.mla, cfg.mla, normed, positions, batch, kv_cache[index], self.cos_table,
+                                     self.sin_table, self.scale, self.ops)
+                if self.tp_group is not None:   # this rank's heads' part of o_proj
+                    all_reduce(self.tp_group, attn)
+            else:
+                attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is None:
                 hidden = self.ops.linear(self.ops.silu_and_mul(self.ops.linear(normed, layer.gate_up)), layer.down)
@@ -145,3 +158,11 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.project(hidden).float()
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times yarn's mscale(factor, mscale_all_dim) squared when the rope is scaled."""
+    scale = cfg.mla.qk_head_dim ** -0.5
+    if cfg.rope.rope_type != "default" and cfg.rope.mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
+    return scale

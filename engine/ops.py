@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_attention, cpu_matmul
 from engine.config import RopeConfig
 
 
@@ -40,11 +41,15 @@ LINEAR_SPLIT_MIN_ELEMENTS = 1 << 18
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ weight [out, in].T.
 
-    On a CPU with several threads, few rows and a large weight, the weight's rows are cut into one
+    On a CPU, up to 16 rows against a large float32 weight go to the C loop (engine.cpu_matmul). Where
+    it is not built or does not take the shapes, with several threads, few rows and a large weight, the
+    weight's rows are cut into one
     slab per thread and multiplied as one batched matmul, which torch spreads over its threads: a
     small-batch decode step then streams its weights on every core (about 1.5x less time per matmul
     on 2 cores at 1-4 rows; no loss up to 32 rows, where torch's own threading takes over).
     """
+    if cpu_matmul.takes(x, weight):
+        return cpu_matmul.matmul(x, weight)
     rows, num_threads = x.shape[0], torch.get_num_threads()
     if (rows > LINEAR_SPLIT_ROWS or num_threads == 1 or x.device.type != "cpu"
             or weight.numel() < LINEAR_SPLIT_MIN_ELEMENTS or weight.shape[0] % num_threads):
@@ -55,6 +60,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     if rope.rope_type != "llama3":
         return inv_freq
     old_ctx = rope.original_max_position_embeddings
@@ -68,13 +75,35 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """yarn: original frequencies for the dims that rotate fast over the original context (more
+    than beta_fast turns), interpolated ones (divided by factor) for those that rotate slowly
+    (fewer than beta_slow), a linear blend between."""
+    def dim_of(rotations: float) -> float:
+        wavelengths = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_cos_sin(head_dim: int, rope: RopeConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, head_dim] in float32 (halves duplicated, rotate-half layout)."""
+    """cos and sin tables [max_positions, head_dim] in float32 (halves duplicated, rotate-half layout;
+    times yarn's attention factor)."""
     inv_freq = rope_inv_freq(head_dim, rope)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    scale = rope.attention_factor if rope.rope_type == "yarn" else 1.0
+    return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
@@ -128,18 +157,26 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                     scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Causal attention of q [T, H, D] over each sequence's cached keys; returns [T, H, D].
+    """Causal attention of q [T, H, D] over each sequence's cached keys; returns [T, H, Dv].
 
-    k_cache/v_cache are one layer's pool [num_blocks, block_size, Hkv, D]; the new tokens' keys
-    must already be written (write_kv) so a sequence's keys are exactly its cache prefix.
+    k_cache/v_cache are one layer's pool [num_blocks, block_size, Hkv, D] and [..., Dv]; the new
+    tokens' keys must already be written (write_kv) so a sequence's keys are exactly its cache prefix.
+    Values may be narrower than keys and a view into them (multi-head latent attention: the values
+    are the first dims of the cached latent).
 
-    Sequences with few queries (decode, speculative verification) are attended in groups of
-    similar context length, one gather and one attention call per group; longer prefill chunks
-    one by one. The plan is made once per step (every layer attends the same sequences).
+    Decode sequences (one query each) are attended in place by the C loop (engine.cpu_attention)
+    where it is built and takes the shapes. Other sequences with few queries (speculative
+    verification; decode without the C loop) are attended in groups of similar context length, one
+    gather and one attention call per group; longer prefill chunks one by one. The plan is made once
+    per step (every layer attends the same sequences).
     """
     if batch.cpu_plan is None:
-        batch.cpu_plan = plan_attention(batch, k_cache.shape[1], q.device)
-    out = torch.empty_like(q)
+        batch.cpu_plan = plan_attention(batch, k_cache.shape[1], q.device, cpu_attention.supports(q, k_cache, v_cache))
+    out = q.new_empty((*q.shape[:2], v_cache.shape[-1]))
+    if batch.cpu_plan.native_decode:
+        n = batch.num_decode
+        out[:n] = cpu_attention.decode(q[:n], k_cache, v_cache, batch.block_tables[:n], batch.decode_context_lens,
+                                       sum(batch.context_lens[:n]), scale, sliding_window)
     for group in batch.cpu_plan.groups:
         out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window))
     for i in batch.cpu_plan.chunks:
@@ -177,7 +214,7 @@ class AttentionGroup:
             hidden = key_pos > self.query_pos[..., None]
             if sliding_window:
                 hidden |= key_pos <= self.query_pos[..., None] - sliding_window
-            mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).unsqueeze(1)
+            mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf")).unsqueeze(1)
             self.masks[sliding_window] = mask
         return mask
 
@@ -186,11 +223,14 @@ class AttentionGroup:
 class CPUAttentionPlan:
     groups: list[AttentionGroup]
     chunks: list[int]             # sequences attended one by one (long prefill chunks)
+    native_decode: bool = False   # the decode sequences go to engine.cpu_attention, not to groups
 
 
-def plan_attention(batch: AttentionBatch, block_size: int, device) -> CPUAttentionPlan:
+def plan_attention(batch: AttentionBatch, block_size: int, device, native_decode: bool = False) -> CPUAttentionPlan:
     num_queries = [end - start for start, end in zip(batch.query_start, batch.query_start[1:])]
-    short = [i for i, n in enumerate(num_queries) if n <= GROUPED_QUERIES_MAX]
+    native_decode = native_decode and batch.num_decode > 0
+    first = batch.num_decode if native_decode else 0
+    short = [i for i, n in enumerate(num_queries) if n <= GROUPED_QUERIES_MAX and i >= first]
     groups = []
     for members in decode_groups([batch.context_lens[i] for i in short], [num_queries[i] for i in short]):
         seqs = [short[m] for m in members]
@@ -204,7 +244,7 @@ def plan_attention(batch: AttentionBatch, block_size: int, device) -> CPUAttenti
             query_pos=torch.tensor(query_pos, device=device),
             size=len(seqs), num_queries=count))
     chunks = [i for i, n in enumerate(num_queries) if n > GROUPED_QUERIES_MAX]
-    return CPUAttentionPlan(groups, chunks)
+    return CPUAttentionPlan(groups, chunks, native_decode)
 
 
 def decode_groups(context_lens: list[int], num_queries: list[int] | None = None) -> list[list[int]]:
@@ -225,21 +265,21 @@ def decode_groups(context_lens: list[int], num_queries: list[int] | None = None)
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
                   scale: float, sliding_window: int | None) -> torch.Tensor:
-    """The group's outputs [size * Q, H, D], in the order of group.rows."""
+    """The group's outputs [size * Q, H, Dv], in the order of group.rows."""
     size, count = group.size, group.num_queries
-    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
+    num_heads, head_dim, num_kv_heads, value_dim = q.shape[1], q.shape[2], k_cache.shape[2], v_cache.shape[3]
     queries = q.index_select(0, group.rows).view(size, count, num_heads, head_dim).transpose(1, 2)
     k = k_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, value_dim).transpose(1, 2)
     mask = group.mask(k.shape[2], sliding_window)
     out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
-    return out.transpose(1, 2).reshape(size * count, num_heads, head_dim)
+    return out.transpose(1, 2).reshape(size * count, num_heads, value_dim)
 
 
 def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                   context_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """One sequence's queries q [Q, H, D] (its last Q positions) over its first context_len keys."""
+    """One sequence's queries q [Q, H, D] (its last Q positions) over its first context_len keys; [Q, H, Dv]."""
     block_size, num_queries = k_cache.shape[1], q.shape[0]
     table = table[: -(-context_len // block_size)]
     k = gather_blocks(k_cache, table)[:context_len].transpose(0, 1).unsqueeze(0)

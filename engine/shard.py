@@ -34,7 +34,7 @@ class ModelShard:
         self.model = model
         self.config = config
         self.device = model.device
-        self.kv_cache: torch.Tensor | None = None   # [layers, 2, blocks, block_size, Hkv, D] of this rank
+        self.kv_cache: torch.Tensor | None = None   # [layers, kv_parts, blocks, block_size, Hkv, D] of this rank
         self.num_blocks = 0
         self.num_kv_blocks_from_compression = 0   # of num_blocks, those compressed_in_memory paid for
         self.max_model_len = 0
@@ -44,11 +44,12 @@ class ModelShard:
     def bytes_per_block(self) -> int:
         cfg, model = self.config, self.model
         element = torch.tensor([], dtype=model.dtype).element_size()
-        return 2 * len(model.shard.layers) * cfg.block_size * model.num_kv_heads * model.config.head_dim * element
+        mc = model.config
+        return mc.kv_parts * len(model.shard.layers) * cfg.block_size * model.num_kv_heads * mc.head_dim * element
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         model = self.model
-        return (len(model.shard.layers), 2, num_blocks, self.config.block_size, model.num_kv_heads,
+        return (len(model.shard.layers), model.config.kv_parts, num_blocks, self.config.block_size, model.num_kv_heads,
                 model.config.head_dim)
 
     def blocks_fit(self) -> int:
@@ -114,6 +115,10 @@ class ModelShard:
         if self.model.experts is not None:
             # an expert-parallel step sizes its all-to-alls by counts read on the host: not capturable
             log.info("expert parallelism: decode steps run without CUDA graphs")
+            return
+        if self.model.config.mla is not None:
+            # its attention (engine.mla) plans groups from host-side lengths each step: not capturable
+            log.info("multi-head latent attention: decode steps run without CUDA graphs")
             return
         from engine import kernels
         if not kernels.available():

@@ -115,7 +115,7 @@ class ParallelExecutor:
 
     def _pool_shape(self, rank: int, num_blocks: int, config: EngineConfig) -> tuple[int, ...]:
         shard, mc = self.shards[rank], self.model_config
-        return (len(shard.layers), 2, num_blocks, config.block_size, len(shard.kv_heads), mc.head_dim)
+        return (len(shard.layers), mc.kv_parts, num_blocks, config.block_size, len(shard.kv_heads), mc.head_dim)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ the MLP, the experts and the vocabulary.
 TP splits attention heads and KV heads across the ranks of a stage (column-parallel q/k/v and
 gate/up, row-parallel o_proj and down). With fewer KV heads than ranks, each KV head is
 replicated on tp / num_kv_heads ranks, and every rank still holds whole query-head groups.
+Multi-head latent attention (DeepSeek-V3) is the extreme case: its cache has one "KV head", the
+latent, replicated on every rank, and each rank decompresses it for its query heads.
 
 Expert parallelism (EP) splits each mixture-of-experts layer's experts across the ranks of a stage
 in contiguous runs (engine.expert_parallel dispatches tokens to them). A stage has
@@ -214,9 +216,12 @@ def layer_cost(cfg: ModelConfig, layer: int, expert_split: int = 1) -> int:
     split than the rest of the layer (ep / tp: ep ranks replicating attention hold 1/ep of the experts
     each, and all of the attention)."""
     attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    if cfg.mla is not None:
+        attention = cfg.mla.num_parameters(cfg.hidden_size, cfg.num_heads)
     if cfg.is_sparse(layer):
         moe = cfg.moe
-        experts = moe.num_experts // expert_split * 3 * cfg.hidden_size * moe.intermediate_size
+        held = moe.num_experts // expert_split + moe.num_shared_experts   # shared experts: on every rank
+        experts = held * 3 * cfg.hidden_size * moe.intermediate_size
         return attention + experts + moe.num_experts * cfg.hidden_size
     return attention + 3 * cfg.hidden_size * cfg.intermediate_size
 

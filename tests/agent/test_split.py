@@ -91,3 +91,44 @@ async def test_decode_beyond_max_num_seqs_is_refused_with_resource_exhausted(sta
     assert outcomes.count("served") >= 2 and outcomes.count("refused") >= 1
     assert most_running <= 2
     assert await wait_for_free_blocks(client_b, free_b) == free_b
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    from engine.demo import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("tiny-deepseek"), size="tiny", arch="deepseek-v3")
+
+
+async def test_latent_kv_moves_between_agents_and_gives_the_colocated_tokens(deepseek_dir, connect):
+    """DeepSeek-V3's KV is one latent per token and layer: what GetModelInfo reports per token, what
+    a Prefill leases, and what the decode agent pulls over the data port and continues from."""
+    import json
+
+    from node_agent.daemon import Agent
+    from tests.agent.conftest import agent_config
+
+    agents = [Agent(agent_config(deepseek_dir, site)) for site in ("site-a", "site-b")]
+    for agent in agents:
+        await agent.start()
+    try:
+        a, b = agents
+        client_a, client_b = connect(a), connect(b)
+        raw = json.loads((deepseek_dir / "config.json").read_text())
+        per_token = raw["num_hidden_layers"] * (raw["kv_lora_rank"] + raw["qk_rope_head_dim"]) * 4
+        assert (await client_a.model_info(MODEL)).kv_bytes_per_token == per_token
+        params, prompt_ids = sampling(), prompt(40)
+        colocated = await collect(client_a.generate(agent_pb2.GenerateRequest(
+            request_id="ref", model=MODEL, prompt_ids=prompt_ids, sampling=params)))
+        result = await client_a.prefill(agent_pb2.PrefillRequest(request_id="r1", model=MODEL,
+                                                                 prompt_ids=prompt_ids, sampling=params))
+        assert result.kv_bytes == len(prompt_ids) * per_token
+        decoded = await collect(client_b.decode(agent_pb2.DecodeRequest(
+            request_id="r1", model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id],
+            sampling=params, kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+        assert [result.first_token.token_id, *decoded] == colocated
+        assert b.metrics.kv_bytes_received._value.get() == result.kv_bytes
+        assert b.metrics.kv_fallbacks._value.get() == 0
+    finally:
+        for agent in agents:
+            await agent.stop()

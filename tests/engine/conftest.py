@@ -48,6 +48,24 @@ def _qwen3_moe(**kw):
         "moe_intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [1], **kw}))
 
 
+def _deepseek_v3(**kw):
+    # Three layers, the first dense (first_k_dense_replace); 8 routed experts in 4 groups, 2 groups and
+    # 2 experts per token, one shared expert; latent attention with values wider than the nope keys.
+    # Weights 5x the default scale: at 0.02 the attention barely moves the logits (a 1% error in its
+    # softmax scale changed them by 5e-5), at 0.1 that error shows as 3e-2.
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**{
+        **SMALL, "initializer_range": 0.1, "num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+        "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "kv_lora_rank": 32, "q_lora_rank": None,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 24, **kw}))
+
+
+# DeepSeek-V3's long-context rope: yarn with an mscale that scales cos/sin and the softmax
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}
+
+
 ARCHITECTURES = {
     "llama": _llama,
     "llama3.1-rope": _llama31,
@@ -61,6 +79,10 @@ ARCHITECTURES = {
     # Every other layer sparse (decoder_sparse_step), top-k probabilities not renormalized.
     "qwen3-moe-step2": lambda: _qwen3_moe(mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False,
                                           num_hidden_layers=2),
+    "deepseek-v3": _deepseek_v3,
+    # A compressed query (q_lora_rank), yarn rope, rotary dims not interleaved, weights not renormalized.
+    "deepseek-v3-qlora": lambda: _deepseek_v3(q_lora_rank=24, rope_parameters=YARN, rope_interleave=False,
+                                              norm_topk_prob=False),
 }
 
 
@@ -75,6 +97,9 @@ def _randomize(model) -> None:
                 param.copy_(0.5 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's routing bias (zero as built)
+                buffer.copy_(0.1 * torch.randn_like(buffer))
 
 
 def build_checkpoint(directory, arch: str, max_shard_size: str | None = None):

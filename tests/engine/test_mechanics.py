@@ -10,6 +10,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.kv_transfer import KVPayload
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -33,6 +34,23 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 def assert_no_leak(engine: LLMEngine) -> None:
     assert not engine.leases and not engine.sequences
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def moved(source: LLMEngine, target: LLMEngine, request_id: str, prompt_ids: list[int],
+          params: SamplingParams) -> tuple[list[int], KVPayload]:
+    """Prefill on source, export the KV, import it into target and decode there to the end: (the request's
+    tokens, first one included; the payload). Other requests on either engine run along."""
+    source.add_request(request_id, prompt_ids, params, prefill_only=True)
+    first = None
+    while first is None:
+        first = next((out for out in source.step() if out.request_id == request_id), None)
+    payload = source.export_kv(first.kv_handle)
+    source.release_kv(first.kv_handle)
+    target.import_kv(request_id, payload, params, [first.token.token_id])
+    tokens = [first.token.token_id]
+    while target.has_work():
+        tokens += [out.token.token_id for out in target.step() if out.request_id == request_id]
+    return tokens, payload
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -1,5 +1,6 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE) against transformers, and the engine's
-mechanics (prefix cache, preemption, KV export/import, seeded sampling) on them.
+"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3) against transformers, and the
+engine's mechanics (prefix cache, preemption, KV export/import, seeded sampling) on them (DeepSeek-V3's
+latent KV cache: tests/engine/test_deepseek.py).
 
 Logits are compared row by row for every token the engine computed while it batched requests
 with chunked prefill, so decode rows and prefill chunks of different requests sharing a step
@@ -9,6 +10,7 @@ are all checked, not only a lone prompt.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
@@ -18,13 +20,13 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.moe import route
 from engine.sampling import SamplingParams
 from tests.engine.conftest import build_checkpoint
-from tests.engine.test_mechanics import GREEDY, assert_no_leak, make_engine, prompt, run
+from tests.engine.test_mechanics import GREEDY, assert_no_leak, make_engine, moved, prompt, run
 from tests.engine.test_reference import engine_greedy
 
 LENGTHS = [3, 9, 17, 31, 48, 70, 5, 26]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe", "deepseek-v3", "deepseek-v3-qlora"])
 def moe_checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     return directory, build_checkpoint(directory, request.param)
@@ -152,20 +154,12 @@ def test_export_import_and_seeded_sampling(qwen3_moe, params):
     plain = run(make_engine(qwen3_moe), {"a": (p, params)})["a"]
     assert run(make_engine(qwen3_moe), {**others, "a": (p, params)})["a"] == plain
     source, target = make_engine(qwen3_moe), make_engine(qwen3_moe, block_size=16)
-    source.add_request("a", p, params, prefill_only=True)
-    (first,) = source.step()
-    payload = source.export_kv(first.kv_handle)
-    source.release_kv(first.kv_handle)
-    target.import_kv("a", payload, params, [first.token.token_id])
-    rest = []
-    while target.has_work():
-        rest += [o.token.token_id for o in target.step()]
-    assert [first.token.token_id] + rest == plain
+    assert moved(source, target, "a", p, params)[0] == plain
     assert_no_leak(source)
     assert_no_leak(target)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe", "deepseek-v3"])
 def test_demo_checkpoint_loads_in_transformers_and_the_engine_alike(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
@@ -175,10 +169,13 @@ def test_demo_checkpoint_loads_in_transformers_and_the_engine_alike(tmp_path, ar
     engine = make_engine(tmp_path)
     assert engine.model_config.moe is not None
     assert [layer.moe is not None for layer in engine.model.weights.layers] == engine.model_config.moe.sparse_layers
-    # What routers place with (GetModelInfo): the attention KV only; experts hold no KV.
+    # What routers place with (GetModelInfo): the attention KV only; experts hold no KV. DeepSeek-V3's
+    # cache holds one latent per token and layer (kv_lora_rank + qk_rope_head_dim), not keys and values.
     from node_agent.models import _model_info
-    mc = engine.model_config
-    assert _model_info("demo", engine).kv_bytes_per_token == mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
+    mc, raw = engine.model_config, json.loads((tmp_path / "config.json").read_text())
+    per_layer = (raw["kv_lora_rank"] + raw["qk_rope_head_dim"] if arch == "deepseek-v3"
+                 else 2 * raw["num_key_value_heads"] * raw["head_dim"])
+    assert _model_info("demo", engine).kv_bytes_per_token == mc.num_layers * per_layer * 4
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     p = prompt(30, seed=5)
     with torch.no_grad():
@@ -186,14 +183,17 @@ def test_demo_checkpoint_loads_in_transformers_and_the_engine_alike(tmp_path, ar
     torch.testing.assert_close(engine.prompt_logits(p), theirs, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe", "qwen3-moe-step2", "qwen3-tied", "qwen2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe", "qwen3-moe-step2", "qwen3-tied", "qwen2", "deepseek-v3",
+                                  "deepseek-v3-qlora"])
 def test_resident_weight_count_is_every_parameter_transformers_builds(tmp_path, arch):
     """Memory sizing counts every expert of every layer (all are resident), the dense layers among them
-    at their own width, and tied embeddings once."""
+    at their own width, tied embeddings once, and DeepSeek-V3's shared experts, latent attention and
+    routing bias (a buffer in transformers, a checkpoint tensor all the same)."""
     from engine.config import load_config
 
     model = build_checkpoint(tmp_path, arch)
-    assert load_config(tmp_path).num_parameters() == sum(p.numel() for p in model.parameters())
+    bias = sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert load_config(tmp_path).num_parameters() == sum(p.numel() for p in model.parameters()) + bias
 
 
 def test_a_model_too_large_for_memory_is_refused_before_loading(tmp_path):

@@ -26,6 +26,7 @@ from engine.parallel.layout import ParallelLayout, kv_head_range
 from engine.sampling import SamplingParams
 from engine.config import load_config
 from tests.engine.conftest import _llama, _qwen2, _qwen3, _qwen3_moe, _randomize
+from tests.engine.test_mechanics import moved
 
 pytestmark = pytest.mark.parallel
 
@@ -51,7 +52,7 @@ def _kv_budget(model_dir: Path, layout: ParallelLayout) -> int:
     cfg = load_config(model_dir)
     layers = max(len(r) for r in layout.stages(cfg))  # KV: every layer of a stage, dense or not
     heads = len(kv_head_range(cfg.num_kv_heads, layout.tp, 0))
-    return NUM_BLOCKS * 2 * layers * BLOCK_SIZE * heads * cfg.head_dim * 4
+    return NUM_BLOCKS * cfg.kv_parts * layers * BLOCK_SIZE * heads * cfg.head_dim * 4
 
 
 class Engines:
@@ -142,12 +143,16 @@ def reference_runs(engines):
 
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-tp{t}pp{p}" for n, (t, p) in CASES])
 def test_logits_match_transformers_and_the_single_process_engine(engines, name, layout):
-    engine = engines.get(name, layout)
-    ours = engine.prompt_logits(PROMPT)
+    assert_prompt_logits(engines, name, layout, (1, 1))
+
+
+def assert_prompt_logits(engines, name: str, layout: tuple, single: tuple) -> None:
+    """PROMPT's logits on the `layout` engine: within 1e-4 of transformers', within 1e-5 of the `single` one's."""
+    ours = engines.get(name, layout).prompt_logits(PROMPT)
     with torch.no_grad():
         theirs = engines.references[name](torch.tensor([PROMPT])).logits[0].float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ours, engines.get(name, (1, 1)).prompt_logits(PROMPT), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, engines.get(name, single).prompt_logits(PROMPT), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-tp{t}pp{p}" for n, (t, p) in CASES])
@@ -157,24 +162,37 @@ def test_workload_tokens_equal_the_single_process_engine(engines, reference_runs
     submit = engine.executor.submit
     monkeypatch.setattr(engine.executor, "submit",
                         lambda inputs: (in_flight_at_submit.append(len(engine._in_flight)), submit(inputs)))
-    outputs, cached = _workload(engine)
-    expected, expected_cached = reference_runs[name]
-    assert outputs == expected
-    assert len(outputs["a"]) == 10 and len(outputs["d"]) == 10
-    # the run met what it is meant to: a cache hit, a chunked prompt, a preemption; every block back
-    assert cached["extends-first"] == expected_cached["extends-first"] == 32
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks == NUM_BLOCKS
+    assert_workload(engine, reference_runs[name])
     # with 2 stages a batch was started while another was still in the pipeline
     assert max(in_flight_at_submit) == layout[1] - 1
 
 
-def _prefill(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
-    engine.add_request(request_id, prompt, params, prefill_only=True)
-    while True:
-        for out in engine.step():
-            if out.request_id == request_id:
-                return out
+def assert_workload(engine: LLMEngine, reference) -> None:
+    """_workload on engine gives the tokens it gave on the single-process engine (reference: its result
+    there), and the run met what it is meant to: a cache hit, a chunked prompt, a preemption; every block back."""
+    outputs, cached = _workload(engine)
+    expected, expected_cached = reference
+    assert outputs == expected
+    assert len(outputs["a"]) == 10 and len(outputs["d"]) == 10
+    assert cached["extends-first"] == expected_cached["extends-first"] == 32
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks == NUM_BLOCKS
+
+
+def moves_between(engines, name: str, single: tuple, pairs: list, seed: int):
+    """For each (source, target) layout pair: a 21-token prompt prefilled on source, its KV moved to target
+    and decoded there (test_mechanics.moved), and the same prompt decoded alone on the `single` layout.
+    Yields (the pair's name, the moved tokens, the colocated tokens, the payload)."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    colocated = engines.get(name, single)
+    generator = torch.Generator().manual_seed(seed)
+    for source, target in pairs:
+        prompt = torch.randint(0, 320, (21,), generator=generator).tolist()
+        colocated.add_request("colocated", prompt, params)
+        expected = _decode(colocated, "colocated")
+        request = f"{source}->{target}"
+        tokens, payload = moved(engines.get(name, source), engines.get(name, target), request, prompt, params)
+        yield request, tokens, expected, payload
 
 
 def _decode(engine: LLMEngine, request_id: str) -> list[int]:
@@ -187,22 +205,10 @@ def _decode(engine: LLMEngine, request_id: str) -> list[int]:
 def test_kv_moves_between_every_pair_of_layouts(engines):
     """Prefill on one layout, export (canonical: every layer, every KV head), import on another,
     decode: the tokens of a colocated run, for all 16 pairs."""
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    generator = torch.Generator().manual_seed(11)
-    colocated = engines.get("llama-gqa", (1, 1))
-    for source in LAYOUTS:
-        for target in LAYOUTS:
-            prompt = torch.randint(0, 320, (21,), generator=generator).tolist()
-            request = f"{source}->{target}"
-            colocated.add_request("colocated", prompt, params)
-            expected = _decode(colocated, "colocated")
-            prefill_engine, decode_engine = engines.get("llama-gqa", source), engines.get("llama-gqa", target)
-            first = _prefill(prefill_engine, request, prompt, params)
-            payload = prefill_engine.export_kv(first.kv_handle)
-            prefill_engine.release_kv(first.kv_handle)
-            assert payload.layout.num_kv_heads == 2 and payload.layout.num_layers == 4
-            decode_engine.import_kv(request, payload, params, [first.token.token_id])
-            assert [first.token.token_id] + _decode(decode_engine, request) == expected, request
+    pairs = [(source, target) for source in LAYOUTS for target in LAYOUTS]
+    for request, tokens, expected, payload in moves_between(engines, "llama-gqa", (1, 1), pairs, seed=11):
+        assert payload.layout.num_kv_heads == 2 and payload.layout.num_layers == 4
+        assert tokens == expected, request
     for layout in LAYOUTS:
         pool = engines.get("llama-gqa", layout).block_manager
         assert pool.num_free_blocks == pool.num_blocks
@@ -219,11 +225,7 @@ def test_replicated_kv_heads_export_once_and_import_into_every_replica(engines):
         prompt = [11 + number, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, 188]
         single.add_request("colocated", prompt, params)
         expected = _decode(single, "colocated")
-        first = _prefill(source, f"moved-{number}", prompt, params)
-        payload = source.export_kv(first.kv_handle)
-        source.release_kv(first.kv_handle)
-        target.import_kv(f"moved-{number}", payload, params, [first.token.token_id])
-        assert [first.token.token_id] + _decode(target, f"moved-{number}") == expected
+        assert moved(source, target, f"moved-{number}", prompt, params)[0] == expected
 
 
 def _gone(pid: int) -> bool:

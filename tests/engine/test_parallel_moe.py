@@ -3,10 +3,11 @@ stage compute what the single-process engine computes.
 
 Layouts: ep=2 with attention repeated on both ranks (tp=1), ep=2 inside tp=2 (the experts split
 across the TP ranks), and ep=2 on each of 2 pipeline stages. Checkpoints: a Qwen3-MoE with a dense
-layer between its two sparse ones, and a Mixtral whose first layer's router is zero, so every token
+layer between its two sparse ones, a Mixtral whose first layer's router is zero, so every token
 of every batch goes to the same two experts there (the most uneven load a step can have; the
-second layer routes normally). Each (checkpoint, layout) engine starts once per module and serves
-every check: logits against transformers and the single-process engine, every row of a batched
+second layer routes normally), and a DeepSeek-V3 (latent attention whose cache is replicated on
+the TP ranks while its query heads are split, grouped routing, a shared expert on every rank).
+Each (checkpoint, layout) engine starts once per module and serves every check: logits against transformers and the single-process engine, every row of a batched
 chunked greedy run against transformers, the workload of test_parallel (chunked prefill, a
 prefix-cache hit, a preemption, seeded sampling, an abort), and KV moved between single-device
 and expert-parallel engines in both directions. Run them alone with `pytest -m parallel`.
@@ -23,21 +24,23 @@ from engine.engine import LLMEngine
 from engine.memory import rank_parameters
 from engine.moe import route
 from engine.sampling import SamplingParams
-from tests.engine.conftest import _mixtral, _qwen3_moe
+from tests.engine.conftest import YARN, _deepseek_v3, _mixtral, _qwen3_moe
 from tests.engine.test_moe import recorded_rows
 from tests.engine.test_parallel import Engines as ParallelEngines
-from tests.engine.test_parallel import NUM_BLOCKS, PROMPT, _decode, _prefill, _workload
+from tests.engine.test_parallel import _workload, assert_prompt_logits, assert_workload, moves_between
 
 pytestmark = pytest.mark.parallel
 
 SINGLE = (1, 1, 1)   # (tp, pp, ep)
-CASES = [("mixtral-skewed", (1, 1, 2)), ("qwen3-moe", (1, 1, 2)), ("qwen3-moe", (2, 1, 2)), ("qwen3-moe", (1, 2, 2))]
+CASES = [("mixtral-skewed", (1, 1, 2)), ("qwen3-moe", (1, 1, 2)), ("qwen3-moe", (2, 1, 2)), ("qwen3-moe", (1, 2, 2)),
+         ("deepseek-v3", (1, 1, 2)), ("deepseek-v3", (2, 1, 2)), ("deepseek-v3", (1, 2, 2))]
 IDS = [f"{name}-tp{t}pp{p}ep{e}" for name, (t, p, e) in CASES]
 # layouts whose rank 0 computes every logit (tp=1, one stage): each computed row can be read there
 ROW_CASES = [(name, layout) for name, layout in CASES if layout[:2] == (1, 1)]
 
 
-CHECKPOINTS = {"mixtral-skewed": _mixtral, "qwen3-moe": _qwen3_moe}
+CHECKPOINTS = {"mixtral-skewed": _mixtral, "qwen3-moe": _qwen3_moe,
+               "deepseek-v3": lambda: _deepseek_v3(q_lora_rank=24, rope_parameters=YARN)}
 
 
 class Engines(ParallelEngines):
@@ -61,12 +64,7 @@ def engines(tmp_path_factory):
 
 @pytest.mark.parametrize("name, layout", CASES, ids=IDS)
 def test_logits_match_transformers_and_the_single_process_engine(engines, name, layout):
-    engine = engines.get(name, layout)
-    ours = engine.prompt_logits(PROMPT)
-    with torch.no_grad():
-        theirs = engines.references[name](torch.tensor([PROMPT])).logits[0].float()
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ours, engines.get(name, SINGLE).prompt_logits(PROMPT), rtol=1e-5, atol=1e-5)
+    assert_prompt_logits(engines, name, layout, SINGLE)
 
 
 def test_each_rank_holds_its_experts_and_the_skewed_layer_sends_every_token_to_one_pair(engines):
@@ -86,14 +84,31 @@ def test_each_rank_holds_its_experts_and_the_skewed_layer_sends_every_token_to_o
 def _elements(weights) -> int:
     tensors = {id(t): t for t in (weights.embed_tokens, weights.norm, weights.lm_head) if t is not None}
     for layer in weights.layers:
-        for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, layer.o_proj,
-                  layer.post_norm, layer.gate_up, layer.down):
-            if t is not None:
-                tensors[id(t)] = t
+        held = [layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, layer.o_proj,
+                layer.post_norm, layer.gate_up, layer.down]
         if layer.moe is not None:
-            for t in (layer.moe.router, layer.moe.gate_up, layer.moe.down):
-                tensors[id(t)] = t
+            moe = layer.moe
+            held += [moe.router, moe.gate_up, moe.down, moe.correction_bias, moe.shared_gate_up, moe.shared_down]
+        if layer.mla is not None:
+            mla = layer.mla
+            held += [mla.q_proj, mla.q_a_proj, mla.q_a_norm, mla.q_b_proj, mla.kv_a_proj, mla.kv_a_norm, mla.k_up,
+                     mla.v_up, mla.o_proj]
+        tensors |= {id(t): t for t in held if t is not None}
     return sum(t.numel() for t in tensors.values())
+
+
+def test_deepseek_ranks_hold_their_heads_and_experts_and_the_whole_latent(engines):
+    """tp=2 + ep=2: each rank decompresses the latent for half the query heads, holds half the routed
+    experts and the whole shared expert, and caches the whole latent (one 'KV head', replicated);
+    memory sizing counts what it loaded."""
+    engine = engines.get("deepseek-v3", (2, 1, 2))
+    layers = engine.model.weights.layers
+    assert [layer.mla.k_up.shape[0] for layer in layers] == [2, 2, 2]      # of 4 heads
+    assert [layer.moe.gate_up.shape[0] for layer in layers[1:]] == [4, 4]  # of 8 routed experts
+    assert layers[1].moe.shared_down.shape == (64, 32)
+    assert rank_parameters(engine.model_config, engine.layout)[0] == _elements(engine.model.weights)
+    assert [len(s) for s in engine.kv_map.read] == [1] * 3 and [len(s) for s in engine.kv_map.write] == [2] * 3
+    assert tuple(engine.executor.shard.kv_cache.shape[-2:]) == (1, 32 + 16)
 
 
 def _greedy_with_rows(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
@@ -141,39 +156,28 @@ def reference_runs(engines):
 
 @pytest.mark.parametrize("name, layout", CASES, ids=IDS)
 def test_workload_tokens_equal_the_single_process_engine(engines, reference_runs, name, layout):
-    engine = engines.get(name, layout)
-    outputs, cached = _workload(engine)
-    expected, expected_cached = reference_runs[name]
-    assert outputs == expected
-    assert len(outputs["a"]) == 10 and len(outputs["d"]) == 10
-    assert cached["extends-first"] == expected_cached["extends-first"] == 32
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks == NUM_BLOCKS
+    assert_workload(engines.get(name, layout), reference_runs[name])
 
 
 def test_kv_moves_between_single_device_and_expert_parallel_engines(engines):
     """Prefill on one engine, export (canonical: every layer, every KV head), import on the other,
     decode: the tokens of a colocated single-device run, both ways and between EP layouts. Ranks that
     repeat attention hold the same KV: an export reads it once, an import writes every copy."""
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     replicated = engines.get("qwen3-moe", (1, 1, 2))
     assert [len(s) for s in replicated.kv_map.read] == [1] * 3 and [len(s) for s in replicated.kv_map.write] == [2] * 3
-    colocated = engines.get("qwen3-moe", SINGLE)
     pairs = [(SINGLE, (1, 1, 2)), ((1, 1, 2), SINGLE), ((2, 1, 2), (1, 2, 2)), ((1, 2, 2), (2, 1, 2)),
              (SINGLE, (2, 1, 2))]
-    generator = torch.Generator().manual_seed(11)
-    for source, target in pairs:
-        prompt = torch.randint(0, 320, (21,), generator=generator).tolist()
-        request = f"{source}->{target}"
-        colocated.add_request("colocated", prompt, params)
-        expected = _decode(colocated, "colocated")
-        prefill_engine, decode_engine = engines.get("qwen3-moe", source), engines.get("qwen3-moe", target)
-        first = _prefill(prefill_engine, request, prompt, params)
-        payload = prefill_engine.export_kv(first.kv_handle)
-        prefill_engine.release_kv(first.kv_handle)
+    for request, tokens, expected, payload in moves_between(engines, "qwen3-moe", SINGLE, pairs, seed=11):
         assert (payload.layout.num_layers, payload.layout.num_kv_heads) == (3, 2)
-        decode_engine.import_kv(request, payload, params, [first.token.token_id])
-        assert [first.token.token_id] + _decode(decode_engine, request) == expected, request
+        assert tokens == expected, request
     for _, layout in CASES[1:]:
         pool = engines.get("qwen3-moe", layout).block_manager
         assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_deepseek_latents_move_between_single_device_and_parallel_engines(engines):
+    """The latent cache exported from one layout and imported into another: the colocated tokens."""
+    pairs = [(SINGLE, (2, 1, 2)), ((2, 1, 2), (1, 2, 2)), ((1, 2, 2), (1, 1, 2)), ((1, 1, 2), SINGLE)]
+    for request, tokens, expected, payload in moves_between(engines, "deepseek-v3", SINGLE, pairs, seed=12):
+        assert (payload.layout.num_layers, payload.layout.kv_parts, payload.layout.num_kv_heads) == (3, 1, 1)
+        assert tokens == expected, request
