@@ -211,7 +211,10 @@ class AsyncEngine:
         await self.call(lambda e: e.release_kv(handle))
 
     def release_kv_nowait(self, handle: str) -> None:
-        """Queue a release behind every command already submitted (safe from a cancelled task)."""
+        """Queue a release behind every command already submitted (safe from a cancelled task); the
+        handle opens no export from this call on, though its blocks are freed only when the release runs."""
+        self.engine.end_lease(handle)
+
         def release() -> None:
             try:
                 self.engine.release_kv(handle)

@@ -125,6 +125,7 @@ class Lease:
     expires_at: float                # monotonic; an open export holds it past this
     num_readers: int = 0             # open exports reading the blocks
     released: bool = False           # released while read: freed when the last reader closes
+    ended: bool = False              # its release is queued: no new reader may open it meanwhile
 
 
 @dataclass(slots=True)
@@ -574,6 +575,15 @@ class LLMEngine:
             del self.leases[handle]
         self._free_lease(lease)
 
+    def end_lease(self, handle: str) -> None:
+        """Safe on any thread: from now on the handle opens no export; release_kv, on the engine's
+        thread, still frees its blocks. A single-use lease whose release is queued behind a running
+        step must not be read twice in the meantime."""
+        with self._lease_lock:
+            lease = self.leases.get(handle)
+            if lease is not None:
+                lease.ended = True
+
     def _free_lease(self, lease: Lease) -> None:
         self.block_manager.free(lease.seq)
         lease.seq.status = SequenceStatus.FINISHED
@@ -600,7 +610,7 @@ class LLMEngine:
         Safe on any thread: a lease's sequence and block table no longer change."""
         with self._lease_lock:
             lease = self.leases.get(handle)
-            if lease is None or lease.released:
+            if lease is None or lease.released or lease.ended:
                 raise UnknownHandleError(f"KV handle {handle!r} is unknown, released or expired")
             lease.num_readers += 1
         seq = lease.seq

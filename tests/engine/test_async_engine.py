@@ -9,6 +9,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.engine import EngineConfig, LLMEngine
+from engine.errors import UnknownHandleError
 from engine.kv_transfer import KVPayload
 from engine.sampling import SamplingParams
 
@@ -83,5 +84,27 @@ async def test_a_kv_pull_starts_while_the_engine_is_in_a_long_step(engines):
     payload = KVPayload(export.layout, export.token_ids, chunks)
     assert [first.token_id] + [e.token_id async for e in b.generate_from_kv(payload, params, [first.token_id])] \
         == expected
+    stats = await a.stats()
+    assert stats.num_pinned_handles == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
+async def test_a_lease_whose_release_is_queued_opens_no_second_export(engines):
+    """A pull ends its single-use lease before its last chunk goes out, but the release waits for the
+    engine thread: a second pull in that moment must be refused, not served the same blocks again."""
+    a, _ = engines
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = await a.prefill(list(range(7, 50)), params)
+    release = threading.Event()
+    busy = asyncio.ensure_future(a.call(lambda _engine: release.wait(30)))  # the engine thread is in a step
+    try:
+        export = await a.open_export(first.kv_handle)
+        a.close_export(export)
+        a.release_kv_nowait(first.kv_handle)  # queued behind the step
+        with pytest.raises(UnknownHandleError):
+            await a.open_export(first.kv_handle)
+        assert not busy.done() and first.kv_handle in a.engine.leases  # its blocks are still held
+    finally:
+        release.set()
+        await busy
     stats = await a.stats()
     assert stats.num_pinned_handles == 0 and stats.num_blocks_free == stats.num_blocks_total
