@@ -34,10 +34,10 @@ def test_drained_site_finishes_in_flight_then_takes_none(cluster, http, long_pro
     assert during.text == long_prompt.reference.text
     assert during.finish_reason == "length"
     assert f"request {during.headers['x-request-id']}: site" not in router_log(cluster)  # no failover: it finished there
-    agent_log = cluster.processes[site].log_path.read_text()
-    assert "the registry asks this site to drain" in agent_log
-    # Drained: the agent deregistered and exited by itself, cleanly.
+    # Drained: the agent learned of it (with its next heartbeat, which on a fast machine may come after the
+    # stream's last token), deregistered and exited by itself, cleanly.
     assert cluster.processes[site].popen.wait(30) == 0
+    assert "the registry asks this site to drain" in cluster.processes[site].log_path.read_text()
     assert cluster.site_state(site)["state"] == "draining"
     settle()
     served = [complete(http, cluster, prompt_ids(20, start=i), 4).sites for i in range(4)]
