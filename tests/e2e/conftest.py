@@ -24,7 +24,7 @@ from node_agent.client import AgentClient
 from tests.metrics_text import Samples
 
 PREFILL_ONLY, DECODE_ONLY, BOTH = "lisbon", "frankfurt", "warsaw"
-ROUTER_SETTLE_S = 1.0  # > router snapshot refresh + one registry render: the router sees an admin change
+REGISTRY_RENDER_S = 1.0  # the registry re-renders its snapshot body at most this often (SnapshotCache)
 
 
 @pytest.fixture(scope="session")
@@ -143,8 +143,19 @@ LONG_TOKENS = 160
 DRAIN_TOKENS = 1900  # the prompt's 40 and these fill most of the tiny model's 2,048 positions
 
 
-def settle() -> None:
-    time.sleep(ROUTER_SETTLE_S)
+def settle(cluster: Cluster) -> None:
+    """Returns once the router holds a snapshot rendered after the call: one registry render, then a
+    router refresh after it (a fixed sleep of both was too short on a loaded machine now and then)."""
+    time.sleep(REGISTRY_RENDER_S)
+    rendered_by = time.monotonic()
+    while time.monotonic() < rendered_by + 30.0:
+        asked_at = time.monotonic()
+        with cluster.http_client(timeout=5.0) as client:
+            age_s = client.get(f"{cluster.router_url}/healthz").json().get("snapshot_age_s")
+        if age_s is not None and age_s < asked_at - rendered_by:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the router took in no snapshot within 30 s")
 
 
 def agent_health(cluster: Cluster, site: str):

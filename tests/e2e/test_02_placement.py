@@ -11,7 +11,7 @@ def only(cluster, *active: str) -> None:
     admin = cluster.admin()
     for site in cluster.config.sites:
         (admin.uncordon if site.name in active else admin.cordon)(site.name)
-    settle()
+    settle(cluster)
 
 
 def uncordon_all(cluster) -> None:
@@ -40,7 +40,7 @@ def test_split_run_equals_colocated_run(cluster, http):
 def test_cordoned_site_gets_no_new_requests(cluster, http):
     try:
         cluster.admin().cordon(BOTH)
-        settle()
+        settle(cluster)
         served = [complete(http, cluster, prompt_ids(20, start=i), 4).sites for i in range(6)]
     finally:
         uncordon_all(cluster)

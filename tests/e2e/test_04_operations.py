@@ -39,6 +39,6 @@ def test_drained_site_finishes_in_flight_then_takes_none(cluster, http, long_pro
     assert cluster.processes[site].popen.wait(30) == 0
     assert "the registry asks this site to drain" in cluster.processes[site].log_path.read_text()
     assert cluster.site_state(site)["state"] == "draining"
-    settle()
+    settle(cluster)
     served = [complete(http, cluster, prompt_ids(20, start=i), 4).sites for i in range(4)]
     assert all(site not in pair for pair in served)
