@@ -14,6 +14,7 @@ from deploy.cli import build_parser
 from deploy.cli import main as edgefire
 from deploy.cluster_config import ClusterConfig, SiteSpec
 from deploy.launcher import Cluster
+from tests.e2e.conftest import wait_for_router_snapshot
 
 FLEX, DECODE_ONLY = "warsaw", "frankfurt"
 # A planner tuned for a test: any queued prefill is "heavy", decode never is, short settle; the dwell
@@ -70,7 +71,7 @@ async def test_a_prefill_heavy_burst_moves_the_flexible_site_and_no_request_fail
                 responses += await burst(http, cluster.model, 8, start=len(responses))
             # Routers follow the snapshot: new work now prefills at warsaw and decodes at frankfurt.
             wait_for(lambda: _active_role(cluster) == "prefill", 10, "the snapshot to show the change")
-            await asyncio.sleep(0.5)  # > the router's snapshot refresh
+            await asyncio.to_thread(wait_for_router_snapshot, cluster, time.monotonic())
             after = await burst(http, cluster.model, 4, start=10_000)
             responses += after
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]

@@ -147,15 +147,19 @@ def settle(cluster: Cluster) -> None:
     """Returns once the router holds a snapshot rendered after the call: one registry render, then a
     router refresh after it (a fixed sleep of both was too short on a loaded machine now and then)."""
     time.sleep(REGISTRY_RENDER_S)
-    rendered_by = time.monotonic()
-    while time.monotonic() < rendered_by + 30.0:
+    wait_for_router_snapshot(cluster, time.monotonic())
+
+
+def wait_for_router_snapshot(cluster: Cluster, since: float, timeout_s: float = 30.0) -> None:
+    """Returns once the router has fetched its snapshot after `since` (time.monotonic())."""
+    while time.monotonic() < since + timeout_s:
         asked_at = time.monotonic()
         with cluster.http_client(timeout=5.0) as client:
             age_s = client.get(f"{cluster.router_url}/healthz").json().get("snapshot_age_s")
-        if age_s is not None and age_s < asked_at - rendered_by:
+        if age_s is not None and age_s < asked_at - since:
             return
         time.sleep(0.05)
-    raise AssertionError("the router took in no snapshot within 30 s")
+    raise AssertionError(f"the router took in no snapshot within {timeout_s:.0f} s")
 
 
 def agent_health(cluster: Cluster, site: str):
