@@ -72,7 +72,7 @@ class RouterConfig:
     first_token_timeout_s: float = 30.0
     token_idle_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
-    max_full_wait_s: float = 5.0      # a request whose every candidate is full waits this long for room, then 503
+    max_full_wait_s: float = 5.0      # a request with no usable candidate (all full, or none left) waits this long
     failures_to_cool_down: int = 3
     cooldown_s: float = 30.0
     retry_after_s: float = 1.0
