@@ -71,7 +71,9 @@ def cpu_for_sites(num_sites: int) -> list[list[int]]:
 # One thread of small matmuls for about half a second: the work of a one-core site.
 _PROBE = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nfor _ in range(50): a @ a\n"
           "started = time.perf_counter()\nfor _ in range(4000): a @ a\nprint(time.perf_counter() - started)")
-_SPIN = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True: a @ a"
+# Spins until killed, or until its parent is gone (a benchmark stopped by SIGTERM runs no `finally`).
+_SPIN = ("import os, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nparent = os.getppid()\n"
+         "while os.getppid() == parent:\n    for _ in range(100): a @ a")
 
 
 def core_interference(cpus: list[list[int]]) -> float | None:
