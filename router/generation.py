@@ -45,7 +45,7 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION,
 })
 RELEASE_TIMEOUT_S = 5.0
-FULL_RETRY_S, FULL_RETRY_MAX_S = 0.05, 1.0  # the wait before trying full sites again, doubling to the cap
+FULL_RETRY_S, FULL_RETRY_MAX_S = 0.05, 1.0  # the wait before placing again, doubling to the cap
 
 
 @dataclass(slots=True)
@@ -224,10 +224,10 @@ class Generation:
         if self._waiting_since is None:
             self._waiting_since = now
         timeout_s = self.policy.token_idle_timeout_s if self.generated_ids else self.policy.first_token_timeout_s
-        budget_s = min(self.policy.max_full_wait_s, timeout_s)
-        delay_s = min(FULL_RETRY_S * 2 ** self._num_waits, FULL_RETRY_MAX_S)
-        if now + delay_s - self._waiting_since > budget_s:
+        remaining_s = min(self.policy.max_full_wait_s, timeout_s) - (now - self._waiting_since)
+        if remaining_s <= 0.001:
             return False
+        delay_s = min(FULL_RETRY_S * 2 ** self._num_waits, FULL_RETRY_MAX_S, remaining_s)  # the last try at the end
         self._num_waits += 1
         if self._full:
             log.info("request %s: every candidate left is full (%s); trying again in %.2f s", self.request_id,

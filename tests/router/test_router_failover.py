@@ -120,12 +120,12 @@ async def test_a_stream_whose_last_site_stalls_waits_for_a_site_to_come_live(clu
     near = await cluster.add_site("fra", *FRA)
     far = await cluster.add_site("par", *PAR, heartbeat=False)
     key = await cluster.create_key()
-    _router, url = await make_router(token_idle_timeout_s=1.0, max_full_wait_s=5.0)
+    _router, url = await make_router(token_idle_timeout_s=2.0, max_full_wait_s=5.0)  # waits up to 2 s
     _response, lines = await stream(http, url, key)
     reference_text, _ = stream_text(lines)
     near.stall_after = 3
     streaming = asyncio.create_task(stream(http, url, key))
-    await asyncio.sleep(1.5)  # fra stalled after 3 tokens and timed out at ~1 s: nothing was left then
+    await asyncio.sleep(2.5)  # fra stalled after 3 tokens and timed out at ~2 s: nothing was left then
     assert not streaming.done()
     await cluster.heartbeat("par")
     response, lines = await streaming
