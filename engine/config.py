@@ -115,6 +115,11 @@ class ModelConfig:
         kv_lora_rank dims are also the values (1, multi-head latent attention)."""
         return 1 if self.mla is not None else 2
 
+    def kv_pool_shape(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        """A KV pool's shape [layers, kv_parts, blocks, block_size, KV heads, head_dim], for the layers and
+        KV heads it holds (one rank's under tensor/pipeline parallelism, or the whole model's)."""
+        return (num_layers, self.kv_parts, num_blocks, block_size, num_kv_heads, self.head_dim)
+
     def num_parameters(self) -> int:
         """Weights the engine keeps resident: every expert of every MoE layer counts, not just the active ones."""
         from engine.memory import shard_parameters   # counts any rank's part (engine.parallel.layout)

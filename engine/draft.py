@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,7 +74,7 @@ class DraftProposer:
         mc = self.model_config
         element = torch.tensor([], dtype=dtype).element_size()
         pool = kv_bytes if num_blocks is None else \
-            num_blocks * mc.kv_parts * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
+            math.prod(mc.kv_pool_shape(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads)) * element
         need = mc.num_parameters() * element + pool
         free, _ = torch.cuda.mem_get_info(device)
         if need > free:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import logging
+import math
 
 import torch
 
@@ -42,15 +43,13 @@ class ModelShard:
 
     @property
     def bytes_per_block(self) -> int:
-        cfg, model = self.config, self.model
-        element = torch.tensor([], dtype=model.dtype).element_size()
-        mc = model.config
-        return mc.kv_parts * len(model.shard.layers) * cfg.block_size * model.num_kv_heads * mc.head_dim * element
+        element = torch.tensor([], dtype=self.model.dtype).element_size()
+        return math.prod(self.pool_shape(1)) * element
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         model = self.model
-        return (len(model.shard.layers), model.config.kv_parts, num_blocks, self.config.block_size, model.num_kv_heads,
-                model.config.head_dim)
+        return model.config.kv_pool_shape(len(model.shard.layers), num_blocks, self.config.block_size,
+                                          model.num_kv_heads)
 
     def blocks_fit(self) -> int:
         """KV blocks this rank's budget holds."""

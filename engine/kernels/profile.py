@@ -24,7 +24,7 @@ def activation_peak_bytes(model, num_tokens: int, num_sample_rows: int, block_si
     torch.cuda.reset_peak_memory_stats(device)
     # one rank's part under tensor/pipeline/expert parallelism: its layers, its KV heads (every rank
     # profiles at the same point of start-up, so the all-reduces and all-to-alls inside the forward pair up)
-    shape = (len(model.shard.layers), cfg.kv_parts, num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
+    shape = cfg.kv_pool_shape(len(model.shard.layers), num_blocks, block_size, model.num_kv_heads)
     cache = torch.zeros(shape, dtype=model.dtype, device=device)
     cache_bytes = cache.numel() * cache.element_size()
     batch = AttentionBatch(

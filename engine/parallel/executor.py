@@ -114,8 +114,8 @@ class ParallelExecutor:
         self._vocab = [self.shards[self.layout.rank_of(self.layout.pp - 1, t)].vocab for t in range(self.layout.tp)]
 
     def _pool_shape(self, rank: int, num_blocks: int, config: EngineConfig) -> tuple[int, ...]:
-        shard, mc = self.shards[rank], self.model_config
-        return (len(shard.layers), mc.kv_parts, num_blocks, config.block_size, len(shard.kv_heads), mc.head_dim)
+        shard = self.shards[rank]
+        return self.model_config.kv_pool_shape(len(shard.layers), num_blocks, config.block_size, len(shard.kv_heads))
 
     # -- steps ---------------------------------------------------------------------------------
 
