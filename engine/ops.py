@@ -61,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, rope)
+        return _yarn_inv_freq(inv_freq, head_dim, rope)
     if rope.rope_type != "llama3":
         return inv_freq
     old_ctx = rope.original_max_position_embeddings
@@ -75,7 +75,7 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """yarn: original frequencies for the dims that rotate fast over the original context (more
     than beta_fast turns), interpolated ones (divided by factor) for those that rotate slowly
     (fewer than beta_slow), a linear blend between."""
@@ -90,9 +90,7 @@ def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    extrapolation = 1 - ramp
-    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 def rope_cos_sin(head_dim: int, rope: RopeConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +174,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch.cpu_plan.native_decode:
         n = batch.num_decode
         out[:n] = cpu_attention.decode(q[:n], k_cache, v_cache, batch.block_tables[:n], batch.decode_context_lens,
-                                       sum(batch.context_lens[:n]), scale, sliding_window)
+                                       batch.cpu_plan.num_decode_keys, scale, sliding_window)
     for group in batch.cpu_plan.groups:
         out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window))
     for i in batch.cpu_plan.chunks:
@@ -224,6 +222,7 @@ class CPUAttentionPlan:
     groups: list[AttentionGroup]
     chunks: list[int]             # sequences attended one by one (long prefill chunks)
     native_decode: bool = False   # the decode sequences go to engine.cpu_attention, not to groups
+    num_decode_keys: int = 0      # their keys in all (how many threads the C loop's work is worth)
 
 
 def plan_attention(batch: AttentionBatch, block_size: int, device, native_decode: bool = False) -> CPUAttentionPlan:
@@ -244,7 +243,8 @@ def plan_attention(batch: AttentionBatch, block_size: int, device, native_decode
             query_pos=torch.tensor(query_pos, device=device),
             size=len(seqs), num_queries=count))
     chunks = [i for i, n in enumerate(num_queries) if n > GROUPED_QUERIES_MAX]
-    return CPUAttentionPlan(groups, chunks, native_decode)
+    num_decode_keys = sum(batch.context_lens[:batch.num_decode]) if native_decode else 0
+    return CPUAttentionPlan(groups, chunks, native_decode, num_decode_keys)
 
 
 def decode_groups(context_lens: list[int], num_queries: list[int] | None = None) -> list[list[int]]:
