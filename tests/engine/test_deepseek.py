@@ -14,9 +14,9 @@ import torch
 from engine.config import load_config, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.moe import route_grouped
-from engine.sampling import SamplingParams
 from tests.engine.conftest import build_checkpoint
-from tests.engine.test_mechanics import GREEDY, assert_no_leak, make_engine, moved, prompt, run
+from tests.engine.test_mechanics import (GREEDY, assert_a_small_pool_gives_the_plain_tokens, assert_no_leak,
+                                         make_engine, moved, prompt, run)
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +46,8 @@ def test_the_cache_holds_one_latent_per_token_and_reports_its_bytes(deepseek):
 
 def test_prefix_cache_and_preemption_give_the_plain_tokens(deepseek):
     directory, _ = deepseek
-    system = prompt(40, seed=1)
-    requests = {f"r{i}": (system + prompt(5 + 3 * i, seed=10 + i), SamplingParams(max_tokens=16, temperature=0,
-                                                                                   ignore_eos=True))
-                for i in range(5)}
-    plain = {rid: run(make_engine(directory, enable_prefix_caching=False), {rid: r})[rid]
-             for rid, r in requests.items()}
-    # 24 blocks of 8 tokens (3 layers of 48-value latents) cannot hold five growing 60-token sequences at once.
-    small = make_engine(directory, kv_cache_bytes=24 * 3 * 8 * 48 * 4)
-    assert small.block_manager.num_blocks == 24
-    assert run(small, requests) == plain
-    assert small.scheduler.num_preemptions > 0
-    assert small.stats().prefix_cache_hit_tokens > 0
-    assert_no_leak(small)
+    # 24 blocks of 8 tokens: 3 layers of 48-value latents
+    assert_a_small_pool_gives_the_plain_tokens(directory, kv_cache_bytes=24 * 3 * 8 * 48 * 4)
 
 
 def test_exported_latents_imported_elsewhere_give_the_colocated_tokens(deepseek):

@@ -57,6 +57,25 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def assert_a_small_pool_gives_the_plain_tokens(directory, kv_cache_bytes: int) -> None:
+    """Five requests sharing a 40-token system prompt, in a pool of 24 blocks of 8 tokens (what
+    kv_cache_bytes holds for this checkpoint) that cannot hold their five growing 60-token sequences
+    at once: some are preempted, the prefix cache is hit, and each request gets the tokens it gets
+    alone without a prefix cache."""
+    system = prompt(40, seed=1)
+    requests = {f"r{i}": (system + prompt(5 + 3 * i, seed=10 + i), SamplingParams(max_tokens=16, temperature=0,
+                                                                                   ignore_eos=True))
+                for i in range(5)}
+    plain = {rid: run(make_engine(directory, enable_prefix_caching=False), {rid: r})[rid]
+             for rid, r in requests.items()}
+    small = make_engine(directory, kv_cache_bytes=kv_cache_bytes)
+    assert small.block_manager.num_blocks == 24
+    assert run(small, requests) == plain
+    assert small.scheduler.num_preemptions > 0
+    assert small.stats().prefix_cache_hit_tokens > 0
+    assert_no_leak(small)
+
+
 @pytest.fixture
 def ckpt(llama_checkpoint):
     return llama_checkpoint[0]

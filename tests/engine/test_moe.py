@@ -20,7 +20,8 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.moe import route
 from engine.sampling import SamplingParams
 from tests.engine.conftest import build_checkpoint
-from tests.engine.test_mechanics import GREEDY, assert_no_leak, make_engine, moved, prompt, run
+from tests.engine.test_mechanics import (GREEDY, assert_a_small_pool_gives_the_plain_tokens, assert_no_leak,
+                                         make_engine, moved, prompt, run)
 from tests.engine.test_reference import engine_greedy
 
 LENGTHS = [3, 9, 17, 31, 48, 70, 5, 26]
@@ -132,19 +133,8 @@ def qwen3_moe(tmp_path_factory):
 
 
 def test_prefix_cache_and_preemption_give_the_plain_tokens(qwen3_moe):
-    system = prompt(40, seed=1)
-    requests = {f"r{i}": (system + prompt(5 + 3 * i, seed=10 + i), SamplingParams(max_tokens=16, temperature=0,
-                                                                                   ignore_eos=True))
-                for i in range(5)}
-    plain = {rid: run(make_engine(qwen3_moe, enable_prefix_caching=False), {rid: r})[rid]
-             for rid, r in requests.items()}
-    # 24 blocks of 8 tokens cannot hold five growing 60-token sequences at once: some are preempted.
-    small = make_engine(qwen3_moe, kv_cache_bytes=24 * 3 * 2 * 8 * 2 * 16 * 4)
-    assert small.block_manager.num_blocks == 24
-    assert run(small, requests) == plain
-    assert small.scheduler.num_preemptions > 0
-    assert small.stats().prefix_cache_hit_tokens > 0
-    assert_no_leak(small)
+    # 24 blocks of 8 tokens: 3 layers of keys and values, 2 KV heads of 16
+    assert_a_small_pool_gives_the_plain_tokens(qwen3_moe, kv_cache_bytes=24 * 3 * 2 * 8 * 2 * 16 * 4)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)])
