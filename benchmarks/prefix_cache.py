@@ -95,7 +95,8 @@ async def ttft_trials(cluster, trials: int, prompt_len: int, cached_share: float
             warm_results.append(warm)
             log(f"trial {trial + 1}/{trials}: cold TTFT {1000 * cold.ttft_s:.0f} ms ({cold.cached_tokens} cached), "
                 f"cached-prefix TTFT {1000 * warm.ttft_s:.0f} ms ({warm.cached_tokens} of {warm.prompt_tokens} "
-                f"cached, on {warm.prefill_site}->{warm.decode_site}; the prefix went {first.prefill_site}->{first.decode_site})")
+                f"cached, on {warm.prefill_site}->{warm.decode_site}; the prefix went "
+                f"{first.prefill_site}->{first.decode_site})")
     return warm_results, cold_results
 
 

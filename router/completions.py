@@ -73,12 +73,11 @@ class CompletionService:
         snapshot = self.feed.current()
         self._check_served(request.model, snapshot, ctx.api_key.allowed_regions)
         if request.num_choices > self.limits.max_choices:
-            raise bad_request(f"The request asks for {request.num_choices} choices ({len(request.prompts)} prompts "
+            raise bad_request(f"The request asks for {request.num_choices} choices ({request.num_prompts} prompts "
                               f"times n={request.n}); this endpoint answers at most {self.limits.max_choices} per "
                               f"request. Send fewer prompts or a smaller n.", "prompt" if request.n == 1 else "n")
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
-        num_prompts = 1 if request.chat else len(request.prompts)
-        prompts = [await self._tokenize(request, assets, i) for i in range(num_prompts)]
+        prompts = [await self._tokenize(request, assets, i) for i in range(request.num_prompts)]
         max_tokens = [self._check_lengths(request, ids, assets, self._prompt_param(request, i))
                       for i, ids in enumerate(prompts)]
         grammar = request_grammar(request, assets)
@@ -217,8 +216,9 @@ class CompletionService:
             room = context - num_prompt
             return min(self.limits.default_max_tokens, room) if self.limits.default_max_tokens else room
         if num_prompt + request.max_tokens > context:
-            raise bad_request(f"{prompt} ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the model's context length "
-                              f"({context}); lower max_tokens.", "max_tokens", "context_length_exceeded")
+            raise bad_request(f"{prompt} ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
+                              f"model's context length ({context}); lower max_tokens.", "max_tokens",
+                              "context_length_exceeded")
         return request.max_tokens
 
 

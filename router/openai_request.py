@@ -89,9 +89,14 @@ class CompletionRequest:
     no_speculation: bool = False             # `speculative: false`: the site verifies no proposed tokens for it
 
     @property
+    def num_prompts(self) -> int:
+        """A chat request's one prompt (its messages), or the completion's prompts."""
+        return 1 if self.chat else len(self.prompts)
+
+    @property
     def num_choices(self) -> int:
-        """The choices the request asks for: `n` of each prompt (a chat request has one prompt)."""
-        return self.n * (1 if self.chat else len(self.prompts))
+        """The choices the request asks for: `n` of each prompt."""
+        return self.n * self.num_prompts
 
     @property
     def named_tool(self) -> str | None:

@@ -150,12 +150,16 @@ def settle(cluster: Cluster) -> None:
     wait_for_router_snapshot(cluster, time.monotonic())
 
 
+def router_health(cluster: Cluster) -> dict:
+    with cluster.http_client(timeout=5.0) as client:
+        return client.get(f"{cluster.router_url}/healthz").json()
+
+
 def wait_for_router_snapshot(cluster: Cluster, since: float, timeout_s: float = 30.0) -> None:
     """Returns once the router has fetched its snapshot after `since` (time.monotonic())."""
     while time.monotonic() < since + timeout_s:
         asked_at = time.monotonic()
-        with cluster.http_client(timeout=5.0) as client:
-            age_s = client.get(f"{cluster.router_url}/healthz").json().get("snapshot_age_s")
+        age_s = router_health(cluster).get("snapshot_age_s")
         if age_s is not None and age_s < asked_at - since:
             return
         time.sleep(0.05)

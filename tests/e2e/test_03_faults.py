@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 
 from tests.e2e.conftest import (LONG_TOKENS, PREFILL_ONLY, complete, completion_body, prompt_ids, router_client,
-                                router_log, router_metrics, site_log, stream)
+                                router_health, router_log, router_metrics, site_log, stream)
 
 
 def test_prefill_site_killed_request_served_elsewhere(cluster, http):
@@ -164,11 +164,6 @@ class Requester(threading.Thread):
     def stop(self) -> None:
         self._stopping.set()
         self.join(timeout=60)
-
-
-def router_health(cluster) -> dict:
-    with cluster.http_client(timeout=5.0) as client:
-        return client.get(f"{cluster.router_url}/healthz").json()
 
 
 def test_registry_outage_past_max_age_and_its_return_fail_no_request(cluster, http):

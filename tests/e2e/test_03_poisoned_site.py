@@ -9,8 +9,8 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import BOTH, DECODE_ONLY, PREFILL_ONLY
-from tests.e2e.test_03_faults import Requester, router_health
+from tests.e2e.conftest import BOTH, DECODE_ONLY, PREFILL_ONLY, router_health
+from tests.e2e.test_03_faults import Requester
 
 GOOD = {"kv_blocks_total": 100, "kv_blocks_free": 50, "block_size": 16}
 POISON = [{**GOOD, "prefix_cache_summary": {"block_size": 16, "hashes": ["zz"]}},
