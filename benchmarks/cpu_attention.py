@@ -8,12 +8,17 @@ the C loop must read, at the bandwidth this run measures for a plain one-pass re
 Then whole engine runs with either path (benchmarks/engine_cpu.py's 32 requests on its dense
 checkpoint and on benchmarks/moe.py's MoE checkpoint), alternating, say what it is worth end to end.
 
-    .venv/bin/python benchmarks/cpu_attention.py [--rounds 7] [--engine-rounds 4] [--threads N]
+`--baseline PATH` adds another build of the extension (say the `_cpu_attention*.so` of an earlier
+commit, kept aside before `make install` rebuilt it) to the same alternating rounds of the per-call
+table, so a change to the C loop is measured against what it replaces in one run.
+
+    .venv/bin/python benchmarks/cpu_attention.py [--rounds 7] [--engine-rounds 4] [--threads N] [--baseline SO]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -29,8 +34,10 @@ from benchmarks.engine_cpu import load_average, start_run, verdict  # noqa: E402
 from engine import cpu_attention, ops  # noqa: E402
 
 # (sequences, shortest and longest context, query heads, KV heads, head size): the MoE and dense
-# benchmark models' attention (8 heads over 4 KV heads of 64) at a few batches, and an 8B-shaped layer.
-SHAPES = [(8, 100, 300, 8, 4, 64), (32, 100, 300, 8, 4, 64), (32, 800, 1200, 8, 4, 64), (16, 200, 600, 32, 8, 128)]
+# benchmark models' attention (8 heads over 4 KV heads of 64) at a few batches, an 8B-shaped layer, and
+# the `small` demo model's (8 over 4 of 32) at contexts up to 1,500 tokens.
+SHAPES = [(8, 100, 300, 8, 4, 64), (32, 100, 300, 8, 4, 64), (32, 800, 1200, 8, 4, 64), (16, 200, 600, 32, 8, 128),
+          (7, 130, 1500, 8, 4, 32)]
 BLOCK_SIZE = 16
 
 
@@ -64,23 +71,34 @@ def best_of(run, repeats: int) -> float:
     return min(times)
 
 
-def c_loop_vs_torch(module, attribute: str, run, floor, rounds: int, repeats: int) -> tuple:
-    """run() with the C loop (module.attribute, the built extension) and without it (None there: the torch
-    path), and floor(), in alternating rounds: (median over rounds of the fastest of `repeats` calls for
-    each of the three, in seconds; run()'s output with the C loop; its output on the torch path)."""
+def c_loop_vs_torch(module, attribute: str, run, floor, rounds: int, repeats: int, baseline=None) -> tuple:
+    """run() with the C loop (module.attribute, the built extension), without it (None there: the torch
+    path) and, given one, with the baseline build of the extension, and floor(), in alternating rounds:
+    ({side: median over rounds of the fastest of `repeats` calls, in seconds}; {side: run()'s output})."""
     native = getattr(module, attribute)
-    times: dict[str, list[float]] = {"c": [], "torch": [], "floor": []}
+    sides = [("c", native), ("torch", None)] + ([("baseline", baseline)] if baseline is not None else [])
+    times: dict[str, list[float]] = {side: [] for side, _ in sides} | {"floor": []}
     outputs = {}
     try:
         for _ in range(rounds):
-            for side, extension in (("c", native), ("torch", None)):
+            for side, extension in sides:
                 setattr(module, attribute, extension)
                 outputs[side] = run()
                 times[side].append(best_of(run, repeats))
             times["floor"].append(best_of(floor, repeats))
     finally:
         setattr(module, attribute, native)
-    return tuple(statistics.median(times[side]) for side in times), outputs["c"], outputs["torch"]
+    return {side: statistics.median(values) for side, values in times.items()}, outputs
+
+
+def load_baseline(path: Path):
+    """Another build of the extension, loaded beside the installed one."""
+    spec = importlib.util.spec_from_file_location("baseline._cpu_attention", path)
+    if spec is None or not path.is_file():
+        sys.exit(f"--baseline {path}: not a built extension module (a _cpu_attention*.so file)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -89,29 +107,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="calls per side per round (the fastest counts)")
     parser.add_argument("--engine-rounds", type=int, default=4, help="whole engine runs per path (0: none)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--baseline", type=Path, help="another build of the extension (.so) to measure beside this one")
     args = parser.parse_args()
     if not cpu_attention.available():
         sys.exit(f"the C decode attention is not built ({cpu_attention.MISSING}); run `make install`")
+    baseline = load_baseline(args.baseline) if args.baseline else None
     load_before = start_run(args.threads)
     print(f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds, fastest of {args.repeats} calls per "
-          f"side per round, median over rounds")
+          f"side per round, median over rounds" + (f"; baseline build {args.baseline}" if baseline else ""))
+    extra = " baseline build | this build vs baseline |" if baseline else ""
     print(f"\n| sequences | context | heads / KV heads x size | K+V read | C loop | torch path | speed-up "
-          f"| C loop vs read floor |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| C loop vs read floor |{extra}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else ""))
     loads = []
     for num_seqs, shortest, longest, num_heads, num_kv_heads, head_dim in SHAPES:
         q, k_cache, v_cache, tables, lens = decode_batch(num_seqs, shortest, longest, num_heads, num_kv_heads, head_dim)
         kv_bytes = 2 * sum(lens) * num_kv_heads * head_dim * 4
         flat = torch.randn(kv_bytes // 4)
-        (c_s, torch_s, floor_s), c_out, torch_out = c_loop_vs_torch(
+        seconds, outputs = c_loop_vs_torch(
             cpu_attention, "_cpu_attention", lambda: attend(q, k_cache, v_cache, tables, lens), flat.sum, args.rounds,
-            args.repeats)
-        torch.testing.assert_close(c_out, torch_out, rtol=1e-4, atol=1e-4)
+            args.repeats, baseline)
+        for side in outputs:
+            torch.testing.assert_close(outputs[side], outputs["torch"], rtol=1e-4, atol=1e-4)
         loads.append(load_average())
+        c_s, torch_s = seconds["c"], seconds["torch"]
+        against = (f" {seconds['baseline'] * 1e6:.0f} us | {seconds['baseline'] / c_s:.2f}x |" if baseline else "")
         print(f"| {num_seqs} | {shortest}-{longest} | {num_heads} / {num_kv_heads} x {head_dim} | "
               f"{kv_bytes / 2**20:.1f} MiB | {c_s * 1e6:.0f} us | {torch_s * 1e6:.0f} us | {torch_s / c_s:.2f}x | "
-              f"{c_s / floor_s:.2f}x |")
-    print("\nSame outputs on both paths (within 1e-4) at every shape.")
+              f"{c_s / seconds['floor']:.2f}x |{against}")
+    print(f"\nSame outputs on {'all three' if baseline else 'both'} paths (within 1e-4) at every shape.")
     if args.engine_rounds:
         loads.append(engine_runs(args.engine_rounds, cpu_attention, "_cpu_attention"))
     print(verdict(load_before, max(loads)))

@@ -77,7 +77,12 @@ def test_grouped_decode_attention_equals_each_sequence_alone(attention_path):
 
 
 @needs_native
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 4, 8, 4), (8, 2, 64, 16), (32, 1, 128, 8)])
+# Head sizes of the vector loop (multiples of 16: 32, 64 and 128 built in, 48 not) and of the plain one
+# (8, 24); runs of KV heads from one per item (32 query heads over one KV head) to a sequence's eight
+# split over two items (64 query heads of 16).
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(4, 4, 8, 4), (6, 2, 24, 4), (8, 2, 64, 16), (16, 8, 32, 16), (6, 3, 48, 16),
+                          (64, 8, 16, 16), (32, 1, 128, 8)])
 @pytest.mark.parametrize("sliding_window", [None, 37])
 def test_the_c_loop_equals_each_sequence_alone(num_heads, num_kv_heads, head_dim, block_size, sliding_window):
     lens = [1, 5, 64, 65, 130, 300, 17, 2]
