@@ -3,10 +3,10 @@ paged cache holds them.
 
 Why C. The torch path (ops._attend_group) gathers each group's blocks into a contiguous copy and
 hands it to scaled_dot_product_attention: every key and value is read, written, and read again. The
-C loop reads each once, where the cache holds it, with the softmax done online. Measured on the
-project's 2-core Intel Xeon (benchmarks/cpu_attention.py, quiet): 1.7-3.6x faster than the torch
-path per call, and a whole benchmark run of the engine 11% (dense) and 5.5% (MoE) shorter
-(benchmarks/RESULTS.md, "Decode attention in C").
+C loop reads each once, where the cache holds it, a contiguous run of a row's KV heads at a time, with
+the softmax done online. Measured on the project's 2-core AMD EPYC (benchmarks/cpu_attention.py, quiet):
+2.9-5.3x faster than the torch path per call, and a whole benchmark run of the engine 11% (dense) and
+13% (MoE) shorter (benchmarks/RESULTS.md, "Decode attention in C").
 
 The (sequence, KV head) pairs are shared out over torch's own OpenMP threads (cpu_attention.c says
 how), with the GIL released. The extension is built by the editable install
