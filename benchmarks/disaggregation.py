@@ -2,6 +2,7 @@
 site and one decode site, under the same workload, measured in the same run.
 
     .venv/bin/python benchmarks/disaggregation.py [--prefill-loads 0.3,0.45,0.6] [--rounds 2] [--seconds 20]
+                                                  [--frontend-cpu any|first]
 
 About 8 minutes with the defaults. Three clusters of real processes run on loopback side by side
 (registry, router, two agents each):
@@ -18,8 +19,10 @@ Whether the two CPUs are independent is checked first and printed (a one-thread 
 and while the other is busy): were they one core's two hardware threads, a busy prefill site would
 slow the decode site's steps, and split would not be the isolation it is on separate machines;
 the routers and this load generator are not pinned (their CPU use is printed: on a two-core machine
-they take a fifth to a third of a core from the agents). Rounds alternate the order of the modes
-(ABC, CBA, ...) and every figure is the median over rounds.
+they take a fifth to a third of a core from the agents), unless `--frontend-cpu first` holds them, and
+the registries, to the first site's CPU: the split decode site then has its core to itself, as on
+separate machines, and the prefill site shares its core with them. Rounds alternate the order of the
+modes (ABC, CBA, ...) and every figure is the median over rounds.
 
 The regime, and why the chunk is scaled. Chunked prefill bounds what a long prompt does to the
 streams of its site: a step that carries a chunk of c prompt tokens lasts about d + c*t (d a plain
@@ -87,8 +90,8 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (StreamResult, core_interference, cpu_for_sites, endless_model, log,  # noqa: E402
-                                machine_line, markdown_table, percentile, random_prompt, running_cluster, sigterm_as_interrupt,
-                                site, stream, vocab_size)
+                                machine_line, markdown_table, percentile, pin_process, random_prompt, running_cluster,
+                                sigterm_as_interrupt, site, stream, vocab_size)
 from engine.demo import SIZES  # noqa: E402
 
 MODEL_NAME = "bench"
@@ -536,6 +539,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=512,
                         help="the agents' per-step token budget, i.e. the prefill chunk (default 512, the agent's)")
     parser.add_argument("--dump", type=Path, help="append every request's token arrival times here (JSON lines)")
+    parser.add_argument("--frontend-cpu", choices=("any", "first"), default="any",
+                        help="where the routers, registries and this load generator run: any CPU (default), or "
+                             "the first site's (split: the prefill site's), so the second site's core is its own")
     args = parser.parse_args(argv)
     try:
         args.prefill_loads = [float(v) for v in args.prefill_loads.split(",") if v.strip()]
@@ -552,8 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start_cluster(stack: ExitStack, model_dir: Path, tmp: Path, mode: Mode, chunk: int) -> object:
-    cpus = cpu_for_sites(2)
+def start_cluster(stack: ExitStack, model_dir: Path, tmp: Path, mode: Mode, chunk: int, cpus: list[list[int]],
+                  frontend_cpus: list[int]) -> object:
     index = MODES.index(mode)
     names = ("prefill", "decode") if mode.roles == ("prefill", "decode") else (f"site-{index}a", f"site-{index}b")
     sites = [site(name, role, cpus[i]) for i, (name, role) in enumerate(zip(names, mode.roles))]
@@ -562,8 +568,13 @@ def start_cluster(stack: ExitStack, model_dir: Path, tmp: Path, mode: Mode, chun
     agent = {"max_num_batched_tokens": chunk, "kv_cache_bytes": 256 << 20}
     # Colocated means colocated: the router may not split a request across the two sites.
     router = {"allow_split": mode.name == "split"}
-    return stack.enter_context(running_cluster(model_dir, MODEL_NAME, sites, tmp / f"mode-{index}",
-                                               agent=agent, router=router))
+    if frontend_cpus:  # the cluster's config checks the sites' CPUs against this process's own
+        pin_process(os.getpid(), sorted({cpu for group in cpus for cpu in group}))
+    cluster = stack.enter_context(running_cluster(model_dir, MODEL_NAME, sites, tmp / f"mode-{index}",
+                                                  agent=agent, router=router))
+    for pid in (cluster.processes["router"].pid, cluster.processes["registry"].pid, os.getpid()) if frontend_cpus else ():
+        pin_process(pid, frontend_cpus)
+    return cluster
 
 
 def warm_up(cluster, name: str, long_prompt: int, vocab: int) -> None:
@@ -580,19 +591,22 @@ def start_all(stack: ExitStack, model_dir: Path, tmp: Path, args: argparse.Names
               vocab: int) -> tuple[dict, Calibration, int]:
     """Every mode's cluster, warmed up; the calibration; the scaled chunk."""
     modes = {m.name: m for m in args.modes}
-    clusters = {m.name: start_cluster(stack, model_dir, tmp, m, args.max_batched_tokens)
+    clusters = {m.name: start_cluster(stack, model_dir, tmp, m, args.max_batched_tokens, args.site_cpus,
+                                       args.frontend_cpus)
                 for m in args.modes if not m.scaled_chunk}
     for name, cluster in clusters.items():
         warm_up(cluster, name, args.long_prompt, vocab)
     reference = clusters.get("colocated")
     if reference is None:  # only the scaled mode asked for: calibrate on a default-chunk pair all the same
-        reference = start_cluster(stack, model_dir, tmp, MODES[0], args.max_batched_tokens)
+        reference = start_cluster(stack, model_dir, tmp, MODES[0], args.max_batched_tokens, args.site_cpus,
+                                       args.frontend_cpus)
         warm_up(reference, "colocated (for the calibration)", args.long_prompt, vocab)
     calibration = calibrate(reference, clusters["split"], args, vocab)
     chunk = args.scaled_chunk or calibration.scaled_chunk(args.chunk_steps, args.max_batched_tokens)
     log(f"calibration: {calibration_line(calibration, args, chunk)}")
     if "colocated-scaled" in modes:
-        clusters["colocated-scaled"] = start_cluster(stack, model_dir, tmp, modes["colocated-scaled"], chunk)
+        clusters["colocated-scaled"] = start_cluster(stack, model_dir, tmp, modes["colocated-scaled"], chunk,
+                                                     args.site_cpus, args.frontend_cpus)
         warm_up(clusters["colocated-scaled"], "colocated-scaled", args.long_prompt, vocab)
     return clusters, calibration, chunk
 
@@ -644,7 +658,8 @@ def run_load(clusters: dict, load: float, calibration: Calibration, args: argpar
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log(f"machine: {machine_line()}")
-    interference = core_interference(cpu_for_sites(2))
+    args.site_cpus = cpu_for_sites(2)  # before this process is held to one of them
+    interference = core_interference(args.site_cpus)
     independence = (f"a one-thread loop on the first site's CPU takes {interference:.2f}x as long while the second "
                     f"site's CPU is busy (1.00x: independent cores)" if interference is not None
                     else "the sites are not held to separate CPUs")
@@ -652,9 +667,15 @@ def main(argv: list[str] | None = None) -> int:
     minutes = len(args.prefill_loads) * len(args.modes) * args.rounds * args.seconds / 60
     log(f"measuring {len(args.prefill_loads)} load(s) x {len(args.modes)} modes x {args.rounds} round(s) x "
         f"{args.seconds:.0f} s = {minutes:.1f} min, after about 2 min of start-up and calibration")
+    args.frontend_cpus = args.site_cpus[0] if args.frontend_cpu == "first" else []
+    if args.frontend_cpu == "first" and not args.frontend_cpus:
+        sys.exit("--frontend-cpu first: the sites are not held to CPUs on this machine (Linux with taskset)")
     with tempfile.TemporaryDirectory(prefix="edgefire-disagg-") as tmp, sigterm_as_interrupt(), ExitStack() as stack:
         model_dir = endless_model(Path(tmp) / "model", args.size, args.model)
         vocab = vocab_size(model_dir)
+        if args.frontend_cpus:  # each cluster's router and registry, and this process, as the cluster starts
+            log(f"the routers, registries and this load generator are held to CPU {args.frontend_cpus[0]}, "
+                f"the first site's")
         clusters, calibration, chunk = start_all(stack, model_dir, Path(tmp), args, vocab)
         results = [run_load(clusters, load, calibration, args, vocab) for load in args.prefill_loads]
     print(f"\nMachine: {machine_line()}; {independence}. Calibration: {calibration_line(calibration, args, chunk)}.")

@@ -99,6 +99,16 @@ def core_interference(cpus: list[list[int]]) -> float | None:
     return busy / alone
 
 
+def pin_process(pid: int, cpus: list[int]) -> None:
+    """Hold every thread of a running process to these CPUs (threads it starts later inherit it).
+    Linux only; a thread that ends meanwhile is skipped."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+
+
 @contextmanager
 def running_cluster(model_dir: Path, model_name: str, sites: list[SiteSpec], state_dir: Path,
                     agent: dict | None = None, router: dict | None = None) -> Iterator[Cluster]:
