@@ -572,8 +572,9 @@ def start_cluster(stack: ExitStack, model_dir: Path, tmp: Path, mode: Mode, chun
         pin_process(os.getpid(), sorted({cpu for group in cpus for cpu in group}))
     cluster = stack.enter_context(running_cluster(model_dir, MODEL_NAME, sites, tmp / f"mode-{index}",
                                                   agent=agent, router=router))
-    for pid in (cluster.processes["router"].pid, cluster.processes["registry"].pid, os.getpid()) if frontend_cpus else ():
-        pin_process(pid, frontend_cpus)
+    if frontend_cpus:
+        for pid in (cluster.processes["router"].pid, cluster.processes["registry"].pid, os.getpid()):
+            pin_process(pid, frontend_cpus)
     return cluster
 
 

@@ -293,7 +293,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
             /* an item: one sequence's run of KV heads, as many as MAX_GROUP query heads hold, fewer where
                that leaves the threads too few items */
             int64_t per_item = MAX_GROUP / (H / HKV);
-            while (per_item > 1 && (last - first) * ((HKV + per_item - 1) / per_item) < 2 * num_threads) per_item /= 2;
+            while (num_threads > 1 && per_item > 1
+                   && (last - first) * ((HKV + per_item - 1) / per_item) < 2 * num_threads)
+                per_item /= 2;
             const int64_t runs = (HKV + per_item - 1) / per_item, items = (last - first) * runs;
             Py_BEGIN_ALLOW_THREADS
             #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
