@@ -263,6 +263,8 @@ class _Summaries:
     sites: list[tuple[int, frozenset[int]]]   # (position, cached block hashes) of the sites with one
     any_site: frozenset[int]                  # every hash any of them holds
     holders: dict[int, list[tuple[int, frozenset[int]]]] = field(default_factory=dict)  # by first block
+    # by a held chain of block hashes: (positions of its first block's holders, blocks each holds from its start)
+    runs: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -494,7 +496,9 @@ def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
 
     Only sites holding the prompt's first block count (found once per snapshot for each first
     block: a shared system prompt or a conversation's opening), and blocks are hashed only as deep
-    as one of them holds the chain, so a prompt no site has seen costs one hash per block size.
+    as some site holds the chain, so a prompt no site has seen costs one hash per block size. What
+    each holder holds of a held chain (a shared prefix, then the request's own text that no site
+    holds) is worked out once per snapshot and chain, not once per request.
     The last prompt token is always recomputed: its logits pick the first output token."""
     num_cached = np.zeros(len(sites.sites))
     for block_size, summaries in sites.summaries.items():
@@ -503,19 +507,31 @@ def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
         hashes = [block_hash(ROOT_HASH, prompt_ids[:block_size])]
         if hashes[0] not in summaries.any_site:
             continue
-        holders = summaries.holders.get(hashes[0])
-        if holders is None:
-            if len(summaries.holders) >= MAX_FIRST_BLOCKS:
-                summaries.holders.clear()
-            holders = summaries.holders[hashes[0]] = [(i, c) for i, c in summaries.sites if hashes[0] in c]
         end = 2 * block_size
-        while end <= len(prompt_ids) and any(hashes[-1] in cached for _i, cached in holders):
+        while end <= len(prompt_ids) and hashes[-1] in summaries.any_site:
             hashes.append(block_hash(hashes[-1], prompt_ids[end - block_size:end]))
             end += block_size
-        all_but_last = hashes[:-1]
-        for i, cached in holders:
-            num_cached[i] = block_size * _leading_run(hashes, all_but_last, cached)
+        held = hashes if hashes[-1] in summaries.any_site else hashes[:-1]  # the prompt may end inside a chain
+        key = tuple(held)
+        runs = summaries.runs.get(key)
+        if runs is None:
+            if len(summaries.runs) >= MAX_FIRST_BLOCKS:
+                summaries.runs.clear()
+            holders = _holders(summaries, hashes[0])
+            runs = summaries.runs[key] = (np.array([i for i, _cached in holders], dtype=np.intp), np.array(
+                [_leading_run(held, held[:-1], cached) for _i, cached in holders], dtype=float))
+        num_cached[runs[0]] = block_size * runs[1]
     return np.minimum(num_cached, max(0, len(prompt_ids) - 1))
+
+
+def _holders(summaries: _Summaries, first_block: int) -> list[tuple[int, frozenset[int]]]:
+    """The sites holding a first block, with their summaries (found once per snapshot for each)."""
+    holders = summaries.holders.get(first_block)
+    if holders is None:
+        if len(summaries.holders) >= MAX_FIRST_BLOCKS:
+            summaries.holders.clear()
+        holders = summaries.holders[first_block] = [(i, c) for i, c in summaries.sites if first_block in c]
+    return holders
 
 
 def _leading_run(hashes: list[int], all_but_last: list[int], cached: frozenset[int]) -> int:

@@ -10,7 +10,7 @@ from test_router_placement import LYON, MODEL, NEW_YORK, PARIS, request, site, s
 
 from engine.prefix_hash import prefix_hashes
 from router.ledger import InflightLedger
-from router.placement import CostModel, rank
+from router.placement import CostModel, PlacementRequest, rank
 from router.sessions import SessionTable, session_key
 
 MADRID = (40.42, -3.70)
@@ -240,3 +240,28 @@ def test_decode_rate_is_read_with_the_load_it_was_measured_under():
     # An agent that does not report the load leaves its rate to be read as one sequence's alone.
     par_unreported = site("par", PARIS, decode_tokens_per_s=1600.0)
     assert rank(snapshot(par_unreported, mad), request(PARIS), CostModel())[0].site_names == ("par", "par")
+
+
+def test_prefix_cache_counts_stay_per_request_when_a_snapshot_serves_many():
+    # A shared 64-token opening (four blocks) held to different depths, the last site's summary with
+    # a gap; then prompts that stop inside it, at its end, and run past it into text no site holds.
+    # The snapshot remembers what each holder holds of a chain; every request must still get what a
+    # fresh snapshot would give it, in any order.
+    opening = list(range(1000, 1064))
+    hashes = prefix_hashes(opening, 16)
+    depths = {"par": hashes, "lyo": hashes[:2], "mad": hashes[:1] + hashes[2:]}
+    sites = [site(name, where, prefix_cache_summary={"block_size": 16, "hashes": [f"{h:016x}" for h in held]})
+             for (name, held), where in zip(depths.items(), (PARIS, LYON, MADRID))]
+    prompts = [opening[:40], opening, opening + list(range(5, 105)), opening[:32] + list(range(7, 90)),
+               opening + list(range(200, 240)), opening[:48]]
+
+    def cached(snap, prompt):
+        found = rank(snap, PlacementRequest(MODEL, prompt, 128, *PARIS), CostModel())
+        return {c.prefill_site.name: c.num_cached_tokens for c in found if c.colocated}
+
+    alone = [cached(snapshot(*sites), prompt) for prompt in prompts]
+    assert alone[1] == {"par": 63, "lyo": 32, "mad": 16}   # the whole opening: its last token is recomputed
+    assert alone[2] == {"par": 64, "lyo": 32, "mad": 16}
+    shared = snapshot(*sites)
+    for order in (prompts, prompts[::-1], prompts + prompts):
+        assert [cached(shared, prompt) for prompt in order] == [alone[prompts.index(p)] for p in order]
