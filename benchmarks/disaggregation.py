@@ -40,15 +40,18 @@ So the benchmark measures d and t on the colocated cluster first and runs a seco
 whose chunk step lasts `--chunk-steps` (5) plain steps, as on the GPUs of the published result:
 c = (5 - 1) d / t, about 160 tokens here. Every mode is reported against split.
 
-The trade-off the loads show (loaded runs, benchmarks/RESULTS.md). `--prefill-loads` sets how busy
+The trade-off the loads show (quiet runs, benchmarks/RESULTS.md). `--prefill-loads` sets how busy
 the long prompts keep the split mode's prefill site (each colocated site gets half). Split's p90
-gap is about twice its p50 at every load (the decode batch grows when long prompts decode, and the
-router and client share the two cores), and split wins p99 by 1.4-4.4x. Colocated p90 lands on
-chunk steps only once f passes 0.1: at load ~0.45 for the scaled chunk, whose five-gap stall then
-gives split at most ~2x, and at load ~0.6 for the 512 chunk (3-5x). By then split's one prefill
-site is 70-90% busy and queues: its TTFT p90 is 2-4x colocated's, whose two sites both prefill. At
-load 0.3 TTFT is within 1.5x but ITL p90 within 1.2x. Whether a quiet machine finds a load where
-both targets hold is what the summary table at the end answers.
+gap is about twice its p50 at every load, and split wins p99 by 1.5-5x. Its decode site's own steps
+are not what stretches it (a long prompt decoding beside the chats adds about 1 ms to a 3.5 ms step);
+the router and the client, which relay every token, share the two cores with the sites: held to the
+prefill site's CPU (`--frontend-cpu first`) they leave the decode site's gaps at p90 1.4-1.6x their
+p50, but then slow the prefill site and their own relaying. Colocated p90 lands on chunk steps only
+once f passes 0.1: at load ~0.45 for the scaled chunk, whose five-gap stall then gives split ~2x,
+and at load ~0.6 for the 512 chunk. By then split's one prefill site is 70-90% busy and queues: its
+TTFT p90 is 2-4x colocated's, whose two sites both prefill. At load 0.3 TTFT is within 1.5x but ITL
+p90 within 1.6x. Whether a quiet machine finds a load where both targets hold is what the summary
+table at the end answers.
 
 The workload, identical in every mode at a load: `--streams` clients each run one streamed
 completion after another (a short prompt, `--stream-tokens` tokens out), and long prompts
