@@ -24,6 +24,7 @@ raised, as with one URL; the caller backs off.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import time
 from collections.abc import Callable
@@ -38,6 +39,9 @@ DEFAULT_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0   # a replica that does not accept within this is passed over for the next
 FAILOVER_STATUSES = frozenset({502, 503, 504})
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+# Bodies this large (a fleet of hundreds of sites' snapshot runs to about 1 MB) are decoded on a worker
+# thread by the asyncio client, not on the event loop the router relays its streams on.
+THREAD_DECODE_BYTES = 256 << 10
 # Errors raised before a request left this process: resending it anywhere is always safe.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -311,6 +315,8 @@ class RegistryClient(RegistryOperations):
                 self.replicas.unreachable(replica, exc, last, method in IDEMPOTENT_METHODS or idempotent)
                 continue
             if self.replicas.accept(replica, response, last):
+                if len(response.content) >= THREAD_DECODE_BYTES:  # e.g. a large fleet's snapshot
+                    return await asyncio.to_thread(decode, response)
                 return decode(response)
 
     async def aclose(self) -> None:

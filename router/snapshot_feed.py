@@ -98,6 +98,7 @@ class SnapshotFeed:
         self._last_logged = -math.inf
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopping = False
+        self._refreshing = asyncio.Lock()      # one refresh at a time (its parse runs on a worker thread)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -129,25 +130,29 @@ class SnapshotFeed:
     # -- refresh -----------------------------------------------------------------------------
 
     async def refresh(self) -> bool:
-        """One fetch from the registry; never raises. True when the registry's answer was taken in."""
-        try:
-            document, etag = await self._fetch(self._etag)
-        except (httpx.HTTPError, RegistryError) as exc:
-            self._failed(REGISTRY_UNREACHABLE, f"registry unreachable: {exc}")
-            return False
-        except Exception as exc:
-            self._failed(FEED_ERROR, f"snapshot fetch failed: {type(exc).__name__}: {exc}", exc)
-            return False
-        try:
-            self._take(document, etag)
-        except Exception as exc:
-            self._failed(FEED_ERROR, f"snapshot not taken in: {type(exc).__name__}: {exc}", exc)
-            return False
-        return True
+        """One fetch from the registry; never raises. True when the registry's answer was taken in.
+        The document is parsed on a worker thread: a fleet of hundreds of sites takes milliseconds to
+        parse, which on the event loop would hold up every stream the router relays meanwhile. One
+        refresh runs at a time, so a slow parse never adopts an older snapshot after a newer one."""
+        async with self._refreshing:
+            try:
+                document, etag = await self._fetch(self._etag)
+            except (httpx.HTTPError, RegistryError) as exc:
+                self._failed(REGISTRY_UNREACHABLE, f"registry unreachable: {exc}")
+                return False
+            except Exception as exc:
+                self._failed(FEED_ERROR, f"snapshot fetch failed: {type(exc).__name__}: {exc}", exc)
+                return False
+            try:
+                self._take(None if document is None else await asyncio.to_thread(parse_snapshot, document), etag)
+            except Exception as exc:
+                self._failed(FEED_ERROR, f"snapshot not taken in: {type(exc).__name__}: {exc}", exc)
+                return False
+            return True
 
-    def _take(self, document: dict | None, etag: str | None) -> None:
-        if document is not None:
-            snapshot = parse_snapshot(document)
+    def _take(self, snapshot: Snapshot | None, etag: str | None) -> None:
+        """A parsed snapshot, or None for the registry's 304 (the one we hold is still current)."""
+        if snapshot is not None:
             self._held_back = self._warming_up(snapshot)
             if not self._held_back:
                 self._adopt(snapshot)

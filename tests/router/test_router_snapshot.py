@@ -3,7 +3,10 @@ every other site is still served; the snapshot as a whole never fails because of
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
 
 import pytest
 
@@ -77,3 +80,57 @@ def test_a_sites_own_kv_figures_are_read_per_model():
                        {"model": "n", "role": "both"}]
     parsed = parse_snapshot(document(entry)).sites[0]
     assert parsed.model_kv == {"m": ModelKV(65536, "bfloat16/2x2x8/ab")}
+
+
+async def test_the_loop_keeps_serving_while_a_snapshot_is_parsed(monkeypatch):
+    # Parsing a large fleet's snapshot takes milliseconds; the router's streams must not wait for it.
+    # The parse below only finishes once the event loop has run a callback scheduled after the parse
+    # began: were the parse on the loop, that callback could never run, and the refresh would fail.
+    from router import snapshot_feed
+
+    loop = asyncio.get_running_loop()
+    parsing, loop_ran = asyncio.Event(), threading.Event()
+
+    def parse_while_the_loop_runs(doc):
+        loop.call_soon_threadsafe(parsing.set)
+        if not loop_ran.wait(5.0):
+            raise AssertionError("the event loop did not run while the snapshot was parsed")
+        return parse_snapshot(doc)
+
+    async def fetch(_etag):
+        return document(site("par", PARIS)), "e1"
+
+    monkeypatch.setattr(snapshot_feed, "parse_snapshot", parse_while_the_loop_runs)
+    feed = SnapshotFeed(fetch, refresh_s=60.0)
+    refreshing = asyncio.create_task(feed.refresh())
+    await asyncio.wait_for(parsing.wait(), 5.0)
+    loop_ran.set()
+    assert await refreshing
+    assert [s.name for s in feed.current().sites] == ["par"]
+
+
+async def test_refreshes_run_one_at_a_time_so_an_older_snapshot_is_never_adopted_last(monkeypatch):
+    # The first fetch answers with an older document and parses slowly; a second refresh started
+    # meanwhile must not finish first and then be overwritten by it.
+    from router import snapshot_feed
+
+    def parse(doc):
+        if doc["version"] == "old":
+            time.sleep(0.3)
+        return parse_snapshot(doc)
+
+    monkeypatch.setattr(snapshot_feed, "parse_snapshot", parse)
+    versions = iter(["old", "new"])
+    order = []
+
+    async def fetch(_etag):
+        version = next(versions)
+        order.append(f"fetch {version}")
+        doc = document(site(version, PARIS))
+        doc["version"] = version
+        return doc, version
+
+    feed = SnapshotFeed(fetch, refresh_s=60.0)
+    assert all(await asyncio.gather(feed.refresh(), feed.refresh()))
+    assert order == ["fetch old", "fetch new"]
+    assert [s.name for s in feed.current().sites] == ["new"]
