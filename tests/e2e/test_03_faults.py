@@ -171,6 +171,9 @@ def test_registry_outage_past_max_age_and_its_return_fail_no_request(cluster, ht
     sites directly, drops one killed meanwhile and takes it back when it serves again; when the
     registry returns, no request fails while the sites' heartbeats resume."""
     complete(http, cluster, prompt_ids(20), 4)  # the router has a snapshot and knows the key
+    # The snapshot the router keeps through the outage must show every site alive: the router checks
+    # only those, and a site an earlier test restarted may still be coming back into the registry's view.
+    cluster.wait_for(lambda: router_health(cluster)["live_sites"] == 3, 30.0, "the router to see every site live")
     requester = Requester(cluster)
     requester.start()
     cluster.stop_registry()
