@@ -55,6 +55,23 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* One query head's online softmax over a tile of n scores: turns them into weights in place (relative
+   to the running max), folds them into the running max and sum, and returns the factor by which the
+   head's weighted sum of values so far must be scaled to stay relative to the new max. */
+static inline __attribute__((always_inline)) float softmax_tile(float *sc, int n, float *run_max, float *run_sum) {
+    float tile_max = *run_max;
+    for (int t = 0; t < n; t++) tile_max = sc[t] > tile_max ? sc[t] : tile_max;
+    const float rescale = *run_max == -INFINITY ? 0.f : exp_nonpositive(*run_max - tile_max);
+    float sum = 0.f;
+    for (int t = 0; t < n; t++) {
+        sc[t] = exp_nonpositive(sc[t] - tile_max);
+        sum += sc[t];
+    }
+    *run_sum = *run_sum * rescale + sum;
+    *run_max = tile_max;
+    return rescale;
+}
+
 /* Sixteen floats, loaded from and stored to any float address. The loops below are written on these
    vectors so that each key and value row is read contiguously, a vector at a time: left to itself the
    compiler vectorizes the plain loops across keys instead, with a gather per element, which on CPUs
@@ -134,17 +151,7 @@ static inline __attribute__((always_inline)) void attend_vectors(const job_t *jo
             }
         }
         for (int64_t i = 0; i < NH; i++) {
-            float *sc = scores + i * TILE;
-            float tile_max = run_max[i];
-            for (int t = 0; t < n; t++) tile_max = sc[t] > tile_max ? sc[t] : tile_max;
-            const float rescale = run_max[i] == -INFINITY ? 0.f : exp_nonpositive(run_max[i] - tile_max);
-            float sum = 0.f;
-            for (int t = 0; t < n; t++) {
-                sc[t] = exp_nonpositive(sc[t] - tile_max);
-                sum += sc[t];
-            }
-            run_sum[i] = run_sum[i] * rescale + sum;
-            run_max[i] = tile_max;
+            const float rescale = softmax_tile(scores + i * TILE, n, &run_max[i], &run_sum[i]);
             for (int64_t j = 0; j < V; j++) acc[i * V + j] *= rescale;
         }
         /* values: each row loaded once and added, weighted, into its group's query heads */
@@ -193,17 +200,7 @@ static inline __attribute__((always_inline)) void attend_scalars(const job_t *jo
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            float *sc = scores + g * TILE;
-            float tile_max = run_max[g];
-            for (int t = 0; t < n; t++) tile_max = sc[t] > tile_max ? sc[t] : tile_max;
-            const float rescale = run_max[g] == -INFINITY ? 0.f : exp_nonpositive(run_max[g] - tile_max);
-            float sum = 0.f;
-            for (int t = 0; t < n; t++) {
-                sc[t] = exp_nonpositive(sc[t] - tile_max);
-                sum += sc[t];
-            }
-            run_sum[g] = run_sum[g] * rescale + sum;
-            run_max[g] = tile_max;
+            const float rescale = softmax_tile(scores + g * TILE, n, &run_max[g], &run_sum[g]);
             for (int64_t d = 0; d < D; d++) acc[g * D + d] *= rescale;
         }
         for (int t = 0; t < n; t++) {

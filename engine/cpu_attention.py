@@ -8,8 +8,8 @@ the softmax done online. Measured on the project's 2-core AMD EPYC (benchmarks/c
 2.9-5.3x faster than the torch path per call, and a whole benchmark run of the engine 11% (dense) and
 13% (MoE) shorter (benchmarks/RESULTS.md, "Decode attention in C").
 
-The (sequence, KV head) pairs are shared out over torch's own OpenMP threads (cpu_attention.c says
-how), with the GIL released. The extension is built by the editable install
+The items (a sequence's run of KV heads) are shared out over torch's own OpenMP threads
+(cpu_attention.c says how), with the GIL released. The extension is built by the editable install
 (pyproject.toml, optional); where it is missing, or for shapes it does not take (not float32, more
 than 32 query heads per KV head, head_dim over 256), ops.paged_attention keeps the torch path.
 """
