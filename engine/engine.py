@@ -487,10 +487,17 @@ class LLMEngine:
         num_prefill = sum(i.num_new_tokens for i in scheduled if i.num_new_tokens > 1)
         num_decoding = len(scheduled) - sum(1 for i in scheduled if i.num_new_tokens > 1)
         num_decode = num_decoding + num_accepted
-        self.prefill_rate.update(num_prefill, elapsed * num_prefill / max(1, num_prefill + num_decode))
-        self.decode_rate.update(num_decode, elapsed * num_decode / max(1, num_prefill + num_decode))
         self.step_totals.add(num_prefill, num_decode, elapsed)
-        if num_decode and elapsed > 0:
+        if num_prefill:
+            # A decode row costs far more than a prompt token (a decode step's fixed cost is most of
+            # it), so splitting a step's time by token count would credit its decode rows with a
+            # sliver and report a decode rate near the prefill rate. The decode rate comes from steps
+            # without prompt tokens; a step with them gives its prompt tokens the time beyond what
+            # its decode rows take at that rate (at least a quarter of the step).
+            decode_s = num_decode / self.decode_rate.value if num_decode and self.decode_rate.value else 0.0
+            self.prefill_rate.update(num_prefill, max(elapsed - decode_s, elapsed / 4))
+        elif num_decode and elapsed > 0:
+            self.decode_rate.update(num_decode, elapsed)
             self.decode_batch_size.update(num_decoding)
             self.decode_kv_tokens.update(sum(i.seq.num_tokens for i in scheduled if i.num_new_tokens == 1))
 

@@ -5,6 +5,9 @@ Each feature must give exactly the tokens of a plain run and return every block 
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -380,6 +383,41 @@ def test_stats_report_the_load_the_decode_rate_was_measured_under(ckpt):
     # Two sequences decoded side by side, holding 20-55 tokens of KV between them at each step.
     assert 1.5 < stats.decode_batch_size <= 2.0
     assert 50 <= stats.decode_kv_tokens <= 62
+
+
+def test_steps_with_a_prompt_chunk_do_not_pass_for_fast_decoding(ckpt, monkeypatch):
+    """A site that prefills a document in chunks beside a chat reports the decode rate of its decode
+    steps (what routers price its decoding by), not the mixed steps' tokens per second, and its
+    prefill rate from the time the prompt tokens added. The clock is the model's: a step costs
+    10 ms plus 0.1 ms per prompt token, so decoding runs at 100 tokens/s for one sequence."""
+    import engine.engine as engine_module
+
+    engine = make_engine(ckpt, max_num_batched_tokens=32)
+    now = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=time.monotonic))
+    schedule, forward, last = engine.scheduler.schedule, engine.executor.run, []
+
+    def scheduled(*args, **kwargs):
+        last[:] = schedule(*args, **kwargs)
+        return last
+
+    def run_model(inputs):
+        now[0] += 0.010 + 0.0001 * sum(i.num_new_tokens for i in last if i.num_new_tokens > 1)
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", scheduled)
+    monkeypatch.setattr(engine.executor, "run", run_model)
+    engine.add_request("chat", prompt(10, seed=1), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()  # the chat's prompt
+    engine.add_request("document", prompt(100, seed=2), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    stats = engine.stats()
+    assert stats.steps.num_decode_tokens_in_prefill_steps == 4  # the chat decoded beside the document's chunks
+    assert stats.decode_tokens_per_s == pytest.approx(100.0)  # one sequence, 10 ms a step
+    assert stats.decode_batch_size == pytest.approx(1.0)
+    # the chat's prompt step alone (10 tokens in 11 ms), then chunks whose prompt tokens took 0.1 ms each
+    assert 900.0 < stats.prefill_tokens_per_s < 10000.0
 
 
 def test_step_totals_count_the_decode_tokens_a_prefill_chunk_held_up(ckpt):
