@@ -19,8 +19,10 @@ Whether the two CPUs are independent is checked first and printed (a one-thread 
 and while the other is busy): were they one core's two hardware threads, a busy prefill site would
 slow the decode site's steps, and split would not be the isolation it is on separate machines;
 the routers and this load generator are not pinned (their CPU use is printed: on a two-core machine
-they take a fifth to a third of a core from the agents), unless `--frontend-cpu first` holds them, and
-the registries, to the first site's CPU: the split decode site then has its core to itself, as on
+the router takes about a fifth of a core from the agents, this load generator, which keeps each read
+with its arrival time and parses an answer once it is whole, about a twentieth), unless
+`--frontend-cpu first` holds them, and the registries, to the first site's CPU: the split decode
+site then has its core to itself, as on
 separate machines, and the prefill site shares its core with them. Rounds alternate the order of the
 modes (ABC, CBA, ...) and every figure is the median over rounds.
 
@@ -94,7 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (StreamResult, core_interference, cpu_for_sites, endless_model, log,  # noqa: E402
                                 machine_line, markdown_table, percentile, pin_process, random_prompt, running_cluster,
-                                sigterm_as_interrupt, site, stream, vocab_size)
+                                sigterm_as_interrupt, site, StreamClient, vocab_size)
 from engine.demo import SIZES  # noqa: E402
 
 MODEL_NAME = "bench"
@@ -167,16 +169,14 @@ class RoundStats:
 async def run_round(cluster, mode: str, workload: Workload, seed: int | str) -> RoundStats:
     """One mode's run of the round's workload (the same prompts and arrival times for every mode)."""
     stats = RoundStats(mode)
-    limits = httpx.Limits(max_connections=workload.streams + 64)
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=300.0, limits=limits,
-                                 headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
+    async with StreamClient(cluster.router_url, cluster.api_key) as http:
         stats.window_start = time.perf_counter()
         deadline = stats.window_start + workload.seconds
 
         async def request(kind: str, prompt: list[int], max_tokens: int) -> None:
             body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "logprobs": 0}
-            stats.results.append(await stream(http, "/v1/completions", body, kind))
+            stats.results.append(await http.stream("/v1/completions", body, kind))
 
         async def steady_client(client: int) -> None:
             rng = random.Random(f"{seed}/stream/{client}")
@@ -363,12 +363,11 @@ async def solo_ttfts(cluster, long_prompt: int, vocab: int, trials: int, seed: s
     """TTFTs of long prompts sent one at a time to an idle cluster (a missed heartbeat is retried)."""
     rng = random.Random(seed)
     ttfts = []
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=300.0,
-                                 headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
+    async with StreamClient(cluster.router_url, cluster.api_key) as http:
         for attempt in range(trials + 5):
             body = {"model": cluster.model, "prompt": random_prompt(rng, long_prompt, vocab), "max_tokens": 2,
                     "temperature": 0, "logprobs": 0}
-            result = await stream(http, "/v1/completions", body)
+            result = await http.stream("/v1/completions", body)
             if not result.error:
                 ttfts.append(result.ttft_s)
                 if len(ttfts) == trials:

@@ -9,6 +9,8 @@ other's cores.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import json
 import os
 import random
@@ -163,53 +165,169 @@ class StreamResult:
         return self.prefill_site != self.decode_site
 
 
-async def stream(http: httpx.AsyncClient, path: str, body: dict, kind: str = "",
-                 headers: dict | None = None) -> StreamResult:
-    """One streamed completion (`/v1/completions` or `/v1/chat/completions`), timed per chunk."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    result = StreamResult(kind, time.perf_counter())
-    finish = None
-    try:
-        async with http.stream("POST", path, json=body, headers=headers) as response:
-            result.prefill_site = response.headers.get("x-edgefire-prefill-site", "")
-            result.decode_site = response.headers.get("x-edgefire-decode-site", "")
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    result.error = event["error"]["message"][:200]
-                    return result
-                if event.get("usage"):
-                    usage = event["usage"]
-                    result.num_tokens = usage["completion_tokens"]
-                    result.prompt_tokens = usage["prompt_tokens"]
-                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                for choice in event["choices"]:
-                    finish = choice.get("finish_reason") or finish
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    # With `logprobs` asked for, a chunk lists its tokens (an agent step can carry
-                    # several); without, text held back for incomplete UTF-8 can merge tokens.
-                    logprobs = choice.get("logprobs") or {}
-                    num_tokens = len(logprobs.get("tokens") or logprobs.get("content") or ()) or (1 if text else 0)
-                    if not num_tokens:
-                        continue  # the role chunk, a bare finish chunk
-                    now = time.perf_counter()
-                    if result.ttft_s is None:
-                        result.ttft_s = now - result.started
-                    result.token_times.extend([now] * num_tokens)
-                    result.text += text
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+class _Exchange(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection carrying one request at a time.
+
+    While an answer streams in, it only keeps each read with the moment it arrived; the answer is
+    parsed once it is whole. The load generator shares the machine's cores with the router and the
+    sites, so the less it does per token, the less it delays the tokens it times.
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reads: list[tuple[float, int]] = []   # (perf_counter, bytes received so far) per read
+        self.data = bytearray()
+        self.done: asyncio.Future | None = None
+        self.head_end = -1
+        self.length: int | None = None            # Content-Length; None: chunked
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the router closed the connection before the answer ended"))
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+        self.reads.append((time.perf_counter(), len(self.data)))
+        if self.head_end < 0:
+            self.head_end = self.data.find(b"\r\n\r\n")
+            if self.head_end < 0:
+                return
+            self.head_end += 4
+            for line in bytes(self.data[:self.head_end]).split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    self.length = int(line.split(b":", 1)[1])
+        if (self.data.endswith(b"\r\n0\r\n\r\n") if self.length is None
+                else len(self.data) - self.head_end >= self.length):
+            self.done.set_result(None)
+
+    async def exchange(self, request: bytes, timeout: float) -> None:
+        self.reads.clear()
+        self.data.clear()
+        self.head_end, self.length = -1, None
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        await asyncio.wait_for(self.done, timeout)
+
+    def head(self) -> tuple[int, dict[str, str]]:
+        lines = bytes(self.data[:self.head_end]).decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(lines[0].split()[1]), headers
+
+    def body(self) -> list[tuple[bytes, float]]:
+        """The body's pieces in order, each with the moment its last byte arrived."""
+        ends = [n for _, n in self.reads]
+        when = lambda offset: self.reads[bisect.bisect_left(ends, offset)][0]  # noqa: E731
+        if self.length is not None:
+            return [(bytes(self.data[self.head_end:self.head_end + self.length]), when(self.head_end + self.length))]
+        pieces, at = [], self.head_end
+        while True:
+            line_end = self.data.index(b"\r\n", at)
+            size = int(bytes(self.data[at:line_end]).split(b";")[0], 16)
+            if size == 0:
+                return pieces
+            start = line_end + 2
+            pieces.append((bytes(self.data[start:start + size]), when(start + size)))
+            at = start + size + 2
+
+
+class StreamClient:
+    """Streamed completions against a router, timed token by token, over bare keep-alive connections."""
+
+    def __init__(self, base_url: str, api_key: str = "", timeout: float = 300.0) -> None:
+        url = httpx.URL(base_url)
+        self.host, self.port, self.timeout = url.host, url.port or 80, timeout
+        self.api_key = api_key
+        self.idle: list[_Exchange] = []
+
+    async def __aenter__(self) -> StreamClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        for connection in self.idle:
+            connection.transport.close()
+        self.idle.clear()
+
+    async def stream(self, path: str, body: dict, kind: str = "", headers: dict | None = None) -> StreamResult:
+        """One streamed completion (`/v1/completions` or `/v1/chat/completions`), timed per SSE event."""
+        payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        lines = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
+                 f"Content-Length: {len(payload)}"]
+        if self.api_key:
+            lines.append(f"Authorization: Bearer {self.api_key}")
+        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+        result = StreamResult(kind, time.perf_counter())
+        connection = None
+        try:
+            connection = self.idle.pop() if self.idle else None
+            if connection is None or connection.closed:
+                connection = _Exchange()
+                await asyncio.get_running_loop().create_connection(lambda: connection, self.host, self.port)
+            await connection.exchange(request, self.timeout)
+        except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+            if connection is not None and connection.transport is not None:
+                connection.transport.close()
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        status, response_headers = connection.head()
+        pieces = connection.body()
+        if response_headers.get("connection", "").lower() != "close":
+            self.idle.append(connection)
+        else:
+            connection.transport.close()
+        result.prefill_site = response_headers.get("x-edgefire-prefill-site", "")
+        result.decode_site = response_headers.get("x-edgefire-decode-site", "")
+        if status != 200:
+            result.error = f"HTTP {status}: {b''.join(p for p, _ in pieces)[:200]!r}"
+            return result
+        _read_events(result, pieces)
         return result
+
+
+def _read_events(result: StreamResult, pieces: list[tuple[bytes, float]]) -> None:
+    """Fills `result` from an SSE body's pieces, each token timed by the arrival of its event's end."""
+    finish, pending = None, b""
+    for piece, arrived in pieces:
+        pending += piece
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            line = event.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                result.error = data["error"]["message"][:200]
+                return
+            if data.get("usage"):
+                usage = data["usage"]
+                result.num_tokens = usage["completion_tokens"]
+                result.prompt_tokens = usage["prompt_tokens"]
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            for choice in data["choices"]:
+                finish = choice.get("finish_reason") or finish
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                # With `logprobs` asked for, a chunk lists its tokens (an agent step can carry
+                # several); without, text held back for incomplete UTF-8 can merge tokens.
+                logprobs = choice.get("logprobs") or {}
+                num_tokens = len(logprobs.get("tokens") or logprobs.get("content") or ()) or (1 if text else 0)
+                if not num_tokens:
+                    continue  # the role chunk, a bare finish chunk
+                if result.ttft_s is None:
+                    result.ttft_s = arrived - result.started
+                result.token_times.extend([arrived] * num_tokens)
+                result.text += text
     if finish not in ("stop", "length"):
         result.error = f"stream ended without a finish reason after {len(result.token_times)} tokens"
     elif result.ttft_s is None:
         result.error = "no token was seen (ask for logprobs to see tokens whose text is held back)"
-    return result
 
 
 def percentile(values: list[float], q: float) -> float:

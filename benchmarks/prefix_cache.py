@@ -37,12 +37,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (StreamResult, endless_model, log, machine_line, markdown_table,  # noqa: E402
-                                random_prompt, running_cluster, sigterm_as_interrupt, site, stream, vocab_size)
+                                random_prompt, running_cluster, sigterm_as_interrupt, site, StreamClient, vocab_size)
 from engine.demo import CORPUS, SIZES  # noqa: E402
 from engine.prefix_hash import prefix_hashes  # noqa: E402
 
@@ -69,12 +68,11 @@ async def ttft_trials(cluster, trials: int, prompt_len: int, cached_share: float
                       max_tokens: int) -> tuple[list[StreamResult], list[StreamResult]]:
     warm_results, cold_results = [], []
     num_cached = int(prompt_len * cached_share)
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=120.0,
-                                 headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
+    async with StreamClient(cluster.router_url, cluster.api_key, timeout=120.0) as http:
         async def completion(prompt: list[int]) -> StreamResult:
             body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "logprobs": 0}  # every token is then seen, even one whose text is held back
-            result = await stream(http, "/v1/completions", body)
+            result = await http.stream("/v1/completions", body)
             if result.error:
                 raise RuntimeError(f"request failed: {result.error}")
             return result
@@ -117,7 +115,7 @@ class ChatWorkload:
     stagger_s: float = 3.0       # chats start at random within this window
 
 
-async def conversation(http: httpx.AsyncClient, model: str, name: str, system_prompt: str, workload: ChatWorkload,
+async def conversation(http: StreamClient, model: str, name: str, system_prompt: str, workload: ChatWorkload,
                        affinity: bool) -> list[StreamResult]:
     rng = random.Random(name)
     messages = [{"role": "system", "content": system_prompt}]
@@ -127,7 +125,7 @@ async def conversation(http: httpx.AsyncClient, model: str, name: str, system_pr
     for _ in range(workload.turns):
         messages.append({"role": "user", "content": sentence(rng, workload.user_words)})
         body = {"model": model, "messages": messages, "max_tokens": workload.answer_tokens, "temperature": 0}
-        result = await stream(http, "/v1/chat/completions", body, headers=headers)
+        result = await http.stream("/v1/chat/completions", body, headers=headers)
         if result.error:
             raise RuntimeError(f"conversation {name}: {result.error}")
         results.append(result)
@@ -139,9 +137,7 @@ async def conversation(http: httpx.AsyncClient, model: str, name: str, system_pr
 async def chat_run(cluster, label: str, workload: ChatWorkload, affinity: bool) -> list[StreamResult]:
     """Every chat of one run, in order (turns of a chat together); `label` seeds all its text."""
     system_prompt = f"You are the assistant of {label}. " + sentence(random.Random(label), workload.system_words)
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=120.0,
-                                 limits=httpx.Limits(max_connections=workload.conversations + 4),
-                                 headers={"Authorization": f"Bearer {cluster.api_key}"}) as http:
+    async with StreamClient(cluster.router_url, cluster.api_key, timeout=120.0) as http:
         runs = await asyncio.gather(*(conversation(http, cluster.model, f"{label}-{i}", system_prompt, workload,
                                                    affinity) for i in range(workload.conversations)))
     return [r for run in runs for r in run]
