@@ -24,6 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import percentile  # noqa: E402
 from deploy.cluster_config import ClusterConfig, demo_sites  # noqa: E402
 from deploy.launcher import Cluster  # noqa: E402
 
@@ -41,13 +42,6 @@ class RunStats:
     killed: str = ""
     killed_at: float = 0.0
     num_cut: int = 0      # streams that were decoding on the killed site when it died (and had to resume)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,

@@ -34,6 +34,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import percentile  # noqa: E402
 from registry.credentials import hash_secret  # noqa: E402
 from registry.db import make_engine  # noqa: E402
 from registry.migrate import upgrade_to_head  # noqa: E402
@@ -44,11 +45,6 @@ ADMIN_TOKEN = "bench-admin"
 ROUTER_TOKEN = "bench-router"
 NUM_SUMMARY_HASHES = 16  # prefix-cache hashes per heartbeat (16 hex digits each)
 LINKS_PER_SITE = 2
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 # ---- databases -------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "router")]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from benchmarks.harness import percentile  # noqa: E402
 
 ADMIN, ROUTER_TOKEN = "bench-admin", "bench-router"
 MESSAGES = [{"role": "user", "content": "What is the nearest edge site to Frankfurt?"}]
@@ -228,10 +229,6 @@ async def throughput(call, args) -> float:
     return done / (time.perf_counter() - start)
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 def main() -> int:
     import uvloop
 
@@ -265,10 +262,10 @@ def main() -> int:
           f"throughput over {args.seconds:g} s at concurrency {args.concurrency}")
     print(f"{'path':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'router CPU ms/req':>18}")
     for name, values in (("direct", direct), ("router", routed)):
-        print(f"{name:8} {percentile(values, 50):8.3f} {percentile(values, 99):8.3f} {results[name]['rps']:8.1f} "
+        print(f"{name:8} {percentile(values, 0.5):8.3f} {percentile(values, 0.99):8.3f} {results[name]['rps']:8.1f} "
               f"{results[name]['router_cpu_ms']:18.3f}")
-    print(f"added by the router: p50 {percentile(routed, 50) - percentile(direct, 50):.3f} ms, "
-          f"p99 {percentile(routed, 99) - percentile(direct, 99):.3f} ms; "
+    print(f"added by the router: p50 {percentile(routed, 0.5) - percentile(direct, 0.5):.3f} ms, "
+          f"p99 {percentile(routed, 0.99) - percentile(direct, 0.99):.3f} ms; "
           f"router streamed requests/s {results['router']['rps']:.1f}")
     return 0
 
