@@ -43,17 +43,18 @@ whose chunk step lasts `--chunk-steps` (5) plain steps, as on the GPUs of the pu
 c = (5 - 1) d / t, about 160 tokens here. Every mode is reported against split.
 
 The trade-off the loads show (quiet runs, benchmarks/RESULTS.md). `--prefill-loads` sets how busy
-the long prompts keep the split mode's prefill site (each colocated site gets half). Split's p90
-gap is about twice its p50 at every load, and split wins p99 by 1.5-5x. Its decode site's own steps
-are not what stretches it (a long prompt decoding beside the chats adds about 1 ms to a 3.5 ms step);
-the router and the client, which relay every token, share the two cores with the sites: held to the
-prefill site's CPU (`--frontend-cpu first`) they leave the decode site's gaps at p90 1.4-1.6x their
-p50, but then slow the prefill site and their own relaying. Colocated p90 lands on chunk steps only
-once f passes 0.1: at load ~0.45 for the scaled chunk, whose five-gap stall then gives split ~2x,
-and at load ~0.6 for the 512 chunk. By then split's one prefill site is 70-90% busy and queues: its
-TTFT p90 is 2-4x colocated's, whose two sites both prefill. At load 0.3 TTFT is within 1.5x but ITL
-p90 within 1.6x. Whether a quiet machine finds a load where both targets hold is what the summary
-table at the end answers.
+the long prompts keep the split mode's prefill site (each colocated site gets half). Colocated p90
+lands on chunk steps only once f passes 0.1: at load ~0.45 for the scaled chunk, and at load ~0.6
+for the 512 chunk, when split's one prefill site is 70-90% busy and queues (its TTFT p90 2-3x
+colocated's, whose two sites both prefill). At loads 0.45-0.5 the scaled chunk's five-gap stall
+gives split 2.3-2.7x lower ITL p90 with TTFT p90 within 1.5x; what keeps it from 3x is split's own
+p90, 1.5-1.9x its p50: a long prompt decoding beside the chats lengthens the decode site's step
+(by ~50% in the demo model `small`, whose 1,500-token KV is half its weights' bytes; ~15% in
+`--size medium`, a step that costs mostly weights as on GPUs), and the router, which relays every
+token, takes a tenth to a fifth of a core from the sites. Held to the prefill site's CPU
+(`--frontend-cpu first`) it leaves the decode site's gaps tighter but slows the prefill site, which
+moves the miss to TTFT. Whether a quiet machine finds a load where both targets hold is what the
+summary table at the end answers.
 
 The workload, identical in every mode at a load: `--streams` clients each run one streamed
 completion after another (a short prompt, `--stream-tokens` tokens out), and long prompts
