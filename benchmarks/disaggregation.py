@@ -24,7 +24,9 @@ with its arrival time and parses an answer once it is whole, about a twentieth),
 `--frontend-cpu first` holds them, and the registries, to the first site's CPU: the split decode
 site then has its core to itself, as on
 separate machines, and the prefill site shares its core with them. Rounds alternate the order of the
-modes (ABC, CBA, ...) and every figure is the median over rounds.
+modes (ABC, CBA, ...) and every figure is the median over rounds. Only the measured cluster runs: the
+others are stopped (SIGSTOP) outside their rounds, so their heartbeats and polls do not wake on its
+cores, and each is resumed until its router sees both sites live again before its round.
 
 The regime, and why the chunk is scaled. Chunked prefill bounds what a long prompt does to the
 streams of its site: a step that carries a chunk of c prompt tokens lasts about d + c*t (d a plain
@@ -82,6 +84,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -586,14 +589,66 @@ def warm_up(cluster, name: str, long_prompt: int, vocab: int) -> None:
     asyncio.run(run_round(cluster, name, Workload(4.0, 2, 32, 8, long_prompt, 4, 2.0, vocab), seed="warm-up"))
 
 
+class Idle:
+    """Keeps the clusters not being measured stopped (SIGSTOP to each process group), so their
+    heartbeats, snapshot polls and timers do not wake on the cores the measured cluster runs on, as
+    they would not on machines of their own. A cluster is resumed for its rounds and waited on until
+    its router sees both sites live again."""
+
+    def __init__(self) -> None:
+        self.stopped: list = []
+
+    def stop(self, cluster) -> None:
+        self._signal(cluster, signal.SIGSTOP)
+        self.stopped.append(cluster)
+
+    def resume(self, cluster) -> None:
+        if cluster not in self.stopped:
+            return
+        self.stopped.remove(cluster)
+        self._signal(cluster, signal.SIGCONT)
+        resumed = time.monotonic()
+        cluster.wait_for(lambda: router_live_sites(cluster, since=resumed) == len(cluster.config.sites), 60.0,
+                         "the router to see every site live again after the pause")
+        time.sleep(RESUME_SETTLE_S)
+
+    def resume_all(self) -> None:
+        for cluster in list(self.stopped):
+            self.stopped.remove(cluster)
+            self._signal(cluster, signal.SIGCONT)
+
+    @staticmethod
+    def _signal(cluster, signum: int) -> None:
+        for process in cluster.processes.values():
+            if process.pid is not None:
+                try:
+                    os.killpg(process.pid, signum)  # each child leads a session of its own
+                except ProcessLookupError:
+                    continue
+
+
+RESUME_SETTLE_S = 2.0  # after the router sees the sites again: fresh heartbeats and a fresh snapshot
+
+
+def router_live_sites(cluster, since: float) -> int:
+    """Sites the cluster's router places with, counted only from a snapshot it fetched after `since`."""
+    with cluster.http_client(timeout=5.0) as http:
+        health = http.get(f"{cluster.router_url}/healthz").json()
+    fetched_ago = health.get("snapshot_age_s")
+    if fetched_ago is not None and time.monotonic() - float(fetched_ago) < since:
+        return -1
+    return int(health.get("live_sites", -1))
+
+
 def steps_of(chunk: int, calibration: Calibration) -> float:
     """How many plain decode gaps a step carrying a chunk of this many prompt tokens lasts."""
     return 1 + chunk * calibration.prompt_token_s / calibration.plain_gap_s
 
 
 def start_all(stack: ExitStack, model_dir: Path, tmp: Path, args: argparse.Namespace,
-              vocab: int) -> tuple[dict, Calibration, int]:
-    """Every mode's cluster, warmed up; the calibration; the scaled chunk."""
+              vocab: int) -> tuple[dict, Calibration, int, list]:
+    """Every mode's cluster, warmed up; the calibration; the scaled chunk; every cluster started (with
+    the calibration's own where no mode has the default chunk)."""
     modes = {m.name: m for m in args.modes}
     clusters = {m.name: start_cluster(stack, model_dir, tmp, m, args.max_batched_tokens, args.site_cpus,
                                        args.frontend_cpus)
@@ -612,7 +667,7 @@ def start_all(stack: ExitStack, model_dir: Path, tmp: Path, args: argparse.Names
         clusters["colocated-scaled"] = start_cluster(stack, model_dir, tmp, modes["colocated-scaled"], chunk,
                                                      args.site_cpus, args.frontend_cpus)
         warm_up(clusters["colocated-scaled"], "colocated-scaled", args.long_prompt, vocab)
-    return clusters, calibration, chunk
+    return clusters, calibration, chunk, list({id(c): c for c in (*clusters.values(), reference)}.values())
 
 
 def calibration_line(calibration: Calibration, args: argparse.Namespace, chunk: int) -> str:
@@ -635,7 +690,7 @@ class LoadResult:
 
 
 def run_load(clusters: dict, load: float, calibration: Calibration, args: argparse.Namespace,
-             vocab: int) -> LoadResult:
+             vocab: int, idle: Idle) -> LoadResult:
     """Every mode at one load, rounds alternating the order of the modes."""
     long_every = calibration.solo_ttft_s / load
     workload = Workload(args.seconds, args.streams, args.stream_prompt, args.stream_tokens, args.long_prompt,
@@ -646,7 +701,9 @@ def run_load(clusters: dict, load: float, calibration: Calibration, args: argpar
     result = LoadResult(load, long_every, *({name: [] for name in order} for _ in range(3)))
     for index in range(args.rounds):
         for name in order if index % 2 == 0 else order[::-1]:
+            idle.resume(clusters[name])
             measured, errors = measure(clusters[name], name, workload, f"{load}/{index}", args.dump)
+            idle.stop(clusters[name])
             result.figures[name].append(measured.figures)
             result.sites[name].append(measured.sites)
             result.cpu[name].append(measured.cpu_share)
@@ -680,8 +737,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.frontend_cpus:  # each cluster's router and registry, and this process, as the cluster starts
             log(f"the routers, registries and this load generator are held to CPU {args.frontend_cpus[0]}, "
                 f"the first site's")
-        clusters, calibration, chunk = start_all(stack, model_dir, Path(tmp), args, vocab)
-        results = [run_load(clusters, load, calibration, args, vocab) for load in args.prefill_loads]
+        clusters, calibration, chunk, started = start_all(stack, model_dir, Path(tmp), args, vocab)
+        idle = Idle()
+        stack.callback(idle.resume_all)  # before the clusters stop (the stack unwinds last in, first out)
+        for cluster in started:
+            idle.stop(cluster)
+        results = [run_load(clusters, load, calibration, args, vocab, idle) for load in args.prefill_loads]
     print(f"\nMachine: {machine_line()}; {independence}. Calibration: {calibration_line(calibration, args, chunk)}.")
     for result in results:
         print(f"\n### Prefill load {result.load:.2f} on the split prefill site (a long prompt every "
