@@ -22,11 +22,11 @@ the routers and this load generator are not pinned (their CPU use is printed: on
 the router takes about a fifth of a core from the agents, this load generator, which keeps each read
 with its arrival time and parses an answer once it is whole, about a twentieth), unless
 `--frontend-cpu first` holds them, and the registries, to the first site's CPU: the split decode
-site then has its core to itself, as on
-separate machines, and the prefill site shares its core with them. Rounds alternate the order of the
-modes (ABC, CBA, ...) and every figure is the median over rounds. Only the measured cluster runs: the
-others are stopped (SIGSTOP) outside their rounds, so their heartbeats and polls do not wake on its
-cores, and each is resumed until its router sees both sites live again before its round.
+site then has its core to itself, as on separate machines, and the prefill site shares its core
+with them. Rounds alternate the order of the modes (ABC, CBA, ...) and every figure is the median
+over rounds. Only the measured cluster runs: the others are stopped (SIGSTOP) outside their rounds,
+so their heartbeats and polls do not wake on its cores, and each is resumed until its router sees
+both sites live again before its round.
 
 The regime, and why the chunk is scaled. Chunked prefill bounds what a long prompt does to the
 streams of its site: a step that carries a chunk of c prompt tokens lasts about d + c*t (d a plain

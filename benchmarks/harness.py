@@ -165,7 +165,7 @@ class StreamResult:
         return self.prefill_site != self.decode_site
 
 
-class _Exchange(asyncio.Protocol):
+class HttpExchange(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one request at a time.
 
     While an answer streams in, it only keeps each read with the moment it arrived; the answer is
@@ -179,8 +179,16 @@ class _Exchange(asyncio.Protocol):
         self.data = bytearray()
         self.done: asyncio.Future | None = None
         self.head_end = -1
+        self.status = 0
+        self.headers: dict[str, str] = {}          # lower-case names
         self.length: int | None = None            # Content-Length; None: chunked
         self.closed = False
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> HttpExchange:
+        connection = cls()
+        await asyncio.get_running_loop().create_connection(lambda: connection, host, port)
+        return connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -198,28 +206,29 @@ class _Exchange(asyncio.Protocol):
             if self.head_end < 0:
                 return
             self.head_end += 4
-            for line in bytes(self.data[:self.head_end]).split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    self.length = int(line.split(b":", 1)[1])
+            self._parse_head()
         if (self.data.endswith(b"\r\n0\r\n\r\n") if self.length is None
                 else len(self.data) - self.head_end >= self.length):
             self.done.set_result(None)
 
-    async def exchange(self, request: bytes, timeout: float) -> None:
+    def _parse_head(self) -> None:
+        lines = bytes(self.data[:self.head_end - 4]).decode("latin-1").split("\r\n")
+        self.status = int(lines[0].split()[1])
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+        if "content-length" in self.headers:
+            self.length = int(self.headers["content-length"])
+
+    async def exchange(self, request: bytes, timeout: float | None = None) -> None:
+        """Sends a whole request and returns once its whole answer is in (`status`, `headers`, `body()`)."""
         self.reads.clear()
         self.data.clear()
-        self.head_end, self.length = -1, None
+        self.head_end, self.status, self.length = -1, 0, None
+        self.headers = {}
         self.done = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         await asyncio.wait_for(self.done, timeout)
-
-    def head(self) -> tuple[int, dict[str, str]]:
-        lines = bytes(self.data[:self.head_end]).decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return int(lines[0].split()[1]), headers
 
     def body(self) -> list[tuple[bytes, float]]:
         """The body's pieces in order, each with the moment its last byte arrived."""
@@ -238,6 +247,17 @@ class _Exchange(asyncio.Protocol):
             at = start + size + 2
 
 
+def post_request(host: str, port: int, path: str, payload: bytes, api_key: str = "",
+                 headers: dict[str, str] | None = None) -> bytes:
+    """The bytes of an HTTP/1.1 POST of a JSON payload."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
+             f"Content-Length: {len(payload)}"]
+    if api_key:
+        lines.append(f"Authorization: Bearer {api_key}")
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+
+
 class StreamClient:
     """Streamed completions against a router, timed token by token, over bare keep-alive connections."""
 
@@ -245,7 +265,7 @@ class StreamClient:
         url = httpx.URL(base_url)
         self.host, self.port, self.timeout = url.host, url.port or 80, timeout
         self.api_key = api_key
-        self.idle: list[_Exchange] = []
+        self.idle: list[HttpExchange] = []
 
     async def __aenter__(self) -> StreamClient:
         return self
@@ -258,35 +278,28 @@ class StreamClient:
     async def stream(self, path: str, body: dict, kind: str = "", headers: dict | None = None) -> StreamResult:
         """One streamed completion (`/v1/completions` or `/v1/chat/completions`), timed per SSE event."""
         payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
-        lines = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
-                 f"Content-Length: {len(payload)}"]
-        if self.api_key:
-            lines.append(f"Authorization: Bearer {self.api_key}")
-        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+        request = post_request(self.host, self.port, path, payload, self.api_key, headers)
         result = StreamResult(kind, time.perf_counter())
         connection = None
         try:
             connection = self.idle.pop() if self.idle else None
             if connection is None or connection.closed:
-                connection = _Exchange()
-                await asyncio.get_running_loop().create_connection(lambda: connection, self.host, self.port)
+                connection = await HttpExchange.open(self.host, self.port)
             await connection.exchange(request, self.timeout)
         except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
             if connection is not None and connection.transport is not None:
                 connection.transport.close()
             result.error = f"{type(exc).__name__}: {exc}"
             return result
-        status, response_headers = connection.head()
         pieces = connection.body()
-        if response_headers.get("connection", "").lower() != "close":
+        if connection.headers.get("connection", "").lower() != "close":
             self.idle.append(connection)
         else:
             connection.transport.close()
-        result.prefill_site = response_headers.get("x-edgefire-prefill-site", "")
-        result.decode_site = response_headers.get("x-edgefire-decode-site", "")
-        if status != 200:
-            result.error = f"HTTP {status}: {b''.join(p for p, _ in pieces)[:200]!r}"
+        result.prefill_site = connection.headers.get("x-edgefire-prefill-site", "")
+        result.decode_site = connection.headers.get("x-edgefire-decode-site", "")
+        if connection.status != 200:
+            result.error = f"HTTP {connection.status}: {b''.join(p for p, _ in pieces)[:200]!r}"
             return result
         _read_events(result, pieces)
         return result

@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (StreamResult, endless_model, log, machine_line, markdown_table,  # noqa: E402

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "router")]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.harness import percentile  # noqa: E402
+from benchmarks.harness import HttpExchange, percentile, post_request  # noqa: E402
 
 ADMIN, ROUTER_TOKEN = "bench-admin", "bench-router"
 MESSAGES = [{"role": "user", "content": "What is the nearest edge site to Frankfurt?"}]
@@ -110,53 +110,23 @@ async def _router(registry_url: str, conn) -> None:
 
 # --- load generator -------------------------------------------------------------------------------
 
-class HttpConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection that posts a streamed completion and reads to the end.
-
-    A bare protocol rather than asyncio streams: the load generator shares the two cores with the
-    router and the agent, so every microsecond it spends is one the router does not get.
-    """
+class RoutedRequest:
+    """The same streamed chat completion, posted again and again over one keep-alive connection
+    (a bare protocol, `harness.HttpExchange`: the load generator shares the two cores with the
+    router and the agent, so every microsecond it spends is one the router does not get)."""
 
     def __init__(self, host: str, port: int, api_key: str, body: bytes) -> None:
         self.host, self.port = host, port
-        self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
-                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-        self.transport: asyncio.Transport | None = None
-        self.response = bytearray()
-        self.done: asyncio.Future | None = None
-
-    def data_received(self, data: bytes) -> None:
-        self.response += data
-        head, sep, body = self.response.partition(b"\r\n\r\n")
-        if not sep:
-            return
-        if body.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body (a stream)
-            self.done.set_result(None)
-            return
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), None)
-        if length is not None and len(body) >= length:  # a whole body (an error's JSON)
-            self.done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError("the router closed the connection"))
-
-    async def status(self) -> int:
-        """Posts the request and reads the whole answer; its HTTP status."""
-        loop = asyncio.get_running_loop()
-        if self.transport is None:
-            self.transport, _ = await loop.create_connection(lambda: self, self.host, self.port)
-        self.response.clear()
-        self.done = loop.create_future()
-        self.transport.write(self.request)
-        await self.done
-        return int(self.response[9:12])
+        self.request = post_request(host, port, "/v1/chat/completions", body, api_key)
+        self.connection: HttpExchange | None = None
 
     async def post(self) -> None:
-        if await self.status() != 200:
-            raise RuntimeError(self.response.decode(errors="replace"))
-        if b"data: [DONE]" not in self.response[-64:]:
+        if self.connection is None:
+            self.connection = await HttpExchange.open(self.host, self.port)
+        await self.connection.exchange(self.request)
+        if self.connection.status != 200:
+            raise RuntimeError(self.connection.data.decode(errors="replace"))
+        if b"data: [DONE]" not in self.connection.data[-64:]:
             raise RuntimeError("stream ended without [DONE]")
 
 
@@ -182,7 +152,7 @@ async def measure(args, cluster: dict, router_url: str, router_conn) -> dict:
         async for _chunk in stub.Generate(direct_request, timeout=10, metadata=metadata):
             pass
 
-    connections = [HttpConnection(host, int(port), cluster["api_key"], body) for _ in range(args.concurrency)]
+    connections = [RoutedRequest(host, int(port), cluster["api_key"], body) for _ in range(args.concurrency)]
 
     async def routed(i: int = 0) -> None:
         await connections[i].post()
