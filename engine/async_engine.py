@@ -39,6 +39,10 @@ class TokenEvent:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_handle: str | None = None  # prefill-only requests: the handle of the pinned KV
+    # Another event of this request was already waiting when this one was read (a speculative step's
+    # accepted tokens, or a reader that fell behind): the next read returns at once, so a reader may
+    # hold this one back and pass both on together.
+    more: bool = False
 
 
 class EngineDeadError(EngineError):
@@ -179,6 +183,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 event, finished = item
+                event.more = not queue.empty()
                 yield event
         finally:
             if not finished:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from engine.async_engine import TokenEvent
 from engine.grammar import GrammarSpec
 from engine.sampling import SamplingParams
@@ -63,7 +65,16 @@ def token_to_proto(event: TokenEvent) -> agent_pb2.Token:
     return token
 
 
-def chunk_from_event(event: TokenEvent) -> agent_pb2.TokenChunk:
-    return agent_pb2.TokenChunk(tokens=[token_to_proto(event)], finish_reason=event.finish_reason or "",
-                                num_prompt_tokens=event.num_prompt_tokens,
-                                num_cached_tokens=event.num_cached_tokens)
+async def token_chunks(events: AsyncIterator[TokenEvent]) -> AsyncIterator[agent_pb2.TokenChunk]:
+    """The events as stream messages: the tokens one step made for a request (a speculative step's
+    accepted tokens), or that queued while the reader was behind, travel in one message; an event
+    is never held for one not yet made."""
+    held: list[TokenEvent] = []
+    async for event in events:
+        held.append(event)
+        if event.more and not event.finish_reason:
+            continue
+        yield agent_pb2.TokenChunk(tokens=[token_to_proto(e) for e in held], finish_reason=event.finish_reason or "",
+                                   num_prompt_tokens=event.num_prompt_tokens,
+                                   num_cached_tokens=event.num_cached_tokens)
+        held = []

@@ -19,7 +19,7 @@ from grpc import aio
 
 from engine.async_engine import EngineDeadError, kv_chunks
 from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
-from node_agent.convert import chunk_from_event, sampling_from_proto, token_to_proto
+from node_agent.convert import sampling_from_proto, token_chunks, token_to_proto
 from node_agent.core import AgentCore, KVSource
 from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.proto import agent_pb2, agent_pb2_grpc
@@ -78,8 +78,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         async with grpc_errors(context, request_id):
             events = self.core.generate(request.model, list(request.prompt_ids), list(request.generated_ids),
                                         sampling_from_proto(request.sampling), request_id)
-            async for event in events:
-                yield chunk_from_event(event)
+            async for chunk in token_chunks(events):
+                yield chunk
 
     async def Prefill(self, request: agent_pb2.PrefillRequest, context: aio.ServicerContext):
         request_id = _request_id(request.request_id, context)
@@ -136,8 +136,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             events = self.core.decode(request.model, list(request.prompt_ids), list(request.generated_ids),
                                       sampling_from_proto(request.sampling), source, request_id,
                                       context.time_remaining())
-            async for event in events:
-                yield chunk_from_event(event)
+            async for chunk in token_chunks(events):
+                yield chunk
 
     async def GetModelInfo(self, request: agent_pb2.ModelInfoRequest, context: aio.ServicerContext):
         async with grpc_errors(context, "model-info"):
