@@ -15,9 +15,19 @@ import sys
 COMMAND_MODULES = ["engine.cli", "registry.cli", "node_agent.cli", "router.cli", "deploy.cluster"]
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in logging.getLevelNamesMapping():  # LOG_LEVELS and aliases such as WARN
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgefire", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", type=_log_level,
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:

@@ -46,7 +46,10 @@ from sqlalchemy.exc import ArgumentError
 
 import typed_config
 from node_agent.config import ROLES, AgentConfig
+from registry import validate as registry_rules
+from registry.errors import InvalidInput
 from registry.planner import PlannerSettings
+from registry.records import SiteSpec as RegistrySiteSpec
 from router.config import RouterConfig
 
 DEFAULT_STATE_DIR = Path(".edgefire/cluster")
@@ -56,6 +59,7 @@ DEFAULT_REGISTRY_PORT = 8500
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
 MAX_FLEET_PROCESSES = 16   # routers or registry replicas one machine runs
+MAX_PORT = 65535
 
 # Settings the launcher writes itself: a cluster file may not override them.
 LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
@@ -140,6 +144,7 @@ class ClusterConfig:
         if len(set(names)) != len(names):
             raise ClusterConfigError(f"sites: names must be unique, got {names}")
         for site in self.sites:
+            _check_site_fields(site)
             if site.role not in ROLES:
                 raise ClusterConfigError(f"sites.{site.name}.role: must be one of {', '.join(ROLES)}")
             site.agent = _check_table(f"sites.{site.name}.agent", site.agent, AgentConfig, LAUNCHER_AGENT_FIELDS)
@@ -155,6 +160,7 @@ class ClusterConfig:
         for name in ("routers", "registry_replicas"):
             if not 1 <= getattr(self, name) <= MAX_FLEET_PROCESSES:
                 raise ClusterConfigError(f"{name}: must be 1 to {MAX_FLEET_PROCESSES}, got {getattr(self, name)}")
+        self._check_ports()
         if self.db:
             try:
                 backend = make_url(self.db).get_backend_name()
@@ -163,6 +169,44 @@ class ClusterConfig:
             if backend not in ("sqlite", "postgresql"):
                 raise ClusterConfigError(f"db: {self.db!r} is not a SQLite or PostgreSQL URL "
                                          f"(e.g. postgresql+psycopg://user@host:5432/edgefire)")
+
+    def _check_ports(self) -> None:
+        """Every fixed port in range and used once: gRPC servers bind with SO_REUSEPORT, so two agents
+        given one port would both start and split each other's requests, and other clashes surface
+        only as a process dying at start."""
+        users: dict[int, str] = {}
+        for setting, port in self._fixed_ports():
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+                raise ClusterConfigError(f"{setting}: must be a port in 1-{MAX_PORT} (0: a free one), got {port!r}")
+            if port and port in users:
+                raise ClusterConfigError(f"{users[port]} and {setting}: both use port {port}; give each its own "
+                                         f"port (or 0 for a free one)")
+            users.setdefault(port, setting)
+
+    def _fixed_ports(self) -> list[tuple[str, int]]:
+        """(setting, port) for every port the cluster's processes listen on, as configured."""
+        ports = [("router_port" if i == 0 else f"router_port + {i} (router {i + 1})", self.router_port + i)
+                 for i in range(self.routers if self.router_port else 1)]
+        ports += [("registry_port" if i == 0 else f"registry_port + {i} (registry replica {i + 1})",
+                   self.registry_port + i) for i in range(self.registry_replicas if self.registry_port else 1)]
+        ports.append(("router_metrics_port", self.router_metrics_port))
+        for site in self.sites:
+            ports += [(f"sites.{site.name}.grpc_port", site.grpc_port),
+                      (f"sites.{site.name}.metrics_port", site.metrics_port)]
+            if site.agent.get("kv_data_port") is not None:
+                ports.append((f"sites.{site.name}.agent.kv_data_port", site.agent["kv_data_port"]))
+            elif "kv_data_port" not in site.agent and self.agent.get("kv_data_port") is not None:
+                ports.append((f"agent.kv_data_port (site {site.name})", self.agent["kv_data_port"]))
+        return ports
+
+
+def _check_site_fields(site: SiteSpec) -> None:
+    """The registry's own rules for a site's name and location, checked before anything starts."""
+    try:
+        registry_rules.site_name(site.name)
+        registry_rules.site_spec(RegistrySiteSpec(region=site.region, country=site.country, lat=site.lat, lon=site.lon))
+    except InvalidInput as exc:
+        raise ClusterConfigError(f"sites.{site.name}: {exc.message}") from None
 
 
 def _check_table(table: str, values: dict, config_class, owned) -> dict:

@@ -15,7 +15,10 @@ from pathlib import Path
 import typed_config
 from engine.compression import WEIGHT_MODES
 from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
+from registry import validate as registry_rules
 from registry.client import registry_urls
+from registry.errors import InvalidInput
+from registry.records import SiteSpec
 from typed_config import ConfigError
 
 ENV_PREFIX = "EDGEFIRE_AGENT_"
@@ -108,9 +111,26 @@ class AgentConfig:
         """A site with a certificate (or a CA to check others by) expects its peers to speak TLS too."""
         return bool(self.tls_cert or self.tls_ca)
 
+    def _validate_registration(self) -> None:
+        """What the registry would refuse at registration, refused at start instead: the agent would
+        otherwise serve, never register and retry the same 422 forever. (lat or lon alone is fine:
+        registration keeps the other's stored value.)"""
+        checks = [("site", lambda: registry_rules.site_name(self.site)),
+                  ("region", lambda: registry_rules.site_spec(SiteSpec(region=self.region))),
+                  ("country", lambda: registry_rules.site_spec(SiteSpec(country=self.country))),
+                  ("heartbeat_interval_s", lambda: registry_rules.heartbeat_interval(self.heartbeat_interval_s))]
+        if self.advertise_address is not None:
+            checks.append(("advertise_address", lambda: registry_rules.grpc_address(self.advertise_address)))
+        for name, check in checks:
+            try:
+                check()
+            except InvalidInput as exc:
+                raise ConfigError(f"{name}: {exc.message}") from None
+
     def validate(self) -> None:
         if not self.site:
             raise ConfigError("site: the site name must not be empty")
+        self._validate_registration()
         if self.role not in ROLES:
             raise ConfigError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.models:
@@ -127,6 +147,11 @@ class AgentConfig:
                 registry_urls(self.registry_url)
             except ValueError as exc:
                 raise ConfigError(f"registry_url: {exc}") from None
+        typed_config.check_listen("grpc_listen", self.grpc_listen)
+        if self.metrics_listen is not None:
+            typed_config.check_listen("metrics_listen", self.metrics_listen)
+        if self.kv_data_port is not None and not 0 <= self.kv_data_port <= 65535:
+            raise ConfigError(f"kv_data_port: must be a port in [0, 65535] (0: any free port), got {self.kv_data_port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert / tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:

@@ -106,6 +106,12 @@ def registry_urls(urls: str | list[str] | tuple[str, ...]) -> list[str]:
     for url in found:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"registry URL {url!r} must start with http:// or https://")
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:  # not a ValueError: it would escape the callers' checks
+            raise ValueError(f"registry URL {url!r} is malformed ({exc})") from None
+        if not parsed.host or not 1 <= (parsed.port or 80) <= 65535:
+            raise ValueError(f"registry URL {url!r} must name a host and a port in 1-65535: http(s)://host:port")
     return list(dict.fromkeys(found))
 
 

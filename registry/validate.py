@@ -22,6 +22,7 @@ MAX_KV_FORMAT = 200
 MAX_KV_BYTES_PER_TOKEN = 2**40  # far above any model's (a 400B model in fp32 is ~4 MB per token)
 MAX_ID = 2**63 - 1  # ids are 64-bit integer columns
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
+MAX_RATE_LIMIT = 2**31 - 1  # per-minute limits are 32-bit integer columns
 
 
 def site_name(name: str) -> str:
@@ -34,9 +35,10 @@ def site_spec(spec: SiteSpec) -> SiteSpec:
     if spec.region is not None and not REGION.fullmatch(spec.region):
         raise InvalidInput(f"region {spec.region!r} must be 1-63 characters of a-z, 0-9 and '-' (e.g. 'eu-west')")
     if spec.country is not None:
-        spec.country = spec.country.upper()
-        if not COUNTRY.fullmatch(spec.country):
+        # ASCII first: str.upper() turns 'ß' into 'SS' and 'ﬁ' into 'FI', codes nobody sent.
+        if not (spec.country.isascii() and COUNTRY.fullmatch(spec.country.upper())):
             raise InvalidInput(f"country {spec.country!r} must be an ISO 3166-1 alpha-2 code such as 'DE'")
+        spec.country = spec.country.upper()
     _coordinate("lat", spec.lat, 90.0)
     _coordinate("lon", spec.lon, 180.0)
     if (spec.lat is None) != (spec.lon is None):
@@ -112,8 +114,8 @@ def api_key_spec(spec: ApiKeySpec) -> ApiKeySpec:
             raise InvalidInput(f"allowed region {region!r} must be 1-63 characters of a-z, 0-9 and '-'")
     for name in ("requests_per_minute", "tokens_per_minute"):
         value = getattr(spec, name)
-        if value is not None and value < 1:
-            raise InvalidInput(f"{name} must be >= 1, or null for unlimited")
+        if value is not None and not 1 <= value <= MAX_RATE_LIMIT:
+            raise InvalidInput(f"{name} must be in [1, {MAX_RATE_LIMIT}], or null for unlimited, got {value}")
     spec.allowed_regions = sorted(set(spec.allowed_regions))
     return spec
 

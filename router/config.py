@@ -129,7 +129,7 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
         if self.metrics_listen is not None:
-            check_listen("metrics_listen", self.metrics_listen)
+            typed_config.check_listen("metrics_listen", self.metrics_listen)
         for name, limit in (("lat", 90), ("lon", 180)):
             if not -limit <= getattr(self, name) <= limit:
                 raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {getattr(self, name)}")
@@ -153,13 +153,6 @@ class RouterConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
-
-
-def check_listen(name: str, listen: str) -> None:
-    """A `host:port` setting: a host (an IPv6 one in brackets) and a port in [0, 65535]."""
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{name}: expected host:port such as 127.0.0.1:9401, got {listen!r}")
 
 
 def config_from_dict(values: dict, where: str = "router config") -> RouterConfig:

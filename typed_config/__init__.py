@@ -196,6 +196,13 @@ def _text_value(hint, text: str, where: str):
     return text
 
 
+def check_listen(name: str, listen: str) -> None:
+    """A `host:port` listen setting: a host (an IPv6 one in brackets) and a port in [0, 65535] (0: any free one)."""
+    host, _, port = listen.rpartition(":")
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ConfigError(f"{name}: expected host:port such as 127.0.0.1:9401, got {listen!r}")
+
+
 def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 

@@ -61,10 +61,31 @@ def test_toml_env_and_flags_layer(tmp_path, tiny_model_dir):
     ('speculative_method = "ngram"\nspeculative_tokens = 0', "speculative_tokens: must be in [1, 16]"),
     ('speculative_method = "draft"', "speculative_draft_model: give it exactly when"),
     ('speculative_method = "draft"\nspeculative_draft_model = "/no/draft"', "'/no/draft' is not a checkpoint"),
+    # What the registry refuses at registration (the agent served, never registered, and retried forever).
+    ('country = "Germany"', "country: country 'Germany' must be an ISO 3166-1 alpha-2 code"),
+    ('grpc_listen = "nope"', "grpc_listen: expected host:port such as 127.0.0.1:9401, got 'nope'"),
+    ('metrics_listen = "0.0.0.0:70000"',
+     "metrics_listen: expected host:port such as 127.0.0.1:9401, got '0.0.0.0:70000'"),
+    ("kv_data_port = 70000", "kv_data_port: must be a port in [0, 65535] (0: any free port), got 70000"),
+    ("heartbeat_interval_s = 7200.0", "heartbeat_interval_s: heartbeat_interval_s must be in (0, 3600]"),
+    ('advertise_address = "fra-1.example.net"',
+     "advertise_address: grpc_address 'fra-1.example.net' must be 'host:port'"),
 ])
 def test_bad_settings_name_the_field(tmp_path, tiny_model_dir, extra, words):
     with pytest.raises(ConfigError) as error:
         load_config(write(tmp_path, site_toml(tiny_model_dir, extra)), environ={})
+    assert words in str(error.value)
+
+
+@pytest.mark.parametrize("setting, value, words", [
+    ("site", "Frankfurt_1", "site: site name 'Frankfurt_1' must be 1-63 characters of a-z, 0-9 and '-'"),
+    ("region", "EU West", "region: region 'EU West' must be 1-63 characters of a-z, 0-9 and '-'"),
+])
+def test_a_site_name_or_region_the_registry_refuses_is_refused_at_start(tmp_path, tiny_model_dir, setting, value,
+                                                                         words):
+    text = site_toml(tiny_model_dir).replace(f'{setting} = "', f'{setting} = "{value}"  # was "', 1)
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text), environ={})
     assert words in str(error.value)
 
 

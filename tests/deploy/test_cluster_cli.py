@@ -49,6 +49,26 @@ def test_demo_sites_mix_roles_in_real_cities():
      r"sites.a.cpus: CPU\(s\) \[4096\] are not available"),
     ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\ncpus = [-1]\n',
      r"sites.a.cpus: must be a list of CPU numbers"),
+    # The registry's rules for a site, checked before anything starts (they were a traceback from the seeding).
+    ('[[sites]]\nname = "Lisbon"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\n',
+     r"sites.Lisbon: site name 'Lisbon' must be 1-63 characters"),
+    ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 200.0\nlon = 2.0\n',
+     r"sites.a: lat must be between -90 and 90, got 200.0"),
+    ('[[sites]]\nname = "a"\nregion = "EU West"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\n', r"sites.a: region 'EU West'"),
+    ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "Portugal"\nlat = 1.0\nlon = 2.0\n',
+     r"sites.a: country 'Portugal'"),
+    # Ports: in range and each used once (two agents on one gRPC port both started and shared it).
+    ('router_port = 70000\n', r"router_port: must be a port in 1-65535 \(0: a free one\), got 70000"),
+    ('router_port = 65535\nrouters = 2\n', r"router_port \+ 1 \(router 2\): must be a port in 1-65535"),
+    ('router_port = 8500\nregistry_port = 8500\n', "router_port and registry_port: both use port 8500"),
+    ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\ngrpc_port = 50071\n'
+     '[[sites]]\nname = "b"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\ngrpc_port = 50071\n',
+     "sites.a.grpc_port and sites.b.grpc_port: both use port 50071"),
+    ('[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\ngrpc_port = -1\n',
+     "sites.a.grpc_port: must be a port in 1-65535"),
+    ('[agent]\nkv_data_port = 7000\n[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\n'
+     '[[sites]]\nname = "b"\nregion = "r"\ncountry = "PT"\nlat = 1.0\nlon = 2.0\n',
+     r"agent.kv_data_port \(site a\) and agent.kv_data_port \(site b\): both use port 7000"),
 ])
 def test_bad_cluster_files_say_what_to_change(tmp_path, text, message):
     path = tmp_path / "cluster.toml"
@@ -303,3 +323,20 @@ def test_status_watch_keeps_the_last_table_while_the_registry_is_away(monkeypatc
     assert "lisbon" in frames[0] and "retrying" not in frames[0]
     assert "! registry answered 503: the registry database is unavailable; retrying" in frames[1]
     assert "lisbon" in frames[1]  # the last table stays on screen
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--log-level", "LOUD", "status"], "argument --log-level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
+                                        "got 'LOUD'"),
+    (["status", "--registry-url", "http://[::1", "--admin-token", "t"],
+     "error: --registry-url: registry URL 'http://[::1' is malformed"),
+])
+def test_bad_command_line_values_are_named_without_a_traceback(capsys, argv, message):
+    from deploy.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:   # argparse's own refusals
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err

@@ -160,6 +160,11 @@ def test_registry_url_settings():
         registry_urls("registry-a:8500")
     with pytest.raises(ValueError, match="no registry URL"):
         registry_urls(" , ")
+    with pytest.raises(ValueError, match=r"'http://\[::1' is malformed"):
+        registry_urls("http://a:8500,http://[::1")  # httpx.InvalidURL is no ValueError: it escaped every caller
+    for url in ("http://:8500", "http://a:99999"):
+        with pytest.raises(ValueError, match="must name a host and a port in 1-65535"):
+            registry_urls(url)
 
 
 async def test_a_large_snapshot_is_decoded_the_same_off_the_event_loop():

@@ -41,6 +41,7 @@ async def test_admin_token_cannot_act_as_an_agent_or_router(raw):
     ({"name": "fra-1", "lat": 1}, 422, "invalid_coordinates", "lat and lon"),
     ({"name": "FRA_1"}, 422, "invalid_site_name", "site name"),
     ({"name": "fra-1", "country": "Germany"}, 422, "invalid_field", "country"),
+    ({"name": "fra-1", "country": "ß"}, 422, "invalid_field", "country"),  # upper-cases to 'SS'
     ({"name": "fra-1", "grpc_address": "nope"}, 422, "invalid_address", "grpc_address"),
     ({"name": "fra-1", "lat": "north"}, 422, "invalid_field", "lat"),
     ({"name": "fra-1", "colour": "red"}, 422, "invalid_field", "colour"),
@@ -50,6 +51,14 @@ async def test_bad_site_fields(raw, body, status, code, field):
     error = assert_error(await raw.post("/v1/admin/sites", headers=ADMIN, json=body), status, code)
     assert field in error["message"]
     assert (await raw.get("/v1/admin/sites", headers=ADMIN)).json()["items"] == []
+
+
+@pytest.mark.parametrize("field, value", [("requests_per_minute", 2**31), ("tokens_per_minute", 10**23)])
+async def test_rate_limit_beyond_its_column_is_422_and_stores_nothing(raw, field, value):
+    response = await raw.post("/v1/admin/api-keys", headers=ADMIN, json={"name": "team-a", field: value})
+    error = assert_error(response, 422, "invalid_field")
+    assert field in error["message"] and str(2**31 - 1) in error["message"]
+    assert (await raw.get("/v1/admin/api-keys", headers=ADMIN)).json()["items"] == []
 
 
 async def test_duplicate_site_is_409(raw):
