@@ -50,9 +50,15 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(config) -> int:
     from node_agent.daemon import Agent
+    from node_agent.errors import ListenError
 
     agent = Agent(config)
-    await agent.start()
+    try:
+        await agent.start()
+    except ListenError as exc:
+        log.error("agent %s cannot start: %s", config.site, exc)
+        await agent.stop()
+        return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.request_drain)

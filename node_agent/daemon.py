@@ -26,6 +26,7 @@ from node_agent.auth import TokenAuthInterceptor
 from node_agent.client import MESSAGE_OPTIONS
 from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
+from node_agent.errors import ListenError
 from node_agent.kv_data import KVDataServer
 from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report
 from node_agent.links import LinkLoop, LinkSettings
@@ -70,17 +71,28 @@ class Agent:
         self.models = {m.name: m for m in loaded}
         self.core = AgentCore(cfg, self.models, self.metrics)
         self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
-        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)], options=MESSAGE_OPTIONS)
+        # Without SO_REUSEPORT (gRPC's default) a second agent given a port in use fails here instead
+        # of sharing it and taking half of the first one's requests.
+        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)],
+                                  options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)])
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
-        port = self._bind(cfg.grpc_listen)
+        try:
+            port = self._bind(cfg.grpc_listen)
+        except RuntimeError:  # gRPC's "Failed to bind to address"
+            raise ListenError(f"grpc_listen {cfg.grpc_listen}: cannot listen there (another process holds the "
+                              f"port, or the host is not this machine's)") from None
         self.address = f"{cfg.grpc_listen.rpartition(':')[0]}:{port}"
         await self._server.start()
         if cfg.kv_data_port is not None:
             await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port)
         if cfg.metrics_listen:
             self._metrics_server = MetricsServer(self.metrics.registry, self.refresh_metrics)
-            await self._metrics_server.start(cfg.metrics_listen,
-                                             server_context(cfg.tls_cert, cfg.tls_key) if cfg.metrics_tls else None)
+            try:
+                await self._metrics_server.start(cfg.metrics_listen,
+                                                 server_context(cfg.tls_cert, cfg.tls_key) if cfg.metrics_tls else None)
+            except OSError as exc:
+                self._metrics_server = None
+                raise ListenError(f"metrics_listen {cfg.metrics_listen}: cannot listen there ({exc.strerror})") from None
             self.metrics_port = self._metrics_server.port
         if cfg.registry_url:
             self._start_heartbeats()
@@ -93,7 +105,10 @@ class Agent:
         ssl_context = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
         server = KVDataServer(cfg.peer_token, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc,
                               ssl_context)
-        await server.start(host or "0.0.0.0", port)
+        try:
+            await server.start(host or "0.0.0.0", port)
+        except OSError as exc:
+            raise ListenError(f"kv_data_port {port}: cannot listen on {host or '0.0.0.0'}:{port} ({exc.strerror})") from None
         core.kv_data_server = server
         log.info("KV data port %d%s", server.port, " (TLS)" if ssl_context else "")
 

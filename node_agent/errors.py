@@ -19,3 +19,8 @@ class DrainingError(AgentError):
 
 class WrongRoleError(AgentError):
     """The site's role does not include this step (e.g. Prefill on a decode-only site)."""
+
+
+class ListenError(AgentError):
+    """An address the configuration names cannot be listened on (another process holds the port, or
+    the host is not this machine's)."""

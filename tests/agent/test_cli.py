@@ -32,6 +32,15 @@ async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_d
         stream = client.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt(20),
                                                            sampling=sampling(max_tokens=40)))
         first = await stream.read()
+        # a second agent given the same port refuses to start, and says why, rather than sharing the
+        # port (gRPC's SO_REUSEPORT) and taking half of this one's requests
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "deploy.cli", "agent", "--config", str(config), "--grpc-listen", address,
+            "--metrics-listen", "none", env={**os.environ, "EDGEFIRE_AGENT_DEVICE": "cpu"},
+            stderr=asyncio.subprocess.PIPE)
+        _, stderr = await asyncio.wait_for(second.communicate(), 60)
+        assert second.returncode == 2
+        assert f"grpc_listen {address}: cannot listen there" in stderr.decode()
         process.send_signal(signal.SIGTERM)
         rest = []
         while (chunk := await stream.read()) is not aio.EOF:
