@@ -108,6 +108,10 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# Statements that load another template by name, and their keyword
+_TEMPLATE_FILE_NODES = {jinja2.nodes.Include: "include", jinja2.nodes.Extends: "extends",
+                        jinja2.nodes.Import: "import", jinja2.nodes.FromImport: "from ... import"}
+
 _ENV = _environment()  # rendering is thread-safe; compiling shares the environment's caches
 
 
@@ -134,9 +138,15 @@ class ChatTemplate:
         self._compiled: dict[str, jinja2.Template] = {}
         for name, text in self.sources.items():
             try:
-                self._compiled[name] = _ENV.from_string(text)
+                parsed = _ENV.parse(text)
+                self._compiled[name] = _ENV.from_string(parsed)
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"chat template {name!r} does not parse: {exc}") from exc
+            for node in parsed.find_all(tuple(_TEMPLATE_FILE_NODES)):
+                # transformers renders without a template loader too: such a template fails on every request
+                raise CheckpointError(f"chat template {name!r} uses {{% {_TEMPLATE_FILE_NODES[type(node)]} %}} "
+                                      f"(line {node.lineno}), which reads other template files; a chat template "
+                                      f"must be self-contained")
 
     @property
     def source(self) -> str:

@@ -105,6 +105,9 @@ class ModelConfig:
     # Multi-head latent attention; then num_kv_heads and head_dim describe its cache: one "head"
     # per token of kv_lora_rank + qk_rope_head_dim dims, keys and values at once.
     mla: MLAConfig | None = None
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's (model.layers.{num_layers}...);
+    # the engine does not run them, so the loader knows their tensors are meant to go unread
+    num_nextn_layers: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -128,33 +131,58 @@ class ModelConfig:
         return shard_parameters(self, whole_model(self))
 
 
-def _require(raw: dict, key: str, path: Path):
-    if key not in raw or raw[key] is None:
-        raise CheckpointError(f"{path}: missing required field {key!r}")
-    return raw[key]
+def _optional_int(raw: dict, key: str, default: int, path: Path) -> int:
+    return default if raw.get(key) is None else _positive_int(raw, (key,), path)
+
+
+def _positive_float(raw: dict, key: str, default: float, path: Path) -> float:
+    """A number > 0 (JSON writes some as integers), or `default` when absent."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{path}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(raw: dict, key: str, default: bool, path: Path) -> bool:
+    # bool("false") is True: a string here would silently flip the setting
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{path}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(raw: dict, key: str, path: Path) -> dict:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: {key} must be an object, got {value!r}")
+    return value
 
 
 def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ("default", "llama3")) -> RopeConfig:
     # Newer checkpoints nest everything under rope_parameters; older ones use rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    merged = {**_mapping(raw, "rope_scaling", path), **_mapping(raw, "rope_parameters", path)}
+    theta = _positive_float(merged, "rope_theta", _positive_float(raw, "rope_theta", 10000.0, path), path)
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in supported:
         raise UnsupportedModelError(f"{path}: rope type {rope_type!r} is not supported for {raw.get('model_type')} "
                                     f"(supported: {', '.join(supported)})")
-    rope = RopeConfig(theta=float(theta), rope_type=rope_type)
+    rope = RopeConfig(theta=theta, rope_type=rope_type)
     if rope_type == "yarn":
         return _parse_yarn(rope, merged, raw, path)
     if rope_type == "llama3":
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in merged:
                 raise CheckpointError(f"{path}: llama3 rope scaling lacks {key!r}")
-        rope.factor = float(merged["factor"])
-        rope.low_freq_factor = float(merged["low_freq_factor"])
-        rope.high_freq_factor = float(merged["high_freq_factor"])
-        rope.original_max_position_embeddings = int(merged["original_max_position_embeddings"])
+        rope.factor = _positive_float(merged, "factor", 1.0, path)
+        rope.low_freq_factor = _positive_float(merged, "low_freq_factor", 1.0, path)
+        rope.high_freq_factor = _positive_float(merged, "high_freq_factor", 4.0, path)
+        rope.original_max_position_embeddings = _positive_int(merged, ("original_max_position_embeddings",), path)
     return rope
 
 
@@ -185,27 +213,32 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int) -> list[int | None]:
-    window = raw.get("sliding_window")
+def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int, path: Path) -> list[int | None]:
+    window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
     if model_type in ("mistral", "mixtral"):
         return [window] * num_layers
     if model_type == "qwen3_moe":
-        return [window if raw.get("use_sliding_window") else None] * num_layers
+        return [window if _flag(raw, "use_sliding_window", False, path) else None] * num_layers
     layer_types = raw.get("layer_types")
     if layer_types and window:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise CheckpointError(f"{path}: layer_types must list one attention type per layer ({num_layers}), "
+                                  f"got {layer_types!r}")
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    if raw.get("use_sliding_window") and window:
+    if _flag(raw, "use_sliding_window", False, path) and window:
         first_full = raw.get("max_window_layers", num_layers)
+        if isinstance(first_full, bool) or not isinstance(first_full, int) or first_full < 0:
+            raise CheckpointError(f"{path}: max_window_layers must be a non-negative integer, got {first_full!r}")
         return [window if i >= first_full else None for i in range(num_layers)]
     return [None] * num_layers
 
 
-def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+def token_ids(value, key: str, path: Path) -> list[int]:
+    """A config's token id field (`eos_token_id`: one id or a list of them) as a list; [] when absent."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: {key} must be a token id or a list of token ids, got {value!r}")
+    return ids
 
 
 def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
@@ -303,11 +336,19 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
             f"{path}: model_type {model_type!r} (architectures {archs}) is not supported; "
             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    hidden = int(_require(raw, "hidden_size", path))
-    num_heads = int(_require(raw, "num_attention_heads", path))
-    num_layers = int(_require(raw, "num_hidden_layers", path))
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported (quantization_config names "
+                                    f"{method!r}); use the model's float32, float16 or bfloat16 weights")
+    hidden = _positive_int(raw, ("hidden_size",), path)
+    num_heads = _positive_int(raw, ("num_attention_heads",), path)
+    num_layers = _positive_int(raw, ("num_hidden_layers",), path)
+    num_kv_heads = _optional_int(raw, "num_key_value_heads", num_heads, path)
+    head_dim = _optional_int(raw, "head_dim", hidden // num_heads, path)
+    if head_dim < 1:
+        raise CheckpointError(f"{path}: num_attention_heads {num_heads} exceeds hidden_size {hidden} and no head_dim "
+                              f"is given")
     if num_heads % num_kv_heads:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     if raw.get("hidden_act", "silu") != "silu":
@@ -318,27 +359,34 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(_require(raw, "vocab_size", path)),
+        vocab_size=_positive_int(raw, ("vocab_size",), path),
         hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size", path)),
+        intermediate_size=_positive_int(raw, ("intermediate_size",), path),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=_optional_int(raw, "max_position_embeddings", 4096, path),
+        rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6, path),
         rope=_parse_rope(raw, path, rope_types),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=SUPPORTED_MODEL_TYPES[model_type] or bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=_flag(raw, "tie_word_embeddings", False, path),
+        qkv_bias=SUPPORTED_MODEL_TYPES[model_type] or _flag(raw, "attention_bias", False, path),
         qk_norm=model_type in QK_NORM_MODEL_TYPES,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        sliding_windows=_parse_sliding_windows(raw, model_type, num_layers),
+        mlp_bias=_flag(raw, "mlp_bias", False, path),
+        sliding_windows=_parse_sliding_windows(raw, model_type, num_layers, path),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+        eos_token_ids=token_ids(raw.get("eos_token_id"), "eos_token_id", path),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         moe=_parse_moe(raw, model_type, num_layers, path),
         mla=mla,
+        num_nextn_layers=_nextn_layers(raw, model_type, path),
     )
+
+
+def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:
+    if model_type != "deepseek_v3" or not raw.get("num_nextn_predict_layers"):
+        return 0
+    return _positive_int(raw, ("num_nextn_predict_layers",), path)
 
 
 def read_json(path: Path, required: bool = True) -> dict | None:

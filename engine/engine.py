@@ -30,8 +30,8 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.compression import WEIGHT_MODES
-from engine.config import ModelConfig, load_config
-from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.config import ModelConfig, load_config, read_json, token_ids
+from engine.errors import CheckpointError, InvalidRequestError, KVTransferError, UnknownHandleError
 from engine.kv_export import KVExport, KVMap
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.fingerprint import model_fingerprint
@@ -46,8 +46,8 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.shard import ModelShard, max_model_len
 from engine.speculative import Speculator
 from engine.speculative_config import SpeculativeConfig
+from engine.tokenizer import load_tokenizer_json
 from engine.step_totals import StepPhases, StepTotals
-from engine.config import read_json
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,7 @@ class LLMEngine:
         self.layout.check_model(self.model_config)
         self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes, self.layout)
         self.eos_token_ids = self._eos_token_ids()
+        self._check_tokenizer_fits()
         self.fingerprint = model_fingerprint(self.model_dir)
         if self.layout.world_size == 1:
             self.executor = self._local_executor()
@@ -249,11 +250,31 @@ class LLMEngine:
     # -- set-up ------------------------------------------------------------------------------
 
     def _eos_token_ids(self) -> set[int]:
-        generation = read_json(self.model_dir / "generation_config.json", required=False) or {}
-        eos = generation.get("eos_token_id", self.model_config.eos_token_ids)
-        if eos is None:
-            return set()
-        return {eos} if isinstance(eos, int) else set(eos)
+        """generation_config.json's eos_token_id where it has one, else config.json's."""
+        path = self.model_dir / "generation_config.json"
+        generation = read_json(path, required=False) or {}
+        if "eos_token_id" in generation:
+            eos = token_ids(generation["eos_token_id"], "eos_token_id", path)
+        else:
+            path, eos = self.model_dir / "config.json", self.model_config.eos_token_ids
+        vocab = self.model_config.vocab_size
+        outside = [token_id for token_id in eos if token_id >= vocab]
+        if outside:   # the model could never produce it: generation would only ever stop at max_tokens
+            raise CheckpointError(f"{path}: eos_token_id {outside[0]} is outside the model's vocabulary "
+                                  f"(vocab_size {vocab} in config.json)")
+        return set(eos)
+
+    def _check_tokenizer_fits(self) -> None:
+        """Every token id the checkpoint's tokenizer produces has a row in the model's embedding; a tokenizer
+        larger than the model would have prompts with its last tokens refused as the client's fault."""
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():   # the engine runs on token ids; only those who tokenize need the file
+            return
+        vocab = self.model_config.vocab_size
+        num_tokens = max(load_tokenizer_json(path).get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        if num_tokens > vocab:
+            raise CheckpointError(f"{path} has token ids up to {num_tokens - 1}, but config.json's vocab_size is "
+                                  f"{vocab}: the tokenizer does not belong to these weights")
 
     def _local_executor(self) -> ModelShard:
         cfg = self.config
@@ -296,7 +317,11 @@ class LLMEngine:
             raise InvalidRequestError("prompt is empty; send at least one token")
         params.validate(self.model_config.vocab_size)
         vocab = self.model_config.vocab_size
-        bad = next((t for t in [*prompt_ids, *generated_ids] if not isinstance(t, int) or not 0 <= t < vocab), None)
+        ids = [*prompt_ids, *generated_ids]
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token ids must be Python ints, got {bad!r} ({type(bad).__name__})")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary (size {vocab})")
         total = len(prompt_ids) + len(generated_ids)

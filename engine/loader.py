@@ -40,6 +40,9 @@ from engine.parallel.layout import RankShard, whole_model
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Stored dtypes a weight may have: integer and float8 tensors are quantized and mean nothing without
+# their scales, which this engine does not apply
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -57,8 +60,10 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map each tensor name to a file name")
         files = {name: model_dir / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
@@ -70,6 +75,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     files = {}
     for shard in shards:
         for name in _open(shard).keys():
+            if name in files:   # which copy would win is an accident of file names
+                raise CheckpointError(f"{model_dir}: tensor {name!r} is in both {files[name].name} and {shard.name}; "
+                                      f"remove the stray file or add a model.safetensors.index.json")
             files[name] = shard
     return files
 
@@ -93,6 +101,7 @@ class _TensorReader:
         self.handles: dict[Path, object] = {}
         self.compressed = compressed
         self.pair_tables: dict[bytes, torch.Tensor] = {}   # one 256 KiB table per distinct code, shared
+        self.names_read: set[str] = set()
 
     def has(self, name: str) -> bool:
         return self.compressed.has(name) if self.compressed else name in self.files
@@ -110,6 +119,11 @@ class _TensorReader:
             tensor = _part(tensor, rows, cols)
         else:
             tensor = self._read_plain(name, shape, rows, cols)
+        if tensor.dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; the "
+                                  f"engine loads float32, float16 or bfloat16 weights (quantized checkpoints are "
+                                  f"not supported)")
+        self.names_read.add(name)
         self.progress.update(1)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
@@ -139,6 +153,7 @@ class _TensorReader:
             _check_shape(name, tensor.shape, shapes[proj])
             tensors[proj] = tensor.to(self.device)
             decompress_verified(tensors[proj], self.device)   # decoded once, checked, dropped
+            self.names_read.add(name)
             self.progress.update(1)
         tables = tuple(self._pair_table(t) for t in tensors.values()) if needs_pair_tables(self.device) else None
         return CompressedMLP(tensors["gate"], tensors["up"], tensors["down"], tables)
@@ -251,16 +266,27 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
     return layer, mlp
 
 
+# Tensors some checkpoints store that a model recomputes rather than loads (older transformers saved rope's).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 def _wanted(name: str, shard: RankShard) -> bool:
     """Whether this rank reads the named tensor (for the progress bar's total)."""
-    if name.startswith("model.layers."):
+    layer = _layer_of(name)
+    if layer is not None:
         expert = _expert_of(name)
-        return int(name.split(".")[2]) in shard.layers and (expert is None or expert in shard.experts)
+        return layer in shard.layers and (expert is None or expert in shard.experts)
     if name == "model.embed_tokens.weight":
         return shard.is_first_stage
     if name == "lm_head.weight":
         return shard.computes_logits
     return shard.is_last_stage
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (`model.layers.{i}....`); None for any other tensor."""
+    parts = name.split(".", 3)
+    return int(parts[2]) if name.startswith("model.layers.") and len(parts) > 3 and parts[2].isdigit() else None
 
 
 def _expert_of(name: str) -> int | None:
@@ -314,6 +340,36 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     return weights
 
 
+def _read_lm_head(reader: _TensorReader, cfg: ModelConfig, shard: RankShard, embed: torch.Tensor | None) -> torch.Tensor:
+    """The output projection. With tie_word_embeddings it is the embedding, unless the checkpoint also
+    stores a different lm_head.weight: transformers then leaves the two untied, and so does this."""
+    full = (cfg.vocab_size, cfg.hidden_size)
+    if not reader.has("lm_head.weight"):
+        if not cfg.tie_word_embeddings:
+            raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        return embed if embed is not None else reader.read("model.embed_tokens.weight", full, rows=shard.vocab)
+    lm_head = reader.read("lm_head.weight", full, rows=shard.vocab)
+    if cfg.tie_word_embeddings and embed is not None and torch.equal(lm_head, embed):
+        return embed   # one copy in memory
+    if cfg.tie_word_embeddings:
+        log.warning("tie_word_embeddings is true but the checkpoint's lm_head.weight differs from the embedding; "
+                    "using lm_head.weight, as transformers does")
+    return lm_head
+
+
+def _check_all_read(reader: _TensorReader, cfg: ModelConfig, shard: RankShard, names) -> None:
+    """Every tensor of the checkpoint this rank was to read was read: a tensor the config does not account
+    for (a layer past num_hidden_layers, a bias the config turns off) would otherwise be dropped silently."""
+    last_layer = cfg.num_layers + cfg.num_nextn_layers   # DeepSeek's multi-token-prediction layers go unread
+    unread = sorted(name for name in names if name not in reader.names_read and not name.endswith(IGNORED_SUFFIXES)
+                    and (_wanted(name, shard) or _layer_of(name) is not None and _layer_of(name) >= last_layer))
+    if unread:
+        more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+        raise CheckpointError(f"checkpoint has tensors its config.json does not account for: "
+                              f"{', '.join(repr(n) for n in unread[:5])}{more} (num_hidden_layers {cfg.num_layers}, "
+                              f"attention_bias, mlp_bias and tie_word_embeddings must describe the weights)")
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                show_progress: bool = True, weight_mode: str = "decompress_on_load", shard: RankShard | None = None,
                tp_group=None, expert_group=None) -> CausalLM:
@@ -346,12 +402,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         if shard.is_last_stage:
             norm = reader.read("model.norm.weight", (cfg.hidden_size,))
         if shard.computes_logits:
-            if reader.has("lm_head.weight") and not cfg.tie_word_embeddings:
-                lm_head = reader.read("lm_head.weight", full, rows=shard.vocab)
-            elif cfg.tie_word_embeddings:
-                lm_head = embed if embed is not None else reader.read("model.embed_tokens.weight", full, rows=shard.vocab)
-            else:
-                raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+            lm_head = _read_lm_head(reader, cfg, shard, embed)
+        _check_all_read(reader, cfg, shard, compressed.names() if compressed else files)
     layers = [layer for layer, _ in read]
     mlps = [mlp for _, mlp in read]
     if any(mlps):

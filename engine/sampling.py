@@ -51,11 +51,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
+            if not _is_number(getattr(self, name)):   # a string would fail later, inside a step of the whole batch
+                raise InvalidRequestError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not math.isfinite(self.temperature) or not 0 <= self.temperature <= 100:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -69,26 +72,42 @@ class SamplingParams:
                                           f"got {value!r}")
         if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         for token_id, bias in self.logit_bias.items():
-            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            if not _is_int(token_id):
+                raise InvalidRequestError(f"logit_bias keys must be integer token ids, got {token_id!r}")
+            if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(f"logit_bias token id {token_id!r} is outside the vocabulary "
                                           f"(size {vocab_size})")
-            if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            if not _is_number(bias) or not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidRequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                           f"got {bias!r} for token {token_id}")
         if self.grammar is not None:
             self.grammar.validate()
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] and an integer, got {self.logprobs!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
+            if not _is_int(token_id):
+                raise InvalidRequestError(f"stop token ids must be integers, got {token_id!r}")
             if not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(f"stop token id {token_id} is outside the vocabulary (size {vocab_size})")
+                raise InvalidRequestError(f"stop token id {token_id!r} is outside the vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)

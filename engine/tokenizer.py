@@ -23,12 +23,28 @@ def _token_text(value) -> str | None:
     return value
 
 
+def _parse_tokenizer(tokenizer_json: str, where: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
+        raise CheckpointError(f"{where} is not a valid tokenizer ({exc})") from exc
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc})") from exc
+
+
+def load_tokenizer_json(path: Path) -> Tokenizer:
+    """A checkpoint's tokenizer.json, or CheckpointError naming the file."""
+    return _parse_tokenizer(_read_text(path), str(path))
+
+
 class ChatTokenizer:
     def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None, chat_template: str | None = None):
-        try:
-            self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
-            raise CheckpointError(f"tokenizer.json is not a valid tokenizer ({exc})") from exc
+        self.tokenizer = _parse_tokenizer(tokenizer_json, "tokenizer.json")
         self.config = tokenizer_config or {}
         self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
                                if isinstance(text := _token_text(self.config.get(name)), str)}
@@ -82,8 +98,8 @@ class ChatTokenizer:
             raise CheckpointError(f"{model_dir}: no tokenizer.json")
         config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
         template_file = model_dir / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else None
-        return cls(path.read_text(), config, template)
+        template = _read_text(template_file) if template_file.is_file() else None
+        return cls(_read_text(path), config, template)
 
 
 class IncrementalDetokenizer:

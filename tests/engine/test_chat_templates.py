@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.errors import CheckpointError
 from engine.tokenizer import ChatTokenizer, TemplateError
 from tests.engine.chat_checkpoints import TEMPLATES, write_template_tokenizer
 
@@ -152,3 +153,14 @@ def test_generation_block_and_loop_controls_render_as_transformers():
     reference = _compile_jinja_template(template).render(messages=messages)
     ours = ChatTokenizer('{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}', {}, template)
     assert ours.apply_chat_template(messages) == reference == "<u>hi</u><a>hello</a><u>bye</u>"
+
+
+@pytest.mark.parametrize("statement, keyword", [("{% include 'system.jinja' %}", "include"),
+                                                ("{% extends 'base.jinja' %}", "extends"),
+                                                ("{% import 'macros.jinja' as m %}", "import"),
+                                                ("{% from 'macros.jinja' import turn %}", "from ... import")])
+def test_templates_reading_other_template_files_are_refused_at_load(statement, keyword):
+    # transformers has no template loader either: such a template failed every request, each a client error
+    empty = '{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}'
+    with pytest.raises(CheckpointError, match=f"chat template 'default' uses {{% {keyword} %}} .line 2."):
+        ChatTokenizer(empty, {}, "{{ bos_token }}\n" + statement)

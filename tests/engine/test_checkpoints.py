@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
@@ -86,4 +87,112 @@ def test_unsupported_architecture(copy):
 def test_missing_shard_named_by_index(copy):
     (copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors, which is missing"):
+        LLMEngine(copy, CONFIG)
+
+
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _edit_tensors(directory, edit):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize("changes, message", [
+    # bool("false") is True: the model would have run with its embedding as the output projection
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(hidden_size="64x"), "hidden_size must be a positive integer, got '64x'"),
+    (dict(hidden_size=64.5), "hidden_size must be a positive integer, got 64.5"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a positive integer, got 0"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be a positive integer, got 0"),
+    (dict(rms_norm_eps="small"), "rms_norm_eps must be a positive number, got 'small'"),
+    (dict(rope_parameters=None, rope_scaling="llama3"), "rope_scaling must be an object, got 'llama3'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), "rope_theta must be a positive number"),
+    (dict(eos_token_id="12"), "eos_token_id must be a token id or a list of token ids, got '12'"),
+    (dict(model_type="mistral", sliding_window="4096"), "sliding_window must be a positive integer, got '4096'"),
+])
+def test_config_values_of_the_wrong_type_name_the_field(copy, changes, message):
+    _edit_config(copy, **changes)
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        LLMEngine(copy, CONFIG)
+
+
+def test_quantized_checkpoints_are_refused(copy):
+    _edit_config(copy, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(UnsupportedModelError, match="quantized checkpoints are not supported .*'fp8'"):
+        LLMEngine(copy, CONFIG)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bool])
+def test_weights_not_stored_as_floats_are_refused(copy, dtype):
+    name = "model.layers.0.mlp.up_proj.weight"
+    _edit_tensors(copy, lambda t: t.__setitem__(name, t[name].to(dtype)))
+    with pytest.raises(CheckpointError, match=f"'{name}' is stored as {str(dtype).removeprefix('torch.')}"):
+        LLMEngine(copy, CONFIG)
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(copy):
+    _edit_config(copy, num_hidden_layers=1)   # would run one of the two layers
+    with pytest.raises(CheckpointError, match="does not account for: 'model.layers.1.input_layernorm.weight'"):
+        LLMEngine(copy, CONFIG)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.weight_scale_inv",
+                                  "vision_tower.patch_embed.weight"])
+def test_tensors_the_config_does_not_account_for_are_refused(copy, name):
+    _edit_tensors(copy, lambda t: t.__setitem__(name, torch.ones(64)))
+    with pytest.raises(CheckpointError, match=f"does not account for: '{name}'"):
+        LLMEngine(copy, CONFIG)
+
+
+def test_stored_rope_frequencies_are_not_weights(copy):
+    # older transformers saved each layer's rotary inv_freq buffer; it is recomputed, never loaded
+    _edit_tensors(copy, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
+    LLMEngine(copy, CONFIG)
+
+
+def test_a_tensor_in_two_weight_files_is_refused(copy):
+    from safetensors.torch import save_file
+    save_file({"model.norm.weight": torch.zeros(64)}, copy / "zz-extra.safetensors")
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is in both model.safetensors and zz-extra.safetensors"):
+        LLMEngine(copy, CONFIG)
+
+
+@pytest.mark.parametrize("weight_map", [{"model.norm.weight": 5}, ["model.safetensors"]])
+def test_a_malformed_index_is_refused(copy, weight_map):
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="index.json: weight_map must map each tensor name to a file name"):
+        LLMEngine(copy, CONFIG)
+
+
+def test_tied_config_with_its_own_lm_head_computes_what_transformers_computes(copy):
+    from transformers import AutoModelForCausalLM
+    _edit_config(copy, tie_word_embeddings=True)   # the checkpoint still stores a distinct lm_head.weight
+    prompt = [5, 17, 260, 3, 99, 41, 7, 150]
+    reference = AutoModelForCausalLM.from_pretrained(copy).eval()
+    with torch.no_grad():
+        theirs = reference(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(LLMEngine(copy, CONFIG).prompt_logits(prompt), theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("generation, message", [
+    ({"eos_token_id": "2"}, "generation_config.json: eos_token_id must be a token id or a list of token ids"),
+    ({"eos_token_id": [2, "3"]}, "generation_config.json: eos_token_id must be a token id or a list of token ids"),
+    # the model could never produce it: every answer would run to max_tokens
+    ({"eos_token_id": [2, 5000]}, "generation_config.json: eos_token_id 5000 is outside the model's vocabulary"),
+])
+def test_unusable_eos_token_ids_are_refused(copy, generation, message):
+    (copy / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine(copy, CONFIG)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(copy):
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0")).save(str(copy / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="tokenizer.json has token ids up to 399, but config.json's vocab_size is 320"):
         LLMEngine(copy, CONFIG)

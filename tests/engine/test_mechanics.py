@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,12 +289,24 @@ def test_resume_with_generated_ids_continues_the_same_stream(ckpt, params):
     (SamplingParams(seed=-5), "seed"),
     (SamplingParams(logprobs=99), "logprobs"),
     (SamplingParams(stop_token_ids=[100000]), "stop token"),
+    # values of the wrong type: accepted, each failed later inside a step (of every request in its batch) or
+    # never matched
+    (SamplingParams(logprobs=2.5), "logprobs must be in .0, 20. and an integer"),
+    (SamplingParams(logprobs=True), "logprobs must be in .0, 20. and an integer"),
+    (SamplingParams(stop_token_ids=[2.0]), "stop token ids must be integers, got 2.0"),
+    (SamplingParams(stop_token_ids=["2"]), "stop token ids must be integers, got '2'"),
+    (SamplingParams(temperature="0.5"), "temperature must be a number, got '0.5'"),
+    (SamplingParams(min_p="0.1"), "min_p must be a number"),
+    (SamplingParams(logit_bias={5: "1"}), "logit_bias values must be in"),
+    (SamplingParams(logit_bias={"5": 1.0}), "logit_bias keys must be integer token ids"),
+    (SamplingParams(max_tokens=True), "max_tokens must be an integer"),
 ])
 def test_invalid_sampling_values_are_rejected(ckpt, params, message):
     engine = make_engine(ckpt)
     with pytest.raises(InvalidRequestError, match=message):
         engine.add_request("a", [1, 2, 3], params)
     assert not engine.has_work()
+    assert len(run(engine, {"b": ([1, 2, 3], GREEDY)})["b"]) == GREEDY.max_tokens   # the engine still serves
 
 
 def test_bad_prompts_are_rejected(ckpt):
@@ -304,6 +317,10 @@ def test_bad_prompts_are_rejected(ckpt):
         engine.add_request("b", [1] * 600, GREEDY)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("c", [1, 5000], GREEDY)
+    # ids of another type were reported as outside the vocabulary (numpy) or taken as 1 (True)
+    for ids, kind in ((list(np.array([1, 2])), "int64"), ([1, True], "bool"), ("hello", "str")):
+        with pytest.raises(InvalidRequestError, match=f"token ids must be Python ints, got .* \\({kind}\\)"):
+            engine.add_request("c", ids, GREEDY)
     engine.add_request("d", [1, 2], GREEDY)
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("d", [1, 2], GREEDY)

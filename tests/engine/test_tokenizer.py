@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+from engine.errors import CheckpointError
 from engine.tokenizer import ChatTokenizer, IncrementalDetokenizer, TemplateError
 
 
@@ -35,3 +38,12 @@ def test_template_errors_are_request_errors():
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
     with pytest.raises(TemplateError, match="no chat template"):
         ChatTokenizer('{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}', {}).apply_chat_template([])
+
+
+@pytest.mark.parametrize("file_name", ["tokenizer.json", "chat_template.jinja"])
+def test_tokenizer_files_that_are_not_utf8_name_the_file(tiny_model_dir, tmp_path, file_name):
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / file_name).write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match=f"{file_name}: not UTF-8 text"):
+        ChatTokenizer.from_dir(directory)
