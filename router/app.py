@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from node_agent import trace
 from router.completions import Choices, CompletionRun, RequestContext
-from router.errors import ApiError, error_body, internal_error, too_large
+from router.errors import ApiError, error_body, internal_error, too_large, unknown_model
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
 from router.openapi import describe_completions
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-affinity"
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
+ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /v1/models/{model}"
 
 
 class RouterApp(FastAPI):
@@ -81,6 +82,14 @@ def create_app(router: Router) -> FastAPI:
         data = await asyncio.gather(*(_model_card(router, m, snapshot) for m in served))
         return JSONResponse({"object": "list", "data": data})
 
+    async def model(request: Request, model: str) -> Response:
+        """One model's card (the SDK's `models.retrieve`); 404 for a model /v1/models does not list."""
+        api_key = await router.authenticate(request.headers.get("authorization"))
+        snapshot = router.feed.current()
+        if model not in servable_models(snapshot, router.service.cost, api_key.allowed_regions):
+            raise unknown_model(model)
+        return JSONResponse(await _model_card(router, model, snapshot))
+
     async def healthz(_request: Request) -> Response:
         status = router.feed.status()  # what makes a router unhealthy: router/snapshot_feed.py
         # Rate limits held locally (the registry away) do not make a router unhealthy; they show here.
@@ -90,6 +99,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", model, methods=["GET"])  # ids may hold "/" (org/name)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -231,9 +241,17 @@ async def _api_error(_request: Request, exc: ApiError) -> Response:
     return _error_response(exc)
 
 
-async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Routing's 404 and 405 say what the client asked for and what it may ask instead; a 405 keeps its
+    `Allow` header (HTTP requires it)."""
+    path, headers = request.url.path, exc.headers or {}
+    message = {404: f"There is no `{path}` here; this endpoint serves {ENDPOINTS}.",
+               405: f"`{request.method}` is not allowed on `{path}`; use {headers.get('Allow', 'another method')}."
+               }.get(exc.status_code, str(exc.detail))
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _error_response(ApiError(exc.status_code, str(exc.detail), "invalid_request_error", None, code))
+    response = _error_response(ApiError(exc.status_code, message, "invalid_request_error", None, code))
+    response.headers.update(headers)
+    return response
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -20,7 +20,7 @@ from engine.tokenizer import TemplateError
 from node_agent.proto import agent_pb2
 from router import responses
 from router.api_keys import ApiKey
-from router.errors import ApiError, bad_request, no_capacity, rate_limited, too_large, unknown_model
+from router.errors import ApiError, bad_request, no_capacity, rate_limited, unknown_model
 from router.generation import AgentRejected, FailoverPolicy, Generation, GenerationFailed, TokenStep
 from router.geo import Location
 from router.health import PassiveHealth
@@ -209,9 +209,9 @@ class CompletionService:
         limit = min(self.limits.max_prompt_tokens, context - 1)
         named = param.endswith("]")  # one of several prompts: the messages say which
         prompt, shorten = (f"The prompt `{param}`", f"`{param}`") if named else ("The prompt", f"the {param}")
-        if num_prompt > limit:
-            raise too_large(f"{prompt} is {num_prompt} tokens; this endpoint accepts at most {limit}. "
-                            f"Shorten {shorten}.", param)
+        if num_prompt > limit:  # a 400 with OpenAI's code, which clients catch to shorten a conversation
+            raise bad_request(f"{prompt} is {num_prompt} tokens; this endpoint accepts at most {limit}. "
+                              f"Shorten {shorten}.", param, "context_length_exceeded")
         if request.max_tokens is None:  # up to the context, unless the operator set a default
             room = context - num_prompt
             return min(self.limits.default_max_tokens, room) if self.limits.default_max_tokens else room
@@ -355,33 +355,8 @@ class CompletionRun:
         step = self.first_step
         try:
             while True:
-                self.num_completion_tokens += len(step.tokens)
-                token_ids = [t.token_id for t in step.tokens]
-                reasoning = ""
-                if self.reasoning is not None:
-                    reasoning, token_ids = self.reasoning.add(token_ids)
-                if self._hidden_ids:
-                    token_ids = [t for t in token_ids if t not in self._hidden_ids]
-                delta = self.text.add(token_ids)
-                finish = None
-                if self.text.stopped:
-                    finish = "stop"
-                elif step.finish_reason:
-                    delta += self.text.flush()
-                    finish = step.finish_reason
-                if self.tool_calls is not None:
-                    delta = self.tool_calls.add(delta)
-                    if finish is not None:
-                        tail, self.calls = self.tool_calls.finish()
-                        delta += tail
-                        finish = "tool_calls" if self.calls else finish
-                if finish is not None:
-                    self.finish_reason = finish
-                if self.reasoning is not None:
-                    delta = self.reasoning.answer_delta(delta)
-                if self.echo:  # the first delta: stop strings and logprobs are the completion's alone
-                    delta, self.echo = self.echo + delta, ""
-                yield delta, reasoning, step.tokens, finish
+                delta, reasoning, tokens, finish = self._step_delta(step)
+                yield delta, reasoning, tokens, finish
                 if finish is not None:
                     return
                 try:
@@ -395,6 +370,51 @@ class CompletionRun:
             await self._steps.aclose()  # cancels the agent call when we stop early
             self._settle()
             self._observe_end()
+
+    def _step_delta(self, step: TokenStep) -> tuple[str, str, list, str | None]:
+        """One step's answer text, reasoning text, tokens and finish reason. A step of several tokens (a
+        speculative step's) is read token by token, so an answer that ends inside it (a stop string, the
+        end of a tool call) ends at that token: the ones after it are neither counted nor given logprobs."""
+        deltas, reasonings = [], []
+        for i, token in enumerate(step.tokens):
+            last = i == len(step.tokens) - 1
+            delta, reasoning, finish = self._token_delta(token, step.finish_reason if last else None)
+            deltas.append(delta)
+            reasonings.append(reasoning)
+            if finish is not None:
+                return "".join(deltas), "".join(reasonings), step.tokens[:i + 1], finish
+        return "".join(deltas), "".join(reasonings), step.tokens, None
+
+    def _token_delta(self, token, finish_reason: str | None) -> tuple[str, str, str | None]:
+        """The answer text and reasoning text one token adds, and the finish reason it reaches (None while
+        the answer goes on)."""
+        self.num_completion_tokens += 1
+        token_ids = [token.token_id]
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, token_ids = self.reasoning.add(token_ids)
+        if self._hidden_ids:
+            token_ids = [t for t in token_ids if t not in self._hidden_ids]
+        delta = self.text.add(token_ids)
+        finish = None
+        if self.text.stopped:
+            finish = "stop"
+        elif finish_reason:
+            delta += self.text.flush()
+            finish = "stop" if self.text.stopped else finish_reason
+        if self.tool_calls is not None:
+            delta = self.tool_calls.add(delta)
+            if finish is not None:
+                tail, self.calls = self.tool_calls.finish()
+                delta += tail
+                finish = "tool_calls" if self.calls else finish
+        if finish is not None:
+            self.finish_reason = finish
+        if self.reasoning is not None:
+            delta = self.reasoning.answer_delta(delta)
+        if self.echo:  # the first delta: stop strings and logprobs are the completion's alone
+            delta, self.echo = self.echo + delta, ""
+        return delta, reasoning, finish
 
     def _observe_end(self) -> None:
         m, g = self.metrics, self.generation
@@ -436,7 +456,8 @@ class CompletionRun:
                 out.append(encoder.text(delta))
             return
         if r.chat:
-            logprobs = responses.chat_logprobs(tokenizer, tokens) if r.logprobs is not None else None
+            logprobs = (responses.chat_logprobs(tokenizer, tokens, self.assets.token_bytes) if r.logprobs is not None
+                        else None)
             if delta or logprobs:
                 out.append(encode(self._chat_chunk({"content": delta}, None, logprobs)))
             for call_delta in tool_call_deltas(self.calls) if finish is not None else ():
@@ -460,7 +481,7 @@ class CompletionRun:
                 async for delta, reasoning, tokens, _finish in deltas:
                     reasoning_parts.append(reasoning)
                     if r.logprobs is not None and r.chat:
-                        chat_lp.extend(responses.chat_logprobs(tokenizer, tokens))
+                        chat_lp.extend(responses.chat_logprobs(tokenizer, tokens, self.assets.token_bytes))
                     elif r.logprobs is not None:
                         more = responses.completion_logprobs(tokenizer, tokens, len("".join(parts)))
                         completion_lp = responses.merge_completion_logprobs(completion_lp, more)

@@ -14,9 +14,11 @@ import asyncio
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import llguidance
 
 from engine.errors import CheckpointError
 from engine.tokenizer import ChatTokenizer
@@ -42,6 +44,7 @@ class ModelAssets:
     sampling_defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())
     reasoning: ReasoningFormat | None = None  # how the model marks its reasoning; None: it does not reason
     tool_calls: ToolCallFormat | None = None  # how the model writes tool calls; None: not recognised
+    token_bytes: Callable[[int], bytes] | None = None  # a token's own bytes (logprobs' `bytes`); None: its text's
 
 
 @dataclass(slots=True)
@@ -126,4 +129,24 @@ def build_assets(info, reasoning_parser: str | None = None, tool_call_parser: st
     return ModelAssets(info.model, tokenizer, int(info.context_length), list(info.eos_token_ids),
                        int(info.block_size) or 16, int(info.kv_bytes_per_token), generation_config,
                        sampling_defaults(info.model, generation_config), reasoning_format(tokenizer, reasoning_parser),
-                       tool_call_format(tokenizer, tool_call_parser))
+                       tool_call_format(tokenizer, tool_call_parser), token_bytes_reader(info.model, tokenizer))
+
+
+def token_bytes_reader(model: str, tokenizer: ChatTokenizer) -> Callable[[int], bytes] | None:
+    """Each token's own bytes, which a token holding part of a multi-byte character needs: its text alone is
+    U+FFFD, whose bytes would not join with its neighbours' into the answer. The tokenizer is read by the
+    library the engine's grammars use (byte-level BPE, SentencePiece byte fallback and the rest alike)."""
+    vocab_size = tokenizer.vocab_size
+    try:
+        byte_tokenizer = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size)
+    except (ValueError, RuntimeError) as exc:
+        log.warning("model %s: tokens' bytes cannot be read (%s); logprobs carry the bytes of each token's text",
+                    model, exc)
+        return None
+
+    def token_bytes(token_id: int) -> bytes:
+        if not 0 <= token_id < vocab_size:  # an id past the tokenizer (a padded embedding row) has no text
+            return b""
+        return byte_tokenizer.decode_bytes([token_id])
+
+    return token_bytes

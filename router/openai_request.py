@@ -17,7 +17,7 @@ from router.errors import bad_request
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
-MAX_SEED = 2 ** 64 - 1  # the agent API's seed is a uint64
+MAX_SEED = 2 ** 63 - 1  # the agent API carries a uint64, but engines take seeds in [0, 2**63) (int64 tensors)
 MAX_UINT32 = 2 ** 32 - 1  # the agent API's top_k
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
@@ -334,6 +334,9 @@ def _messages(value, model: str) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise bad_request(f"`{param}.role` must be one of {', '.join(ROLES)}.", f"{param}.role")
+        if message.get("content") is None and role != "assistant":  # only an assistant turn may be calls alone
+            raise bad_request(f"`{param}.content` is required for a {role} message (send \"\" for empty text).",
+                              f"{param}.content", "missing_required_parameter")
         normalized = {**message, "role": "system" if role == "developer" else role,
                       "content": _content(message.get("content"), f"{param}.content", model)}
         if message.get("tool_calls") is not None:

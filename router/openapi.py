@@ -32,7 +32,10 @@ _MESSAGE = {"type": "object", "required": ["role"],
                                                            {"type": "array", "items": _TEXT_PART}]}),
                            "name": {"type": "string"},
                            "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL}),
-                           "tool_call_id": {"type": "string"}}}
+                           "tool_call_id": {"type": "string"}},
+            # Only an assistant turn may leave out its text (a turn of tool calls alone).
+            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}
 _TOOL = {"type": "object", "required": ["function"],
          "properties": {"type": {"const": "function"},
                         "function": {"type": "object", "required": ["name"],
@@ -140,9 +143,10 @@ _ERROR = {"type": "object", "required": ["error"],
                                                   "param": {"type": ["string", "null"]},
                                                   "code": {"type": ["string", "null"]}}}}}
 _ERRORS = {str(status): {"description": meaning, "content": {"application/json": {"schema": _ERROR}}}
-           for status, meaning in ((400, "a parameter is invalid (`param` names it)"),
+           for status, meaning in ((400, "a parameter is invalid (`param` names it), or the prompt does not fit "
+                                         "the context (`context_length_exceeded`)"),
                                    (401, "missing or unknown API key"), (404, "no live site serves the model"),
-                                   (413, "the body or the prompt is too long"), (429, "rate limited (Retry-After)"),
+                                   (413, "the body is too large"), (429, "rate limited (Retry-After)"),
                                    (503, "no site has capacity now (Retry-After)"))}
 
 
@@ -150,7 +154,7 @@ def describe_completions(spec: dict) -> dict:
     """FastAPI's spec with the completion routes' request bodies and error answers filled in.
 
     Added to the finished spec rather than through `openapi_extra`, which would pass the schemas
-    through FastAPI's models and turn integer bounds (the uint64 seed) into floats."""
+    through FastAPI's models and turn large integer bounds (the seed's) into floats."""
     for path, body_schema in (("/v1/chat/completions", CHAT_COMPLETION_REQUEST), ("/v1/completions", COMPLETION_REQUEST)):
         operation = spec["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}

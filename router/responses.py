@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from json.encoder import encode_basestring
 
 from engine.tokenizer import ChatTokenizer
@@ -90,10 +91,14 @@ def completion_response(response_id: str, created: int, model: str, text: str, f
             "usage": usage_body}
 
 
-def chat_logprobs(tokenizer: ChatTokenizer, tokens: list) -> list[dict]:
-    """Chat format: one entry per sampled token with its top alternatives."""
-    return [{**_chat_entry(tokenizer, t.token_id, t.logprob),
-             "top_logprobs": [_chat_entry(tokenizer, top.token_id, top.logprob) for top in t.top_logprobs]}
+def chat_logprobs(tokenizer: ChatTokenizer, tokens: list,
+                  token_bytes: Callable[[int], bytes] | None = None) -> list[dict]:
+    """Chat format: one entry per sampled token with its top alternatives. `token_bytes` gives a token's
+    own bytes (router.model_assets), so the entries' bytes join into the answer's UTF-8 even where a
+    character spans tokens; without it they are the bytes of each token's text."""
+    return [{**_chat_entry(tokenizer, t.token_id, t.logprob, token_bytes),
+             "top_logprobs": [_chat_entry(tokenizer, top.token_id, top.logprob, token_bytes)
+                              for top in t.top_logprobs]}
             for t in tokens]
 
 
@@ -118,9 +123,11 @@ def merge_completion_logprobs(into: dict | None, more: dict) -> dict:
     return into
 
 
-def _chat_entry(tokenizer: ChatTokenizer, token_id: int, logprob: float) -> dict:
+def _chat_entry(tokenizer: ChatTokenizer, token_id: int, logprob: float,
+                token_bytes: Callable[[int], bytes] | None) -> dict:
     text = _token_text(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    raw = token_bytes(token_id) if token_bytes is not None else text.encode()
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def _token_text(tokenizer: ChatTokenizer, token_id: int) -> str:

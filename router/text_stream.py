@@ -45,6 +45,14 @@ class WindowDetokenizer:
         self._read_end = len(ids)
         return delta
 
+    def flush(self) -> str:
+        """The text still held back once no token will follow: a character left incomplete by the last
+        tokens decodes to U+FFFD, as a full decode of every token gives it."""
+        text = self._decode(self.token_ids[self._start:], self._skip_special_tokens)
+        delta = text[len(self._read_text):]
+        self._read_text, self._read_end = text, len(self.token_ids)
+        return delta
+
 
 class TextStream:
     def __init__(self, tokenizer: ChatTokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
@@ -60,6 +68,18 @@ class TextStream:
         if self.stopped:
             return ""
         self._pending += self._detokenizer.add(token_ids)
+        return self._cut_or_emit(max(0, len(self._pending) - self._hold))
+
+    def flush(self) -> str:
+        """The held-back tail, once generation ended without reaching a stop string (a stop string may
+        still lie in it, or in the incomplete character the last tokens leave)."""
+        if self.stopped:
+            return ""
+        self._pending += self._detokenizer.flush()
+        return self._cut_or_emit(len(self._pending))
+
+    def _cut_or_emit(self, upto: int) -> str:
+        """The pending text before a stop string (setting `stopped`), else its first `upto` characters."""
         if not self._stop:
             return self._emit(len(self._pending))
         cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
@@ -69,13 +89,7 @@ class TextStream:
             self._pending = ""
             self.text += delta
             return delta
-        return self._emit(max(0, len(self._pending) - self._hold))
-
-    def flush(self) -> str:
-        """The held-back tail, once generation ended without reaching a stop string."""
-        if self.stopped:
-            return ""
-        return self._emit(len(self._pending))
+        return self._emit(upto)
 
     def _emit(self, upto: int) -> str:
         delta, self._pending = self._pending[:upto], self._pending[upto:]

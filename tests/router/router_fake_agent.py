@@ -4,7 +4,7 @@ The token at output position i depends only on the prompt and i, exactly as gree
 would, so a stream resumed elsewhere with the tokens already sent matches a fault-free run.
 Fault switches: `refuse` (a status code before the first token), `die_after` (abort UNAVAILABLE
 after k tokens of a stream), `hang` (never answer), `stall_after` (go silent after k tokens of a
-stream), `token_delay_s`.
+stream), `token_delay_s`; `tokens_per_chunk` sends tokens k to a message, as a speculating agent does.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.hang = False
         self.stall_after: int | None = None
         self.token_delay_s = 0.0
+        self.tokens_per_chunk = 1
         self.num_cached_tokens = 0
         self.calls: list[tuple[str, object]] = []
         self.metadata: list[dict] = []
@@ -92,6 +93,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
 
     async def _stream(self, request, context, start: int):
         prompt, max_tokens = list(request.prompt_ids), request.sampling.max_tokens
+        held = []
         for position in range(start, max_tokens):
             if self.die_after is not None and position - start >= self.die_after:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} died")
@@ -105,8 +107,11 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
             if request.sampling.HasField("logprobs"):
                 token.logprob = -0.5
                 token.top_logprobs.add(token_id=token_id, logprob=-0.5)
-            yield agent_pb2.TokenChunk(tokens=[token], finish_reason=finish, num_prompt_tokens=len(prompt),
-                                       num_cached_tokens=self.num_cached_tokens)
+            held.append(token)
+            if finish or len(held) == self.tokens_per_chunk:
+                yield agent_pb2.TokenChunk(tokens=held, finish_reason=finish, num_prompt_tokens=len(prompt),
+                                           num_cached_tokens=self.num_cached_tokens)
+                held = []
             if finish:
                 return
 

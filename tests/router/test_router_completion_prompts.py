@@ -97,7 +97,7 @@ async def test_bad_prompt_arrays_and_echo_with_logprobs_are_refused(served):
     cases = [({"prompt": "x", "echo": True, "logprobs": 1}, 400, "logprobs", "prompt tokens are not returned"),
              ({"prompt": ["x", ""]}, 400, "prompt[1]", "must not be empty"),
              ({"prompt": []}, 400, "prompt", "non-empty"),
-             ({"prompt": [[5, 6], [5] * 1100]}, 413, "prompt[1]", "`prompt[1]` is 1100 tokens"),
+             ({"prompt": [[5, 6], [5] * 1100]}, 400, "prompt[1]", "`prompt[1]` is 1100 tokens"),
              ({"prompt": ["x"] * 65, "n": 2}, 400, "n", "130 choices")]
     for body, status, param, words in cases:
         with pytest.raises(openai.APIStatusError) as caught:

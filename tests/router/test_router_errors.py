@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 from router_fake_agent import MODEL
 
@@ -29,6 +30,8 @@ BAD_FIELDS = [
     ({"model": None}, "model"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),  # not an empty turn the client never meant
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]}, "messages[0].content"),
     ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -71,13 +74,21 @@ async def test_unknown_model_is_404(served, http):
     assert assert_openai_error(response, 404, "model")["code"] == "model_not_found"
 
 
-async def test_oversized_body_and_prompt_are_413(served, http):
+async def test_oversized_body_is_413_and_a_prompt_past_the_context_is_a_400_as_openai_answers(served, http):
+    """A prompt longer than the endpoint takes is OpenAI's 400 `context_length_exceeded` (what the SDK raises
+    as BadRequestError and clients catch to trim a conversation), as a prompt plus max_tokens past it is."""
     url, headers = served
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
     assert_openai_error(await http.post(f"{url}/v1/chat/completions", json=big, headers=headers), 413)
     long_prompt = {**CHAT, "messages": [{"role": "user", "content": "the cat sat " * 150}]}
-    assert_openai_error(await http.post(f"{url}/v1/chat/completions", json=long_prompt, headers=headers), 413,
-                        "messages")
+    error = assert_openai_error(await http.post(f"{url}/v1/chat/completions", json=long_prompt, headers=headers),
+                                400, "messages")
+    assert error["code"] == "context_length_exceeded" and "Shorten the messages" in error["message"]
+    key = headers["Authorization"].removeprefix("Bearer ")
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=MODEL, prompt="the cat sat " * 150, max_tokens=3)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "prompt")
 
 
 async def test_request_and_token_rate_limits_are_429_with_retry_after(cluster, make_router, http):
@@ -120,4 +131,15 @@ async def test_region_limited_key_gets_404_when_no_allowed_site_serves_the_model
 
 async def test_unknown_route_is_openai_shaped_404(served, http):
     url, headers = served
-    assert_openai_error(await http.get(f"{url}/v1/nothing", headers=headers), 404)
+    error = assert_openai_error(await http.get(f"{url}/v1/nothing", headers=headers), 404)
+    assert "`/v1/nothing`" in error["message"] and "POST /v1/chat/completions" in error["message"]
+
+
+async def test_a_wrong_method_is_405_saying_which_methods_the_path_takes(served, http):
+    url, headers = served
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+                                  ("POST", "/v1/models", "GET")):
+        response = await http.request(method, f"{url}{path}", headers=headers, json={})
+        error = assert_openai_error(response, 405)
+        assert response.headers["allow"] == allowed  # RFC 9110: a 405 lists the methods the resource takes
+        assert f"`{method}` is not allowed on `{path}`; use {allowed}" in error["message"]

@@ -54,6 +54,7 @@ MALFORMED = [
     ("chat", splice(chat(), "stop", '["\\ud800"]'), "stop"),
     ("chat", splice(chat(), "user", '"\\ud800"'), "user"),
     ("chat", json.dumps(chat(seed=2 ** 64)).encode(), "seed"),
+    ("chat", json.dumps(chat(seed=2 ** 63)).encode(), "seed"),  # past what an engine takes (engine.sampling)
     ("chat", json.dumps(chat(seed=10 ** 100)).encode(), "seed"),
     ("chat", splice(chat(), "temperature", "NaN"), "temperature"),
     ("chat", splice(chat(), "top_p", "Infinity"), "top_p"),
@@ -109,7 +110,7 @@ async def test_malformed_bodies_are_400s_naming_the_field(served, http):
             wrong.append((body[:100], response.status_code, response.text[:200]))
     assert not wrong, "\n".join(map(repr, wrong))
     # What is valid at the edges is still served.
-    response = await http.post(f"{url}/v1/chat/completions", json=chat(seed=2 ** 64 - 1), headers=headers)
+    response = await http.post(f"{url}/v1/chat/completions", json=chat(seed=2 ** 63 - 1), headers=headers)
     assert response.status_code == 200, response.text
     # "\\ud800" in JSON is a backslash and five letters, not a surrogate.
     body = splice(chat(), "messages", '[{"role": "user", "content": "path C:\\\\ud800"}]')
@@ -139,3 +140,21 @@ def test_speculative_false_reaches_the_site_as_an_opt_out():
     for fields, opted_out in (({"speculative": False}, True), ({"speculative": True}, False), ({}, False)):
         request = parse_request(chat(**fields), chat=True)
         assert sampling_params(request, assets, 2).no_speculation is opted_out
+
+
+def test_every_choice_of_a_seeded_request_reaches_the_engine_with_a_seed_it_takes():
+    """The largest seed the router accepts, with n > 1 (choice i draws with seed + i): no choice may carry
+    a seed the engine refuses, which the client would see as a site rejecting its request."""
+    from types import SimpleNamespace
+
+    from engine.sampling import SamplingParams
+    from router.completions import sampling_params
+    from router.model_assets import SamplingDefaults
+    from router.openai_request import parse_request
+
+    assets = SimpleNamespace(sampling_defaults=SamplingDefaults(), eos_token_ids=[2])
+    request = parse_request(chat(seed=2 ** 63 - 1, n=3), chat=True)
+    seeds = [sampling_params(request, assets, 2, index=i).seed for i in range(3)]
+    assert len(set(seeds)) == 3  # the choices still draw differently
+    for seed in seeds:
+        SamplingParams(seed=seed).validate(vocab_size=10)

@@ -84,3 +84,16 @@ def test_text_stream_skips_special_tokens_like_a_full_decode(tokenizer):
     stream = TextStream(tokenizer, [])
     text = "".join(stream.add([token_id]) for token_id in ids[:2] + [eos] + ids[2:]) + stream.flush()
     assert text == tokenizer.decode(ids[:2] + [eos] + ids[2:]) == "naïve 日本"
+
+
+@pytest.mark.parametrize("stop", [[], ["xyz"]])
+@pytest.mark.parametrize("text", ["ok 日本", "日"])
+def test_a_character_cut_by_the_last_token_ends_the_text_as_a_full_decode_does(tokenizer, stop, text):
+    """A generation that ends (max_tokens) inside a multi-byte character still shows what it produced:
+    the replacement character a full decode gives, not an answer missing its last tokens (or empty)."""
+    cut = tokenizer.encode(text, add_special_tokens=False)[:-1]
+    expected = tokenizer.decode(cut)
+    assert expected.endswith("\ufffd")
+    stream = TextStream(tokenizer, stop)
+    assert "".join(stream.add([token_id]) for token_id in cut) + stream.flush() == expected
+    assert stream.text == expected
