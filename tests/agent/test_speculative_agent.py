@@ -18,12 +18,12 @@ async def test_a_speculating_agent_answers_alike_and_reports_its_acceptance(star
     for params in (sampling(max_tokens=30), sampling(max_tokens=20, temperature=0.8, seed=3, no_speculation=True)):
         request = agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt(30), sampling=params)
         assert await collect(connect(speculating).generate(request)) == await collect(connect(plain).generate(request))
-    # a step's accepted tokens travel in one message (up to 1 + 3 each)
+    # a step's accepted tokens travel in one message (1 + 3 each; more when the reader falls behind)
     request = agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt(30), sampling=sampling(max_tokens=30, logprobs=2))
     batched = [chunk async for chunk in connect(speculating).generate(request)]
     single = [chunk async for chunk in connect(plain).generate(request)]
     assert [t.token_id for c in batched for t in c.tokens] == [t.token_id for c in single for t in c.tokens]
-    assert len(batched) <= 30 // 4 + 2 and max(len(c.tokens) for c in batched) <= 4
+    assert len(batched) <= 30 // 4 + 2
     assert all(len(t.top_logprobs) == 2 for c in batched for t in c.tokens)
     assert [c.finish_reason for c in batched] == [""] * (len(batched) - 1) + ["length"]
     async with httpx.AsyncClient() as http:
