@@ -249,7 +249,7 @@ def _string(document: dict, name: str, required: bool = False) -> str | None:
             raise bad_request(f"`{name}` is required.", name, "missing_required_parameter")
         return None
     if not isinstance(value, str) or (required and not value):
-        raise bad_request(f"`{name}` must be a non-empty string.", name)
+        raise bad_request(f"`{name}` must be a {'non-empty ' if required else ''}string.", name)
     return value
 
 

@@ -112,6 +112,10 @@ async def test_malformed_bodies_are_400s_naming_the_field(served, http):
     # What is valid at the edges is still served.
     response = await http.post(f"{url}/v1/chat/completions", json=chat(seed=2 ** 63 - 1), headers=headers)
     assert response.status_code == 200, response.text
+    response = await http.post(f"{url}/v1/chat/completions", json=chat(user=""), headers=headers)
+    assert response.status_code == 200, response.text
+    response = await http.post(f"{url}/v1/chat/completions", json=chat(user=5), headers=headers)
+    assert assert_openai_error(response, 400, "user")["message"] == "`user` must be a string."  # "" is served
     # "\\ud800" in JSON is a backslash and five letters, not a surrogate.
     body = splice(chat(), "messages", '[{"role": "user", "content": "path C:\\\\ud800"}]')
     response = await http.post(f"{url}/v1/chat/completions", content=body, headers=headers)
