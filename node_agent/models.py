@@ -52,7 +52,11 @@ def engine_config(config: AgentConfig) -> EngineConfig:
 def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
     model_dir = Path(engine.model_dir)
     tokenizer_config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
-    template = tokenizer_config.get("chat_template")
+    # chat_template.jinja (the file newer checkpoints keep it in) comes first, as the engine's tokenizer
+    # reads it; named templates stay in tokenizer_config.json, which routers read whole
+    template_file = model_dir / "chat_template.jinja"
+    template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
+                else tokenizer_config.get("chat_template"))
     generation = read_json(model_dir / "generation_config.json", required=False) or {}
     layout = engine.kv_layout(1)
     return agent_pb2.ModelInfo(

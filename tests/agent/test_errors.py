@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 
 import grpc
 import pytest
 from grpc import aio
 
+from engine.tokenizer import ChatTokenizer
 from node_agent.proto import agent_pb2
+from router.model_assets import build_assets
 from tests.agent.conftest import MODEL, collect, prompt, sampling
 
 
@@ -126,3 +130,19 @@ async def test_model_info(start_agent, connect, tiny_model_dir):
     # The KV figure routers place with follows the engine's KV dtype: bfloat16 holds half of float32.
     bf16 = await connect(await start_agent("site-b", dtype="bfloat16")).model_info(MODEL)
     assert bf16.kv_bytes_per_token == info.kv_bytes_per_token // 2
+
+
+async def test_model_info_carries_a_chat_template_kept_in_its_own_file(start_agent, connect, tiny_model_dir, tmp_path):
+    """Newer checkpoints keep the chat template in chat_template.jinja: routers render what the engine's own
+    tokenizer renders, not a prompt without the template."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template").replace("<|start_header_id|>", "<|start_header_id|> ")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "chat_template.jinja").write_text(template)
+    info = await connect(await start_agent(models={MODEL: str(model_dir)})).model_info(MODEL)
+    assert info.chat_template == template
+    messages = [{"role": "user", "content": "hello"}]
+    assert (build_assets(info).tokenizer.apply_chat_template(messages)
+            == ChatTokenizer.from_dir(model_dir).apply_chat_template(messages))
