@@ -29,6 +29,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -136,12 +137,14 @@ class ChatTemplate:
         self.sources = {"default": source} if isinstance(source, str) else dict(source)
         self.special_tokens = special_tokens
         self._compiled: dict[str, jinja2.Template] = {}
+        self.variables: set[str] = set()   # the names any of the templates reads from its context
         for name, text in self.sources.items():
             try:
                 parsed = _ENV.parse(text)
                 self._compiled[name] = _ENV.from_string(parsed)
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"chat template {name!r} does not parse: {exc}") from exc
+            self.variables |= jinja2.meta.find_undeclared_variables(parsed)
             for node in parsed.find_all(tuple(_TEMPLATE_FILE_NODES)):
                 # transformers renders without a template loader too: such a template fails on every request
                 raise CheckpointError(f"chat template {name!r} uses {{% {_TEMPLATE_FILE_NODES[type(node)]} %}} "

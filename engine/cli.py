@@ -129,6 +129,7 @@ def run_generate(args: argparse.Namespace) -> int:
             reason = event.finish_reason
             sys.stdout.write(detok.add([event.token_id]))
             sys.stdout.flush()
+        sys.stdout.write(detok.flush())   # a character the last tokens left incomplete
         elapsed = time.perf_counter() - started
         ttft = (first_at - started) * 1000 if first_at else float("nan")
         print(f"\n[{len(prompt_ids)} prompt tokens, {count} generated, finish={reason}, "

@@ -135,13 +135,28 @@ def _optional_int(raw: dict, key: str, default: int, path: Path) -> int:
     return default if raw.get(key) is None else _positive_int(raw, (key,), path)
 
 
+def _is_number(value) -> bool:
+    # JSON writes some floats as integers; true and false are not numbers here
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_float(raw: dict, key: str, default: float, path: Path) -> float:
-    """A number > 0 (JSON writes some as integers), or `default` when absent."""
+    """A number > 0, or `default` when absent."""
     value = raw.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _is_number(value) or value <= 0:
         raise CheckpointError(f"{path}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _nonnegative_float(raw: dict, key: str, default: float, path: Path) -> float:
+    """A number >= 0, or `default` when absent."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not _is_number(value) or value < 0:
+        raise CheckpointError(f"{path}: {key} must be a number >= 0, got {value!r}")
     return float(value)
 
 
@@ -187,23 +202,27 @@ def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ("default", 
 
 
 def _parse_yarn(rope: RopeConfig, merged: dict, raw: dict, path: Path) -> RopeConfig:
-    """yarn's fields, defaulted as the reference implementation defaults them."""
-    original = merged.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
-    if original is None:
+    """yarn's fields, defaulted as the reference implementation defaults them (mscale 0: none given)."""
+    if merged.get("original_max_position_embeddings") is not None:
+        original = _positive_int(merged, ("original_max_position_embeddings",), path)
+    elif raw.get("max_position_embeddings") is not None:
+        original = _positive_int(raw, ("max_position_embeddings",), path)
+    else:
         raise CheckpointError(f"{path}: yarn rope scaling lacks 'original_max_position_embeddings'")
-    rope.original_max_position_embeddings = int(original)
-    factor = merged.get("factor")
-    if factor is None:   # the context the scaling reaches over the one trained at
-        factor = int(raw["max_position_embeddings"]) / rope.original_max_position_embeddings
-    rope.factor = float(factor)
-    rope.beta_fast = float(merged.get("beta_fast") or 32)
-    rope.beta_slow = float(merged.get("beta_slow") or 1)
-    rope.truncate = bool(merged.get("truncate", True))
-    mscale, rope.mscale_all_dim = merged.get("mscale"), float(merged.get("mscale_all_dim") or 0)
+    rope.original_max_position_embeddings = original
+    if merged.get("factor") is not None:
+        rope.factor = _positive_float(merged, "factor", 1.0, path)
+    else:   # the context the scaling reaches over the one trained at
+        rope.factor = _positive_int(raw, ("max_position_embeddings",), path) / original
+    rope.beta_fast = _positive_float(merged, "beta_fast", 32.0, path)
+    rope.beta_slow = _positive_float(merged, "beta_slow", 1.0, path)
+    rope.truncate = _flag(merged, "truncate", True, path)
+    mscale = _nonnegative_float(merged, "mscale", 0.0, path)
+    rope.mscale_all_dim = _nonnegative_float(merged, "mscale_all_dim", 0.0, path)
     if merged.get("attention_factor") is not None:
-        rope.attention_factor = float(merged["attention_factor"])
+        rope.attention_factor = _positive_float(merged, "attention_factor", 1.0, path)
     elif mscale and rope.mscale_all_dim:
-        rope.attention_factor = yarn_mscale(rope.factor, float(mscale)) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+        rope.attention_factor = yarn_mscale(rope.factor, mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
     else:
         rope.attention_factor = yarn_mscale(rope.factor)
     return rope

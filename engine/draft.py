@@ -24,7 +24,8 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, load_config
-from engine.loader import load_model
+from engine.loader import load_model, stores_lm_head
+from engine.memory import weight_bytes
 from engine.runner import prepare_step
 from engine.sampling import DRAFT_STREAM, draw_tokens, draw_uniform, probabilities, process_logits
 from engine.scheduler import ScheduledSeq
@@ -75,7 +76,7 @@ class DraftProposer:
         element = torch.tensor([], dtype=dtype).element_size()
         pool = kv_bytes if num_blocks is None else \
             math.prod(mc.kv_pool_shape(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads)) * element
-        need = mc.num_parameters() * element + pool
+        need = weight_bytes(mc, dtype, mc.tie_word_embeddings and stores_lm_head(directory)) + pool
         free, _ = torch.cuda.mem_get_info(device)
         if need > free:
             raise ValueError(f"the draft model {directory} needs {need / 2**30:.2f} GiB (weights and KV pool) and "

@@ -36,7 +36,7 @@ from engine.kv_export import KVExport, KVMap
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.fingerprint import model_fingerprint
 from engine.grammar import GrammarCompiler
-from engine.loader import load_model, resolve_dtype
+from engine.loader import load_model, resolve_dtype, stores_lm_head
 from engine.memory import check_fits
 from engine.parallel.layout import ParallelLayout
 from engine.runner import StepInputs, prepare_step
@@ -46,7 +46,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.shard import ModelShard, max_model_len
 from engine.speculative import Speculator
 from engine.speculative_config import SpeculativeConfig
-from engine.tokenizer import load_tokenizer_json
+from engine.tokenizer import ChatTokenizer
 from engine.step_totals import StepPhases, StepTotals
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.layout = config.layout
         self.layout.check_model(self.model_config)
-        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes, self.layout)
+        lm_head_stored = self.model_config.tie_word_embeddings and stores_lm_head(self.model_dir)
+        self.weight_bytes = check_fits(self.model_config, self.dtype, self.device, config.kv_cache_bytes, self.layout,
+                                       lm_head_stored)
         self.eos_token_ids = self._eos_token_ids()
         self._check_tokenizer_fits()
         self.fingerprint = model_fingerprint(self.model_dir)
@@ -265,13 +267,16 @@ class LLMEngine:
         return set(eos)
 
     def _check_tokenizer_fits(self) -> None:
-        """Every token id the checkpoint's tokenizer produces has a row in the model's embedding; a tokenizer
-        larger than the model would have prompts with its last tokens refused as the client's fault."""
+        """The tokenizer files load as routers and `edgefire generate` load them (a bad chat template or special
+        token fails here, not on every request), and every token id the tokenizer produces has a row in the
+        model's embedding; a tokenizer larger than the model would have prompts with its last tokens refused
+        as the client's fault."""
         path = self.model_dir / "tokenizer.json"
         if not path.is_file():   # the engine runs on token ids; only those who tokenize need the file
             return
         vocab = self.model_config.vocab_size
-        num_tokens = max(load_tokenizer_json(path).get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        tokenizer = ChatTokenizer.from_dir(self.model_dir).tokenizer
+        num_tokens = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         if num_tokens > vocab:
             raise CheckpointError(f"{path} has token ids up to {num_tokens - 1}, but config.json's vocab_size is "
                                   f"{vocab}: the tokenizer does not belong to these weights")

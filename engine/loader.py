@@ -82,6 +82,16 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def stores_lm_head(model_dir: str | Path) -> bool:
+    """Whether the checkpoint has an lm_head.weight tensor (read from the index or the files' headers, not the
+    weights): the memory check counts it for a tied model too, since _read_lm_head reads it."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    if is_compressed(model_dir):
+        return CompressedCheckpoint(model_dir, files).has("lm_head.weight")
+    return "lm_head.weight" in files
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")

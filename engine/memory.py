@@ -18,53 +18,39 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InsufficientMemoryError
-from engine.parallel.layout import ParallelLayout, RankShard, rank_shard, whole_model
+from engine.parallel.layout import ParallelLayout, RankShard, layer_parameters, rank_shard, whole_model
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 
 
-def shard_parameters(cfg: ModelConfig, shard: RankShard) -> int:
-    """Weight elements one rank holds (the whole model for `whole_model(cfg)`)."""
-    hidden, head_dim = cfg.hidden_size, cfg.head_dim
-    heads, kv_heads = len(shard.heads), len(shard.kv_heads)
-    if cfg.mla is not None:   # under TP its heads' rows, and the latent projections whole
-        attention = cfg.mla.num_parameters(hidden, heads)
-    else:
-        attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-        if cfg.qkv_bias:
-            attention += (heads + 2 * kv_heads) * head_dim
-        if cfg.qk_norm:
-            attention += 2 * head_dim
-    total = 0
-    for layer in shard.layers:
-        if cfg.is_sparse(layer):
-            moe = cfg.moe
-            mlp = len(shard.experts) * 3 * hidden * moe.intermediate_size + moe.num_experts * hidden
-            mlp += moe.num_shared_experts * 3 * hidden * moe.intermediate_size   # shared experts: on every rank
-            mlp += moe.num_experts if moe.scoring == "sigmoid" else 0           # the routing correction bias
-        else:
-            mlp = 3 * hidden * len(shard.mlp)
-        total += attention + mlp + 2 * hidden
+def shard_parameters(cfg: ModelConfig, shard: RankShard, lm_head_stored: bool = False) -> int:
+    """Weight elements one rank holds (the whole model for `whole_model(cfg)`). lm_head_stored: the checkpoint
+    has an lm_head.weight tensor, which the loader reads even for a tied model (engine.loader.stores_lm_head)."""
+    hidden = cfg.hidden_size
+    total = sum(layer_parameters(cfg, layer, len(shard.heads), len(shard.kv_heads), len(shard.mlp), len(shard.experts))
+                for layer in shard.layers)
     vocab_rows = len(shard.vocab) * hidden
     embed = vocab_rows if shard.is_first_stage else 0
-    lm_head = 0
-    if shard.computes_logits and not (cfg.tie_word_embeddings and shard.is_first_stage):
-        lm_head = vocab_rows   # tied on the first stage: the embedding itself
+    # Tied on the first stage: the embedding itself, unless the checkpoint stores lm_head.weight as well; the
+    # loader keeps that one apart when it differs (as transformers does), and holds both while comparing them.
+    tied = cfg.tie_word_embeddings and not lm_head_stored
+    lm_head = vocab_rows if shard.computes_logits and not (tied and shard.is_first_stage) else 0
     return total + embed + lm_head + (hidden if shard.is_last_stage else 0)
 
 
-def rank_parameters(cfg: ModelConfig, layout: ParallelLayout) -> list[int]:
+def rank_parameters(cfg: ModelConfig, layout: ParallelLayout, lm_head_stored: bool = False) -> list[int]:
     """Weight elements of each rank of `layout`, by rank."""
     if layout.world_size == 1:
-        return [shard_parameters(cfg, whole_model(cfg))]
+        return [shard_parameters(cfg, whole_model(cfg), lm_head_stored)]
     stages = layout.stages(cfg)
-    return [shard_parameters(cfg, rank_shard(layout, cfg, rank, stages)) for rank in range(layout.world_size)]
+    return [shard_parameters(cfg, rank_shard(layout, cfg, rank, stages), lm_head_stored)
+            for rank in range(layout.world_size)]
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.num_parameters() * torch.tensor([], dtype=dtype).element_size()
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, lm_head_stored: bool = False) -> int:
+    return shard_parameters(cfg, whole_model(cfg), lm_head_stored) * torch.tensor([], dtype=dtype).element_size()
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -82,17 +68,17 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_bytes: int | None,
-               layout: ParallelLayout | None = None) -> int:
+               layout: ParallelLayout | None = None, lm_head_stored: bool = False) -> int:
     """The model's weight bytes; raises InsufficientMemoryError when a rank's weights plus its KV pool
-    exceed free memory.
+    exceed free memory (lm_head_stored: as for shard_parameters).
 
     On GPUs each rank has a device of its own: the rank holding the most must fit (checked against
     the first device; the engine's GPUs are alike). On CPU the ranks share the host's memory: every
     rank's weights (replicas included) and every rank's pool."""
     layout = layout or ParallelLayout()
     element = torch.tensor([], dtype=dtype).element_size()
-    weights = weight_bytes(cfg, dtype)
-    per_rank = [n * element for n in rank_parameters(cfg, layout)]
+    weights = weight_bytes(cfg, dtype, lm_head_stored)
+    per_rank = [n * element for n in rank_parameters(cfg, layout, lm_head_stored)]
     kv = kv_cache_bytes or 0
     if device.type == "cuda":
         needed, held = max(per_rank) + kv, max(per_rank)

@@ -16,11 +16,39 @@ from engine.errors import CheckpointError
 __all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError"]
 
 
-def _token_text(value) -> str | None:
-    # tokenizer_config stores special tokens as strings or as {"content": ...} objects
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _special_tokens(config: dict, config_file: str) -> dict[str, str]:
+    """The named special tokens' text (`eos_token`, ...): stored as strings or as {"content": ...} objects."""
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if value is None:
+            continue
+        text = value.get("content") if isinstance(value, dict) else value
+        if not isinstance(text, str):
+            raise CheckpointError(f'{config_file}: {name} must be the token\'s text or an object with its "content", '
+                                  f"got {_short(value)}")
+        tokens[name] = text
+    return tokens
+
+
+def _config_template(config: dict, config_file: str) -> str | dict[str, str] | None:
+    """tokenizer_config.json's chat_template: one template, or named ones as [{"name": ..., "template": ...}]."""
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if not isinstance(template, list):
+        raise CheckpointError(f"{config_file}: chat_template must be a template (a string) or a list of named "
+                              f"templates, got {_short(template)}")
+    for i, entry in enumerate(template):
+        if not (isinstance(entry, dict) and all(isinstance(entry.get(key), str) for key in ("name", "template"))):
+            raise CheckpointError(f'{config_file}: chat_template[{i}] must be an object with a string "name" and a '
+                                  f'string "template", got {_short(entry)}')
+    return {entry["name"]: entry["template"] for entry in template}
 
 
 def _parse_tokenizer(tokenizer_json: str, where: str) -> Tokenizer:
@@ -37,32 +65,37 @@ def _read_text(path: Path) -> str:
         raise CheckpointError(f"{path}: not UTF-8 text ({exc})") from exc
 
 
-def load_tokenizer_json(path: Path) -> Tokenizer:
-    """A checkpoint's tokenizer.json, or CheckpointError naming the file."""
-    return _parse_tokenizer(_read_text(path), str(path))
-
-
 class ChatTokenizer:
-    def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None, chat_template: str | None = None):
-        self.tokenizer = _parse_tokenizer(tokenizer_json, "tokenizer.json")
+    """A checkpoint's tokenizer and chat template; model_dir (from_dir) is the directory errors name the files in."""
+
+    def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None, chat_template: str | None = None,
+                 model_dir: Path | None = None):
+        where = model_dir or Path()
+        self.tokenizer = _parse_tokenizer(tokenizer_json, str(where / "tokenizer.json"))
+        config_file = str(where / "tokenizer_config.json")
         self.config = tokenizer_config or {}
-        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
-                               if isinstance(text := _token_text(self.config.get(name)), str)}
+        self.special_tokens = _special_tokens(self.config, config_file)
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
-        source = chat_template or self._template_from_config()
+        source = chat_template or _config_template(self.config, config_file)
         self.template = ChatTemplate(source, self.special_tokens) if source else None
+        if self.template is not None:
+            self._check_rendered_tokens(config_file)
 
     @property
     def chat_template(self) -> str | None:
         return self.template.source if self.template is not None else None
 
-    def _template_from_config(self) -> str | dict[str, str] | None:
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # named templates, as tokenizer_config.json stores them
-            return {t["name"]: t["template"] for t in template
-                    if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
-        return template if isinstance(template, str) else None
+    def _check_rendered_tokens(self, config_file: str) -> None:
+        """A special token the chat template renders must be a token of the tokenizer: otherwise every prompt
+        spells it out as ordinary text (transformers appends it to the vocabulary instead, an id the model
+        has no embedding for). A special token no template reads is left alone: the engine stops on
+        config.json's and generation_config.json's eos_token_id, never on these names."""
+        for name in sorted(self.template.variables & self.special_tokens.keys()):
+            text = self.special_tokens[name]
+            if self.tokenizer.token_to_id(text) is None:
+                raise CheckpointError(f"{config_file}: {name} {text!r} is not a token of tokenizer.json, and the chat "
+                                      f"template renders it into every prompt; name a token the tokenizer has")
 
     @property
     def vocab_size(self) -> int:
@@ -99,11 +132,12 @@ class ChatTokenizer:
         config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
         template_file = model_dir / "chat_template.jinja"
         template = _read_text(template_file) if template_file.is_file() else None
-        return cls(_read_text(path), config, template)
+        return cls(_read_text(path), config, template, model_dir)
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting multi-byte characters."""
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters; `flush`
+    at the end of the stream releases what is held back, so the deltas join to a full decode."""
 
     def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -118,6 +152,14 @@ class IncrementalDetokenizer:
         if text.endswith("\ufffd"):
             return ""
         # Decoding more tokens never changes text already complete, so the new text is the suffix.
+        delta = text[len(self.emitted):]
+        self.emitted = text
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back once no token will follow: a character left incomplete by the last
+        tokens decodes to U+FFFD, as a full decode of every token gives it."""
+        text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
         delta = text[len(self.emitted):]
         self.emitted = text
         return delta

@@ -210,20 +210,36 @@ def rank_shard(layout: ParallelLayout, cfg: ModelConfig, rank: int, stages: list
 # -- the stage split ---------------------------------------------------------------------------
 
 
+def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads: int, num_mlp_rows: int,
+                     num_experts: int) -> int:
+    """Weight elements of decoder layer `layer` holding num_heads query heads and num_kv_heads KV heads (latent
+    attention: its latent projections whole), num_mlp_rows rows of a dense MLP, and num_experts of a
+    mixture-of-experts layer's routed experts (the router, its correction bias and the shared experts whole)."""
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    if cfg.mla is not None:
+        attention = cfg.mla.num_parameters(hidden, num_heads)
+    else:
+        attention = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)   # q, k, v in and o out
+        if cfg.qkv_bias:
+            attention += (num_heads + 2 * num_kv_heads) * head_dim
+        if cfg.qk_norm:
+            attention += 2 * head_dim
+    if cfg.is_sparse(layer):
+        moe = cfg.moe
+        mlp = (num_experts + moe.num_shared_experts) * 3 * hidden * moe.intermediate_size + moe.num_experts * hidden
+        mlp += moe.num_experts if moe.scoring == "sigmoid" else 0   # the routing correction bias
+    else:
+        mlp = 3 * hidden * num_mlp_rows
+    return attention + mlp + 2 * hidden   # and the layer's two norms
+
+
 def layer_cost(cfg: ModelConfig, layer: int, expert_split: int = 1) -> int:
     """Weight elements of one decoder layer (every expert of a mixture-of-experts layer: all are resident,
     and a batch of any size touches most of them). expert_split: how many more ways the experts are
     split than the rest of the layer (ep / tp: ep ranks replicating attention hold 1/ep of the experts
     each, and all of the attention)."""
-    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    if cfg.mla is not None:
-        attention = cfg.mla.num_parameters(cfg.hidden_size, cfg.num_heads)
-    if cfg.is_sparse(layer):
-        moe = cfg.moe
-        held = moe.num_experts // expert_split + moe.num_shared_experts   # shared experts: on every rank
-        experts = held * 3 * cfg.hidden_size * moe.intermediate_size
-        return attention + experts + moe.num_experts * cfg.hidden_size
-    return attention + 3 * cfg.hidden_size * cfg.intermediate_size
+    num_experts = cfg.moe.num_experts // expert_split if cfg.moe is not None else 0
+    return layer_parameters(cfg, layer, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, num_experts)
 
 
 def split_layers(cfg: ModelConfig, num_stages: int, expert_split: int = 1) -> list[range]:

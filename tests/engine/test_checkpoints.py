@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -177,6 +178,28 @@ def test_tied_config_with_its_own_lm_head_computes_what_transformers_computes(co
     with torch.no_grad():
         theirs = reference(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(LLMEngine(copy, CONFIG).prompt_logits(prompt), theirs, rtol=1e-4, atol=1e-4)
+
+
+def _tensors(value, found: dict) -> dict:
+    """Every distinct tensor reachable from the loaded model's weights, by id (a tied head is the embedding)."""
+    if isinstance(value, torch.Tensor):
+        found[id(value)] = value
+    elif dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            _tensors(getattr(value, field.name), found)
+    elif isinstance(value, list):
+        for item in value:
+            _tensors(item, found)
+    return found
+
+
+def test_the_memory_check_counts_a_tied_checkpoints_own_lm_head(copy):
+    _edit_config(copy, tie_word_embeddings=True)   # the checkpoint still stores a distinct lm_head.weight
+    engine = LLMEngine(copy, CONFIG)
+    weights = engine.model.weights
+    assert weights.lm_head is not weights.embed_tokens   # kept apart, as transformers keeps it
+    loaded = sum(t.numel() * t.element_size() for t in _tensors(weights, {}).values())
+    assert engine.weight_bytes == loaded
 
 
 @pytest.mark.parametrize("generation, message", [

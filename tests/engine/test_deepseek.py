@@ -14,7 +14,7 @@ import torch
 from engine.config import load_config, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.moe import route_grouped
-from tests.engine.conftest import build_checkpoint
+from tests.engine.conftest import YARN, build_checkpoint
 from tests.engine.test_mechanics import (GREEDY, assert_a_small_pool_gives_the_plain_tokens, assert_no_leak,
                                          make_engine, moved, prompt, run)
 
@@ -102,6 +102,20 @@ RAW = {"model_type": "deepseek_v3", "vocab_size": 100, "hidden_size": 32, "inter
     ({"num_experts_per_tok": 5}, CheckpointError, "num_experts_per_tok 5 exceeds the 4 experts"),
     ({"kv_lora_rank": None}, CheckpointError, "missing required field 'kv_lora_rank'"),
     ({"qk_rope_head_dim": 7}, CheckpointError, "qk_rope_head_dim must be even"),
+    # yarn's fields: a string is not read as a number (float("4") would take it, float("4x") raise bare)
+    ({"rope_scaling": {**YARN, "factor": "4"}}, CheckpointError,
+     "config.json: factor must be a positive number, got '4'"),
+    ({"rope_scaling": {**YARN, "beta_fast": "32x"}}, CheckpointError, "beta_fast must be a positive number, got '32x'"),
+    ({"rope_scaling": {**YARN, "original_max_position_embeddings": "128"}}, CheckpointError,
+     "original_max_position_embeddings must be a positive integer, got '128'"),
+    ({"rope_scaling": {**YARN, "mscale_all_dim": "0.7"}}, CheckpointError, "mscale_all_dim must be a number >= 0"),
+    ({"rope_scaling": {**YARN, "mscale": -1}}, CheckpointError, "mscale must be a number >= 0, got -1"),
+    ({"rope_scaling": {**YARN, "attention_factor": [1.0]}}, CheckpointError,
+     "attention_factor must be a positive number"),
+    ({"rope_scaling": {**YARN, "truncate": "false"}}, CheckpointError, "truncate must be true or false, got 'false'"),
+    # no factor: the ratio of max_position_embeddings to the original, which must then be given
+    ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 128}}, CheckpointError,
+     "missing required field 'max_position_embeddings'"),
 ])
 def test_unsupported_or_bad_config_is_refused_with_what_to_fix(tmp_path, change, error, message):
     with pytest.raises(error, match=message):

@@ -10,7 +10,7 @@ import torch
 from engine.config import parse_config
 from engine.memory import rank_parameters
 from engine.parallel.kv_pool import build_kv_map
-from engine.parallel.layout import ParallelLayout, rank_shard, split_layers
+from engine.parallel.layout import ParallelLayout, layer_cost, rank_shard, split_layers
 
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
@@ -35,6 +35,21 @@ def test_a_mixture_of_experts_layer_weighs_its_experts():
     # layers 4-7 hold 8 experts each (twice a dense layer's weights): the dense half and one sparse layer
     # make the first stage
     assert [len(r) for r in split_layers(moe, 2)] == [5, 3]
+
+
+@pytest.mark.parametrize("changes", [
+    dict(model_type="qwen2"),                          # q/k/v biases
+    dict(model_type="qwen3", head_dim=128),            # q/k norms
+    dict(model_type="deepseek_v3", num_key_value_heads=32, n_routed_experts=8, num_experts_per_tok=2,
+         moe_intermediate_size=512, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+         kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    # (latent attention, and the routing correction bias)
+])
+def test_the_stage_split_weighs_a_layer_as_the_memory_check_counts_it(changes):
+    cfg = config(**changes)
+    embedding_head_and_norm = 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    layers = sum(layer_cost(cfg, layer) for layer in range(cfg.num_layers))
+    assert layers + embedding_head_and_norm == rank_parameters(cfg, ParallelLayout())[0]
 
 
 def test_tp_splits_heads_and_replicates_kv_heads_below_tp():
