@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # Packages whose `cli.add_parser` contributes subcommands, in help order.
@@ -16,6 +17,9 @@ COMMAND_MODULES = ["engine.cli", "registry.cli", "node_agent.cli", "router.cli",
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# The status of a command whose reader went away (`edgefire status | head`): what a shell reports for a
+# process ended by SIGPIPE, so `set -o pipefail` scripts see edgefire as they see any other tool.
+EXIT_BROKEN_PIPE = 141
 
 
 def _log_level(text: str) -> str:
@@ -55,6 +59,17 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()   # so a closed pipe shows here, not as a traceback at interpreter exit
+    except BrokenPipeError:
+        discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -65,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+
+
+def discard_stdout() -> None:
+    """Points stdout at /dev/null once its reader has gone, so nothing written later (the interpreter's
+    exit flush included) fails again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

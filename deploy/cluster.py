@@ -13,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+from deploy.cli import EXIT_BROKEN_PIPE, discard_stdout
 from deploy.cluster_config import (DEFAULT_DEMO_MODEL_DIR, DEFAULT_REGISTRY_PORT, DEFAULT_ROUTER_PORT,
                                    DEFAULT_STATE_DIR, ClusterConfig, ClusterConfigError, demo_sites,
                                    load_cluster_toml)
+from engine.demo import ARCHITECTURES, demo_record, make_demo_model
+from engine.demo import SIZES as DEMO_SIZES  # torch-free: only writing the weights imports torch
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,9 @@ def add_parser(subparsers) -> None:
     up.add_argument("--state-dir", type=Path, help=f"database, configs, logs, pid files (default {DEFAULT_STATE_DIR})")
     up.add_argument("--planner", action="store_true", default=None,
                     help="run the prefill/decode pool planner: it moves sites allowed both roles between the pools")
-    up.add_argument("--demo-size", default="small", choices=["tiny", "small"], help="size of the demo model")
+    up.add_argument("--demo-size", default="small", choices=list(DEMO_SIZES),
+                    help="size of the demo model (default small); the demo model is rewritten when it was made "
+                         "at another size. Not used with --model")
     up.add_argument("--tls", action="store_true", default=None,
                     help="run every hop over TLS (HTTPS, gRPC, KV data port) with a local CA made in the state dir")
     up.add_argument("--routers", type=int, help="routers to run (default 1); they share every key's limits and "
@@ -100,20 +105,30 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.config is not None:
         return load_cluster_toml(args.config, **overrides)
     overrides.setdefault("sites", demo_sites(3))
-    overrides["model_dir"] = overrides["model_dir"] or DEFAULT_DEMO_MODEL_DIR
+    if overrides["model_dir"] is None:
+        overrides.update(model_dir=DEFAULT_DEMO_MODEL_DIR, demo_model=True)
     return ClusterConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def ensure_model(config: ClusterConfig, demo_size: str) -> None:
-    if (config.model_dir / "config.json").is_file():
+    """A given model must be a checkpoint; the demo model is written, or rewritten when it was made at
+    another size than `demo_size` (keeping the architecture it was made with)."""
+    if not config.demo_model:
+        if not (config.model_dir / "config.json").is_file():
+            raise ClusterConfigError(f"--model: {config.model_dir} is not a checkpoint directory (no config.json)")
         return
-    if config.model_dir.resolve() != DEFAULT_DEMO_MODEL_DIR.resolve():
-        raise ClusterConfigError(f"--model: {config.model_dir} is not a checkpoint directory (no config.json)")
-    from engine.demo import make_demo_model
-
-    print(f"writing a random-weight demo model to {config.model_dir} (its output is meaningless text) ...",
-          flush=True)
-    make_demo_model(config.model_dir, demo_size)
+    record = demo_record(config.model_dir)
+    written = (config.model_dir / "config.json").is_file()
+    if written and record is not None and record.get("size") == demo_size:
+        return
+    if written or record is not None:
+        made = f"it was made {record.get('size')}" if record is not None else "its size was not recorded"
+        print(f"rewriting the demo model in {config.model_dir} as {demo_size}: {made} ...", flush=True)
+    else:
+        print(f"writing a random-weight {demo_size} demo model to {config.model_dir} (its output is meaningless "
+              f"text) ...", flush=True)
+    arch = record.get("arch") if record is not None and record.get("arch") in ARCHITECTURES else "llama"
+    make_demo_model(config.model_dir, demo_size, arch=arch)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -139,8 +154,13 @@ def run_up(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # Whoever read the output went away (`edgefire up | head`): stop everything, with nothing more to say.
+        discard_stdout()
+        cluster.stop()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        print("\nstopping: router, sites (draining), registry ... (interrupt again to kill them at once)", flush=True)
+        _say("\nstopping: router, sites (draining), registry ... (interrupt again to kill them at once)")
         try:
             cluster.stop()
         except KeyboardInterrupt:
@@ -148,10 +168,19 @@ def run_up(args: argparse.Namespace) -> int:
             # drain, but leave nothing running (the processes have sessions of their own, no signal reaches them).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            print("interrupted again: killing what is still running ...", flush=True)
+            _say("interrupted again: killing what is still running ...")
             cluster.kill_all()
-        print("stopped.", flush=True)
+        _say("stopped.")
     return 0
+
+
+def _say(text: str) -> None:
+    """A line of the stopping cluster's progress. Ctrl-C on `edgefire up | tee up.log` ends tee too: the
+    stop must go on without a reader."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        discard_stdout()
 
 
 def _interrupt(_signum, _frame) -> None:
@@ -283,21 +312,54 @@ def _admin_client(args: argparse.Namespace):
     from registry.client import SyncRegistryClient
 
     registry_url, admin_token, ca = args.registry_url, args.admin_token, args.ca
+    path = args.state_dir / "cluster.json"
     if registry_url is None or admin_token is None:
         try:
-            saved = json.loads((args.state_dir / "cluster.json").read_text())
-        except (OSError, ValueError):
-            print(f"error: no running `edgefire up` cluster in {args.state_dir}; give --registry-url and "
-                  f"--admin-token", file=sys.stderr)
+            saved = saved_cluster(args.state_dir)
+            registry_url = registry_url or ",".join(saved.get("registry_urls") or [_saved(saved, "registry_url", path)])
+            admin_token = admin_token or _saved(saved, "admin_token", path)
+        except ClusterConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return None
-        registry_url = registry_url or ",".join(saved.get("registry_urls") or [saved["registry_url"]])
-        admin_token = admin_token or saved["admin_token"]
         ca = ca or saved.get("ca")
     try:
         return SyncRegistryClient(registry_url, admin_token, verify=client_context(ca) if ca else True), registry_url
-    except ValueError as exc:   # a malformed --registry-url
-        print(f"error: --registry-url: {exc}", file=sys.stderr)
+    except ValueError as exc:   # a malformed URL
+        print(f"error: {'--registry-url' if args.registry_url else f'{path}: registry_url'}: {exc}", file=sys.stderr)
         return None
+
+
+def saved_cluster(state_dir: Path) -> dict:
+    """STATE_DIR/cluster.json as `edgefire up` wrote it; ClusterConfigError naming the file and what is wrong."""
+    path = state_dir / "cluster.json"
+    give = "give --registry-url and --admin-token"
+    try:
+        saved = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ClusterConfigError(f"no running `edgefire up` cluster in {state_dir} (no {path}); {give}") from None
+    except OSError as exc:
+        raise ClusterConfigError(f"cannot read {path}: {exc.strerror or exc}; {give}") from None
+    except ValueError as exc:   # not JSON, or not UTF-8
+        raise ClusterConfigError(f"{path} is not valid JSON ({exc}); {give}, or start `edgefire up` again") from None
+    if not isinstance(saved, dict):
+        raise ClusterConfigError(f"{path} must hold a JSON object, as `edgefire up` writes it, got "
+                                 f"{json.dumps(saved)[:60]}; {give}, or start `edgefire up` again")
+    wrong = [f"{key} must be a string, got {json.dumps(saved[key])[:60]}" for key in ("registry_url", "admin_token", "ca")
+             if saved.get(key) is not None and not isinstance(saved[key], str)]
+    urls = saved.get("registry_urls")
+    if urls is not None and not (isinstance(urls, list) and all(isinstance(url, str) for url in urls)):
+        wrong.append(f"registry_urls must be a list of URLs, got {json.dumps(urls)[:60]}")
+    if wrong:
+        raise ClusterConfigError(f"{path}: {'; '.join(wrong)}; {give}, or start `edgefire up` again")
+    return saved
+
+
+def _saved(saved: dict, key: str, path: Path) -> str:
+    if not saved.get(key):
+        flag = "--registry-url" if key == "registry_url" else "--admin-token"
+        raise ClusterConfigError(f"{path} has no {key!r} (it was not written by `edgefire up`, or was edited); "
+                                 f"give {flag}, or start `edgefire up` again")
+    return saved[key]
 
 
 def status_text(registry, registry_url: str, args: argparse.Namespace) -> tuple[str, str | None]:

@@ -125,6 +125,9 @@ class ClusterConfig:
     routers: int = 1                     # routers sharing every key's limits (router_port, then the next ports)
     registry_replicas: int = 1           # registry processes over one database
     db: str = ""                         # the registry's database URL; empty: SQLite in the state dir, made afresh
+    # model_dir is edgefire's own demo model (no model was given): `up` writes it, and rewrites it when it
+    # was made at another size than --demo-size asks for. A model the user names is never written.
+    demo_model: bool = False
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -255,14 +258,15 @@ def load_cluster_toml(path: str | Path, **overrides) -> ClusterConfig:
     values = {"sites": sites}
     if "model" in document:
         values["model_dir"] = typed_config.check_value(Path, document.pop("model"), f"{path}: model")
-    cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)} - {"model_dir", "sites"}
+    cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)} - {"model_dir", "sites", "demo_model"}
     for name in document:
         if name not in cluster_keys:
             raise ClusterConfigError(f"{path}: {name}: unknown cluster setting (known: model, sites, "
                                      f"{', '.join(sorted(cluster_keys))})")
     values.update(typed_config.check_values(ClusterConfig, document, str(path)))
     values.update({k: v for k, v in overrides.items() if v is not None})
-    values.setdefault("model_dir", DEFAULT_DEMO_MODEL_DIR)
+    if "model_dir" not in values:
+        values.update(model_dir=DEFAULT_DEMO_MODEL_DIR, demo_model=True)
     try:
         return ClusterConfig(**values)
     except ClusterConfigError as exc:

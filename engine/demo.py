@@ -3,6 +3,9 @@ with a trained byte-level BPE tokenizer.
 
 It lets everything run with no download. Its weights are random, so its output is meaningless
 text: it exercises the machinery (loading, batching, caching, transfer, expert routing), not language.
+
+Importing this module does not import torch (it loads when weights are made), so the command line can
+offer SIZES and read a demo model's record (`demo_record`) without it.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,9 @@ SIZES = {
 }
 
 ARCHITECTURES = ("llama", "mixtral", "qwen3-moe", "deepseek-v3")
+# Written last into a demo model's directory: what it was made as, so `edgefire up` can tell a demo
+# model of another size (or one whose writing was cut short) from the one asked for.
+DEMO_RECORD = "edgefire-demo.json"
 
 
 @dataclass(slots=True)
@@ -105,6 +113,7 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, arc
     shape, experts = SIZES[size], EXPERTS[size] if arch != "llama" else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_RECORD).unlink(missing_ok=True)   # until the new weights are whole, it records nothing
     tokenizer = train_tokenizer(shape.vocab_size)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -127,10 +136,23 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, arc
         "bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
         "model_max_length": shape.max_position_embeddings,
     }, indent=2))
+    from safetensors.torch import save_file
+
     weights = random_weights(shape, vocab_size, head_dim, seed, arch, experts)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / DEMO_RECORD).write_text(json.dumps({"size": size, "arch": arch, "seed": seed}, indent=2))
     log.info("wrote demo model (%s %s, random weights) to %s", size, arch, out)
     return out
+
+
+def demo_record(directory: str | Path) -> dict | None:
+    """{"size", "arch", "seed"} of the demo model make_demo_model wrote in `directory`; None where there
+    is none (no demo model, one cut short, one written before models were recorded, an unreadable record)."""
+    try:
+        record = json.loads((Path(directory) / DEMO_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _moe_config(arch: str, experts: DemoExperts | None, shape: DemoSize) -> dict:
@@ -161,6 +183,8 @@ def _mla_dims(shape: DemoSize) -> dict:
 
 def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int, arch: str = "llama",
                    experts: DemoExperts | None = None) -> dict[str, torch.Tensor]:
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*dims: int, std: float = 0.02) -> torch.Tensor:
@@ -204,6 +228,8 @@ def random_weights(shape: DemoSize, vocab_size: int, head_dim: int, seed: int, a
 
 
 def _deepseek_layer(p: str, shape: DemoSize, experts: DemoExperts, i: int, normal, mlp) -> dict[str, torch.Tensor]:
+    import torch
+
     h, heads, dims = shape.hidden_size, shape.num_heads, _mla_dims(shape)
     rank, q_rank, rope = dims["kv_lora_rank"], dims["q_lora_rank"], dims["qk_rope_head_dim"]
     a = p + "self_attn."

@@ -2,6 +2,8 @@
 The heartbeat's body is the wire contract shared with agents and routers, registry.wire.CapacityReport.
 
 Unknown fields are refused, so a misspelt field is a 422 that names it rather than a silent no-op.
+Types are strict, as in the heartbeat's contract: nothing is converted, so true is not 1, "12" is not
+12 and "yes" is not true, and an integer field refuses 5.0 (write 5); a number field takes 5 or 5.0.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ UNFIT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     @field_validator("*", mode="before")
     @classmethod

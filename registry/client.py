@@ -242,8 +242,9 @@ class RegistryOperations:
     def update_site(self, name: str, **changes):
         return self._call("PATCH", f"/v1/admin/sites/{name}", json=changes)
 
-    def delete_site(self, name: str):
-        return self._call("DELETE", f"/v1/admin/sites/{name}")
+    def delete_site(self, name: str, force: bool = False):
+        """Refused (409, site_is_live) for an active site with a fresh heartbeat unless `force`."""
+        return self._call("DELETE", f"/v1/admin/sites/{name}", params={"force": "true"} if force else None)
 
     def cordon(self, name: str):
         return self._call("POST", f"/v1/admin/sites/{name}/cordon")

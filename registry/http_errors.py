@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -78,15 +79,55 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 
 def validation_problem(errors: list[dict]) -> tuple[int, str, str]:
     """(status, message, code) for a body that failed validation: 400 when it is not JSON at all,
-    else 422 naming the first field at fault."""
+    else 422 naming the first field at fault ("request body" when the body itself is) and what is wrong."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "the request body is not valid JSON", "invalid_json"
     first = errors[0] if errors else {}
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
+    message = f"{_field_of(first)}: {_problem(first)}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return 422, message, "invalid_field"
+
+
+# What each kind of pydantic error means to the caller; "{got}" is the value sent, as JSON.
+_PROBLEMS = {
+    "missing": "required field is missing",
+    "extra_forbidden": "is not a field of this request (check its spelling)",
+    "int_type": "must be an integer (a JSON number without a decimal point: 5, not 5.0 or \"5\"), got {got}",
+    "float_type": "must be a number (not a string or a boolean), got {got}",
+    "bool_type": "must be true or false (not a string or a number), got {got}",
+    "string_type": "must be a string, got {got}",
+    "list_type": "must be a JSON array, got {got}",
+    "dict_type": "must be a JSON object, got {got}",
+    "model_type": "must be a JSON object, got {got}",
+    "model_attributes_type": "must be a JSON object, got {got}",
+}
+_MAX_SHOWN = 60  # characters of a wrong value quoted back
+
+
+def _field_of(error: dict) -> str:
+    """`models[0].role` for a body field, `limit (query parameter)` for a parameter."""
+    source, *path = error.get("loc", ()) or ("body",)
+    if source not in ("body", "query", "path", "header", "cookie"):
+        source, path = "body", [source, *path]   # a model validated outside FastAPI (the heartbeat's)
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+    if source != "body":
+        return f"{where} ({source} parameter)"
+    return where or "request body"
+
+
+def _problem(error: dict) -> str:
+    if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
+        return "missing; send a JSON object"
+    template = _PROBLEMS.get(error.get("type", ""))
+    if template is None:
+        return error.get("msg", "invalid value")
+    return template.format(got=_shown(error.get("input")))
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, default=repr, ensure_ascii=False)
+    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN - 3] + "..."
 
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -19,6 +19,13 @@ TTL_HEARTBEATS = 3  # a site is down after this many heartbeat intervals without
 T = TypeVar("T")
 
 
+def liveness_ttl_s(heartbeat_interval_s: float) -> float:
+    """How long a site's last heartbeat keeps it alive: the routers' snapshot, the peers an agent
+    measures and the guard on deleting a live site all count a site alive while
+    `now - reported_at <= liveness_ttl_s(its interval)`."""
+    return TTL_HEARTBEATS * heartbeat_interval_s
+
+
 @dataclass(slots=True)
 class ModelServed:
     model: str

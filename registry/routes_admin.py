@@ -101,8 +101,12 @@ def update_site(name: str, body: SitePatchBody, actor: str = Depends(admin_actor
 
 
 @router.delete("/sites/{name}", status_code=204)
-def delete_site(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> Response:
-    svc.store.sites.delete(name, actor)
+def delete_site(name: str, force: bool = Query(False, description="delete even an active site whose agent is "
+                                                                  "heartbeating (its token goes with it)"),
+                actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> Response:
+    """Deletes the site and its tokens. A 409 for an active site with a fresh heartbeat: cordon or drain
+    it first, wait until its heartbeat is stale, or pass force=true."""
+    svc.store.sites.delete(name, actor, force)
     svc.auth.forget_site_tokens()
     return Response(status_code=204)
 

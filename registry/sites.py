@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from registry import audit, validate
 from registry.db import writer
 from registry.errors import Conflict, InvalidInput
-from registry.records import ACTIVE_ROLES, SITE_ROLES, TTL_HEARTBEATS, ModelServed, Page, Site, SiteSpec
+from registry.records import ACTIVE_ROLES, SITE_ROLES, ModelServed, Page, Site, SiteSpec, liveness_ttl_s
 from registry.sql import SITE_MODELS, SITES, bump_version, load_site, load_sites, site_id
 from registry.tables import CapacityRow
 
@@ -82,7 +82,7 @@ class SiteStore:
             .join(mine, (mine.c.model == theirs.c.model) & (mine.c.site_id == site_id_))
             .join(CAPACITY, CAPACITY.c.site_id == SITES.c.id)
             .where(SITES.c.id != site_id_, SITES.c.state == "active", SITES.c.grpc_address.is_not(None),
-                   CAPACITY.c.reported_at >= self._clock() - TTL_HEARTBEATS * SITES.c.heartbeat_interval_s)
+                   CAPACITY.c.reported_at >= self._clock() - liveness_ttl_s(SITES.c.heartbeat_interval_s))
             .order_by(SITES.c.name)
         )
         with self._read.connect() as conn:
@@ -101,11 +101,23 @@ class SiteStore:
         next_cursor = sites[limit - 1].name if len(sites) > limit else None
         return Page(sites[:limit], next_cursor)
 
-    def delete(self, name: str, actor: str) -> None:
+    def delete(self, name: str, actor: str, force: bool = False) -> None:
+        """Deletes the site with its tokens. An active site whose heartbeat is fresh has a running
+        agent that would be locked out (its token goes too): refused unless `force`."""
         with self._write.begin() as conn:
             found = site_id(conn, name, lock=True)
+            now = self._clock()
+            site = conn.execute(select(SITES.c.state, SITES.c.heartbeat_interval_s).where(SITES.c.id == found)).one()
+            reported_at = conn.execute(select(CAPACITY.c.reported_at).where(CAPACITY.c.site_id == found)).scalar()
+            age = None if reported_at is None else max(0.0, now - reported_at)
+            ttl_s = liveness_ttl_s(site.heartbeat_interval_s)
+            live = site.state == "active" and age is not None and age <= ttl_s
+            if live and not force:
+                raise _live_site(name, age, ttl_s)
             conn.execute(delete(SITES).where(SITES.c.id == found))  # cascades to models, capacity, links, tokens
-            audit.record(conn, self._clock(), actor, "site.delete", name)
+            heartbeat_age_s = None if age is None else round(age, 3)
+            audit.record(conn, now, actor, "site.delete", name,
+                         {"state": site.state, "heartbeat_age_s": heartbeat_age_s, "live": live, "force": force})
             bump_version(conn)
 
     def cordon(self, name: str, actor: str) -> Site:
@@ -168,6 +180,13 @@ class SiteStore:
     def _write_spec(self, conn: Connection, found: int, spec: SiteSpec) -> None:
         conn.execute(update(SITES).where(SITES.c.id == found).values(**_spec_columns(spec, self._clock())))
         _write_models(conn, found, spec.models)
+
+
+def _live_site(name: str, age: float, ttl_s: float) -> Conflict:
+    return Conflict(f"site {name!r} is active and its agent heartbeated {age:.1f}s ago: deleting it would revoke the "
+                    f"token that agent is using. Cordon it (POST /v1/admin/sites/{name}/cordon) or drain it (POST "
+                    f"/v1/admin/sites/{name}/drain) first, or stop its agent and wait until its heartbeat is more "
+                    f"than {ttl_s:g}s old; to delete it anyway, add ?force=true", "site_is_live")
 
 
 def _write_models(conn: Connection, found: int, models: list[ModelServed]) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, select
 from sqlalchemy.orm import aliased
 
-from registry.records import TTL_HEARTBEATS
+from registry.records import liveness_ttl_s
 from registry.sql import SITE_MODELS, SITES, read_version
 from registry.tables import CapacityRow, LinkRow, SiteRow
 from registry.telemetry import CAPACITY_FIELDS
@@ -163,7 +163,7 @@ class SnapshotReader:
         heads, tails = {}, {}
         sites, deadlines, by_id = [], [], {}
         for row in self._fetch(conn, "sites"):
-            site_id, ttl_s = row[0], TTL_HEARTBEATS * row[9]
+            site_id, ttl_s = row[0], liveness_ttl_s(row[9])
             key = (*row, *models.get(site_id, ()))
             head = heads[key] = self._heads.get(key) or _head_json(row, models.get(site_id, []))
             cap = capacities.get(site_id)

@@ -114,3 +114,48 @@ async def test_agent_tokens_and_router_token_cannot_administer(admin, connect, r
             await client.create_site("evil")
         assert (err.value.status, err.value.code) == (403, "wrong_token_kind")
     assert [s["name"] for s in (await admin.list_sites())["items"]] == ["fra-1"]
+
+
+HEARTBEAT = {"kv_blocks_total": 8, "kv_blocks_free": 8, "block_size": 16}
+
+
+async def test_deleting_a_live_site_is_refused_and_keeps_its_agent_working(admin, connect):
+    agent = await new_site(admin, connect)
+    await agent.heartbeat(HEARTBEAT)
+    with pytest.raises(RegistryError) as err:
+        await admin.delete_site("fra-1")
+    assert (err.value.status, err.value.code) == (409, "site_is_live")
+    for advice in ("cordon", "drain", "force=true"):
+        assert advice in err.value.message
+    assert (await admin.get_site("fra-1"))["state"] == "active"
+    assert (await agent.heartbeat(HEARTBEAT))["state"] == "active"   # its token still works
+    assert (await admin.audit_log())["items"][0]["action"] != "site.delete"
+
+
+async def test_a_forced_delete_of_a_live_site_is_audited_as_forced(admin, connect):
+    agent = await new_site(admin, connect)
+    await agent.heartbeat(HEARTBEAT)
+    assert await admin.delete_site("fra-1", force=True) is None
+    with pytest.raises(RegistryError) as err:
+        await agent.heartbeat(HEARTBEAT)
+    assert err.value.status == 401
+    entry = (await admin.audit_log())["items"][0]
+    assert (entry["actor"], entry["action"], entry["target"]) == ("admin:alice", "site.delete", "fra-1")
+    assert entry["detail"]["force"] is True and entry["detail"]["live"] is True
+
+
+@pytest.mark.parametrize("make_it_deletable", ["cordon", "drain", "heartbeat goes stale", "never heartbeated"])
+async def test_a_site_that_is_not_live_deletes_without_force(admin, connect, clock, make_it_deletable):
+    agent = await new_site(admin, connect, heartbeat_interval_s=2.0)
+    if make_it_deletable != "never heartbeated":
+        await agent.heartbeat(HEARTBEAT)
+    if make_it_deletable == "cordon":
+        await admin.cordon("fra-1")
+    elif make_it_deletable == "drain":
+        await admin.drain("fra-1", 30)
+    elif make_it_deletable == "heartbeat goes stale":
+        clock.advance(3 * 2.0 + 0.5)   # past the snapshot's liveness: TTL_HEARTBEATS intervals
+        assert not (await admin.admin_snapshot())["sites"][0]["alive"]
+    assert await admin.delete_site("fra-1") is None
+    assert (await admin.list_sites())["items"] == []
+    assert (await admin.audit_log())["items"][0]["detail"]["force"] is False

@@ -89,7 +89,7 @@ async def test_bad_heartbeats_are_422(admin, connect, router_client, change):
 async def test_heartbeat_after_site_deleted_is_refused(admin, connect):
     agent = await new_site(admin, connect)
     await agent.heartbeat(CAPACITY)
-    await admin.delete_site("fra-1")
+    await admin.delete_site("fra-1", force=True)
     with pytest.raises(RegistryError) as err:
         await agent.heartbeat(CAPACITY)
     assert err.value.status in (401, 404)

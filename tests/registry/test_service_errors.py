@@ -191,3 +191,78 @@ async def test_malformed_ids_cursors_and_text_are_4xx_never_500(app):
         assert error["message"] and error["type"] and error["code"], (path, error)
     assert [s["name"] for s in (await raw.get("/v1/admin/sites", headers=ADMIN)).json()["items"]] == ["fra-1"]
     assert (await raw.get("/v1/admin/api-keys", headers=ADMIN)).json()["items"] == []
+
+
+NOT_CONVERTED = [  # (method, path, body, field, what the message says it must be, the value quoted back)
+    ("POST", "/v1/admin/sites", {"name": "fra-2", "lat": True, "lon": 8.7}, "lat", "must be a number", "true"),
+    ("POST", "/v1/admin/sites", {"name": "fra-2", "lat": "50.1", "lon": 8.7}, "lat", "must be a number", '"50.1"'),
+    ("POST", "/v1/admin/sites", {"name": "fra-2", "heartbeat_interval_s": True}, "heartbeat_interval_s",
+     "must be a number", "true"),
+    ("POST", "/v1/admin/sites", {"name": "fra-2", "models": [{"model": "m", "kv_bytes_per_token": "12"}]},
+     "models[0].kv_bytes_per_token", "must be an integer", '"12"'),
+    ("POST", "/v1/admin/sites", {"name": "fra-2", "models": [{"model": "m", "kv_bytes_per_token": 12.0}]},
+     "models[0].kv_bytes_per_token", "must be an integer (a JSON number without a decimal point: 5, not 5.0", "12.0"),
+    ("PATCH", "/v1/admin/sites/fra-1", {"lat": False, "lon": 1}, "lat", "must be a number", "false"),
+    ("PUT", "/v1/admin/sites/fra-1", {"heartbeat_interval_s": "2"}, "heartbeat_interval_s", "must be a number", '"2"'),
+    ("POST", "/v1/admin/sites/fra-1/drain", {"deadline_s": True}, "deadline_s", "must be a number", "true"),
+    ("POST", "/v1/admin/sites/fra-1/tokens", {"revoke_previous": "yes"}, "revoke_previous", "must be true or false",
+     '"yes"'),
+    ("POST", "/v1/admin/sites/fra-1/tokens", {"revoke_previous": 1}, "revoke_previous", "must be true or false", "1"),
+    ("POST", "/v1/admin/api-keys", {"name": "k", "requests_per_minute": True}, "requests_per_minute",
+     "must be an integer", "true"),
+    ("POST", "/v1/admin/api-keys", {"name": "k", "requests_per_minute": 60.0}, "requests_per_minute",
+     "must be an integer (a JSON number without a decimal point: 5, not 5.0", "60.0"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, field, wanted, sent", NOT_CONVERTED)
+async def test_admin_bodies_convert_no_types(raw, method, path, body, field, wanted, sent):
+    """A boolean is never a number, a string never a number or a boolean, 12.0 never an integer:
+    each is a 422 naming the field and the value, and nothing already stored changes."""
+    await raw.post("/v1/admin/sites", headers=ADMIN, json={"name": "fra-1", "lat": 50.1, "lon": 8.7})
+    before = (await raw.get("/v1/admin/audit-log", headers=ADMIN)).json()["items"]
+    error = assert_error(await raw.request(method, path, headers=ADMIN, json=body), 422, "invalid_field")
+    assert error["message"].startswith(f"{field}: {wanted}"), error["message"]
+    assert error["message"].endswith(f"got {sent}"), error["message"]
+    assert (await raw.get("/v1/admin/audit-log", headers=ADMIN)).json()["items"] == before
+    site = (await raw.get("/v1/admin/sites/fra-1", headers=ADMIN)).json()
+    assert (site["lat"], site["heartbeat_interval_s"], site["state"]) == (50.1, 2.0, "active")
+
+
+async def test_numbers_are_still_numbers(raw):
+    """Strict types refuse conversions, not numbers: an integer is a fine float."""
+    response = await raw.post("/v1/admin/sites", headers=ADMIN, json={"name": "fra-1", "lat": 50, "lon": 8,
+                                                                      "heartbeat_interval_s": 5})
+    assert response.status_code == 201, response.text
+    assert (response.json()["lat"], response.json()["heartbeat_interval_s"]) == (50.0, 5.0)
+
+
+ADMIN_BODIES = [("POST", "/v1/admin/sites"), ("PUT", "/v1/admin/sites/fra-1"), ("PATCH", "/v1/admin/sites/fra-1"),
+                ("POST", "/v1/admin/sites/fra-1/drain"), ("PUT", "/v1/admin/sites/fra-1/roles"),
+                ("PUT", "/v1/admin/sites/fra-1/models"), ("POST", "/v1/admin/api-keys")]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # refused before any database is reached
+@pytest.mark.parametrize("method, path", ADMIN_BODIES)
+@pytest.mark.parametrize("content, message", [
+    (b"", "request body: missing; send a JSON object"),
+    (b"[]", "request body: must be a JSON object, got []"),
+    (b"null", "request body: must be a JSON object, got null"),
+    (b'"fra-1"', 'request body: must be a JSON object, got "fra-1"'),
+])
+async def test_an_empty_or_wrong_shaped_body_is_named(raw, method, path, content, message):
+    response = await raw.request(method, path, content=content, headers={**ADMIN, "Content-Type": "application/json"})
+    assert assert_error(response, 422, "invalid_field")["message"] == message
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("method, path, body, message", [
+    ("POST", "/v1/admin/sites", {}, "name: required field is missing"),
+    ("POST", "/v1/admin/sites/fra-1/drain", {}, "deadline_s: required field is missing"),
+    ("PUT", "/v1/admin/sites/fra-1/models", {"models": [{"role": "decode"}]},
+     "models[0].model: required field is missing"),
+    ("POST", "/v1/admin/api-keys", {"name": "k", "regions": []}, "regions: is not a field of this request"),
+])
+async def test_a_missing_or_unknown_field_is_named(raw, method, path, body, message):
+    error = assert_error(await raw.request(method, path, headers=ADMIN, json=body), 422, "invalid_field")
+    assert error["message"].startswith(message), error["message"]

@@ -130,7 +130,7 @@ def test_delete_cascades(store):
     fra = store.access.site_for_token(token).site_id
     store.telemetry.record_heartbeat(fra, capacity(10, 5, 16))
     store.telemetry.record_links(fra, [LinkMeasurement("ams-1", 4.0, 1000.0)])
-    store.sites.delete("fra-1", "alice")
+    store.sites.delete("fra-1", "alice", force=True)  # live: it heartbeated
     with pytest.raises(NotFound):
         store.sites.get("fra-1")
     assert store.access.site_for_token(token) is None
