@@ -27,6 +27,19 @@ if TYPE_CHECKING:  # the agent's engines; only their figures are read here
 log = logging.getLogger(__name__)
 
 
+def registry_failure(exc: RegistryError | httpx.HTTPError) -> str:
+    """A failed registry call as a log line shows it: httpx's timeouts carry no message at all (a
+    registry that accepts connections but never answers logged "registry call failed ()"), so the
+    kind of failure and the URL called always lead."""
+    if isinstance(exc, RegistryError):
+        return str(exc)
+    try:
+        where = f" on {exc.request.method} {exc.request.url}"
+    except RuntimeError:  # an httpx error raised before any request was built
+        where = ""
+    return f"{type(exc).__name__}{where}" + (f": {exc}" if str(exc) else "")
+
+
 @dataclass(slots=True)
 class Registration:
     name: str
@@ -91,7 +104,7 @@ class HeartbeatLoop:
             except (RegistryError, httpx.HTTPError) as exc:
                 self.num_failures += 1
                 delay = self._backoff.next_delay()
-                log.warning("registry call failed (%s); retrying in %.1fs", exc, delay)
+                log.warning("registry call failed (%s); retrying in %.1fs", registry_failure(exc), delay)
                 await self._sleep(delay)
                 continue
             self._backoff.reset()
@@ -125,7 +138,7 @@ class HeartbeatLoop:
         try:
             await self._beat()
         except (RegistryError, httpx.HTTPError) as exc:
-            log.warning("registry call failed (%s)", exc)
+            log.warning("registry call failed (%s)", registry_failure(exc))
 
     async def stop(self, deregister: bool) -> None:
         self._stop.set()
@@ -135,5 +148,5 @@ class HeartbeatLoop:
             try:
                 await self.client.deregister()
             except (RegistryError, httpx.HTTPError) as exc:
-                log.warning("could not deregister (%s); the registry will age the site out", exc)
+                log.warning("could not deregister (%s); the registry will age the site out", registry_failure(exc))
         await self.client.aclose()

@@ -266,13 +266,6 @@ class ProbeResult:
     seconds: float        # header received to the last byte
 
 
-@dataclass(slots=True)
-class ProbeResult:
-    rtt_s: float          # request sent to the answer's header received: one round trip
-    num_bytes: int
-    seconds: float        # header received to the last byte
-
-
 async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_layout: KVLayout,
                        prompt_ids: list[int], timeout: float, ssl_context: ssl.SSLContext | None = None,
                        on_connected: Callable[[float], None] | None = None) -> KVPayload:

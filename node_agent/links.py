@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from node_agent.config import MIN_THROUGHPUT_BYTES
+from node_agent.heartbeat import registry_failure
 from registry.client import RegistryClient, RegistryError
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class LinkLoop:
             try:
                 await self.tick()
             except (RegistryError, httpx.HTTPError) as exc:
-                log.info("link report to the registry failed (%s); retrying next interval", exc)
+                log.info("link report to the registry failed (%s); retrying next interval", registry_failure(exc))
             try:
                 await asyncio.wait_for(self._stop.wait(), self._settings.report_interval_s)
             except TimeoutError:
