@@ -170,8 +170,11 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
             await self.call(add)
-        except BaseException:
+        except BaseException as exc:
             self._streams.pop(request_id, None)
+            if isinstance(exc, asyncio.CancelledError) and self._error is None and not self._stopped:
+                # the engine thread adds the request all the same; this abort, queued behind it, ends it
+                self._submit(lambda: self.engine.abort(request_id))
             raise
         return queue
 

@@ -53,6 +53,27 @@ async def test_leaving_a_stream_aborts_and_frees(engines):
     assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total
 
 
+async def test_a_request_cancelled_before_the_engine_takes_it_is_aborted(engines):
+    """A caller cancelled while its request waits behind a step (a client gone, a timeout) leaves nothing
+    running: the engine thread still adds the request, and an abort queued behind it ends it."""
+    a, _ = engines
+    busy = threading.Event()
+    held = asyncio.ensure_future(a.call(lambda engine: busy.wait(5)))   # the engine thread, mid-step
+
+    async def consume():
+        async for _ in a.generate(list(range(1, 40)), SamplingParams(max_tokens=200, ignore_eos=True)):
+            pass
+    cancelled = [asyncio.ensure_future(consume()) for _ in range(3)]
+    await asyncio.sleep(0.05)   # each has handed its request to the engine thread
+    for task in cancelled:
+        task.cancel()
+    await asyncio.gather(*cancelled, return_exceptions=True)
+    busy.set()
+    await held
+    stats = await a.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
 async def test_errors_reach_the_caller(engines):
     from engine.errors import InvalidRequestError
     a, _ = engines
