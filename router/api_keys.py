@@ -2,7 +2,11 @@
 
 The cache is keyed by a hash of the key, so the router never holds a table of secrets. Concurrent
 requests with one uncached key share a single registry lookup. While the registry is unreachable a
-key seen before keeps working on its cached answer; an unknown key then gets a 503, not a 401.
+key seen before keeps working on its cached answer; an unknown key then gets a 503, not a 401. A
+key whose answer has expired waits at most STALE_WAIT_S for the registry to answer again (a revoked
+key is refused at once while the registry is healthy); past that, it is served on its last answer
+for STALE_GRACE_S while the lookup goes on, so a registry that hangs (rather than refuses
+connections) does not hold every request for the client's whole timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from router.errors import bad_api_key, no_capacity
 
 log = logging.getLogger(__name__)
 NEGATIVE_TTL_S = 5.0
+STALE_WAIT_S = 0.25
+STALE_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -63,7 +69,14 @@ class ApiKeyCache:
         if pending is None:
             pending = self._pending[digest] = asyncio.ensure_future(self._refresh(digest, secret, entry))
             pending.add_done_callback(lambda _f: self._pending.pop(digest, None))
-        key = await asyncio.shield(pending)
+        if entry is None:
+            key = await asyncio.shield(pending)
+        else:
+            try:
+                key = await asyncio.wait_for(asyncio.shield(pending), STALE_WAIT_S)
+            except TimeoutError:  # the registry is slow: the last answer stands until the lookup replaces it
+                self._entries[digest] = _Entry(entry.key, self._clock() + STALE_GRACE_S)
+                key = entry.key
         if key is None:
             raise bad_api_key()
         return key
@@ -72,8 +85,9 @@ class ApiKeyCache:
         try:
             record = await self._lookup(secret)
         except (httpx.HTTPError, RegistryError) as exc:
-            if stale is not None:
-                return stale.key  # last-known answer while the registry is away
+            if stale is not None:  # last-known answer while the registry is away, asked again after a grace
+                self._entries[digest] = _Entry(stale.key, self._clock() + STALE_GRACE_S)
+                return stale.key
             log.warning("API key lookup failed: %s", type(exc).__name__)
             raise no_capacity("The router cannot verify API keys right now; retry shortly.", 5.0) from exc
         key = None if record is None else parse_api_key(record)
