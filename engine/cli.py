@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from engine.compression import WEIGHT_MODES
+from engine.demo import ARCHITECTURES, SIZES
 
 DEFAULT_DEMO_DIR = Path(".edgefire/demo-model")
 
@@ -56,8 +57,8 @@ def add_parser(subparsers) -> None:
 
     demo = subparsers.add_parser("make-demo-model", help="write a small random-weight demo checkpoint")
     demo.add_argument("directory", type=Path)
-    demo.add_argument("--size", default="small", choices=["tiny", "small"])
-    demo.add_argument("--arch", default="llama", choices=["llama", "mixtral", "qwen3-moe", "deepseek-v3"],
+    demo.add_argument("--size", default="small", choices=list(SIZES))
+    demo.add_argument("--arch", default="llama", choices=list(ARCHITECTURES),
                       help="llama (dense), or a mixture of experts with top-2 routing: mixtral, qwen3-moe, or "
                            "deepseek-v3 (grouped routing, a shared expert, multi-head latent attention)")
     demo.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
