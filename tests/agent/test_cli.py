@@ -22,6 +22,7 @@ async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_d
         sys.executable, "-m", "deploy.cli", "agent", "--config", str(config), "--grpc-listen", address,
         "--metrics-listen", "none", "--drain-timeout-s", "5", env={**os.environ, "EDGEFIRE_AGENT_DEVICE": "cpu"})
     client = connect(address)
+    processes = [process]
     try:
         for _ in range(300):
             try:
@@ -38,6 +39,7 @@ async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_d
             sys.executable, "-m", "deploy.cli", "agent", "--config", str(config), "--grpc-listen", address,
             "--metrics-listen", "none", env={**os.environ, "EDGEFIRE_AGENT_DEVICE": "cpu"},
             stderr=asyncio.subprocess.PIPE)
+        processes.append(second)
         _, stderr = await asyncio.wait_for(second.communicate(), 60)
         assert second.returncode == 2
         assert f"grpc_listen {address}: cannot listen there" in stderr.decode()
@@ -48,6 +50,7 @@ async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_d
         assert len(first.tokens) + len(rest) == 40  # the in-flight request finished during the drain
         assert await asyncio.wait_for(process.wait(), 20) == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        for started in processes:
+            if started.returncode is None:
+                started.kill()
+                await started.wait()
