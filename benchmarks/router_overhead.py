@@ -1,13 +1,17 @@
 """Router overhead: the same streamed requests through the router and straight to an agent, in one run.
 
     .venv/bin/python benchmarks/router_overhead.py [--requests 400] [--seconds 5] [--concurrency 32]
+                                                   [--tokens-per-message 4]
 
 Three processes on loopback: a "cluster" (registry service + a fake agent that answers at once),
 the router (uvicorn + uvloop, as `edgefire router` runs it), and this load generator (uvloop).
 Latency is measured one request at a time, the two paths alternating; throughput with
 `--concurrency` streams in flight, one path after the other. The direct path calls the agent's
 Generate over gRPC; the router path posts a streamed chat completion (SSE) and reads to
-`data: [DONE]`. Both ask for the same prompt and number of tokens. The HTTP client is a bare
+`data: [DONE]`. Both ask for the same prompt and number of tokens. A third path goes through the
+router to a second fake agent that sends `--tokens-per-message` tokens a message, as an agent does
+with a speculative step's accepted tokens (or tokens that queued while its reader was behind): what
+a message carrying several tokens saves the router. The HTTP client is a bare
 keep-alive HTTP/1.1 protocol, so its own cost stays small next to the router's. The router's CPU
 time per request (all its threads, over the throughput run) is read from the router process.
 """
@@ -36,12 +40,12 @@ MESSAGES = [{"role": "user", "content": "What is the nearest edge site to Frankf
 
 # --- cluster process: registry + instant fake agent ---------------------------------------------
 
-def run_cluster(model_dir: str, db_path: str, conn) -> None:
+def run_cluster(model_dir: str, db_path: str, tokens_per_message: int, conn) -> None:
     import uvloop
-    uvloop.run(_cluster(model_dir, db_path, conn))
+    uvloop.run(_cluster(model_dir, db_path, tokens_per_message, conn))
 
 
-async def _cluster(model_dir: str, db_path: str, conn) -> None:
+async def _cluster(model_dir: str, db_path: str, tokens_per_message: int, conn) -> None:
     import socket
 
     import uvicorn
@@ -51,8 +55,15 @@ async def _cluster(model_dir: str, db_path: str, conn) -> None:
     from registry.migrate import upgrade_to_head
     from registry.service import create_app
 
+    from node_agent.proto import agent_pb2
+
     info = model_info_from_dir(model_dir)
     agent = await FakeAgent("bench", info, word_token_ids(info)).start()
+    batched_info = agent_pb2.ModelInfo()
+    batched_info.CopyFrom(info)
+    batched_info.model = f"{info.model}-batched"   # served by the batching agent alone
+    batched = await FakeAgent("bench-batched", batched_info, word_token_ids(info)).start()
+    batched.tokens_per_chunk = tokens_per_message
     url = f"sqlite:///{db_path}"
     upgrade_to_head(url)
     app = create_app(url, ADMIN, ROUTER_TOKEN)
@@ -64,17 +75,20 @@ async def _cluster(model_dir: str, db_path: str, conn) -> None:
         await asyncio.sleep(0.01)
     registry_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     async with RegistryClient(registry_url, ADMIN) as admin:
-        await admin.create_site("bench", region="eu", country="DE", lat=50.1, lon=8.7, grpc_address=agent.address,
-                                models=[{"model": info.model, "role": "both"}], heartbeat_interval_s=600)
-        site_token = (await admin.issue_site_token("bench"))["token"]
+        for name, served, model in (("bench", agent, info.model), ("bench-batched", batched, batched_info.model)):
+            await admin.create_site(name, region="eu", country="DE", lat=50.1, lon=8.7, grpc_address=served.address,
+                                    models=[{"model": model, "role": "both"}], heartbeat_interval_s=600)
+            site_token = (await admin.issue_site_token(name))["token"]
+            async with RegistryClient(registry_url, site_token) as site:
+                await site.heartbeat({"kv_blocks_total": 100000, "kv_blocks_free": 100000, "block_size": 16})
         api_key = (await admin.create_api_key("bench"))["key"]
-    async with RegistryClient(registry_url, site_token) as site:
-        await site.heartbeat({"kv_blocks_total": 100000, "kv_blocks_free": 100000, "block_size": 16})
-    conn.send({"registry_url": registry_url, "agent": agent.address, "api_key": api_key, "model": info.model})
+    conn.send({"registry_url": registry_url, "agent": agent.address, "api_key": api_key, "model": info.model,
+               "batched_model": batched_info.model})
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
     server.should_exit = True
     await task
     await agent.stop()
+    await batched.stop()
 
 
 # --- router process -------------------------------------------------------------------------------
@@ -136,8 +150,9 @@ async def measure(args, cluster: dict, router_url: str, router_conn) -> dict:
     from node_agent.proto import agent_pb2, agent_pb2_grpc
 
     host, port = router_url.removeprefix("http://").split(":")
-    body = json.dumps({"model": cluster["model"], "messages": MESSAGES, "max_tokens": args.tokens,
-                       "temperature": 0, "stream": True}).encode()
+    def body(model: str) -> bytes:
+        return json.dumps({"model": model, "messages": MESSAGES, "max_tokens": args.tokens, "temperature": 0,
+                           "stream": True}).encode()
     channel = grpc.aio.insecure_channel(cluster["agent"])
     stub = agent_pb2_grpc.AgentStub(channel)
     # The same prompt ids the router sends, so both paths do the same agent work.
@@ -152,12 +167,18 @@ async def measure(args, cluster: dict, router_url: str, router_conn) -> dict:
         async for _chunk in stub.Generate(direct_request, timeout=10, metadata=metadata):
             pass
 
-    connections = [RoutedRequest(host, int(port), cluster["api_key"], body) for _ in range(args.concurrency)]
+    connections = [RoutedRequest(host, int(port), cluster["api_key"], body(cluster["model"]))
+                   for _ in range(args.concurrency)]
+    batched = [RoutedRequest(host, int(port), cluster["api_key"], body(cluster["batched_model"]))
+               for _ in range(args.concurrency)]
 
     async def routed(i: int = 0) -> None:
         await connections[i].post()
 
-    paths = {"direct": direct, "router": routed}
+    async def routed_batched(i: int = 0) -> None:
+        await batched[i].post()
+
+    paths = {"direct": direct, "router": routed, "router-batched": routed_batched}
     for call in paths.values():
         for _ in range(50):  # warm up: channels, tokenizer assets, caches
             await call()
@@ -191,7 +212,7 @@ async def throughput(call, args) -> float:
     async def worker(i: int) -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            await (call(i) if call.__name__ == "routed" else call())
+            await (call() if call.__name__ == "direct" else call(i))
             done += 1
 
     start = time.perf_counter()
@@ -207,13 +228,16 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=8, help="tokens per streamed completion")
+    parser.add_argument("--tokens-per-message", type=int, default=4,
+                        help="tokens a message from the second fake agent carries (default 4)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         from engine.demo import make_demo_model
         args.model_dir = str(make_demo_model(Path(tmp) / "model", size="tiny"))
         cluster_conn, cluster_child = ctx.Pipe()
-        cluster_proc = ctx.Process(target=run_cluster, args=(args.model_dir, str(Path(tmp) / "r.db"), cluster_child))
+        cluster_proc = ctx.Process(target=run_cluster, args=(args.model_dir, str(Path(tmp) / "r.db"),
+                                                             args.tokens_per_message, cluster_child))
         cluster_proc.start()
         cluster = cluster_conn.recv()
         router_conn, router_child = ctx.Pipe()
@@ -229,14 +253,18 @@ def main() -> int:
             cluster_proc.join(20)
     direct, routed = results["direct"]["latencies"], results["router"]["latencies"]
     print(f"streamed completions of {args.tokens} tokens; latency over {args.requests} sequential requests, "
-          f"throughput over {args.seconds:g} s at concurrency {args.concurrency}")
-    print(f"{'path':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'router CPU ms/req':>18}")
-    for name, values in (("direct", direct), ("router", routed)):
-        print(f"{name:8} {percentile(values, 0.5):8.3f} {percentile(values, 0.99):8.3f} {results[name]['rps']:8.1f} "
-              f"{results[name]['router_cpu_ms']:18.3f}")
+          f"throughput over {args.seconds:g} s at concurrency {args.concurrency}; router-batched: "
+          f"{args.tokens_per_message} tokens a message from its agent")
+    print(f"{'path':14} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'router CPU ms/req':>18}")
+    for name, result in results.items():
+        values = result["latencies"]
+        print(f"{name:14} {percentile(values, 0.5):8.3f} {percentile(values, 0.99):8.3f} {result['rps']:8.1f} "
+              f"{result['router_cpu_ms']:18.3f}")
     print(f"added by the router: p50 {percentile(routed, 0.5) - percentile(direct, 0.5):.3f} ms, "
           f"p99 {percentile(routed, 0.99) - percentile(direct, 0.99):.3f} ms; "
-          f"router streamed requests/s {results['router']['rps']:.1f}")
+          f"router streamed requests/s {results['router']['rps']:.1f}; with {args.tokens_per_message} tokens a "
+          f"message: router CPU {results['router-batched']['router_cpu_ms'] / results['router']['router_cpu_ms']:.2f}x, "
+          f"{results['router-batched']['rps']:.1f} requests/s")
     return 0
 
 
