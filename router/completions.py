@@ -162,9 +162,18 @@ class CompletionService:
             return rank(current, placement, self.cost, self.health.cooling(), self.ledger.pending(current))
 
         generation = Generation(request_id, request.model, prompt_ids, sampling, candidates, self.agents,
-                                self.health, self.policy, self.ledger, metrics=self.metrics, replan=replan)
+                                self.health, self.policy, self.ledger, metrics=self.metrics, replan=replan,
+                                site_alive=self._site_alive)
         return CompletionRun(request, ctx, assets, generation, served, max_tokens, self.limits.retry_after_s,
                              self.metrics, index, echo)
+
+    def _site_alive(self, name: str) -> bool:
+        """Whether the router's current view counts the site alive (with no view, nothing says it is not)."""
+        try:
+            view = self.feed.current()
+        except ApiError:
+            return True
+        return any(site.name == name and site.alive for site in view.sites)
 
     def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
         """404 for a model no site offers; 503 + Retry-After for one whose sites served it lately but

@@ -16,6 +16,13 @@ late with its heartbeat when the request arrived may have room by the time its f
 that snapshot offers no usable pair either (the only other site was cordoned a moment ago, or its
 heartbeat is late), the request waits for one the same way it waits for room, placing itself again
 after each wait, rather than breaking a stream that a site a second later could finish.
+
+A site that stops answering without closing its connections (a frozen process, a hung device) would
+hold its attempt for the whole first-token or token idle timeout (30 s by default). So an attempt
+whose site has been silent for `LOST_SILENCE_S` is given up as soon as the router's view no longer
+counts that site alive (its heartbeats stopped, or it left the registry): a site that still streams
+is never cut on the registry's word alone, and a registry outage does not make sites look dead (the
+router keeps its last good view; see snapshot_feed.py).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION,
 })
 RELEASE_TIMEOUT_S = 5.0
+SITE_WATCH_S = 1.0     # how often a silent attempt's site is looked up in the router's view
+LOST_SILENCE_S = 2.0   # the silence after which a site the view no longer counts alive is given up
 FULL_RETRY_S, FULL_RETRY_MAX_S = 0.05, 1.0  # the wait before placing again, doubling to the cap
 
 
@@ -85,6 +94,10 @@ class _StreamEnded(Exception):
     """The agent closed the stream without a finish reason."""
 
 
+class _SiteLost(Exception):
+    """The attempt's site fell silent and the router's view no longer counts it alive."""
+
+
 @dataclass(slots=True)
 class Generation:
     request_id: str
@@ -100,6 +113,8 @@ class Generation:
     # The current snapshot's ranked pairs, asked for when none of `candidates` is left: a site that
     # was not viable when the request was placed (full, a late heartbeat) may be by the time it fails.
     replan: Callable[[], list[Candidate]] | None = None
+    # Whether the router's current view counts a site alive (None: silent sites wait out their timeouts).
+    site_alive: Callable[[str], bool] | None = None
     placed: Candidate | None = None        # the candidate that produced the first token
     generated_ids: list[int] = field(default_factory=list)
     prefill_site: str | None = None
@@ -154,7 +169,7 @@ class Generation:
                     site = candidate.decode_site
                     call = self._decode(site, None)
                 self.decode_site = site.name
-                async with aclosing(self._read(call)) as steps:  # closed here, not by the GC's finalizer task
+                async with aclosing(self._read(call, site.name)) as steps:  # closed here, not by the GC's finalizer task
                     async for step in steps:
                         lease = None  # the decode site has the KV now; its lease is its to end
                         self._prefilled(attempt, candidate)
@@ -179,6 +194,8 @@ class Generation:
                 self._fail(site.name, exc.code().name.lower())
             except TimeoutError:
                 self._fail(site.name, "timeout")
+            except _SiteLost:
+                self._fail(site.name, "site_lost")
             except _StreamEnded:
                 self._fail(site.name, "stream_ended")
             finally:
@@ -265,9 +282,12 @@ class Generation:
     async def _prefill(self, candidate: Candidate):
         request = agent_pb2.PrefillRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
                                            sampling=self.sampling)
-        async with asyncio.timeout(self.policy.first_token_timeout_s):
-            result = await self.agents.client(candidate.prefill_site.grpc_address).prefill(
-                request, self.policy.first_token_timeout_s)
+        timer = _ReadTimer(self._lost_check(candidate.prefill_site.name))
+        try:
+            result = await timer.read(_Once(self.agents.client(candidate.prefill_site.grpc_address).prefill(
+                request, self.policy.first_token_timeout_s)), self.policy.first_token_timeout_s)
+        finally:
+            timer.close()
         self.num_prompt_tokens = result.num_prompt_tokens or len(self.prompt_ids)
         self.num_cached_tokens = result.num_cached_tokens
         return result
@@ -279,8 +299,14 @@ class Generation:
             request.kv_source.address, request.kv_source.kv_handle = lease
         return self.agents.client(site.grpc_address).decode(request, self.policy.request_timeout_s)
 
-    async def _read(self, call) -> AsyncIterator[TokenStep]:
-        timeout, timer = self.policy.first_token_timeout_s, _ReadTimer()
+    def _lost_check(self, site: str) -> Callable[[float], bool] | None:
+        """Given how long the site has been silent: whether to give it up (see the module docstring)."""
+        if self.site_alive is None:
+            return None
+        return lambda silent_s: silent_s >= LOST_SILENCE_S and not self.site_alive(site)
+
+    async def _read(self, call, site: str) -> AsyncIterator[TokenStep]:
+        timeout, timer = self.policy.first_token_timeout_s, _ReadTimer(self._lost_check(site))
         first = True
         try:
             while True:
@@ -335,32 +361,38 @@ class Generation:
 
 
 class _ReadTimer:
-    """`await timer.read(call, timeout_s)`: the call's next message, or TimeoutError after timeout_s.
+    """`await timer.read(call, timeout_s)`: the call's next message, or TimeoutError after timeout_s;
+    with `lost` (given the seconds the read has waited), _SiteLost once it says the site is gone,
+    asked every SITE_WATCH_S while a read waits.
 
     What `asyncio.timeout` around each read does, with one timer per stream instead of one set and
     cancelled per token: the timer is re-armed only when it fires, for the read then in progress.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lost: Callable[[float], bool] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._lost = lost
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for = 0.0
         self._task: asyncio.Task | None = None
         self._deadline: float | None = None  # of the read in progress; None between reads
-        self._expired = False
+        self._started = 0.0                  # when the read in progress began
+        self._expired: type[Exception] | None = None   # what the timer ended the read with
 
     async def read(self, call, timeout_s: float):
-        self._deadline = deadline = self._loop.time() + timeout_s
+        self._started = now = self._loop.time()
+        self._deadline = deadline = now + timeout_s
         self._task = task = asyncio.current_task()
-        self._expired = False
-        if self._handle is None or self._armed_for > deadline:
-            self._arm(deadline)
+        self._expired = None
+        wake = self._next_wake(now)
+        if self._handle is None or self._armed_for > wake:
+            self._arm(wake)
         cancelling = task.cancelling()
         try:
             return await call.read()
         except asyncio.CancelledError:
-            if self._expired and task.uncancel() <= cancelling:
-                raise TimeoutError from None
+            if self._expired is not None and task.uncancel() <= cancelling:
+                raise self._expired from None
             raise
         finally:
             self._deadline = None
@@ -369,6 +401,9 @@ class _ReadTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def _next_wake(self, now: float) -> float:
+        return min(self._deadline, now + SITE_WATCH_S) if self._lost is not None else self._deadline
 
     def _arm(self, when: float) -> None:
         self.close()
@@ -379,11 +414,27 @@ class _ReadTimer:
         self._handle = None
         if self._deadline is None:
             return  # between reads: the next read arms the timer again
-        if self._loop.time() >= self._deadline - 0.001:  # a timer may fire a little early
-            self._expired = True
-            self._task.cancel()
+        now = self._loop.time()
+        if now >= self._deadline - 0.001:  # a timer may fire a little early
+            self._expire(TimeoutError)
+        elif self._lost is not None and self._lost(now - self._started):
+            self._expire(_SiteLost)
         else:
-            self._arm(self._deadline)
+            self._arm(self._next_wake(now))
+
+    def _expire(self, error: type[Exception]) -> None:
+        self._expired = error
+        self._task.cancel()
+
+
+class _Once:
+    """A unary call read like a stream's one message (for _ReadTimer)."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    async def read(self):
+        return await self._call
 
 
 _background: set[asyncio.Task] = set()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
+import signal
 import threading
 import time
 
@@ -74,6 +76,34 @@ def test_decode_site_killed_mid_stream_resumes_elsewhere(cluster, http, long_pro
                   if any(tagged in line and re.search(r": (generate|decode) \S+: \d+ prompt", line)
                          for line in site_log(cluster, site.name).splitlines())}
     assert killed[0] in decoded_at and len(decoded_at) == 2  # the killed site and the one that resumed
+
+
+def test_decode_site_frozen_mid_stream_is_given_up_once_the_registry_loses_it(cluster, http, long_prompt):
+    """A frozen agent (SIGSTOP: connections open, nothing answers) is not waited out for the token idle
+    timeout: once its heartbeats stop counting, the router gives up the silent stream and resumes it."""
+    reference = stream(http, cluster, long_prompt.prompt, LONG_TOKENS)
+    failure = None
+    for _attempt in range(3):   # on a loaded machine the site may finish before the freeze lands
+        frozen: list[str] = []
+
+        def freeze_decode_site(headers) -> None:
+            frozen.append(headers["x-edgefire-decode-site"])
+            os.killpg(cluster.processes[frozen[0]].pid, signal.SIGSTOP)
+
+        try:
+            faulty = stream(http, cluster, long_prompt.prompt, LONG_TOKENS, on_first_chunk=freeze_decode_site)
+        finally:
+            for site in frozen:
+                os.killpg(cluster.processes[site].pid, signal.SIGCONT)
+                cluster.wait_for(lambda site=site: cluster.site_alive(site), 30, f"site {site} to heartbeat again")
+        assert faulty.text == reference.text and faulty.finish_reason == reference.finish_reason
+        request_id = faulty.headers["x-request-id"]
+        failure = re.search(rf"request {request_id}: site {frozen[0]} failed \((\w+)\) after (\d+) token",
+                            router_log(cluster))
+        if failure is not None:
+            break
+    # given up because the registry lost it, not after the 10 s token idle timeout
+    assert failure is not None and failure.group(1) == "site_lost" and 0 < int(failure.group(2)) < LONG_TOKENS
 
 
 # Long enough output (40 numbers) for a kill to land mid-stream; the grammar closes it before max_tokens.

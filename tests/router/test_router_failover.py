@@ -94,6 +94,43 @@ async def test_site_silent_mid_stream_times_out_and_the_stream_resumes(cluster, 
     assert method == "Decode" and len(resume.generated_ids) == 3
 
 
+async def test_a_silent_site_the_registry_lost_is_given_up_before_its_timeout(cluster, make_router, http):
+    """A frozen site (no answer, connections open) would hold the stream for the whole idle timeout; once
+    the router's view no longer counts it alive, the silent stream resumes elsewhere within seconds."""
+    near = await cluster.add_site("fra", *FRA)
+    far = await cluster.add_site("par", *PAR)
+    key = await cluster.create_key()
+    _router, url = await make_router(token_idle_timeout_s=30.0, first_token_timeout_s=30.0)
+    _response, lines = await stream(http, url, key)
+    reference_text, _ = stream_text(lines)
+    near.stall_after = 3
+    streaming = asyncio.create_task(stream(http, url, key))
+    while not any(method == "Generate" for method, _ in near.calls[1:]):
+        await asyncio.sleep(0.05)
+    await cluster.admin.delete_site("fra", force=True)   # its heartbeats are gone: the registry lists it no more
+    response, lines = await asyncio.wait_for(streaming, 15)   # well inside the 30 s idle timeout
+    assert response.headers["x-edgefire-decode-site"] == "fra"
+    assert lines[-1] == "data: [DONE]"
+    assert stream_text(lines)[0] == reference_text
+    method, resume = far.calls[-1]
+    assert method == "Decode" and len(resume.generated_ids) == 3
+
+
+async def test_a_site_that_still_streams_is_not_cut_when_the_registry_loses_it(cluster, make_router, http):
+    near = await cluster.add_site("fra", *FRA)
+    far = await cluster.add_site("par", *PAR)
+    key = await cluster.create_key()
+    _router, url = await make_router(token_idle_timeout_s=30.0, first_token_timeout_s=30.0)
+    near.token_delay_s = 0.3   # slow, but never silent for long
+    streaming = asyncio.create_task(stream(http, url, key))
+    while not any(method == "Generate" for method, _ in near.calls):
+        await asyncio.sleep(0.05)
+    await cluster.admin.delete_site("fra", force=True)
+    response, lines = await streaming
+    assert lines[-1] == "data: [DONE]" and response.headers["x-edgefire-decode-site"] == "fra"
+    assert not any(method in ("Generate", "Decode") for method, _ in far.calls)   # it finished where it began
+
+
 async def test_a_site_live_only_after_placement_takes_the_resume(cluster, make_router, http):
     """The placement had one site; when it stalls mid-stream, the site that came live since takes over."""
     near = await cluster.add_site("fra", *FRA)
