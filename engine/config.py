@@ -142,21 +142,21 @@ def _is_number(value) -> bool:
 
 def _positive_float(raw: dict, key: str, default: float, path: Path) -> float:
     """A number > 0, or `default` when absent."""
-    value = raw.get(key)
-    if value is None:
-        return default
-    if not _is_number(value) or value <= 0:
-        raise CheckpointError(f"{path}: {key} must be a positive number, got {value!r}")
-    return float(value)
+    return _float(raw, key, default, path, allow_zero=False)
 
 
 def _nonnegative_float(raw: dict, key: str, default: float, path: Path) -> float:
     """A number >= 0, or `default` when absent."""
+    return _float(raw, key, default, path, allow_zero=True)
+
+
+def _float(raw: dict, key: str, default: float, path: Path, allow_zero: bool) -> float:
     value = raw.get(key)
     if value is None:
         return default
-    if not _is_number(value) or value < 0:
-        raise CheckpointError(f"{path}: {key} must be a number >= 0, got {value!r}")
+    if not _is_number(value) or value < 0 or (value == 0 and not allow_zero):
+        wanted = "a number >= 0" if allow_zero else "a positive number"
+        raise CheckpointError(f"{path}: {key} must be {wanted}, got {value!r}")
     return float(value)
 
 

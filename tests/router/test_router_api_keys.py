@@ -42,13 +42,19 @@ class Registry:
             await asyncio.sleep(0)
 
 
-async def test_a_known_key_is_served_on_its_last_answer_while_the_registry_hangs():
-    now = [0.0]
+async def expired_key(now: list[float]) -> tuple[Registry, ApiKeyCache]:
+    """A cache whose one key was looked up, then expired, with a registry that has stopped answering."""
     registry = Registry()
     cache = ApiKeyCache(registry.lookup, ttl_s=30.0, clock=lambda: now[0])
     assert (await cache.authenticate("ef-key")).id == 7
-    now[0] += 31.0   # the answer has expired, and the registry stops answering
+    now[0] += 31.0
     registry.hang()
+    return registry, cache
+
+
+async def test_a_known_key_is_served_on_its_last_answer_while_the_registry_hangs():
+    now = [0.0]
+    registry, cache = await expired_key(now)
     for _ in range(3):   # served at once, not after the client's timeout; one lookup goes on meanwhile
         assert (await asyncio.wait_for(cache.authenticate("ef-key"), 2.0)).id == 7
     assert registry.num_lookups == 2
@@ -59,12 +65,7 @@ async def test_a_known_key_is_served_on_its_last_answer_while_the_registry_hangs
 
 
 async def test_a_healthy_registry_still_refuses_a_revoked_key_at_once():
-    now = [0.0]
-    registry = Registry()
-    cache = ApiKeyCache(registry.lookup, ttl_s=30.0, clock=lambda: now[0])
-    await cache.authenticate("ef-key")
-    now[0] += 31.0
-    registry.hang()
+    registry, cache = await expired_key([0.0])
     attempt = asyncio.ensure_future(cache.authenticate("ef-key"))
     await registry.answer(None)   # answered within the wait: the stale answer is not used
     with pytest.raises(ApiError) as refused:
@@ -74,11 +75,7 @@ async def test_a_healthy_registry_still_refuses_a_revoked_key_at_once():
 
 async def test_after_the_grace_the_registry_is_asked_again():
     now = [0.0]
-    registry = Registry()
-    cache = ApiKeyCache(registry.lookup, ttl_s=30.0, clock=lambda: now[0])
-    await cache.authenticate("ef-key")
-    now[0] += 31.0
-    registry.hang()
+    registry, cache = await expired_key(now)
     await cache.authenticate("ef-key")
     await registry.answer(RECORD)
     now[0] += 30.0 + STALE_GRACE_S
