@@ -31,7 +31,7 @@ from router.openai_request import MAX_SEED, CompletionRequest
 from router.placement import CostModel, PlacementRequest, rank, servable_models
 from router.fleet_reporter import FleetReporter
 from router.rate_limit import Charge, Refusal
-from router.reasoning import ReasoningStream
+from router.reasoning import ReasoningStream, after_reasoning
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
@@ -150,6 +150,9 @@ class CompletionService:
         if not candidates:
             raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
                               f"use; retry shortly.", self.limits.retry_after_s)
+        if grammar is not None and request.chat and assets.reasoning is not None and \
+                assets.reasoning.starts_open(prompt_ids, assets.tokenizer):
+            grammar = after_reasoning(grammar, assets.reasoning)
         sampling = sampling_params(request, assets, max_tokens, grammar, index)
         request_id = ctx.request_id if not index else f"{ctx.request_id}.{index}"
 

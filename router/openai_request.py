@@ -364,13 +364,19 @@ def _tool_calls(value, param: str) -> list[dict]:
 
 
 def _tools(value) -> list[dict] | None:
+    """Function tools only: another type (OpenAI's `custom` tools) is a 400 naming it, never read as a function."""
     if value is None:
         return None
-    if not isinstance(value, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-            for t in value):
-        raise bad_request("`tools` must be an array of {\"type\": \"function\", \"function\": {\"name\", "
-                          "\"description\", \"parameters\"}} objects.", "tools")
+    shape = "{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}"
+    if not isinstance(value, list):
+        raise bad_request(f"`tools` must be an array of {shape} objects.", "tools")
+    for i, tool in enumerate(value):
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":
+            raise bad_request(f"`tools[{i}].type` must be \"function\"; only function tools are supported.",
+                              f"tools[{i}].type", "unsupported_value")
+        if not (isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+                and isinstance(tool["function"].get("name"), str)):
+            raise bad_request(f"`tools[{i}]` must be a {shape} object.", f"tools[{i}]")
     return value
 
 

@@ -16,12 +16,20 @@ Some templates open the block in the generation prompt (DeepSeek-R1, DeepSeek-V3
 end tag. Whether a request starts inside the block is read from its prompt ids. The split of a
 stream is a pure function of the tokens generated so far, so a stream resumed on another site
 splits exactly as an unbroken one.
+
+A request whose output follows a grammar (`response_format`, a required tool call) and whose prompt
+opens the block gets the grammar after the end tag (`after_reasoning`): the reasoning is free text,
+the answer is what the grammar allows. Constrained from the first token, the JSON would be written
+inside the block and come back as reasoning, with an empty answer.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
+from engine.grammar import GrammarSpec, lark_json
 from engine.tokenizer import ChatTokenizer
 from router.text_stream import WindowDetokenizer
 
@@ -53,6 +61,17 @@ class ReasoningFormat:
             if tokenizer.decode([token_id], skip_special_tokens=False).strip():
                 return False
         return False
+
+
+def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat) -> GrammarSpec:
+    """The grammar of an output that starts inside the reasoning block: free text up to the end tag (by
+    token id; text cannot spell a token), then `spec`. Lark grammars name their entry rule `start`."""
+    if spec.kind == "json_schema":
+        answer = f"answer: {lark_json(json.loads(spec.source))}"
+    else:
+        answer = re.sub(r"^start:", "answer:", spec.source, count=1, flags=re.MULTILINE)
+    return GrammarSpec("lark", "\n".join([f"start: REASONING <[{fmt.end_id}]> answer", "REASONING: /(.|\\n)*/",
+                                          answer]))
 
 
 def reasoning_format(tokenizer: ChatTokenizer, setting: str | None = None) -> ReasoningFormat | None:

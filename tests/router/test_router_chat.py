@@ -102,7 +102,7 @@ async def test_bad_template_inputs_are_400(cluster, make_router, http, tmp_path)
                                                       "function": {"name": "f", "arguments": "{not json"}}]}]
     for body, param in (({"messages": user, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
                         ({"messages": user, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-                        ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
+                        ({"messages": user, "tools": [{"type": "function"}]}, "tools[0]"),
                         ({"messages": user, "reasoning_effort": "extreme"}, "reasoning_effort"),
                         ({"messages": user + bad_call}, "messages[1].tool_calls[0].function.arguments")):
         response = await http.post(f"{url}/v1/chat/completions", json={"model": MODEL, **body}, headers=headers)

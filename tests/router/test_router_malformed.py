@@ -81,6 +81,10 @@ MALFORMED = [
     ("chat", json.dumps(chat(speculative="no")).encode(), "speculative"),
     ("chat", splice(chat(), "tools", '[{"type": "function", "function": {"name": "f\\ud800"}}]'), "tools[0].function"),
     ("chat", json.dumps(chat(tools="f")).encode(), "tools"),
+    # OpenAI's custom (free-text) tools are not functions: never read as one
+    ("chat", json.dumps(chat(tools=[{"type": "custom", "custom": {"name": "grep"}}])).encode(), "tools[0].type"),
+    ("chat", json.dumps(chat(tools=[{"type": "function", "function": {"name": "f"}},
+                                    {"type": "function", "function": {"name": 3}}])).encode(), "tools[1]"),
     # Tool-call arguments are JSON inside a string: the same limits apply to what the router decodes there.
     ("chat", json.dumps(chat(messages=[tool_call("[" * 5000 + "]" * 5000)])).encode(), ARGUMENTS),
     ("chat", json.dumps(chat(messages=[tool_call("1" * 5000)])).encode(), ARGUMENTS),
