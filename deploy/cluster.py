@@ -23,6 +23,7 @@ from engine.demo import SIZES as DEMO_SIZES  # torch-free: only writing the weig
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 5  # per process, while `up` supervises; a process that keeps dying is left down
+ROLES = ("prefill", "decode")
 
 
 def add_parser(subparsers) -> None:
@@ -434,9 +435,6 @@ def status_table(sites: list[dict]) -> str:
              "address")]
     for site in sites:
         cap = site.get("capacity") or {}
-        roles = sorted({m["role"] for m in site.get("models", ())}) or site.get("roles", [])
-        if site.get("active_role"):
-            roles = [*roles[:-1], f"{roles[-1]} (now {site['active_role']})"] if roles else [site["active_role"]]
         kv = (f"{cap['kv_blocks_free']}/{cap['kv_blocks_total']} "
               f"({100 * cap['kv_blocks_free'] / max(1, cap['kv_blocks_total']):.0f}%)") if cap else "-"
         load = f"{cap.get('num_running', 0)}/{cap.get('num_waiting', 0)}" if cap else "-"
@@ -445,16 +443,30 @@ def status_table(sites: list[dict]) -> str:
         experts = f",ep{cap['expert_parallel_size']}" if cap.get("expert_parallel_size", 1) > 1 else ""
         devices = (f"{cap.get('num_gpus') or 'cpu'} ({cap.get('tensor_parallel_size', 1)}x"
                    f"{cap.get('pipeline_parallel_size', 1)}{experts})") if cap else "-"
-        rows.append((site["name"], state, "yes" if site.get("alive") else "no", ",".join(roles),
+        rows.append((site["name"], state, "yes" if site.get("alive") else "no", site_role(site),
                      site.get("region") or "-", devices, load, kv, "never" if age is None else f"{age:.1f}s ago",
                      site.get("grpc_address") or "-"))
     return format_table(rows)
 
 
+def site_role(site: dict) -> str:
+    """The roles routers place on a site, as the dashboard shows them: its models' roles within the
+    site's allowed `roles` (`PUT /v1/admin/sites/{name}/roles` narrows a model's `both`), then the
+    pool planner's pick."""
+    allowed = set(site.get("roles") or ROLES)
+    models = site.get("models") or ()
+    offered = {role for m in models for role in (ROLES if m["role"] == "both" else (m["role"],))} if models else allowed
+    serves = [role for role in ROLES if role in offered & allowed]
+    name = "both" if len(serves) == 2 else serves[0] if serves else "none"
+    return f"{name} (now {site['active_role']})" if site.get("active_role") else name
+
+
 def links_matrix(names: list[str], links: list[dict], now: float) -> str:
-    """One row per measuring site, one column per peer: "RTT / throughput, age" of the latest measurement."""
+    """One row per measuring site, one column per peer: "RTT / throughput, age" of the latest measurement.
+    A site measures by pulling from its peer (KV pulls and probes), so the bytes went from the column's
+    site to the row's, whatever the snapshot's `src`/`dst` field names suggest: the header says so."""
     measured = {(link["src"], link["dst"]): link for link in links}
-    rows = [("from \\ to", *names)]
+    rows = [("to \\ from", *names)]
     for src in names:
         cells = []
         for dst in names:
@@ -466,7 +478,8 @@ def links_matrix(names: list[str], links: list[dict], now: float) -> str:
             else:
                 cells.append(f"{link['rtt_ms']:.1f}ms {_rate(link['bandwidth_mbps'])} {_age(now - link['measured_at'])}")
         rows.append((src, *cells))
-    note = "cells: round-trip time, throughput, age of the measurement; - not measured (placement uses distance)"
+    note = ("cells: round-trip time, throughput (column's site to row's site, as the row's site measured it), "
+            "age of the measurement; - not measured (placement uses distance)")
     return f"{format_table(rows)}\n{note}"
 
 

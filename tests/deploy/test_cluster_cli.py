@@ -119,6 +119,18 @@ def test_status_table_shows_the_planners_active_role():
     assert "both (now prefill)" in status_table([site]).splitlines()[2]
 
 
+def test_status_table_role_is_the_models_roles_within_the_sites_allowed_roles():
+    # an operator narrowed warsaw to decode (PUT .../roles): routers no longer prefill there
+    site = {"name": "warsaw", "state": "active", "alive": True, "region": "eu", "grpc_address": "h:1",
+            "roles": ["decode"], "models": [{"model": "m", "role": "both"}], "heartbeat_age_s": 1.0,
+            "capacity": None}
+    two_models = {**site, "name": "oslo", "roles": ["prefill", "decode"],
+                  "models": [{"model": "m", "role": "prefill"}, {"model": "n", "role": "decode"}]}
+    unserved = {**site, "name": "sofia", "roles": ["prefill"], "models": [{"model": "m", "role": "decode"}]}
+    lines = status_table([site, two_models, unserved]).splitlines()
+    assert [line.split()[3] for line in lines[2:]] == ["decode", "both", "none"]
+
+
 def test_usage_table_shows_periods_keys_models_and_totals():
     answer = {"granularity": "hour", "items": [
         {"key_id": 3, "key_name": "team-a", "model": "tiny", "period_start": 1795449600, "requests": 2,
@@ -133,10 +145,12 @@ def test_usage_table_shows_periods_keys_models_and_totals():
 
 
 def test_links_matrix_shows_rtt_throughput_and_age_per_measured_pair():
+    # lisbon measured 850 Mbps pulling KV from warsaw: the bytes went warsaw -> lisbon
     links = [{"src": "lisbon", "dst": "warsaw", "rtt_ms": 41.23, "bandwidth_mbps": 850.0, "measured_at": 990.0},
              {"src": "warsaw", "dst": "lisbon", "rtt_ms": 40.0, "bandwidth_mbps": 2500.0, "measured_at": 400.0}]
     lines = links_matrix(["lisbon", "madrid", "warsaw"], links, now=1000.0).splitlines()
-    assert lines[0].split() == ["from", "\\", "to", "lisbon", "madrid", "warsaw"]
+    assert lines[0].split() == ["to", "\\", "from", "lisbon", "madrid", "warsaw"]
+    assert "column's site to row's site" in lines[-1]
     assert lines[2].split() == ["lisbon", "·", "-", "41.2ms", "850Mbps", "10s", "ago"]
     assert lines[3].split() == ["madrid", "-", "·", "-"]
     assert lines[4].split() == ["warsaw", "40.0ms", "2.5Gbps", "10min", "ago", "-", "·"]

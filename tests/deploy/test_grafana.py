@@ -81,6 +81,13 @@ def test_panels_are_well_formed():
                 f"{panel['title']}: rate() of a gauge"
 
 
+def test_link_legends_point_the_way_the_bytes_went():
+    # an agent's peer-labelled figures are measured pulling from that peer: bytes go peer -> instance
+    legends = {target["legendFormat"] for panel in dashboard()["panels"] for target in panel.get("targets", [])
+               if "peer" in target["legendFormat"]}
+    assert legends and all(legend.startswith("{{peer}} → {{instance}}") for legend in legends), legends
+
+
 def test_the_prometheus_example_scrapes_every_process_where_it_serves_metrics():
     config = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}

@@ -87,7 +87,7 @@ async def test_a_prefill_heavy_burst_moves_the_flexible_site_and_no_request_fail
         wait_for(lambda: len(cluster.snapshot()["links"]) == 2, 10, "both sites to report their link")
         assert edgefire(["status", "--links", "--state-dir", str(config.state_dir)]) == 0
         matrix = capsys.readouterr().out.splitlines()
-        assert matrix[0].split() == ["from", "\\", "to", DECODE_ONLY, FLEX]
+        assert matrix[0].split() == ["to", "\\", "from", DECODE_ONLY, FLEX]
         assert "Mbps" in matrix[2] or "Gbps" in matrix[2]
     finally:
         for process in cluster.processes.values():
