@@ -212,6 +212,7 @@ class AgentCore:
     async def decode(self, model_name: str, prompt_ids: list[int], generated_ids: list[int], params: SamplingParams,
                      source: KVSource | None, request_id: str | None = None,
                      time_left: float | None = None) -> AsyncIterator[TokenEvent]:
+        started = time.perf_counter()   # the first token's wait includes the KV pull and its import
         with self.inflight():
             model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params, takes_slot=True)
             log.info("decode %s: %d prompt + %d generated tokens, up to %d in all; %s", model.name, len(prompt_ids),
@@ -226,7 +227,7 @@ class AgentCore:
                                                              request_id)
             finally:
                 self._end_reservation(model)  # the engine holds the sequence now (or it failed to start)
-            async for event in self._observed(model.name, "decode", events, prefills=not imported):
+            async for event in self._observed(model.name, "decode", events, prefills=not imported, started=started):
                 yield event
 
     async def _start_decode(self, model: HostedModel, payload: KVPayload | None, prompt_ids: list[int],
@@ -317,11 +318,11 @@ class AgentCore:
             log.info("link probe of %s (%s) failed: %s", site, address, exc)
             self._peer_info.pop(address, None)
 
-    async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent],
-                        prefills: bool) -> AsyncIterator[TokenEvent]:
-        """The events, timed; `prefills`: this site computed the prompt (not imported), so it counts
-        toward the prefix-cache hit ratio."""
-        started = last = time.perf_counter()
+    async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent], prefills: bool,
+                        started: float | None = None) -> AsyncIterator[TokenEvent]:
+        """The events, timed from `started` (default: now); `prefills`: this site computed the prompt (not
+        imported), so it counts toward the prefix-cache hit ratio."""
+        started = last = started if started is not None else time.perf_counter()
         first = True
         num_tokens, finish = 0, None
         try:

@@ -97,4 +97,7 @@ async def test_a_split_request_moves_the_agents_metrics_by_what_it_did(start_age
     assert after_b.delta(before_b, "edgefire_agent_kv_pull_seconds_total", peer="site-a") > 0
     assert after_a.delta(before_a, "edgefire_agent_kv_bytes_sent_total") == first.kv_bytes
     assert after_b.delta(before_b, "edgefire_agent_ttft_seconds_count", model=MODEL, rpc="decode") == 1
+    # the decode site's first token waited for the pull: its time to first token holds the pull's time
+    assert (after_b.delta(before_b, "edgefire_agent_ttft_seconds_sum", model=MODEL, rpc="decode")
+            >= after_b.delta(before_b, "edgefire_agent_kv_pull_seconds_total", peer="site-a"))
     assert 0 <= after_a.get("edgefire_agent_kv_usage_ratio", model=MODEL) <= 1
