@@ -163,7 +163,7 @@ async def measure(args, cluster: dict, router_url: str, router_conn) -> dict:
                                                sampling=agent_pb2.SamplingParams(max_tokens=args.tokens))
     metadata = (("authorization", "Bearer x"), ("x-request-id", "bench"))
 
-    async def direct() -> None:
+    async def direct(_i: int = 0) -> None:   # one channel for every worker
         async for _chunk in stub.Generate(direct_request, timeout=10, metadata=metadata):
             pass
 
@@ -212,7 +212,7 @@ async def throughput(call, args) -> float:
     async def worker(i: int) -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            await (call() if call.__name__ == "direct" else call(i))
+            await call(i)
             done += 1
 
     start = time.perf_counter()

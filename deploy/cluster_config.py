@@ -174,9 +174,9 @@ class ClusterConfig:
                                          f"(e.g. postgresql+psycopg://user@host:5432/edgefire)")
 
     def _check_ports(self) -> None:
-        """Every fixed port in range and used once: gRPC servers bind with SO_REUSEPORT, so two agents
-        given one port would both start and split each other's requests, and other clashes surface
-        only as a process dying at start."""
+        """Every fixed port in range and used once, checked before anything starts: a clash would
+        otherwise surface only as a process refusing to start (an agent's gRPC port) or dying at start,
+        after the others were up."""
         users: dict[int, str] = {}
         for setting, port in self._fixed_ports():
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:

@@ -13,7 +13,7 @@ from engine.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, TemplateErro
 from engine.config import read_json
 from engine.errors import CheckpointError
 
-__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError"]
+__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError", "chat_template_file"]
 
 
 def _short(value) -> str:
@@ -56,6 +56,13 @@ def _parse_tokenizer(tokenizer_json: str, where: str) -> Tokenizer:
         return Tokenizer.from_str(tokenizer_json)
     except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
         raise CheckpointError(f"{where} is not a valid tokenizer ({exc})") from exc
+
+
+def chat_template_file(model_dir: Path) -> str | None:
+    """chat_template.jinja's text, where newer checkpoints keep the template (it comes before
+    tokenizer_config.json's); None without one."""
+    path = Path(model_dir) / "chat_template.jinja"
+    return _read_text(path) if path.is_file() else None
 
 
 def _read_text(path: Path) -> str:
@@ -130,9 +137,7 @@ class ChatTokenizer:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json")
         config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
-        template_file = model_dir / "chat_template.jinja"
-        template = _read_text(template_file) if template_file.is_file() else None
-        return cls(_read_text(path), config, template, model_dir)
+        return cls(_read_text(path), config, chat_template_file(model_dir), model_dir)
 
 
 class IncrementalDetokenizer:
@@ -151,15 +156,15 @@ class IncrementalDetokenizer:
         text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
         if text.endswith("\ufffd"):
             return ""
-        # Decoding more tokens never changes text already complete, so the new text is the suffix.
-        delta = text[len(self.emitted):]
-        self.emitted = text
-        return delta
+        return self._emit(text)
 
     def flush(self) -> str:
         """The text still held back once no token will follow: a character left incomplete by the last
         tokens decodes to U+FFFD, as a full decode of every token gives it."""
-        text = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
+        return self._emit(self.tokenizer.decode(self.token_ids, self.skip_special_tokens))
+
+    def _emit(self, text: str) -> str:
+        # Decoding more tokens never changes text already complete, so the new text is the suffix.
         delta = text[len(self.emitted):]
         self.emitted = text
         return delta

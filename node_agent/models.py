@@ -15,6 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import EngineConfig, LLMEngine
 from engine.kv_transfer import KVLayout
 from engine.config import read_json
+from engine.tokenizer import chat_template_file
 from node_agent.config import AgentConfig
 from node_agent.proto import agent_pb2
 
@@ -52,11 +53,9 @@ def engine_config(config: AgentConfig) -> EngineConfig:
 def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
     model_dir = Path(engine.model_dir)
     tokenizer_config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
-    # chat_template.jinja (the file newer checkpoints keep it in) comes first, as the engine's tokenizer
-    # reads it; named templates stay in tokenizer_config.json, which routers read whole
-    template_file = model_dir / "chat_template.jinja"
-    template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
-                else tokenizer_config.get("chat_template"))
+    # the template file comes first, as the engine's tokenizer reads it; named templates stay in
+    # tokenizer_config.json, which routers read whole
+    template = chat_template_file(model_dir) or tokenizer_config.get("chat_template")
     generation = read_json(model_dir / "generation_config.json", required=False) or {}
     layout = engine.kv_layout(1)
     return agent_pb2.ModelInfo(
