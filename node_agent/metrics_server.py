@@ -1,4 +1,4 @@
-"""The metrics port: a minimal HTTP/1.0 server that answers every GET with a Prometheus registry's text.
+"""The metrics port: a minimal HTTP/1.0 server that answers GET /metrics with a Prometheus registry's text.
 
 Agents and routers serve their metrics on a port of their own (`metrics_listen`), apart from their
 API: an operator binds it to an internal interface for Prometheus, and the public port stays what
@@ -20,7 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 log = logging.getLogger(__name__)
 
-READ_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 5.0     # the whole request head must arrive within this
+MAX_HEAD_LINES = 100     # a scraper sends a handful of headers
+PATH = b"/metrics"
 
 
 class MetricsServer:
@@ -39,15 +41,20 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request_line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)
-            while (await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)).strip():
-                pass  # headers are not needed
-            if request_line.startswith(b"GET "):
-                if self._refresh is not None:
-                    await self._refresh()
-                body, status, ctype = generate_latest(self._registry), b"200 OK", CONTENT_TYPE_LATEST.encode()
+            request_line = await asyncio.wait_for(self._read_head(reader), READ_TIMEOUT_S)
+            if request_line is None:
+                body, status, ctype = b"request head too large\n", b"431 Request Header Fields Too Large", b"text/plain"
             else:
-                body, status, ctype = b"only GET is served\n", b"405 Method Not Allowed", b"text/plain"
+                method, _, rest = request_line.partition(b" ")
+                path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+                if method != b"GET":
+                    body, status, ctype = b"only GET is served\n", b"405 Method Not Allowed", b"text/plain"
+                elif path != PATH:
+                    body, status, ctype = b"not found: the metrics are at GET /metrics\n", b"404 Not Found", b"text/plain"
+                else:
+                    if self._refresh is not None:
+                        await self._refresh()
+                    body, status, ctype = generate_latest(self._registry), b"200 OK", CONTENT_TYPE_LATEST.encode()
             writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype +
                          b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             await writer.drain()
@@ -55,6 +62,18 @@ class MetricsServer:
             log.debug("metrics request dropped: %r", exc)
         finally:
             writer.close()
+
+    @staticmethod
+    async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
+        """The request line, once the head has ended; None for a head past the line limits."""
+        try:
+            request_line = await reader.readline()
+            for _ in range(MAX_HEAD_LINES):
+                if not (await reader.readline()).strip():
+                    return request_line.strip()
+        except ValueError:  # a line past the stream's limit (64 KiB)
+            return None
+        return None
 
     async def stop(self) -> None:
         if self._server is not None:
