@@ -68,17 +68,84 @@ def to_llguidance(spec: GrammarSpec) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=_JSON_OPTIONS)
     except ValueError as exc:
-        raise InvalidRequestError(f"the JSON schema is not a JSON object: {exc}") from None
+        if "recursion limit" in str(exc):  # the library reads at most 128 levels of nested objects and arrays
+            raise InvalidRequestError(f"the JSON schema nests objects and arrays too deeply for the grammar library "
+                                      f"({exc}); flatten it, or move nested parts to `$defs`") from None
+        raise InvalidRequestError(f"the JSON schema cannot be read as JSON: {exc}") from None
 
 
 def check_grammar(spec: GrammarSpec) -> str | None:
-    """None when the grammar compiles; else what is wrong with it, in the library's words."""
+    """None when the grammar compiles; else what is wrong with it, in the library's words, and for a keyword
+    of a JSON schema, where in the schema it is (the library names the keyword only)."""
     try:
         grammar = to_llguidance(spec)
     except InvalidRequestError as exc:
         return str(exc)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0] if is_error else None
+    if not is_error:
+        return None
+    problem = messages[0]
+    if spec.kind == "json_schema":
+        if problem.startswith(_ONE_OF_REFUSED):
+            # The library's own words name an option of its own that a client cannot set.
+            problem = ("oneOf is enforced only where its alternatives plainly exclude each other (different types, "
+                       "or objects told apart by a `const` property); use anyOf instead")
+        path = _keyword_path(json.loads(spec.source), problem)
+        if path is not None:
+            problem += f" (at {path or '/'} in the schema)"
+    return problem
+
+
+_ONE_OF_REFUSED = "oneOf constraints are not supported"
+# Keywords whose value is a schema, a list of schemas, or an object of schemas: where subschemas may sit.
+_SUBSCHEMA_KEYWORDS = ("properties", "patternProperties", "additionalProperties", "items", "prefixItems",
+                       "additionalItems", "contains", "propertyNames", "anyOf", "allOf", "oneOf", "not", "if",
+                       "then", "else", "dependentSchemas", "unevaluatedItems", "unevaluatedProperties",
+                       "$defs", "definitions")
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
+
+
+def _keyword_path(schema, problem: str) -> str | None:
+    """The JSON pointer of the first subschema holding the keyword (or format) the library refused, if the
+    problem names one; None when it names none or the schema has no such place."""
+    if problem.startswith("Unimplemented keys: "):
+        try:
+            keys = set(json.loads(problem[len("Unimplemented keys: "):]))
+        except ValueError:
+            return None
+        def holds(node: dict) -> bool:
+            return not keys.isdisjoint(node)
+    elif problem.startswith("Unknown format: "):
+        fmt = problem[len("Unknown format: "):].strip()
+        def holds(node: dict) -> bool:
+            return node.get("format") == fmt
+    elif problem.startswith("oneOf "):
+        def holds(node: dict) -> bool:
+            return "oneOf" in node
+    else:
+        return None
+    stack = [("", schema)]
+    while stack:  # depth first, in the schema's own order
+        path, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if holds(node):
+            return path
+        children = []
+        for keyword in _SUBSCHEMA_KEYWORDS:
+            value, at = node.get(keyword), f"{path}/{_pointer_token(keyword)}"
+            if keyword in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+                children += [(f"{at}/{_pointer_token(name)}", sub) for name, sub in value.items()]
+            elif isinstance(value, list):
+                children += [(f"{at}/{i}", sub) for i, sub in enumerate(value)]
+            else:
+                children.append((at, value))
+        stack.extend(reversed(children))
+    return None
+
+
+def _pointer_token(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def json_schema_spec(schema: dict | bool) -> GrammarSpec:

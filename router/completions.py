@@ -304,7 +304,8 @@ class CompletionRun:
         self.created = int(time.time())
         parse_tools = (request.chat and request.tool_choice not in (None, "none") and assets.tool_calls is not None)
         forced = request.tool_choice == "required" or request.named_tool is not None
-        self.tool_calls = ToolCallStream(assets.tool_calls, forced) if parse_tools else None
+        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls) if parse_tools
+                           else None)
         # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
         # tokens are then left out by id instead.
         self.text = TextStream(assets.tokenizer, request.stop, skip_special_tokens=self.tool_calls is None)

@@ -154,36 +154,43 @@ class ToolCallFormat:
         lit = _Literals(tokenizer)
         several = parallel and self.parallel
         if self.array:
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": [self._call_schema(t) for t in tools]}}
+            schema = {"type": "array", "minItems": 1,
+                      "items": {"anyOf": [self._call_schema(t, i) for i, t in enumerate(tools)]}}
             if not several:
                 schema["maxItems"] = 1
             body = lark_json(schema)
         else:
-            call = " | ".join(self._call_rule(tool, lit) for tool in tools)
+            call = " | ".join(self._call_rule(tool, i, lit) for i, tool in enumerate(tools))
             body = f"call ({lit(self.separator)} call)*" if several else "call"
             return GrammarSpec("lark", "\n".join([
                 f"start: {lit(self.section_begin)} {body} {lit(self.section_end)}", f"call: {call}"]))
         return GrammarSpec("lark", f"start: {lit(self.section_begin)} {body} {lit(self.section_end)}")
 
-    def _call_schema(self, tool: dict) -> dict:
+    def _call_schema(self, tool: dict, index: int) -> dict:
         function = tool["function"]
-        properties = {self.name_key: {"const": function["name"]}, self.args_key: _parameters(function)}
+        properties = {self.name_key: {"const": function["name"]}, self.args_key: _parameters(function, index)}
         return {"type": "object", "properties": properties, "required": [self.name_key, self.args_key],
                 "additionalProperties": False}
 
-    def _call_rule(self, tool: dict, lit: _Literals) -> str:
+    def _call_rule(self, tool: dict, index: int, lit: _Literals) -> str:
         function = tool["function"]
         if self.name_key:
-            inner = lark_json(self._call_schema(tool))
+            inner = lark_json(self._call_schema(tool, index))
         else:
             inner = (f"{lit(self.name_prefix + function['name'])} {self.name_suffix_lark} {lit(self.name_sep)} "
-                     f"{lark_json(_parameters(function))}")
+                     f"{lark_json(_parameters(function, index))}")
         return f"({lit(self.call_begin)} {inner} {lit(self.call_end)})"
 
 
-def _parameters(function: dict) -> dict:
+def _parameters(function: dict, index: int) -> dict:
+    """The function's parameters schema as the grammar nests it. Its `$ref`s ("#", "#/$defs/...") point into
+    the parameters, but the grammar places them inside a call object (or an array of calls), whose root
+    has no `$defs` and is not the arguments; an `$id` makes the parameters the root their refs resolve
+    against (one per tool, so two tools' `$defs` never meet). A schema with its own `$id` already is one."""
     parameters = function.get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    if not isinstance(parameters, dict) or not parameters:
+        return {"type": "object"}
+    return parameters if "$id" in parameters else {"$id": f"urn:edgefire:tool:{index}", **parameters}
 
 
 def _expect(text: str, pos: int, literal: str) -> int:
@@ -270,11 +277,13 @@ class ToolCallStream:
     `add(text)` returns the content safe to send now: text before the format's marker, holding back a
     tail that could still be the start of the marker. From the marker on, text is kept until `finish`,
     which parses the calls; calls that do not parse come back as content. With `forced` (a required
-    call) the whole answer is the calls.
+    call) the whole answer is the calls. Without `parallel` (`parallel_tool_calls: false`) an answer holds
+    at most one call: the first, when a model left free (`auto`) writes several.
     """
 
-    def __init__(self, fmt: ToolCallFormat, forced: bool = False) -> None:
+    def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True) -> None:
         self.fmt = fmt
+        self.parallel = parallel
         self._in_calls = forced
         self._decided = forced       # bare-JSON formats: whether the answer is a call is known
         self._pending = ""           # content held back
@@ -318,7 +327,7 @@ class ToolCallStream:
         if parsed is None:
             return self._calls_text, []
         content, calls = parsed
-        return content, calls
+        return content, calls if self.parallel else calls[:1]
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[dict]:

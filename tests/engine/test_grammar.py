@@ -112,3 +112,24 @@ def test_bad_grammars_are_refused_with_the_problem_named(engine):
     with pytest.raises(InvalidRequestError, match="do not follow"):
         engine.add_request("bad", [1, 2, 3], constrained(0), generated_ids=[2, 2, 2])
     assert not engine.has_work()
+
+
+def test_unsupported_keywords_are_named_with_where_they_are_in_the_schema():
+    """A big schema (pydantic's, a tool's) with one keyword the library cannot enforce: the refusal says
+    which keyword and where, and never asks for a library option a client has no way to set."""
+    tags = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    schema = {"type": "object", "$defs": {"Item": {"type": "object", "properties": {"not": {"type": "integer"},
+                                                                                    "tags/all": tags}}},
+              "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}}}
+    problem = check_grammar(json_schema_spec(schema))
+    assert "uniqueItems" in problem and "/$defs/Item/properties/tags~1all" in problem
+    colour = {"type": "object",
+              "properties": {"a": {"anyOf": [{"type": "null"}, {"type": "string", "format": "colour"}]}}}
+    assert "/properties/a/anyOf/1" in check_grammar(json_schema_spec(colour))
+    overlapping = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    problem = check_grammar(json_schema_spec(overlapping))
+    assert "anyOf" in problem and "/properties/n" in problem and "coerce_one_of" not in problem
+    deep = {"type": "integer"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"a": deep}}
+    assert "too deeply" in check_grammar(json_schema_spec(deep))

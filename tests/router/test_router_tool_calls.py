@@ -124,3 +124,43 @@ def test_calls_that_do_not_parse_stay_content():
     stream = ToolCallStream(fmt)
     assert stream.add(broken) == "Sure "
     assert stream.finish() == (broken[len("Sure "):], [])
+
+
+# A linked list: `$defs` for the item, "#" for the rest of the list (the parameters themselves).
+LINKED = {"type": "function", "function": {"name": "push", "description": "a list", "parameters": {
+    "$defs": {"item": {"type": "integer"}}, "type": "object",
+    "properties": {"head": {"$ref": "#/$defs/item"}, "tail": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["head", "tail"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("name", sorted(CALL_TEXT))
+def test_required_call_grammar_resolves_refs_within_the_parameters(name, template_tokenizer):
+    """`$ref`s in a function's parameters point into the parameters, not into the call the grammar wraps
+    them in: the grammar compiles, takes arguments that follow the parameters, and refuses a nested call."""
+    template = next(t for t, f in EXPECTED.items() if f == name)
+    tokenizer = template_tokenizer(template)
+    compiler = GrammarCompiler(tokenizer.tokenizer.to_str(), tokenizer.vocab_size,
+                               [tokenizer.token_to_id(TEMPLATES[template][1])])
+    args = '{"a": 1, "b": 2}'
+    good = CALL_TEXT[name].replace('"add"', '"push"').replace("add", "push").replace(
+        args, '{"head": 1, "tail": {"head": 2, "tail": null}}')
+    bad = good.replace('{"head": 2, "tail": null}', '{"name": "push", "arguments": {"head": 2, "tail": null}}')
+    for parallel in (False, True):
+        matcher = compiler.matcher(FORMATS[name].grammar([LINKED, ADD], parallel, tokenizer))
+        assert all(matcher.consume(t) for t in tokenizer.encode(good, add_special_tokens=False)), good
+        assert matcher.matcher.is_accepting()
+        matcher = compiler.matcher(FORMATS[name].grammar([LINKED, ADD], parallel, tokenizer))
+        assert not all(matcher.consume(t) for t in tokenizer.encode(bad, add_special_tokens=False)), bad
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call_a_free_model_writes():
+    """`parallel_tool_calls: false` promises at most one call; under `auto` the model is not constrained and
+    may write two, of which the answer carries the first (streamed or whole, the same)."""
+    fmt = FORMATS["hermes"]
+    text = CALL_TEXT["hermes"] + "\n" + CALL_TEXT["hermes"].replace('"a": 1', '"a": 5')
+    for parallel, expected in ((True, [1, 5]), (False, [1])):
+        stream = ToolCallStream(fmt, parallel=parallel)
+        sent = "".join(stream.add(text[i:i + 4]) for i in range(0, len(text), 4))
+        tail, calls = stream.finish()
+        assert sent + tail == ""
+        assert [json.loads(c.arguments)["a"] for c in calls] == expected
