@@ -55,6 +55,9 @@ class AsyncEngine:
         self._commands: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> the KV handle of its prefill, sent to its stream and not read yet: if the stream is
+        # left first (a cancelled Prefill), no one else knows the handle, so the engine thread releases it
+        self._unread_leases: dict[str, str] = {}
         self._stopped = False
         self._error: BaseException | None = None
         self.latest_stats: EngineStats = engine.stats()
@@ -97,7 +100,11 @@ class AsyncEngine:
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is None:
+                if out.kv_handle:  # its caller left while the prefill ran: no one will fetch or release it
+                    self._release_abandoned(out.request_id, out.kv_handle)
                 continue
+            if out.kv_handle:
+                self._unread_leases[out.request_id] = out.kv_handle
             if out.finished:
                 self._streams.pop(out.request_id, None)
             loop, queue = target
@@ -186,13 +193,30 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 event, finished = item
+                if event.kv_handle:
+                    self._unread_leases.pop(request_id, None)  # the caller holds the lease now
                 event.more = not queue.empty()
                 yield event
         finally:
             if not finished:
                 self._streams.pop(request_id, None)
                 if self._error is None and not self._stopped:
-                    self._submit(lambda: self.engine.abort(request_id))
+                    self._submit(lambda: self._abandon(request_id))
+
+    def _abandon(self, request_id: str) -> None:
+        """On the engine thread, for a stream left before its end: abort the request, and end the lease
+        of a prefill that finished meanwhile (its event, with the handle, was never read)."""
+        self.engine.abort(request_id)
+        kv_handle = self._unread_leases.pop(request_id, None)
+        if kv_handle is not None:
+            self._release_abandoned(request_id, kv_handle)
+
+    def _release_abandoned(self, request_id: str, kv_handle: str) -> None:
+        log.info("request %s: left before its prefill's KV handle was read; releasing its lease", request_id)
+        try:
+            self.engine.release_kv(kv_handle)
+        except UnknownHandleError:
+            pass  # expired meanwhile: the outcome asked for
 
     async def prepare_grammar(self, spec) -> None:
         """Compile a request's grammar on a worker thread (InvalidRequestError when it does not compile), so the

@@ -24,7 +24,7 @@ TLS: a site with a certificate serves this port only over TLS (the handshake com
 request frame, so the peer token never crosses in clear), and pullers that call their peers over
 TLS speak TLS here too (probes included, so a probe measures the path KV will take). The request
 and header move on the event loop through non-blocking sockets (`ssl` signals "want read/write",
-answered by waiting on the loop); the bulk of the bytes moves on a worker thread with blocking
+answered by waiting on the loop); the bulk of the bytes moves on a thread of its own with blocking
 `sendall`/`recv_into`, which release the GIL while OpenSSL encrypts. The cost against plaintext is
 measured in benchmarks/kv_transfer.py.
 """
@@ -32,12 +32,14 @@ measured in benchmarks/kv_transfer.py.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -120,11 +122,16 @@ class KVDataServer:
                     await _retry(conn, conn.do_handshake)
                 kind = bytearray(KIND.size)
                 await _recv_into(conn, memoryview(kind))
-                token = await _recv_field(conn)
-                body = (await _recv_field(conn)).decode("utf-8", "replace")
-            if not hmac.compare_digest(token, self._peer_token):
-                await _send_header(conn, {"error": "missing or wrong peer token"})
-                return
+                # A token of another length is wrong whatever it holds: refuse it before reading on, so a
+                # stranger's bytes (a wrong port, a scanner) get their answer now, not at the timeout.
+                if await _recv_length(conn) != len(self._peer_token):
+                    await _send_header(conn, {"error": "missing or wrong peer token"})
+                    return
+                token = await _recv_exactly(conn, len(self._peer_token))
+                if not hmac.compare_digest(token, self._peer_token):
+                    await _send_header(conn, {"error": "missing or wrong peer token"})
+                    return
+                body = (await _recv_exactly(conn, await _recv_length(conn))).decode("utf-8", "replace")
             if KIND.unpack(kind)[0] == PROBE:
                 await self._answer_probe(conn, body)
                 return
@@ -154,16 +161,16 @@ class KVDataServer:
                 else:
                     conn.setblocking(True)
                     conn.settimeout(REQUEST_TIMEOUT_S)
-                    await asyncio.to_thread(self._send_blocking, conn, export, end)
+                    await _on_own_thread(self._send_blocking, conn, export, end)
             finally:
                 end()
         except (OSError, TimeoutError, KVTransferError) as exc:
             log.info("KV data stream ended early: %s", exc)
         finally:
-            conn.close()
+            _close(conn)
 
     async def _answer_probe(self, conn: socket.socket, body: str) -> None:
-        if not body.isdigit() or not 0 < int(body) <= MAX_PROBE_BYTES:
+        if not (body.isascii() and body.isdigit()) or not 0 < int(body) <= MAX_PROBE_BYTES:
             await _send_header(conn, {"error": f"a probe asks for 1 to {MAX_PROBE_BYTES} bytes, not {body!r}"})
             return
         num_bytes = int(body)
@@ -206,10 +213,14 @@ class KVDataServer:
 # Non-blocking socket I/O on the event loop for plain and TLS sockets alike (asyncio's sock_* helpers
 # refuse SSLSocket): try the call, and when the socket (or TLS) must wait, wait on the loop.
 
-async def _recv_field(conn: socket.socket) -> bytes:
+async def _recv_length(conn: socket.socket) -> int:
     size = bytearray(LENGTH.size)
     await _recv_into(conn, memoryview(size))
-    value = bytearray(LENGTH.unpack(size)[0])
+    return LENGTH.unpack(size)[0]
+
+
+async def _recv_exactly(conn: socket.socket, num_bytes: int) -> bytes:
+    value = bytearray(num_bytes)
     await _recv_into(conn, memoryview(value))
     return bytes(value)
 
@@ -259,6 +270,52 @@ async def _send_header(conn: socket.socket, header: dict) -> None:
     await _sendall(conn, HEADER.pack(len(body)) + body)
 
 
+async def _on_own_thread(function, *args, **kwargs):
+    """function(*args, **kwargs) on a new thread, in this task's context: a transfer's blocking I/O.
+
+    Not asyncio.to_thread: its pool (cpu_count + 4 threads) serves the whole agent, and as many
+    peers reading or sending slowly (a congested link, a stalled process) would hold all of it,
+    so every other pull, push and grammar compile here waited behind them. A transfer's own thread
+    costs far less than the transfer; a server's are only started for authenticated peers, a
+    puller's are bounded by its decode admissions."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        result = error = None
+        try:
+            result = context.run(function, *args, **kwargs)
+        except BaseException as exc:  # handed to the awaiting task, which raises it
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for this answer any more
+
+    threading.Thread(target=run, name="kv-data", daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():  # the awaiting task was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _close(conn: socket.socket) -> None:
+    """Close conn, first waking any thread blocked on it (a bare close leaves a blocked recv or
+    send waiting until its timeout, holding the thread, the buffer and, server side, the lease)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected (any more): nothing is blocked on it
+    conn.close()
+
+
 @dataclass(slots=True)
 class ProbeResult:
     rtt_s: float          # request sent to the answer's header received: one round trip
@@ -275,13 +332,13 @@ async def receive_bulk(address: str, peer_token: str, kv_handle: str, expected_l
     conn = await _connect(address, timeout, ssl_context, on_connected)
     try:
         # Blocking reads on a worker thread: MSG_WAITALL (plain) fills a whole frame in one system call.
-        return await asyncio.to_thread(_pull, conn, peer_token, kv_handle, PayloadAssembler(expected_layout, prompt_ids))
+        return await _on_own_thread(_pull, conn, peer_token, kv_handle, PayloadAssembler(expected_layout, prompt_ids))
     except TimeoutError as exc:
         raise KVTransferError(f"KV data stream from {address} stalled for {timeout:.0f}s") from exc
     except OSError as exc:
         raise KVTransferError(f"KV data stream from {address} failed: {exc}") from exc
     finally:
-        conn.close()  # also ends the reading thread's wait if we were cancelled
+        _close(conn)  # also ends the reading thread's wait if we were cancelled
 
 
 async def probe(address: str, peer_token: str, num_bytes: int, timeout: float,
@@ -289,11 +346,11 @@ async def probe(address: str, peer_token: str, num_bytes: int, timeout: float,
     """Ask a peer's data port for num_bytes of filler and time the answer (see node_agent.links)."""
     conn = await _connect(address, timeout, ssl_context)
     try:
-        return await asyncio.to_thread(_probe, conn, peer_token, num_bytes)
+        return await _on_own_thread(_probe, conn, peer_token, num_bytes)
     except OSError as exc:  # TimeoutError included
         raise KVTransferError(f"probe of the KV data port {address} failed: {exc}") from exc
     finally:
-        conn.close()
+        _close(conn)
 
 
 async def _connect(address: str, timeout: float, ssl_context: ssl.SSLContext | None = None,
@@ -303,7 +360,7 @@ async def _connect(address: str, timeout: float, ssl_context: ssl.SSLContext | N
     host = host.strip("[]")
     started = time.perf_counter()
     try:
-        conn = await asyncio.to_thread(socket.create_connection, (host, int(port)), timeout)
+        conn = await _on_own_thread(socket.create_connection, (host, int(port)), timeout)
     except OSError as exc:
         raise KVSourceUnreachable(f"cannot reach the KV data port {address}: {exc}") from exc
     if on_connected is not None:
@@ -311,7 +368,7 @@ async def _connect(address: str, timeout: float, ssl_context: ssl.SSLContext | N
     if ssl_context is None:
         return conn
     try:
-        return await asyncio.to_thread(ssl_context.wrap_socket, conn, server_hostname=host)  # verifies the peer
+        return await _on_own_thread(ssl_context.wrap_socket, conn, server_hostname=host)  # verifies the peer
     except OSError as exc:  # ssl.SSLError included: FetchKV over gRPC may still work
         conn.close()
         raise KVSourceUnreachable(f"no TLS session with the KV data port {address}: {exc}") from exc

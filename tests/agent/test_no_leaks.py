@@ -79,3 +79,34 @@ async def test_blocks_return_after_mixed_traffic(start_agent, connect):
         assert agent.core.num_inflight == 0
         stats = await agent.models[MODEL].engine.stats()
         assert stats.num_running == stats.num_waiting == stats.num_pinned_handles == 0
+
+
+async def test_a_prefill_cancelled_while_it_runs_leaves_no_lease(start_agent, connect):
+    """A caller that cancels its Prefill (a client gone, a router's deadline) while the prefill step runs
+    never learns the KV handle: its lease must end at once, not hold its blocks until the TTL."""
+    import threading
+
+    a = await start_agent("site-a", kv_lease_ttl_s=300)
+    client = connect(a)
+    free = (await client.health()).kv_blocks_free
+    engine = a.models[MODEL].engine.engine
+    stepping, proceed = threading.Event(), threading.Event()
+    step = engine.step
+
+    def gated_step():
+        stepping.set()
+        proceed.wait(10)
+        return step()
+
+    engine.step = gated_step
+    call = asyncio.ensure_future(client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt(60),
+                                                                         sampling=sampling())))
+    await asyncio.to_thread(stepping.wait, 10)  # the prefill's step has begun
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    while a.core.num_inflight:  # the agent has seen the cancellation and left the engine's stream
+        await asyncio.sleep(0.01)
+    proceed.set()  # the step completes and pins the prompt's KV for a caller that is gone
+
+    assert await wait_for_free_blocks(client, free) == free
+    assert (await client.health()).num_kv_leases == 0

@@ -132,3 +132,43 @@ async def test_latent_kv_moves_between_agents_and_gives_the_colocated_tokens(dee
     finally:
         for agent in agents:
             await agent.stop()
+
+
+@pytest.fixture(scope="module")
+def fine_tuned_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny checkpoint with one tensor nudged, as a fine-tune leaves it: same name, config, files and sizes."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("tiny-fine-tuned")
+    shutil.copytree(tiny_model_dir, directory, dirs_exist_ok=True)
+    weights = load_file(directory / "model.safetensors")
+    name = "model.layers.1.self_attn.v_proj.weight"
+    weights[name] = weights[name] + 0.5 * torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(3))
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+async def test_decode_refuses_kv_of_another_checkpoint_of_the_same_name(start_agent, connect, fine_tuned_dir):
+    """KV prefilled by one checkpoint must not be decoded by another that merely has the same shape: the
+    decode site refuses it and recomputes the prompt with its own weights."""
+    a, b = await start_agent("site-a"), await start_agent("site-b", models={MODEL: str(fine_tuned_dir)})
+    client_a, client_b = connect(a), connect(b)
+    free_b = (await client_b.health()).kv_blocks_free
+    params, prompt_ids = sampling(), prompt(40)
+    result = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
+    first = result.first_token.token_id
+    request = dict(model=MODEL, prompt_ids=prompt_ids, generated_ids=[first], sampling=params)
+    own = await collect(client_b.decode(agent_pb2.DecodeRequest(**request)))  # b's weights from the first token on
+    foreign = await collect(client_a.decode(agent_pb2.DecodeRequest(**request)))
+    assert own != foreign  # the checkpoints really answer differently
+
+    decoded = await collect(client_b.decode(agent_pb2.DecodeRequest(
+        **request, kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+
+    assert decoded == own
+    assert b.metrics.kv_fallbacks._value.get() == 1 and b.metrics.kv_bytes_received._value.get() == 0
+    assert await wait_for_free_blocks(client_b, free_b) == free_b
+    assert await a.core.num_leases() == 0  # the refused pull still ended the lease

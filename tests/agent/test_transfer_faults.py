@@ -141,3 +141,76 @@ async def test_data_port_refuses_a_wrong_token_and_keeps_the_lease(start_agent, 
     assert payload.num_bytes == result.kv_bytes
     with pytest.raises(KVTransferError, match="unknown, released or expired"):  # single use
         await receive_bulk(data_address, PEER_TOKEN, result.kv_handle, layout, prompt_ids, timeout=10)
+
+
+def _request(kind: int, token: bytes, body: bytes) -> bytes:
+    from node_agent.kv_data import KIND, LENGTH
+
+    return KIND.pack(kind) + LENGTH.pack(len(token)) + token + LENGTH.pack(len(body)) + body
+
+
+@pytest.mark.parametrize("sent, refusal", [
+    (b"GET /health HTTP/1.1\r\nHost: agent\r\n\r\n", "wrong peer token"),   # a client at the wrong port
+    (b"\x01\xff\xff" + b"x" * 64, "wrong peer token"),                     # a token length past what follows
+    (_request(2, b"peer-secret", "²".encode()), "a probe asks for 1 to"),   # a digit that int() refuses
+], ids=["http", "long-token", "probe-not-a-number"])
+async def test_data_port_answers_bad_requests_at_once_and_keeps_serving(start_agent, connect, sent, refusal):
+    """A request the data port cannot take gets an error header at once (not silence until its 10 s
+    request timeout, nor a closed socket); a lease open meanwhile is still served whole."""
+    import json
+
+    from engine.kv_transfer import KVLayout
+    from node_agent.kv_data import HEADER, receive_bulk
+    from tests.agent.conftest import PEER_TOKEN
+
+    a = await start_agent("site-a")
+    client = connect(a)
+    prompt_ids = prompt(30, start=4)
+    result = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=PARAMS))
+    reader, writer = await asyncio.open_connection("127.0.0.1", a.core.kv_data_server.port)
+    writer.write(sent)
+    await writer.drain()
+    try:
+        (length,) = HEADER.unpack(await asyncio.wait_for(reader.readexactly(HEADER.size), 5))
+        assert refusal in json.loads(await reader.readexactly(length))["error"]
+        assert await reader.read() == b""  # and the connection is closed
+    finally:
+        writer.close()
+    payload = await receive_bulk(f"127.0.0.1:{a.core.kv_data_server.port}", PEER_TOKEN, result.kv_handle,
+                                 KVLayout.from_json(result.kv_layout), prompt_ids, timeout=10)
+    assert payload.num_bytes == result.kv_bytes
+    assert await a.core.num_leases() == 0
+
+
+async def test_pulls_from_stalled_peers_do_not_hold_up_a_healthy_pull(start_agent, connect):
+    """Many pulls stuck on peers that never answer (as many as asyncio's shared worker pool has
+    threads) must not hold up a pull from a healthy peer: it completes over the data port at once."""
+    import os
+    import socket
+
+    from engine.kv_transfer import KVLayout
+    from node_agent.kv_data import receive_bulk
+    from tests.agent.conftest import PEER_TOKEN
+
+    a = await start_agent("site-a")
+    client = connect(a)
+    prompt_ids = prompt(30, start=8)
+    result = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=PARAMS))
+    layout = KVLayout.from_json(result.kv_layout)
+    silent = socket.create_server(("127.0.0.1", 0), backlog=64)  # accepts (the kernel does) and never answers
+    stalled_address = f"127.0.0.1:{silent.getsockname()[1]}"
+    num_stalled = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor size
+    stalled = [asyncio.create_task(receive_bulk(stalled_address, PEER_TOKEN, "tiny/x", layout, prompt_ids, timeout=60))
+               for _ in range(num_stalled)]
+    try:
+        await asyncio.sleep(0.2)  # every stalled pull has connected and waits for its header
+        payload = await asyncio.wait_for(receive_bulk(f"127.0.0.1:{a.core.kv_data_server.port}", PEER_TOKEN,
+                                                      result.kv_handle, layout, prompt_ids, timeout=60), 20)
+        assert payload.num_bytes == result.kv_bytes
+        assert not any(task.done() for task in stalled)
+    finally:
+        for task in stalled:
+            task.cancel()
+        await asyncio.gather(*stalled, return_exceptions=True)
+        silent.close()
+    assert await a.core.num_leases() == 0
