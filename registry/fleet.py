@@ -6,7 +6,9 @@ with each router's grant (the algorithm and its bound: registry/allowance.py).
 
 A report is applied once: each router numbers its reports (`seq`, one in flight at a time) and the
 router's row keeps the last number applied, locked for the transaction, so a report resent after a
-lost answer — to this replica or another — adds nothing twice, yet still gets fresh grants. Rows
+lost answer — to this replica or another — adds nothing twice, yet still gets fresh grants. The answer
+also names the report's keys that are revoked (`revoked_keys`): the router stops honouring its cached
+copy of them at once, so a revocation reaches every router that uses the key within a report. Rows
 that can no longer matter are pruned as reports come: window slots older than the window, holds past
 HOLD_S, and routers silent for ROUTER_RETENTION_S (a report resent after that long would count twice;
 a router resends only while it gets no answer, so that means a day without one reaching the registry).
@@ -123,10 +125,11 @@ class ReportResult:
     grants: list[KeyGrant]
     live_routers: int
     grant_ttl_s: float = GRANT_TTL_S
+    revoked_keys: list[int] = field(default_factory=list)   # keys in the report now revoked (or unknown)
 
     def to_json(self) -> dict:
         return {"applied": self.applied, "live_routers": self.live_routers, "grant_ttl_s": self.grant_ttl_s,
-                "grants": [grant.to_json() for grant in self.grants]}
+                "grants": [grant.to_json() for grant in self.grants], "revoked_keys": self.revoked_keys}
 
 
 @dataclass(slots=True)
@@ -217,6 +220,7 @@ class FleetStore:
             # Every report touching a key holds the key's row until it commits: grants see one order.
             keys = {row.id: row for row in conn.execute(self._lock_keys, {"ids": key_ids})}
             unknown = set(key_ids) - set(keys)
+            revoked = sorted(unknown | {key_id for key_id, key in keys.items() if key.revoked})
             if unknown:
                 log.warning("router %s reported unknown API key id(s) %s; dropped", report.router_id, sorted(unknown))
             if applied:
@@ -227,7 +231,7 @@ class FleetStore:
         if now - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = now
             self._prune(now)
-        return ReportResult(applied, grants, live)
+        return ReportResult(applied, grants, live, revoked_keys=revoked)
 
     def _claim(self, conn, report: FleetReport, now: float) -> bool:
         """Locks the router's row and moves it to this report; False when the report was applied before."""

@@ -21,7 +21,7 @@ _STORE_STATUS = {InvalidInput: (422, "invalid_request_error"), NotFound: (404, "
                  Conflict: (409, "conflict_error")}
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-               413: "request_too_large", 422: "invalid_request_error"}
+               413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error"}
 
 
 class ApiError(Exception):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
 from registry.api_models import (UNFIT_TEXT, ApiKeyBody, DrainBody, ModelsBody, RolesBody, SiteBody, SiteCreateBody,
@@ -15,7 +16,7 @@ from registry.api_models import (UNFIT_TEXT, ApiKeyBody, DrainBody, ModelsBody, 
 from registry.app_state import CredentialFirstRoute, RegistryService, admin_actor, registry
 from registry.errors import InvalidInput
 from registry.fleet import USAGE_COUNTS, UsageQuery
-from registry.http_errors import status_of
+from registry.http_errors import ApiError, status_of
 from registry.placements import MAX_WINDOW_S
 from registry.records import Page
 from registry.validate import MAX_ID
@@ -24,7 +25,11 @@ MAX_EPOCH_S = 2**40   # far past any usage row; keeps the query's bounds within 
 
 
 class AdminRoute(CredentialFirstRoute):
-    """Counts every admin call by action (the handler's name) and status (registry.metrics)."""
+    """Counts every admin call by action (the handler's name) and status (registry.metrics).
+
+    A body sent as another media type (curl's `-d` alone says application/x-www-form-urlencoded) is
+    never parsed as JSON; its refusal says to send `Content-Type: application/json`, not that a
+    JSON object is missing."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -33,7 +38,10 @@ class AdminRoute(CredentialFirstRoute):
         async def counted(request: Request):
             counter = request.app.state.registry.metrics.admin_actions
             try:
-                response = await handler(request)
+                try:
+                    response = await handler(request)
+                except RequestValidationError as exc:
+                    raise _not_json(request) or exc from None
             except Exception as exc:
                 counter.labels(action, str(status_of(exc))).inc()
                 raise
@@ -41,6 +49,16 @@ class AdminRoute(CredentialFirstRoute):
             return response
 
         return counted
+
+
+def _not_json(request: Request) -> ApiError | None:
+    """A 415 for a body whose Content-Type is neither absent nor JSON; None otherwise."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if not media_type or media_type == "application/json" or media_type.endswith("+json"):
+        return None
+    return ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
+                         f"Content-Type {media_type!r} (curl: add -H 'Content-Type: application/json')",
+                    "unsupported_media_type")
 
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=AdminRoute)

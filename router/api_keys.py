@@ -7,6 +7,11 @@ key whose answer has expired waits at most STALE_WAIT_S for the registry to answ
 key is refused at once while the registry is healthy); past that, it is served on its last answer
 for STALE_GRACE_S while the lookup goes on, so a registry that hangs (rather than refuses
 connections) does not hold every request for the client's whole timeout.
+
+Revocation. A cached key is honoured until its entry expires (`ttl_s`, the router's `api_key_cache_s`)
+unless the registry says sooner: every fleet report names the keys it carried that are now revoked
+(router/fleet_reporter.py), and `forget` turns their entries into refusals at once. So a revoked key is
+refused by every router within about a report interval of its next use there.
 """
 
 from __future__ import annotations
@@ -80,6 +85,14 @@ class ApiKeyCache:
         if key is None:
             raise bad_api_key()
         return key
+
+    def forget(self, key_ids: list[int]) -> None:
+        """The registry says these keys are revoked: refuse them from now on (401), not after the cache's TTL."""
+        revoked = set(key_ids)
+        until = self._clock() + min(self._ttl_s, NEGATIVE_TTL_S)
+        for digest, entry in list(self._entries.items()):
+            if entry.key is not None and entry.key.id in revoked:
+                self._entries[digest] = _Entry(None, until)
 
     async def _refresh(self, digest: bytes, secret: str, stale: _Entry | None) -> ApiKey | None:
         try:

@@ -89,6 +89,8 @@ class CompletionService:
             max_tokens = [max(1, min(m, share)) for m in max_tokens]
         charge = await self.fleet.admit(key.id, key.requests_per_minute, key.tokens_per_minute,
                                         num_prompt_tokens + request.n * sum(max_tokens))
+        if isinstance(charge, Refusal) and charge.never:
+            raise _over_token_limit(request, num_prompt_tokens, max_tokens, key.tokens_per_minute)
         if isinstance(charge, Refusal):
             self.metrics.rate_limited.labels(charge.limit).inc()
             raise rate_limited(f"Rate limit on {charge.limit} per minute reached for this API key; retry after "
@@ -514,6 +516,22 @@ class CompletionRun:
                                            [call.body() for call in self.calls], self.index)
         return responses.completion_response(self.id, self.created, r.model, text, self.finish_reason,
                                              completion_lp, self.usage(), self.index)
+
+
+def _over_token_limit(request: CompletionRequest, num_prompt_tokens: int, max_tokens: list[int],
+                      tokens_per_minute: int) -> ApiError:
+    """A 400 for a request whose own tokens exceed its key's whole minute: waiting would never admit it."""
+    prompt_param = "messages" if request.chat else "prompt"
+    if num_prompt_tokens + request.num_choices > tokens_per_minute:
+        return bad_request(f"The prompt is {num_prompt_tokens} tokens; with {request.num_choices} choice(s) of at "
+                           f"least one token it is over this API key's limit of {tokens_per_minute} tokens per "
+                           f"minute, so it can never be admitted. Shorten the prompt.", prompt_param,
+                           "rate_limit_too_small")
+    needed = num_prompt_tokens + request.n * sum(max_tokens)
+    return bad_request(f"This request may use {needed} tokens ({num_prompt_tokens} prompt tokens + up to "
+                       f"{needed - num_prompt_tokens} completion tokens over {request.num_choices} choice(s)), more "
+                       f"than this API key's limit of {tokens_per_minute} tokens per minute, so it can never be admitted. Lower "
+                       f"max_tokens (or n) so the total fits.", "max_tokens", "rate_limit_too_small")
 
 
 class Served:

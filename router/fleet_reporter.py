@@ -9,6 +9,9 @@ crashes loses at most what it served since its last answered report (about a sec
 registry answers), and a clean stop sends a last report. A report the registry refuses (4xx) cannot
 succeed by being sent again: it is logged with its figures and dropped, so later ones still go out.
 
+An answer also names the reported keys the registry now holds revoked; `on_revoked` gets their ids
+(the router's key cache refuses them from then on, router/api_keys.py).
+
 `ask()` is for a request that found no room in its key's budget: it has the next report go out at
 once (with that request's demand in it) and waits, up to `ask_timeout_s`, for its answer; concurrent
 askers share that report.
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MIN_GAP_S = 0.05          # early reports are at least this far apart
 STOP_FLUSH_TIMEOUT_S = 3.0
+MAX_REPORT_USAGE = 2000   # usage rows per report; the rest wait for the next (router/rate_limit.py says why)
 USAGE_COUNTS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
 
 
@@ -54,9 +58,11 @@ class UsageMeter:
         counts[2] += num_cached_tokens
         counts[3] += num_completion_tokens
 
-    def take(self) -> list[UsageCount]:
-        counts, self._counts = self._counts, {}
-        return [UsageCount(key_id, model, hour, *values) for (key_id, model, hour), values in sorted(counts.items())]
+    def take(self, limit: int) -> list[UsageCount]:
+        """Up to `limit` rows, the oldest hours first; the rest stay for the next take."""
+        rows = sorted(self._counts.items(), key=lambda item: (item[0][2], item[0][0], item[0][1]))
+        self._counts = dict(rows[limit:])
+        return [UsageCount(key_id, model, hour, *values) for (key_id, model, hour), values in rows[:limit]]
 
 
 @dataclass(slots=True)
@@ -70,8 +76,10 @@ class _Report:
 class FleetReporter:
     def __init__(self, send: Callable[[dict], Awaitable[dict]], limiter: RateLimiter, meter: UsageMeter,
                  name: str = "", interval_s: float = 1.0, ask_timeout_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_revoked: Callable[[list[int]], None] | None = None) -> None:
         self._send = send
+        self._on_revoked = on_revoked
         self.limiter = limiter
         self.meter = meter
         self.name = name
@@ -150,6 +158,8 @@ class FleetReporter:
         self._backoff.reset()
         self.num_reports += 1
         self.limiter.answered(report.seq, sent_at, answer)
+        if answer.get("revoked_keys") and self._on_revoked is not None:
+            self._on_revoked(answer["revoked_keys"])
         for waiter in report.waiters:
             if not waiter.done():
                 waiter.set_result(True)
@@ -157,7 +167,7 @@ class FleetReporter:
 
     def _take(self) -> _Report:
         part = self.limiter.take_report()
-        usage = self.meter.take()
+        usage = self.meter.take(MAX_REPORT_USAGE)
         body = {"router_id": self.router_id, "name": self.name, "seq": part.seq,
                 "charges": [{"key_id": c.key_id, "slot": c.slot, "requests": c.requests, "tokens": c.tokens}
                             for c in part.charges],

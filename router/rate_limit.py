@@ -8,7 +8,8 @@ a *budget*: the grant of the registry's last answer less what it charged since i
     charge = limiter.admit(key_id, requests_per_minute, tokens_per_minute, num_tokens)
     # Charge: admitted, and the tokens are taken (prompt + max_tokens, the most the request can use)
     # Refusal: 429 after `retry_after_s`; `ask` says an early report may bring room (the caller
-    #          asks the reporter and tries again once)
+    #          asks the reporter and tries again once); `never`: the request is over the whole
+    #          limit, a client error (400) rather than a wait
     limiter.give_back(charge, unused_tokens)     # when the request ends
 
 A request that does not fit a budget is refused unless the key has no grant here yet, or the
@@ -36,10 +37,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from registry.allowance import GRANT_TTL_S, WINDOW_S, WINDOW_SLOTS
+from registry.allowance import GRANT_TTL_S, MAX_FUTURE_SLOTS, WINDOW_S, WINDOW_SLOTS
 from registry.fleet import KeyDemand, RateCharge
 
 IDLE_RELEASE_S = 10.0     # a key not asked for this long gives its grants back at the next report
+# A report carries at most this many (key, second) charges, the newest first; the rest wait for the next
+# one. The registry refuses a report with more than 10,000 in a list or over 1 MiB, and a refused report
+# is dropped whole, usage and all: after minutes without the registry, charges of many keys pile up.
+MAX_REPORT_CHARGES = 4000
 LIMITS = ("requests", "tokens")
 
 
@@ -78,6 +83,7 @@ class Refusal:
     limit: str          # "requests" | "tokens"
     retry_after_s: float
     ask: bool = False   # an early report may bring room: ask, then try once more
+    never: bool = False  # the request alone is over the key's whole limit: no wait can admit it
 
 
 @dataclass(slots=True)
@@ -123,13 +129,13 @@ class RateLimiter:
         needed = [name for name in LIMITS if limits[name] is not None and not state.budgets[name].unlimited]
         if not needed:
             return None
+        for name in needed:
+            if amounts[name] > limits[name]:   # more than a whole minute's allowance: not demand to share
+                return Refusal(name, WINDOW_S, never=True)
         if not retry:
             state.asked["requests"] += 1
             state.asked["tokens"] += num_tokens
         state.last_asked_at = now
-        for name in needed:
-            if amounts[name] > limits[name]:
-                return Refusal(name, WINDOW_S)   # more than a whole minute's allowance: it can never fit
         if self.local_share:
             refusal = self._check_local(state, amounts, needed)
             if refusal is not None:
@@ -210,9 +216,14 @@ class RateLimiter:
         now = self._clock()
         seq = self._next_seq
         self._next_seq += 1
-        charges = [RateCharge(key_id, slot, requests, tokens)
-                   for (key_id, slot), (requests, tokens) in sorted(self._pending.items()) if requests or tokens]
-        self._pending, self._spent = {}, {}
+        # Charges older than every window are dropped (the registry would, and they only swell the report).
+        oldest = math.floor(self._wall()) - WINDOW_SLOTS - MAX_FUTURE_SLOTS
+        newest_first = sorted(((slot, key_id), counts) for (key_id, slot), counts in self._pending.items()
+                              if slot >= oldest and (counts[0] or counts[1]))[::-1]
+        charges = [RateCharge(key_id, slot, requests, tokens) for (key_id, slot), (requests, tokens)
+                   in sorted(((key_id, slot), counts) for (slot, key_id), counts in newest_first[:MAX_REPORT_CHARGES])]
+        self._pending = {(key_id, slot): counts for (slot, key_id), counts in newest_first[MAX_REPORT_CHARGES:]}
+        self._spent = {}
         demand, spendable = [], now < self._valid_until and not self.local_share
         for state in list(self._keys.values()):
             limited = any(state.limits[name] is not None for name in LIMITS)

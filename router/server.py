@@ -59,7 +59,7 @@ class Router:
         # brings this router's share of each key's limits (router/rate_limit.py, registry/allowance.py).
         self.fleet = FleetReporter(self.metrics.counting_errors("fleet_report", self.registry.fleet_report),
                                    RateLimiter(report_interval_s=config.report_interval_s), UsageMeter(), config.name,
-                                   config.report_interval_s)
+                                   config.report_interval_s, on_revoked=self.keys.forget)
         self.metrics.follow_rate_limits(self.fleet.limiter)
         self.service = CompletionService(
             self.feed, ModelAssetsCache(self.agents, config.retry_after_s, config.reasoning_parsers,
