@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,17 +81,25 @@ def run_compress(args: argparse.Namespace) -> int:
     from engine.compression.compress import compress_checkpoint
     from engine.errors import EngineError
 
+    # A kill (timeout, systemd, a scheduler) unwinds like Ctrl-C, so the half-written copy is removed.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         report = compress_checkpoint(args.source, args.destination, args.tensors, args.chunk_size, args.force)
     except (EngineError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(report.table())
     total = report.total
     print(f"wrote {args.destination} in {report.seconds:.1f} s: {total.num_compressed} of {total.num_tensors} tensors "
           f"compressed, every tensor verified bit-exact; {total.bf16_bytes / 2**20:.1f} MiB of bf16 weights stored "
           f"in {total.stored_bytes / 2**20:.1f} MiB ({total.saving:.1%} smaller)")
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -26,8 +26,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from engine.compression import WEIGHT_MODES
-from engine.compression.checkpoint import CompressedCheckpoint, is_compressed
-from engine.compression.decode import decompress_verified, needs_pair_tables, uses_kernel
+from engine.compression.checkpoint import CompressedCheckpoint, open_checkpoint
+from engine.compression.decode import needs_pair_tables, uses_kernel
 from engine.compression.streamed import CompressedMLP, StreamedLayers
 from engine.compression.tables import pair_table
 from engine.config import ModelConfig
@@ -87,9 +87,8 @@ def stores_lm_head(model_dir: str | Path) -> bool:
     weights): the memory check counts it for a tied model too, since _read_lm_head reads it."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    if is_compressed(model_dir):
-        return CompressedCheckpoint(model_dir, files).has("lm_head.weight")
-    return "lm_head.weight" in files
+    compressed = open_checkpoint(model_dir, files)
+    return compressed.has("lm_head.weight") if compressed else "lm_head.weight" in files
 
 
 def _open(path: Path):
@@ -162,7 +161,7 @@ class _TensorReader:
             tensor = self.compressed.read_compressed(name)
             _check_shape(name, tensor.shape, shapes[proj])
             tensors[proj] = tensor.to(self.device)
-            decompress_verified(tensors[proj], self.device)   # decoded once, checked, dropped
+            self.compressed.check_decodes(tensors[proj], self.device)   # decoded once, checked, dropped
             self.names_read.add(name)
             self.progress.update(1)
         tables = tuple(self._pair_table(t) for t in tensors.values()) if needs_pair_tables(self.device) else None
@@ -390,7 +389,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     model_dir = Path(model_dir)
     shard = shard or whole_model(cfg)
     files = checkpoint_files(model_dir)
-    compressed = CompressedCheckpoint(model_dir, files) if is_compressed(model_dir) else None
+    compressed = open_checkpoint(model_dir, files)
     keep_compressed = weight_mode == "compressed_in_memory"
     if keep_compressed and device.type == "cuda" and not uses_kernel(device):
         raise ValueError("weight_mode compressed_in_memory on a GPU decodes with the Triton kernel: install triton "

@@ -10,6 +10,7 @@ tensor and is never turned into wrong weights.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,17 +23,34 @@ from engine.compression.format import (FORMAT_NAME, FORMAT_VERSION, PARTS, Compr
 MANIFEST = "compression.json"
 SHARD_VERSION_KEY = "edgefire.format_version"
 RECORD_PREFIX = "edgefire.tensor."
+PLAIN_CHECKSUM_PREFIX = "edgefire.plain_xxh3."   # a plain entry's checksum (checkpoints written before it have none)
 
 
 @dataclass(slots=True)
 class Manifest:
     format_version: int
-    source_weights: list[str] | None   # the source's weight files (name:size) when the weights decode bit-identical
+    # the source's weight identity (engine/fingerprint.py) when the weights decode bit-identical
+    source_weights: list[str] | None
     tensors: str                       # mlp | all
 
 
 def is_compressed(model_dir: str | Path) -> bool:
     return (Path(model_dir) / MANIFEST).is_file()
+
+
+def open_checkpoint(model_dir: str | Path, files: dict[str, Path]) -> CompressedCheckpoint | None:
+    """The reader of a compressed checkpoint, None for a plain one (files: as for CompressedCheckpoint).
+    Weights holding compressed parts without the manifest beside them are an error naming what is
+    missing, not a plain checkpoint that lacks its MLP weights."""
+    if is_compressed(model_dir):
+        return CompressedCheckpoint(model_dir, files)
+    part = next((name for name in files if split_part_name(name) is not None), None)
+    if part is not None:
+        raise CompressedFormatError(
+            f"{model_dir}: the weights hold edgefire-compressed tensors ({part!r} in {Path(files[part]).name}) but "
+            f"{MANIFEST} is missing or not a file; copy it back from where the checkpoint came from, or compress "
+            f"the original again (edgefire compress SRC DST)")
+    return None
 
 
 def read_manifest(model_dir: str | Path) -> Manifest:
@@ -48,7 +66,8 @@ def read_manifest(model_dir: str | Path) -> Manifest:
     _check_version(raw.get("format_version"), str(path))
     source = raw.get("source_weights")
     if source is not None and not (isinstance(source, list) and all(isinstance(s, str) for s in source)):
-        raise CompressedFormatError(f"{path}: source_weights must be a list of 'name:size' strings or null")
+        raise CompressedFormatError(f"{path}: source_weights must be a list of strings (the source's weight "
+                                    f"files, as engine/fingerprint.py writes them) or null")
     return Manifest(FORMAT_VERSION, source, str(raw.get("tensors")))
 
 
@@ -68,6 +87,7 @@ class CompressedCheckpoint:
         self.manifest = read_manifest(self.model_dir)
         self.handles: dict[Path, object] = {}
         self.plain: dict[str, Path] = {}
+        self.plain_checksums: dict[str, str] = {}
         self.compressed: dict[str, tuple[Path, dict]] = {}
         for shard in sorted(set(files.values())):
             handle = self._handle(shard)
@@ -77,6 +97,8 @@ class CompressedCheckpoint:
                 split = split_part_name(key)
                 if split is None:
                     self.plain[key] = shard
+                    if PLAIN_CHECKSUM_PREFIX + key in metadata:
+                        self.plain_checksums[key] = metadata[PLAIN_CHECKSUM_PREFIX + key]
                 elif split[0] not in self.compressed:
                     self.compressed[split[0]] = (shard, self._record(shard, metadata, split[0]))
 
@@ -100,14 +122,24 @@ class CompressedCheckpoint:
             except (SafetensorError, OSError, ValueError) as exc:
                 raise CompressedFormatError(f"{shard}: compressed tensor {name!r} is missing part {part!r} ({exc}); "
                                             f"the checkpoint is corrupt or truncated") from exc
-        return from_record(name, record, parts)
+        with self._naming_shard(name):
+            return from_record(name, record, parts)
 
     def read_plain(self, name: str) -> torch.Tensor:
+        """A tensor stored plain, checked against its checksum when the file records one."""
         shard = self.plain[name]
         try:
-            return self._handle(shard).get_tensor(name)
+            tensor = self._handle(shard).get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise CompressedFormatError(f"{shard}: cannot read tensor {name!r} ({exc})") from exc
+        if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:
+            raise CompressedFormatError(f"{shard}: tensor {name!r} is stored as {tensor.dtype}; a compressed "
+                                        f"checkpoint stores floating-point tensors in bfloat16: it is corrupt")
+        expected = self.plain_checksums.get(name)
+        if expected is not None and tensor_checksum(tensor) != expected:
+            raise CompressedFormatError(f"{shard}: tensor {name!r} (stored plain) does not match its checksum: the "
+                                        f"checkpoint is corrupt; compress it again from the original")
+        return tensor
 
     def read(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """The tensor as stored before compression (bf16 for compressed ones), on device."""
@@ -115,11 +147,28 @@ class CompressedCheckpoint:
             tensor = self.read_plain(name)
             return tensor if device is None else tensor.to(device)
         from engine.compression.decode import decompress_verified
-        return decompress_verified(self.read_compressed(name), device or torch.device("cpu"))
+        tensor = self.read_compressed(name)
+        with self._naming_shard(name):
+            return decompress_verified(tensor, device or torch.device("cpu"))
+
+    def check_decodes(self, t: CompressedTensor, device: torch.device) -> None:
+        """Decode t (read from here, parts on device) and check it against the original's checksum."""
+        from engine.compression.decode import decompress_verified
+        with self._naming_shard(t.name):
+            decompress_verified(t, device)
+
+    @contextmanager
+    def _naming_shard(self, name: str):
+        """Format errors of a tensor name the shard holding it: an agent may load several checkpoints."""
+        try:
+            yield
+        except CompressedFormatError as exc:
+            raise CompressedFormatError(f"{self.compressed[name][0]}: {exc}") from exc
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start .. stop-1 of a tensor (CPU; bf16 for compressed ones), decoding only the chunks
-        that hold them: a tensor-parallel rank's shard of a row-split weight."""
+        that hold them: a tensor-parallel rank's shard of a row-split weight. A plain tensor's rows are
+        not checked: its checksum covers the whole tensor."""
         if name not in self.compressed:
             return self._handle(self.plain[name]).get_slice(name)[start:stop]
         from engine.compression.decode import decompress_rows

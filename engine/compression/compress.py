@@ -2,14 +2,16 @@
 
 Reads any checkpoint the engine loads. Floating-point weights that are not bf16 are converted to
 bf16 first (the tool says so; the copy is then not bit-identical to the source, and keeps its own
-fingerprint). The selected tensors (`mlp`: the MLP projections; `all`: every floating tensor) are
-compressed when that makes them smaller and stored plain otherwise. Everything is written to a
-temporary directory beside DST, read back through the engine's own reader (which decodes every
-compressed tensor and checks it), compared with the source's checksums, and only then renamed to DST.
+fingerprint). The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
+router included; `all`: every floating tensor) are compressed when that makes them smaller and
+stored plain otherwise. Everything is written to a temporary directory beside DST, read back
+through the engine's own reader (which decodes every compressed tensor and checks it), compared
+with the source's checksums, and only then renamed to DST.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -22,7 +24,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.compression.checkpoint import MANIFEST, CompressedCheckpoint, is_compressed
+from engine.compression.checkpoint import MANIFEST, CompressedCheckpoint, open_checkpoint
 from engine.compression.encoder import compress_tensor
 from engine.compression.format import FORMAT_NAME, FORMAT_VERSION, tensor_checksum
 from engine.compression.writer import INDEX_FILE, ShardWriter
@@ -31,7 +33,9 @@ from engine.errors import CheckpointError
 
 TENSOR_CHOICES = ("mlp", "all")
 MAX_SHARD_BYTES = 2 << 30
-_GROUPS = [("mlp", re.compile(r"\.mlp\.")), ("attention", re.compile(r"\.self_attn\.")),
+_SCRATCH_PREFIX = ".{}."   # beside DST: .NAME.partial-PID while writing, .NAME.replaced-PID while swapping in
+# Mixtral keeps its experts (and router) under block_sparse_moe, the other families under mlp.
+_GROUPS = [("mlp", re.compile(r"\.(mlp|block_sparse_moe)\.")), ("attention", re.compile(r"\.self_attn\.")),
            ("embeddings", re.compile(r"embed_tokens|lm_head")), ("norms", re.compile(r"norm"))]
 
 
@@ -89,20 +93,24 @@ def compress_checkpoint(src: str | Path, dst: str | Path, tensors: str = "mlp", 
     if tensors not in TENSOR_CHOICES:
         raise ValueError(f"tensors must be one of {', '.join(TENSOR_CHOICES)}, got {tensors!r}")
     load_config(src)   # fails clearly unless SRC is a checkpoint the engine loads
-    if is_compressed(src):
+    files = checkpoint_files(src)
+    if open_checkpoint(src, files) is not None:
         raise CheckpointError(f"{src} is already a compressed checkpoint ({MANIFEST}); compress the original instead")
-    if dst.exists() and not force:
-        raise CheckpointError(f"{dst} already exists; choose another destination or pass --force to replace it")
     if dst.resolve() == src.resolve():
         raise CheckpointError("the destination must differ from the source")
-    files = checkpoint_files(src)
+    if src.resolve().is_relative_to(dst.resolve()):
+        raise CheckpointError(f"{dst} holds the source checkpoint {src}: replacing it would delete the source; "
+                              f"choose a destination outside it")
+    if dst.exists() and not force:
+        raise CheckpointError(f"{dst} already exists; choose another destination or pass --force to replace it")
     started = time.perf_counter()
     report = CompressionReport(dst)
-    partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    _remove_abandoned(dst, say)
+    partial = dst.parent / f"{_SCRATCH_PREFIX.format(dst.name)}partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        _copy_other_files(src, partial)
+        _copy_other_files(src, partial, dst)
         checksums = _write_weights(files, partial, tensors, chunk_size, max_shard_bytes, report, show_progress)
         if report.converted:
             say("converted to bfloat16 before compressing: " + ", ".join(
@@ -120,15 +128,24 @@ def compress_checkpoint(src: str | Path, dst: str | Path, tensors: str = "mlp", 
     return report
 
 
-def _copy_other_files(src: Path, dst: Path) -> None:
-    """Config, tokenizer, generation config and anything else that is not weights."""
+def _copy_other_files(src: Path, directory: Path, dst: Path) -> None:
+    """Config, tokenizer, generation config and anything else that is not weights, into directory.
+    A destination inside the source (and its scratch directories) is not copied into itself."""
+    target, scratch = dst.resolve(), _SCRATCH_PREFIX.format(dst.name)
+
+    def skipped(folder: str, names: list[str]) -> list[str]:
+        here = Path(folder).resolve()
+        return [name for name in names if here / name == target or here == target.parent and name.startswith(scratch)]
+
     for entry in src.iterdir():
         if entry.suffix == ".safetensors" or entry.name in (INDEX_FILE, MANIFEST) or entry.name.startswith("."):
             continue
+        if skipped(str(src), [entry.name]):
+            continue
         if entry.is_dir():
-            shutil.copytree(entry, dst / entry.name)
+            shutil.copytree(entry, directory / entry.name, ignore=skipped)
         else:
-            shutil.copy2(entry, dst / entry.name)
+            shutil.copy2(entry, directory / entry.name)
 
 
 def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_size: int | None, max_shard_bytes: int,
@@ -190,7 +207,38 @@ def _replace(partial: Path, dst: Path) -> None:
     if not dst.exists():
         partial.rename(dst)
         return
-    old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+    old = dst.parent / f"{_SCRATCH_PREFIX.format(dst.name)}replaced-{os.getpid()}"
     dst.rename(old)
     partial.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove_abandoned(dst: Path, say) -> None:
+    """Delete the scratch directories of earlier runs for dst whose process is gone (killed, or the machine
+    went down): a checkpoint-sized hidden directory each. A replaced old dst is kept while dst is missing:
+    the run died between the two renames and it is the only copy."""
+    if not dst.parent.is_dir():
+        return
+    for kind in ("partial", "replaced") if dst.exists() else ("partial",):
+        for path in dst.parent.glob(glob.escape(f"{_SCRATCH_PREFIX.format(dst.name)}{kind}-") + "*"):
+            pid = path.name.rpartition("-")[2]
+            if pid.isdigit() and not _alive(int(pid)):
+                _remove(path)
+                say(f"removed {path}, left by an interrupted edgefire compress")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.compression.checkpoint import RECORD_PREFIX, SHARD_VERSION_KEY
-from engine.compression.format import FORMAT_VERSION, CompressedTensor, part_name
+from engine.compression.checkpoint import PLAIN_CHECKSUM_PREFIX, RECORD_PREFIX, SHARD_VERSION_KEY
+from engine.compression.format import FORMAT_VERSION, CompressedTensor, part_name, tensor_checksum
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -27,7 +27,8 @@ class ShardWriter:
         self.shards: list[tuple[Path, list[str]]] = []   # temporary file, entry names
 
     def add_plain(self, name: str, tensor: torch.Tensor) -> None:
-        self._add({name: tensor.contiguous()}, {})
+        tensor = tensor.contiguous()
+        self._add({name: tensor}, {PLAIN_CHECKSUM_PREFIX + name: tensor_checksum(tensor)})
 
     def add_compressed(self, t: CompressedTensor) -> None:
         parts = {part_name(t.name, part): value.contiguous() for part, value in t.parts().items()}
