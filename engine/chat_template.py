@@ -20,11 +20,18 @@ only right when every piece of that environment is the same here:
 Checkpoints with several named templates use `tool_use` when tools are given and it exists,
 `default` otherwise. Every failure while rendering, of whatever exception type, is a
 `TemplateError` naming the problem: the caller answers 400, never 500.
+
+A control token a client writes (a user typing `<|im_end|>` in a message) must reach the model as
+the text it is, not as the token that ends a turn, or any user could forge a system turn. Before
+rendering for tokenization, `mark_control_tokens` wraps each control token in the inputs' strings
+in two private-use markers, as transformers' `apply_chat_template(..., sanitize_control_tokens=True)`
+does; the tokenizer then encodes marked tokens as plain text (`engine.tokenizer`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 
 import jinja2
@@ -37,6 +44,8 @@ from engine.errors import CheckpointError, InvalidRequestError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the one templates read
+# transformers' markers around a control token written in the inputs (Unicode private use, plane 15)
+CONTROL_TOKEN_START, CONTROL_TOKEN_END = "\U000f0000", "\U000f0001"
 
 
 class TemplateError(InvalidRequestError):
@@ -130,6 +139,39 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return normalized
 
 
+def control_token_pattern(tokens) -> re.Pattern:
+    """A regex matching any of `tokens`, longer ones first (a token wins over the tokens it contains)."""
+    longest_first = sorted(tokens, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!) never matches
+
+
+def marked_token_pattern(tokens) -> re.Pattern:
+    """A regex matching a marked token among `tokens` (the token is its group) or a lone marker (no group)."""
+    start, end = CONTROL_TOKEN_START, CONTROL_TOKEN_END
+    return re.compile(f"{start}({control_token_pattern(tokens).pattern}){end}|[{start}{end}]")
+
+
+def mark_control_tokens(value, control_tokens: re.Pattern):
+    """`value` (a string, or lists and dicts holding strings) with each control token in its strings wrapped in
+    the markers; markers already in a string are dropped first, so a client cannot forge a marked token.
+    Dict keys are left alone."""
+    if isinstance(value, str):
+        value = value.replace(CONTROL_TOKEN_START, "").replace(CONTROL_TOKEN_END, "")
+        return control_tokens.sub(f"{CONTROL_TOKEN_START}\\g<0>{CONTROL_TOKEN_END}", value)
+    if isinstance(value, dict):
+        return {key: mark_control_tokens(item, control_tokens) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mark_control_tokens(item, control_tokens) for item in value]
+    return value
+
+
+def _literal_text(parsed: jinja2.nodes.Template) -> str:
+    """A template's raw text and string constants, joined by NULs so no search matches across two of them."""
+    literals = {node.data for node in parsed.find_all(jinja2.nodes.TemplateData)}
+    literals |= {node.value for node in parsed.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
+    return "\0".join(literals)
+
+
 class ChatTemplate:
     """A checkpoint's chat template(s), compiled once; `render` gives the prompt text."""
 
@@ -137,6 +179,7 @@ class ChatTemplate:
         self.sources = {"default": source} if isinstance(source, str) else dict(source)
         self.special_tokens = special_tokens
         self._compiled: dict[str, jinja2.Template] = {}
+        self.literals: dict[str, str] = {}  # each template's literal text (where its control tokens are written)
         self.variables: set[str] = set()   # the names any of the templates reads from its context
         for name, text in self.sources.items():
             try:
@@ -144,6 +187,7 @@ class ChatTemplate:
                 self._compiled[name] = _ENV.from_string(parsed)
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"chat template {name!r} does not parse: {exc}") from exc
+            self.literals[name] = _literal_text(parsed)
             self.variables |= jinja2.meta.find_undeclared_variables(parsed)
             for node in parsed.find_all(tuple(_TEMPLATE_FILE_NODES)):
                 # transformers renders without a template loader too: such a template fails on every request
@@ -156,13 +200,12 @@ class ChatTemplate:
         """The text of the template used without tools (for detecting what a model family does)."""
         return self.sources.get("default") or next(iter(self.sources.values()))
 
-    def _select(self, tools) -> jinja2.Template:
-        if len(self._compiled) == 1 and "default" in self._compiled:
-            return self._compiled["default"]
+    def select(self, tools) -> str:
+        """The name of the template a request with (or without) `tools` renders with."""
         if tools is not None and "tool_use" in self._compiled:
-            return self._compiled["tool_use"]
+            return "tool_use"
         if "default" in self._compiled:
-            return self._compiled["default"]
+            return "default"
         raise TemplateError(f"this model has several chat templates ({', '.join(sorted(self._compiled))}) and "
                             f"none named `default`")
 
@@ -170,7 +213,7 @@ class ChatTemplate:
                documents: list | None = None, **kwargs) -> str:
         if not messages:
             raise TemplateError("there are no messages to render; send at least one")
-        template = self._select(tools)
+        template = self._compiled[self.select(tools)]
         if documents is not None and not all(isinstance(d, dict) for d in documents):
             raise TemplateError("documents must be objects (with `title` and `text`)")
         variables = {**self.special_tokens, **kwargs, "messages": normalize_messages(messages), "tools": tools,

@@ -5,15 +5,19 @@ No torch here: routers use this module to tokenize and detokenize with assets an
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from engine.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, TemplateError
+from engine.chat_template import (CONTROL_TOKEN_END, CONTROL_TOKEN_START, SPECIAL_TOKEN_NAMES, ChatTemplate,
+                                  TemplateError, control_token_pattern, mark_control_tokens, marked_token_pattern)
 from engine.config import read_json
 from engine.errors import CheckpointError
 
 __all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError", "chat_template_file"]
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # named templates beside chat_template.jinja
 
 
 def _short(value) -> str:
@@ -51,6 +55,19 @@ def _config_template(config: dict, config_file: str) -> str | dict[str, str] | N
     return {entry["name"]: entry["template"] for entry in template}
 
 
+def _control_tokens(added_tokens, template_literals: str, config: dict, config_file: str) -> list[str]:
+    """The added tokens a client's text may not produce: the special ones, plus those tokenizer_config.json lists
+    as `chat_control_tokens`, or without that list those the template writes (whitespace tokens aside, such as
+    Gemma's "\\n", which templates write as ordinary text)."""
+    listed = config.get("chat_control_tokens")
+    if listed is not None and not (isinstance(listed, list) and all(isinstance(t, str) for t in listed)):
+        raise CheckpointError(f"{config_file}: chat_control_tokens must be a list of token texts, got {_short(listed)}")
+    if listed is not None:
+        return [token.content for token in added_tokens if token.special or token.content in listed]
+    return [token.content for token in added_tokens
+            if token.special or (token.content in template_literals and not token.content.isspace())]
+
+
 def _parse_tokenizer(tokenizer_json: str, where: str) -> Tokenizer:
     try:
         return Tokenizer.from_str(tokenizer_json)
@@ -58,11 +75,21 @@ def _parse_tokenizer(tokenizer_json: str, where: str) -> Tokenizer:
         raise CheckpointError(f"{where} is not a valid tokenizer ({exc})") from exc
 
 
-def chat_template_file(model_dir: Path) -> str | None:
-    """chat_template.jinja's text, where newer checkpoints keep the template (it comes before
-    tokenizer_config.json's); None without one."""
-    path = Path(model_dir) / "chat_template.jinja"
-    return _read_text(path) if path.is_file() else None
+def chat_template_file(model_dir: Path) -> str | dict[str, str] | None:
+    """The chat template(s) newer checkpoints keep in files, as transformers' `save_pretrained` writes them:
+    chat_template.jinja (the `default`) and additional_chat_templates/NAME.jinja (named ones such as
+    `tool_use`). One template is its text, several are {name: text}; None without any. As in transformers,
+    these files come before tokenizer_config.json's `chat_template`."""
+    model_dir = Path(model_dir)
+    templates = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        templates["default"] = _read_text(model_dir / "chat_template.jinja")
+    if (model_dir / CHAT_TEMPLATE_DIR).is_dir():
+        for path in sorted((model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = _read_text(path)
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return templates or None
 
 
 def _read_text(path: Path) -> str:
@@ -75,8 +102,8 @@ def _read_text(path: Path) -> str:
 class ChatTokenizer:
     """A checkpoint's tokenizer and chat template; model_dir (from_dir) is the directory errors name the files in."""
 
-    def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None, chat_template: str | None = None,
-                 model_dir: Path | None = None):
+    def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None,
+                 chat_template: str | dict[str, str] | None = None, model_dir: Path | None = None):
         where = model_dir or Path()
         self.tokenizer = _parse_tokenizer(tokenizer_json, str(where / "tokenizer.json"))
         config_file = str(where / "tokenizer_config.json")
@@ -86,8 +113,15 @@ class ChatTokenizer:
         self.eos_token = self.special_tokens.get("eos_token")
         source = chat_template or _config_template(self.config, config_file)
         self.template = ChatTemplate(source, self.special_tokens) if source else None
+        self._control_tokens: dict[str, re.Pattern] = {}  # per template: the control tokens a client may not write
         if self.template is not None:
             self._check_rendered_tokens(config_file)
+            added = self.tokenizer.get_added_tokens_decoder().values()
+            self._marked_tokens = marked_token_pattern([token.content for token in added])
+            self._newline_ids = self.encode("\n", add_special_tokens=False)
+            self._control_tokens = {name: control_token_pattern(_control_tokens(added, literal, self.config,
+                                                                                config_file))
+                                    for name, literal in self.template.literals.items()}
 
     @property
     def chat_template(self) -> str | None:
@@ -124,9 +158,55 @@ class ChatTokenizer:
             raise TemplateError("this model has no chat template; use the completions endpoint with a plain prompt")
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        # The template already places BOS; encoding must not add a second one.
-        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], tools: list | None = None, documents: list | None = None,
+                    **kwargs) -> list[int]:
+        """The prompt's token ids, as transformers' `apply_chat_template(..., tokenize=True,
+        sanitize_control_tokens=True)` gives them: a control token written in the messages, tools, documents or
+        template variables is encoded as the plain text it is, so only the template's own control tokens are
+        tokens (a user typing `<|im_end|>` cannot end their turn). The template places BOS; encoding adds none."""
+        if self.template is None:
+            return self.apply_chat_template(messages)  # raises: no template
+        mark = functools.partial(mark_control_tokens, control_tokens=self._control_tokens[self.template.select(tools)])
+        text = self.apply_chat_template(mark(messages), tools=mark(tools), documents=mark(documents), **mark(kwargs))
+        return self._encode_marked(text)
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """`text` rendered from marked inputs: marked tokens encoded as plain text, the rest as usual. A lone
+        marker (a template's string method split a marked token) is dropped but still separates the text on
+        either side, so the pieces cannot join into a control token."""
+        if CONTROL_TOKEN_START not in text and CONTROL_TOKEN_END not in text:
+            return self.encode(text, add_special_tokens=False)
+        pieces = self._marked_tokens.split(text)  # [text, marked token or None, text, ...]
+        ids = self.encode(pieces[0], add_special_tokens=False)
+        for i, piece in enumerate(pieces[1:], start=1):
+            if not piece:
+                continue
+            as_text = i % 2 == 1
+            piece_ids = self._encode_piece(piece, as_text)
+            if as_text and self.token_to_id(piece) in piece_ids:
+                raise TemplateError(f"the request's text holds {piece!r}, which this tokenizer encodes as its control "
+                                    f"token even when read as plain text; remove it")
+            ids += piece_ids
+        return ids
+
+    def _encode_piece(self, piece: str, as_text: bool) -> list[int]:
+        """A piece from the middle of a prompt, encoded after a newline that is then removed, so a SentencePiece
+        tokenizer does not add the space it adds at the start of a text (as transformers does)."""
+        encode = self._encode_plain if as_text else functools.partial(self.encode, add_special_tokens=False)
+        piece_ids = encode("\n" + piece)
+        if piece_ids[:len(self._newline_ids)] == self._newline_ids:
+            return piece_ids[len(self._newline_ids):]
+        return encode(piece)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """`text` through the tokenizer's normalizer, pre-tokenizer and model, matching no added token."""
+        tokenizer = self.tokenizer
+        if tokenizer.normalizer is not None:
+            text = tokenizer.normalizer.normalize_str(text)
+        splits = [text]
+        if tokenizer.pre_tokenizer is not None:
+            splits = [split for split, _offsets in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+        return [token.id for split in splits for token in tokenizer.model.tokenize(split)]
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTokenizer:

@@ -56,6 +56,8 @@ def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
     # the template file comes first, as the engine's tokenizer reads it; named templates stay in
     # tokenizer_config.json, which routers read whole
     template = chat_template_file(model_dir) or tokenizer_config.get("chat_template")
+    if isinstance(template, dict):  # named template files travel in tokenizer_config.json's list form
+        tokenizer_config["chat_template"] = [{"name": name, "template": text} for name, text in template.items()]
     generation = read_json(model_dir / "generation_config.json", required=False) or {}
     layout = engine.kv_layout(1)
     return agent_pb2.ModelInfo(

@@ -339,8 +339,11 @@ def _messages(value, model: str) -> list[dict]:
                               f"{param}.content", "missing_required_parameter")
         normalized = {**message, "role": "system" if role == "developer" else role,
                       "content": _content(message.get("content"), f"{param}.content", model)}
-        if message.get("tool_calls") is not None:
-            normalized["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
+        calls = message.get("tool_calls")
+        if calls == []:  # no calls, as if absent: templates test for the key (Llama 3.x then wants exactly one call)
+            del normalized["tool_calls"]
+        elif calls is not None:
+            normalized["tool_calls"] = _tool_calls(calls, f"{param}.tool_calls")
         messages.append(normalized)
     return messages
 
