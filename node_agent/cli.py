@@ -50,12 +50,12 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(config) -> int:
     from node_agent.daemon import Agent
-    from node_agent.errors import ListenError
+    from node_agent.errors import ListenError, ModelLoadError
 
     agent = Agent(config)
     try:
         await agent.start()
-    except ListenError as exc:
+    except (ListenError, ModelLoadError) as exc:
         log.error("agent %s cannot start: %s", config.site, exc)
         await agent.stop()
         return 2

@@ -24,3 +24,7 @@ class WrongRoleError(AgentError):
 class ListenError(AgentError):
     """An address the configuration names cannot be listened on (another process holds the port, or
     the host is not this machine's)."""
+
+
+class ModelLoadError(AgentError):
+    """A model the configuration names cannot be served: its checkpoint is refused, or it does not fit."""

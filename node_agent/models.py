@@ -15,8 +15,10 @@ from engine.async_engine import AsyncEngine
 from engine.engine import EngineConfig, LLMEngine
 from engine.kv_transfer import KVLayout
 from engine.config import read_json
+from engine.errors import EngineError
 from engine.tokenizer import chat_template_file
 from node_agent.config import AgentConfig
+from node_agent.errors import ModelLoadError
 from node_agent.proto import agent_pb2
 
 
@@ -84,4 +86,8 @@ def _load_sync(name: str, checkpoint_dir: str, config: EngineConfig) -> HostedMo
 
 
 async def load_model(name: str, checkpoint_dir: str, config: AgentConfig) -> HostedModel:
-    return await asyncio.to_thread(_load_sync, name, checkpoint_dir, engine_config(config))
+    """The model loaded; ModelLoadError, naming the model and its directory, for what the engine refuses."""
+    try:
+        return await asyncio.to_thread(_load_sync, name, checkpoint_dir, engine_config(config))
+    except EngineError as exc:
+        raise ModelLoadError(f"model {name} ({checkpoint_dir}): {exc}") from exc

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import sys
 
@@ -54,3 +56,23 @@ async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_d
             if started.returncode is None:
                 started.kill()
                 await started.wait()
+
+
+async def test_agent_with_a_checkpoint_it_refuses_exits_2_naming_the_model(tmp_path, tiny_model_dir, unused_tcp_port):
+    """A checkpoint the engine refuses ends the agent with one line naming the model, its directory and
+    what is wrong (it was a 40-line traceback ending in 'missing tensor', and exit status 1, which
+    supervisors read as a crash to restart)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (broken / "config.json").write_text(json.dumps(config))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deploy.cli", "agent", "--site", "proc-2", "--peer-token", PEER_TOKEN,
+        "--model", f"{MODEL}={broken}", "--grpc-listen", f"127.0.0.1:{unused_tcp_port}", "--metrics-listen", "none",
+        env={**os.environ, "EDGEFIRE_AGENT_DEVICE": "cpu"}, stderr=asyncio.subprocess.PIPE)
+    _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    text = stderr.decode()
+    assert process.returncode == 2, text
+    assert f"cannot start: model {MODEL} ({broken}): checkpoint is missing tensor" in text
+    assert "Traceback" not in text
