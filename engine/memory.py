@@ -23,6 +23,10 @@ from engine.parallel.layout import ParallelLayout, RankShard, layer_parameters, 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+CPU_KV_BYTES = 256 << 20   # a CPU rank's KV pool when kv_cache_bytes is not given (engine.shard)
+# A CPU rank process's own memory before its weights and pool: Python, torch and gloo (~150 MiB measured
+# per worker). Counted so that a layout of hundreds of ranks is refused here, not met by the OOM killer.
+RANK_PROCESS_BYTES = 160 << 20
 
 
 def shard_parameters(cfg: ModelConfig, shard: RankShard, lm_head_stored: bool = False) -> int:
@@ -74,16 +78,18 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_ca
 
     On GPUs each rank has a device of its own: the rank holding the most must fit (checked against
     the first device; the engine's GPUs are alike). On CPU the ranks share the host's memory: every
-    rank's weights (replicas included) and every rank's pool."""
+    rank's weights (replicas included), every rank's pool (CPU_KV_BYTES when kv_cache_bytes is not
+    given) and every worker process's own memory (RANK_PROCESS_BYTES)."""
     layout = layout or ParallelLayout()
     element = torch.tensor([], dtype=dtype).element_size()
     weights = weight_bytes(cfg, dtype, lm_head_stored)
     per_rank = [n * element for n in rank_parameters(cfg, layout, lm_head_stored)]
-    kv = kv_cache_bytes or 0
+    kv = kv_cache_bytes if kv_cache_bytes is not None else CPU_KV_BYTES if device.type == "cpu" else 0
     if device.type == "cuda":
         needed, held = max(per_rank) + kv, max(per_rank)
     else:
-        needed, held = sum(per_rank) + layout.world_size * kv, sum(per_rank)
+        held = sum(per_rank)
+        needed = held + layout.world_size * kv + (layout.world_size - 1) * RANK_PROCESS_BYTES
     experts = ""
     if cfg.moe is not None:
         num_sparse = sum(cfg.moe.sparse_layers)
@@ -96,8 +102,12 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_ca
         pool = f" + a {kv / GIB:.2f} GiB KV pool" if kv else ""
         scope = "" if layout.world_size == 1 else (
             f" ({layout}: {held / GIB:.2f} GiB on the largest rank)" if device.type == "cuda"
-            else f" ({layout}: {held / GIB:.2f} GiB across its {layout.world_size} ranks, and a pool each)")
+            else f" ({layout}: {held / GIB:.2f} GiB across its {layout.world_size} ranks, a pool each, and "
+                 f"{layout.world_size - 1} worker processes of {RANK_PROCESS_BYTES >> 20} MiB)")
+        fewer = "" if layout.world_size == 1 else (
+            ", fewer ranks (tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)")
         raise InsufficientMemoryError(
             f"the model needs {weights / GIB:.2f} GiB of weights{experts}{pool}{scope}, but {device} has "
-            f"{available / GIB:.2f} GiB free; use a smaller dtype or KV pool (kv_cache_bytes), or a device with more memory")
+            f"{available / GIB:.2f} GiB free; use a smaller dtype or KV pool (kv_cache_bytes){fewer}, or a device "
+            f"with more memory")
     return weights

@@ -19,6 +19,7 @@ import torch
 
 from engine.compression.streamed import StreamedLayers
 from engine.kv_export import KVMap
+from engine.memory import CPU_KV_BYTES
 from engine.model import CausalLM
 from engine.runner import StepInputs
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
     from engine.engine import EngineConfig
 
 log = logging.getLogger(__name__)
-
-CPU_KV_BYTES = 256 << 20
 
 
 class ModelShard:

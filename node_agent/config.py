@@ -14,6 +14,9 @@ from pathlib import Path
 
 import typed_config
 from engine.compression import WEIGHT_MODES
+from engine.config import load_config as load_model_config
+from engine.errors import EngineError
+from engine.parallel.layout import ParallelLayout
 from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
 from registry import validate as registry_rules
 from registry.client import registry_urls
@@ -95,6 +98,26 @@ class AgentConfig:
             raise ConfigError(f"speculative_draft_model: {draft!r} is not a checkpoint directory (no config.json)")
         if method is not None and self.pipeline_parallel_size > 1:
             raise ConfigError("speculative_method: speculative decoding does not run with pipeline_parallel_size > 1")
+        if method == "draft" and self.layout.world_size > 1:
+            raise ConfigError(f"speculative_method: a draft model runs in one process, not with {self.layout}; use "
+                              f"\"ngram\" with tensor or expert parallelism, or a single-rank engine")
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel_size)
+
+    def _validate_parallel(self) -> None:
+        """The parallel sizes against each model's config.json, refused at start like any other bad
+        setting: the engine would otherwise refuse them while loading, as a traceback out of the agent."""
+        try:
+            self.layout.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name, path in self.models.items():
+            try:
+                self.layout.check_model(load_model_config(path))
+            except (EngineError, ValueError) as exc:
+                raise ConfigError(f"models.{name}: {exc}") from None
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_method is None:
@@ -166,6 +189,7 @@ class AgentConfig:
                      "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        self._validate_parallel()
         if self.weight_mode not in WEIGHT_MODES:
             raise ConfigError(f"weight_mode: must be one of {', '.join(WEIGHT_MODES)}, got {self.weight_mode!r}")
         self._validate_speculative()

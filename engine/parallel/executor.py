@@ -31,7 +31,7 @@ from engine.kv_export import KVMap
 from engine.parallel import protocol, timing
 from engine.parallel.groups import RankGroups, rendezvous
 from engine.parallel.kv_pool import build_kv_map, map_cpu_pool, open_cuda_pool
-from engine.parallel.layout import rank_shard
+from engine.parallel.layout import ParallelLayout, rank_shard
 from engine.parallel.processes import RankProcesses, WorkerSpec
 from engine.parallel.rank import finish_rank, start_rank
 from engine.runner import StepInputs
@@ -58,6 +58,7 @@ class ParallelExecutor:
     def __init__(self, model_dir: Path, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype):
         self.layout = layout = config.layout
+        _check_devices(layout, device)
         self.model_config = model_config
         self.failure: RankFailedError | None = None
         self._pending: deque[_Pending] = deque()
@@ -207,6 +208,18 @@ class ParallelExecutor:
                 log.warning("ranks did not take the stop (%s); killing them", exc)
         self.processes.stop(grace_s=5.0)
         torch.set_num_threads(self._threads_before)
+
+
+def _check_devices(layout: ParallelLayout, device: torch.device) -> None:
+    """Every rank has a GPU of its own (rank r on the engine's device index + r): refused before any
+    rank starts, rather than as a worker's "invalid device ordinal"."""
+    if device.type != "cuda":
+        return
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + layout.world_size > count:
+        raise ValueError(f"{layout} runs {layout.world_size} ranks, one GPU each from cuda:{first} on, but this "
+                         f"process sees {count} GPU(s); lower tensor_parallel_size, pipeline_parallel_size or "
+                         f"expert_parallel_size to fit, or start from a lower device index")
 
 
 def _rank_device(device: torch.device, rank: int) -> str:

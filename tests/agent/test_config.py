@@ -123,9 +123,9 @@ def test_several_registry_replicas_from_file_or_environment(tmp_path, tiny_model
 def test_parallel_sizes_reach_the_engine_config(tmp_path, tiny_model_dir):
     from node_agent.models import engine_config
 
-    text = site_toml(tiny_model_dir, "tensor_parallel_size = 2\npipeline_parallel_size = 3\nexpert_parallel_size = 2")
+    text = site_toml(tiny_model_dir, "tensor_parallel_size = 2\npipeline_parallel_size = 2")
     config = engine_config(load_config(write(tmp_path, text), environ={}))
-    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size) == (2, 3, 2)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size) == (2, 2, 1)
 
 
 def test_speculative_settings_reach_the_engine(tmp_path, tiny_model_dir):
