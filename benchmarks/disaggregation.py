@@ -2,7 +2,7 @@
 site and one decode site, under the same workload, measured in the same run.
 
     .venv/bin/python benchmarks/disaggregation.py [--prefill-loads 0.3,0.45,0.6] [--rounds 2] [--seconds 20]
-                                                  [--frontend-cpu any|first]
+                                                  [--frontend-cpu any|first] [--frontend-priority]
 
 About 8 minutes with the defaults. Three clusters of real processes run on loopback side by side
 (registry, router, two agents each):
@@ -23,10 +23,13 @@ the router takes about a fifth of a core from the agents, this load generator, w
 with its arrival time and parses an answer once it is whole, about a twentieth), unless
 `--frontend-cpu first` holds them, and the registries, to the first site's CPU: the split decode
 site then has its core to itself, as on separate machines, and the prefill site shares its core
-with them. Rounds alternate the order of the modes (ABC, CBA, ...) and every figure is the median
-over rounds. Only the measured cluster runs: the others are stopped (SIGSTOP) outside their rounds,
-so their heartbeats and polls do not wake on its cores, and each is resumed until its router sees
-both sites live again before its round.
+with them. `--frontend-priority` leaves them on any CPU but runs them, and the registries, at nice
+-10 (root only), so a token ready at a site is relayed at once instead of waiting for a slice beside
+a busy engine: the nearest one machine comes to routers and clients on machines of their own.
+Rounds alternate the order of the modes (ABC, CBA, ...) and every figure is the median over rounds.
+Only the measured cluster runs: the others are stopped (SIGSTOP) outside their rounds, so their
+heartbeats and polls do not wake on its cores, and each is resumed until its router sees both sites
+live again before its round.
 
 The regime, and why the chunk is scaled. Chunked prefill bounds what a long prompt does to the
 streams of its site: a step that carries a chunk of c prompt tokens lasts about d + c*t (d a plain
@@ -100,7 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (StreamResult, core_interference, cpu_for_sites, endless_model, log,  # noqa: E402
                                 machine_line, markdown_table, percentile, pin_process, random_prompt, running_cluster,
-                                sigterm_as_interrupt, site, StreamClient, vocab_size)
+                                set_priority, sigterm_as_interrupt, site, StreamClient, vocab_size)
 from engine.demo import SIZES  # noqa: E402
 
 MODEL_NAME = "bench"
@@ -440,6 +443,7 @@ def summary(figures: dict[str, float]) -> str:
 
 ITL_TARGET = 3.0    # split p90 inter-token latency at least this many times lower than colocated
 TTFT_TARGET = 1.5   # split p90 TTFT at most this many times colocated's
+FRONTEND_NICE = -10  # --frontend-priority: the routers', registries' and load generator's nice value
 
 
 def ratios(colocated: dict[str, float], split: dict[str, float]) -> tuple[float, float, float, float]:
@@ -548,7 +552,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frontend-cpu", choices=("any", "first"), default="any",
                         help="where the routers, registries and this load generator run: any CPU (default), or "
                              "the first site's (split: the prefill site's), so the second site's core is its own")
+    parser.add_argument("--frontend-priority", action="store_true",
+                        help=f"run the routers, registries and this load generator at nice {FRONTEND_NICE} "
+                             "(root only), ahead of the sites on the shared cores")
     args = parser.parse_args(argv)
+    if args.frontend_priority and args.frontend_cpu == "first":
+        parser.error("--frontend-priority and --frontend-cpu first are two ways to place the frontend: give one")
     try:
         args.prefill_loads = [float(v) for v in args.prefill_loads.split(",") if v.strip()]
     except ValueError:
@@ -565,7 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def start_cluster(stack: ExitStack, model_dir: Path, tmp: Path, mode: Mode, chunk: int, cpus: list[list[int]],
-                  frontend_cpus: list[int]) -> object:
+                  frontend_cpus: list[int], frontend_priority: bool = False) -> object:
     index = MODES.index(mode)
     names = ("prefill", "decode") if mode.roles == ("prefill", "decode") else (f"site-{index}a", f"site-{index}b")
     sites = [site(name, role, cpus[i]) for i, (name, role) in enumerate(zip(names, mode.roles))]
@@ -581,6 +590,9 @@ def start_cluster(stack: ExitStack, model_dir: Path, tmp: Path, mode: Mode, chun
     if frontend_cpus:
         for pid in (cluster.processes["router"].pid, cluster.processes["registry"].pid, os.getpid()):
             pin_process(pid, frontend_cpus)
+    if frontend_priority:  # started by this process, they inherited its nice value; the sites go back to 0
+        for s in sites:
+            set_priority(cluster.processes[s.name].pid, 0)
     return cluster
 
 
@@ -651,21 +663,21 @@ def start_all(stack: ExitStack, model_dir: Path, tmp: Path, args: argparse.Names
     the calibration's own where no mode has the default chunk)."""
     modes = {m.name: m for m in args.modes}
     clusters = {m.name: start_cluster(stack, model_dir, tmp, m, args.max_batched_tokens, args.site_cpus,
-                                       args.frontend_cpus)
+                                       args.frontend_cpus, args.frontend_priority)
                 for m in args.modes if not m.scaled_chunk}
     for name, cluster in clusters.items():
         warm_up(cluster, name, args.long_prompt, vocab)
     reference = clusters.get("colocated")
     if reference is None:  # only the scaled mode asked for: calibrate on a default-chunk pair all the same
         reference = start_cluster(stack, model_dir, tmp, MODES[0], args.max_batched_tokens, args.site_cpus,
-                                       args.frontend_cpus)
+                                       args.frontend_cpus, args.frontend_priority)
         warm_up(reference, "colocated (for the calibration)", args.long_prompt, vocab)
     calibration = calibrate(reference, clusters["split"], args, vocab)
     chunk = args.scaled_chunk or calibration.scaled_chunk(args.chunk_steps, args.max_batched_tokens)
     log(f"calibration: {calibration_line(calibration, args, chunk)}")
     if "colocated-scaled" in modes:
         clusters["colocated-scaled"] = start_cluster(stack, model_dir, tmp, modes["colocated-scaled"], chunk,
-                                                     args.site_cpus, args.frontend_cpus)
+                                                     args.site_cpus, args.frontend_cpus, args.frontend_priority)
         warm_up(clusters["colocated-scaled"], "colocated-scaled", args.long_prompt, vocab)
     return clusters, calibration, chunk, list({id(c): c for c in (*clusters.values(), reference)}.values())
 
@@ -737,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.frontend_cpus:  # each cluster's router and registry, and this process, as the cluster starts
             log(f"the routers, registries and this load generator are held to CPU {args.frontend_cpus[0]}, "
                 f"the first site's")
+        if args.frontend_priority:
+            set_priority(os.getpid(), FRONTEND_NICE)
+            log(f"the routers, registries and this load generator run at nice {FRONTEND_NICE}, ahead of the sites")
         clusters, calibration, chunk, started = start_all(stack, model_dir, Path(tmp), args, vocab)
         idle = Idle()
         stack.callback(idle.resume_all)  # before the clusters stop (the stack unwinds last in, first out)

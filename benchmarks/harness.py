@@ -111,6 +111,16 @@ def pin_process(pid: int, cpus: list[int]) -> None:
             continue
 
 
+def set_priority(pid: int, nice: int) -> None:
+    """Give every thread of a running process this nice value (threads it starts later inherit it;
+    a negative one needs root). Linux only; a thread that ends meanwhile is skipped."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+
+
 @contextmanager
 def running_cluster(model_dir: Path, model_name: str, sites: list[SiteSpec], state_dir: Path,
                     agent: dict | None = None, router: dict | None = None) -> Iterator[Cluster]:
