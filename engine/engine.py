@@ -31,7 +31,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.compression import WEIGHT_MODES
 from engine.config import ModelConfig, load_config, read_json, token_ids
-from engine.errors import CheckpointError, InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.errors import CheckpointError, DeviceError, InvalidRequestError, KVTransferError, UnknownHandleError
 from engine.kv_export import KVExport, KVMap
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.fingerprint import model_fingerprint
@@ -193,9 +193,23 @@ class _Average:
 
 
 def _pick_device(name: str) -> torch.device:
+    """The configured device ("auto": a GPU when torch sees one); DeviceError for one this machine lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise DeviceError(f"device {name!r} is not a device torch knows ({exc}); use auto, cpu or cuda[:N]") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DeviceError(f"device {name!r}: this machine has no GPU torch can use (no CUDA device, or a "
+                              f"CPU-only torch build); use device auto or cpu")
+        if (device.index or 0) >= count:
+            raise DeviceError(f"device {name!r}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    elif device.type != "cpu":
+        raise DeviceError(f"device {name!r}: the engine runs on cpu or cuda devices")
+    return device
 
 
 class LLMEngine:

@@ -31,3 +31,7 @@ class InsufficientMemoryError(EngineError):
 
 class RankFailedError(EngineError):
     """A rank of a tensor/pipeline-parallel engine died or failed; the engine stopped all of them."""
+
+
+class DeviceError(EngineError):
+    """The device the configuration names is not one this machine has."""

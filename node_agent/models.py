@@ -86,8 +86,9 @@ def _load_sync(name: str, checkpoint_dir: str, config: EngineConfig) -> HostedMo
 
 
 async def load_model(name: str, checkpoint_dir: str, config: AgentConfig) -> HostedModel:
-    """The model loaded; ModelLoadError, naming the model and its directory, for what the engine refuses."""
+    """The model loaded; ModelLoadError, naming the model and its directory, for what the engine refuses
+    (its errors, and the ValueErrors of the settings it checks as it starts)."""
     try:
         return await asyncio.to_thread(_load_sync, name, checkpoint_dir, engine_config(config))
-    except EngineError as exc:
+    except (EngineError, ValueError) as exc:
         raise ModelLoadError(f"model {name} ({checkpoint_dir}): {exc}") from exc

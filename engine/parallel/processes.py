@@ -62,7 +62,17 @@ class WorkerSpec:
 
 
 def send_message(sock: socket.socket, kind: str, fds: list[int] | None = None, **fields) -> None:
-    data = json.dumps({"kind": kind, **fields}).encode()[:MAX_MESSAGE]
+    """One control message (JSON) in one packet of at most MAX_MESSAGE bytes; an error's text is shortened to
+    fit (cutting the encoded bytes would leave JSON the reader cannot parse)."""
+    data = json.dumps({"kind": kind, **fields}).encode()
+    if len(data) > MAX_MESSAGE and isinstance(fields.get("error"), str):
+        text, keep = fields["error"], len(fields["error"])
+        while len(data) > MAX_MESSAGE and keep > 0:  # in proportion: escapes make a character up to 12 bytes
+            keep = int(keep * MAX_MESSAGE / len(data) * 0.95)
+            fields["error"] = text[:keep] + " [... cut]"
+            data = json.dumps({"kind": kind, **fields}).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"control message {kind!r} is {len(data)} bytes, over the {MAX_MESSAGE} a packet holds")
     socket.send_fds(sock, [data], fds or [])
 
 
@@ -109,7 +119,10 @@ class RankProcesses:
                     open_fds.discard(fd)
                     self._failed(rank)
                     continue
-                message = json.loads(data)
+                try:
+                    message = json.loads(data)
+                except ValueError:  # not a message a worker sends: report it as the rank's error
+                    message = {"kind": "error", "error": f"an unreadable control message ({data[:200]!r})"}
                 if message["kind"] == "error":
                     self.errors[rank] = message["error"]
                 self.inbox[rank].put((message, fds))

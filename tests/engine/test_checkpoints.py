@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.errors import CheckpointError, UnsupportedModelError
+from engine.errors import CheckpointError, DeviceError, UnsupportedModelError
 
 CONFIG = EngineConfig(kv_cache_bytes=4 << 20, show_progress=False)
 
@@ -219,3 +219,18 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(copy):
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0")).save(str(copy / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="tokenizer.json has token ids up to 399, but config.json's vocab_size is 320"):
         LLMEngine(copy, CONFIG)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "has no GPU torch can use"),
+    ("cuda:64", r"has no GPU torch can use|has \d+ GPU\(s\)"),
+    ("tpu", "is not a device torch knows"),
+    ("meta", "runs on cpu or cuda devices"),
+])
+def test_a_device_the_machine_lacks_is_named(tiny_model_dir, device, message):
+    """A device the machine does not have is refused naming it, before anything loads (`cuda` on a CPU-only
+    host was torch's 'not compiled with CUDA enabled' traceback from deep in the loader)."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(DeviceError, match=message):
+        LLMEngine(tiny_model_dir, EngineConfig(device=device))

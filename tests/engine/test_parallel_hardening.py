@@ -4,6 +4,9 @@ rank processes and KV pools than free memory (not the OOM killer half-way throug
 
 from __future__ import annotations
 
+import json
+import socket
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ import engine.parallel.executor as executor_module
 from engine.config import load_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import InsufficientMemoryError
+from engine.parallel.processes import MAX_MESSAGE, send_message
 
 
 class RankStarted(Exception):
@@ -71,3 +75,18 @@ def test_cpu_ranks_that_fit_go_on_to_start(tiny_model_dir, monkeypatch, no_rank_
     with pytest.raises(RankStarted):
         LLMEngine(tiny_model_dir, EngineConfig(device="cpu", show_progress=False, tensor_parallel_size=2,
                                                pipeline_parallel_size=2, kv_cache_bytes=16 << 20))
+
+
+def test_a_worker_error_longer_than_a_packet_arrives_whole_and_readable():
+    """A worker's error over 64 KiB (a long traceback text) was cut as encoded bytes, so the watchdog read JSON
+    it could not parse and its thread died: the rank's failure went unreported. Now the text is shortened."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        text = "RuntimeError: " + "é\"x" * 40_000  # escapes make the encoding longer than the text
+        send_message(theirs, "error", error=text)
+        data, _, _, _ = socket.recv_fds(ours, MAX_MESSAGE, 4)
+        message = json.loads(data)
+        assert message["kind"] == "error" and message["error"].startswith("RuntimeError: é\"x")
+        assert message["error"].endswith("[... cut]") and len(data) <= MAX_MESSAGE
+        send_message(theirs, "ready")
+        assert json.loads(socket.recv_fds(ours, MAX_MESSAGE, 4)[0]) == {"kind": "ready"}
