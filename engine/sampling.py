@@ -140,7 +140,10 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """The distribution each row samples from: softmax(logits / temperature) restricted to top-k,
     top-p and min-p, renormalized. logits [N, V] float32; every row's temperature must be > 0."""
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    scaled = logits / temperature[:, None]
+    # Shifted so each row's top logit is 0 before dividing: a tiny temperature (down to float32's subnormals,
+    # which the wire format carries) then sends the other logits towards -inf instead of overflowing the top
+    # one to +inf, whose softmax is NaN. The distribution is the same; at such a temperature, a point mass.
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature[:, None]
     if any(p.top_k or p.top_p < 1.0 for p in params):
         scaled = scaled.masked_fill(_outside_top_k_top_p(scaled, params), float("-inf"))
     probs = scaled.softmax(-1)
@@ -169,10 +172,17 @@ def draw_tokens(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     """Inverse-CDF draw of one token per row of probs [N, V] with the given uniforms in [0, 1).
 
     Exact for any distribution, and a token of probability 0 is never drawn: the CDF does not rise
-    at it, and the search finds the first position where it exceeds the draw."""
+    at it, and the search finds the first position where it exceeds the draw. A uniform just below 1
+    rounds to 1 in float32 (about one draw in 2**25), and its target to the CDF's total, which no
+    position exceeds: such a draw takes the last position where the CDF rises, not the vocabulary's
+    last token (which may be outside top-k, biased to -100, or not allowed by the grammar)."""
     cdf = probs.cumsum(-1)
-    target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+    total = cdf[:, -1:].contiguous()
+    target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * total
+    drawn = torch.searchsorted(cdf, target, right=True)
+    last_rise = torch.searchsorted(cdf, total)  # the first position that reaches the total
+    # the clamp keeps a row of NaN (no distribution at all) inside the vocabulary
+    return torch.minimum(drawn, last_rise).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -270,8 +270,9 @@ def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarS
 def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens: int,
                     grammar: GrammarSpec | None = None, index: int = 0) -> agent_pb2.SamplingParams:
     """The request's sampling; what it leaves unset comes from the checkpoint's generation config, then
-    from the OpenAI defaults (temperature 1, top_p 1, no top_k, no repetition penalty). Choice `index` of
-    a seeded n > 1 request draws with seed + index, so the choices differ and each is reproducible."""
+    from the OpenAI defaults (temperature 1, top_p 1, no top_k, no repetition penalty). Choice `index`
+    (prompt-major: prompt i's choice j is i * n + j) of a seeded request draws with seed + j, so a prompt's
+    n choices differ and each is reproducible, and a prompt gets the same text alone or among others."""
     defaults = assets.sampling_defaults
     sampling = agent_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=_first(request.temperature, defaults.temperature, 1.0),
@@ -283,7 +284,7 @@ def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens:
     if grammar is not None:
         setattr(sampling.grammar, grammar.kind, grammar.source)  # Grammar's oneof is named by the kinds
     if request.seed is not None:
-        sampling.seed = (request.seed + index) % (MAX_SEED + 1)
+        sampling.seed = (request.seed + index % request.n) % (MAX_SEED + 1)
     return sampling
 
 
