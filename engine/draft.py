@@ -6,6 +6,8 @@ batched steps of the draft: the first computes whatever the draft has not seen y
 prompt the first time, then the one or two tokens kept since) and draws the first proposal, each
 further step feeds the previous proposal and draws the next. After verification the draft's K/V of
 rejected proposals is rolled back like the model's, and blocks past the kept tokens are freed.
+A draft with a shorter context than the model's proposes only while its positions last: a sequence
+longer than that decodes on without proposals.
 
 A proposal is drawn from the draft's distribution q after the request's own logit processing (the
 temperature, top-k/top-p/min-p, penalties and logit_bias of the request; greedy requests take its
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import ModelConfig, load_config
+from engine.config import load_config
 from engine.loader import load_model, stores_lm_head
 from engine.memory import weight_bytes
 from engine.runner import prepare_step
@@ -31,6 +33,7 @@ from engine.sampling import DRAFT_STREAM, draw_tokens, draw_uniform, probabiliti
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
 from engine.shard import ModelShard
+from engine.speculative_config import check_draft_model
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
@@ -39,13 +42,16 @@ log = logging.getLogger(__name__)
 
 
 class DraftProposer:
-    def __init__(self, directory: str | Path, config: EngineConfig, target: ModelConfig, device: torch.device,
+    def __init__(self, directory: str | Path, model_dir: str | Path, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, num_target_blocks: int) -> None:
         spec = config.speculative
+        check_draft_model(directory, model_dir)
         self.model_config = load_config(directory)
-        if self.model_config.vocab_size != target.vocab_size:
-            raise ValueError(f"the draft model {directory} has a vocabulary of {self.model_config.vocab_size} tokens, "
-                             f"the model {target.vocab_size}; a draft model must share the model's tokenizer")
+        # a draft may pad its vocabulary otherwise than the model on the same tokenizer (check_draft_model):
+        # its logits are cut or padded to the model's ids
+        self.target_vocab_size = load_config(model_dir).vocab_size
+        # the draft's positions end at its own context; past it a sequence decodes without proposals
+        self.max_positions = self.model_config.max_position_embeddings
         self.block_size = config.block_size
         if spec.draft_kv_cache_bytes is None:
             # as many blocks as the model's pool, and room for every sequence's proposals beyond it
@@ -90,6 +96,11 @@ class DraftProposer:
         owner: dict[Sequence, Sequence] = {}     # the draft's copy -> the engine's sequence
         bm = self.block_manager
         for seq, k in requests:
+            # the last proposal is drawn, never fed: the draft computes positions up to num_tokens + k - 2
+            k = min(k, self.max_positions - seq.num_tokens + 1)
+            if k < 1:
+                self.release(seq)  # it only grows: its copy's blocks are of no more use
+                continue
             copy = self.copies.get(seq)
             if copy is None:
                 copy = self.copies[seq] = Sequence(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.params,
@@ -106,7 +117,7 @@ class DraftProposer:
             copies = [copy for copy, k in depth.items() if k > step]
             inputs = prepare_step([ScheduledSeq(c, c.num_tokens - c.num_computed_tokens) for c in copies],
                                   self.block_size, self.device)
-            logits = self.shard.run(inputs)
+            logits = _fit_vocab(self.shard.run(inputs), self.target_vocab_size)
             ordered = [item.seq for item in inputs.sample_seqs]
             drafts = self._draw(logits, ordered, [owner[c] for c in ordered], step)
             for copy, draft in zip(ordered, drafts):
@@ -160,3 +171,11 @@ class DraftProposer:
         """Free the copies of sequences preempted since (they recompute; so does their copy, later)."""
         for seq in [s for s in self.copies if s.status is not SequenceStatus.RUNNING]:
             self.release(seq)
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draft's logits [rows, its vocabulary] over the model's ids: padding ids the model has beyond the
+    draft's are never proposed (-inf), and the draft's own beyond the model's are dropped."""
+    if logits.shape[-1] >= vocab_size:
+        return logits[:, :vocab_size]
+    return torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[-1]), value=float("-inf"))

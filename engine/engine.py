@@ -309,8 +309,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec.method == "draft":
             from engine.draft import DraftProposer
-            proposer = DraftProposer(spec.draft_model, self.config, self.model_config, self.device, self.dtype,
-                                     num_blocks)
+            proposer = DraftProposer(spec.draft_model, self.model_dir, self.config, self.device, self.dtype, num_blocks)
         else:
             from engine.ngram import NgramProposer
             proposer = NgramProposer(spec.ngram_min, spec.ngram_max)

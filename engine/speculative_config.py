@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import load_config
+from engine.errors import CheckpointError
 
 METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
@@ -38,3 +42,43 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.draft_kv_cache_bytes must be positive, got {self.draft_kv_cache_bytes}")
         if not 0 < self.accept_threshold < 1:
             raise ValueError(f"speculative.accept_threshold must be in (0, 1), got {self.accept_threshold!r}")
+
+
+def check_draft_model(draft_dir: str | Path, model_dir: str | Path) -> None:
+    """Raise ValueError (CheckpointError for an unreadable checkpoint) when the draft at `draft_dir` cannot
+    propose tokens for the model at `model_dir`: a token id must mean the same text to both, or every
+    proposal is a different token than the draft meant and speculation only costs compute. A draft
+    without tokenizer.json is taken at its config's word (the engine itself runs on token ids), so its
+    vocabulary must be the model's size. With both tokenizers, sizes may differ where one model pads its
+    embedding further than the other (a family's small and large models often do) while every token of
+    the shared tokenizer has an id both hold; the draft's logits are then cut or padded to the model's."""
+    draft, target = load_config(draft_dir), load_config(model_dir)
+    draft_tokenizer, model_tokenizer = Path(draft_dir) / "tokenizer.json", Path(model_dir) / "tokenizer.json"
+    if not (draft_tokenizer.is_file() and model_tokenizer.is_file()):
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model {draft_dir} has a vocabulary of {draft.vocab_size} tokens, the model "
+                             f"{model_dir} {target.vocab_size}, and without both tokenizer.json files nothing says "
+                             f"their ids agree; a draft model must share the model's tokenizer")
+        return
+    draft_vocab, model_vocab = _token_ids(draft_tokenizer), _token_ids(model_tokenizer)
+    if draft_vocab != model_vocab:
+        differs = sorted(set(draft_vocab.items()) ^ set(model_vocab.items()), key=lambda item: (item[1], item[0]))
+        text = differs[0][0]
+        raise ValueError(f"the draft model {draft_dir} has another tokenizer than the model {model_dir}: token "
+                         f"{text!r} is id {draft_vocab.get(text)} in the draft's tokenizer.json and "
+                         f"{model_vocab.get(text)} in the model's; a draft model must share the model's tokenizer")
+    num_ids = max(model_vocab.values(), default=-1) + 1
+    if draft.vocab_size != target.vocab_size and min(draft.vocab_size, target.vocab_size) < num_ids:
+        raise ValueError(f"the draft model {draft_dir} has a vocabulary of {draft.vocab_size} tokens, the model "
+                         f"{model_dir} {target.vocab_size}, and their shared tokenizer has ids up to {num_ids - 1}; "
+                         f"a draft model must hold every id of the model's tokenizer")
+
+
+def _token_ids(path: Path) -> dict[str, int]:
+    """Every token's text -> id of a tokenizer.json, added (special) tokens included."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
+        raise CheckpointError(f"{path} is not a valid tokenizer ({exc})") from exc

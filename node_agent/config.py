@@ -17,7 +17,7 @@ from engine.compression import WEIGHT_MODES
 from engine.config import load_config as load_model_config
 from engine.errors import EngineError
 from engine.parallel.layout import ParallelLayout
-from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
+from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig, check_draft_model
 from registry import validate as registry_rules
 from registry.client import registry_urls
 from registry.errors import InvalidInput
@@ -96,6 +96,12 @@ class AgentConfig:
             raise ConfigError("speculative_draft_model: give it exactly when speculative_method is \"draft\"")
         if draft and not (Path(draft) / "config.json").is_file():
             raise ConfigError(f"speculative_draft_model: {draft!r} is not a checkpoint directory (no config.json)")
+        if draft:  # one draft serves every model of the site: each must share its tokenizer
+            for name, path in self.models.items():
+                try:
+                    check_draft_model(draft, path)
+                except (EngineError, ValueError) as exc:
+                    raise ConfigError(f"speculative_draft_model: cannot draft for models.{name}: {exc}") from None
         if method is not None and self.pipeline_parallel_size > 1:
             raise ConfigError("speculative_method: speculative decoding does not run with pipeline_parallel_size > 1")
         if method == "draft" and self.layout.world_size > 1:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
 import httpx
 import pytest
 
 from node_agent.proto import agent_pb2
-from tests.agent.conftest import MODEL, collect, prompt, sampling
+from tests.agent.conftest import MODEL, agent_config, collect, prompt, sampling
+from typed_config import ConfigError
 from tests.metrics_text import Samples
 
 
@@ -34,3 +39,22 @@ async def test_a_speculating_agent_answers_alike_and_reports_its_acceptance(star
     assert samples.get("edgefire_agent_speculative_acceptance_ratio", model=MODEL) == pytest.approx(accepted / proposed)
     assert samples.get("edgefire_agent_speculative_verifications_total", model=MODEL) > 0
     assert (await speculating.capacity()).speculative_acceptance == pytest.approx(accepted / proposed)
+
+
+@pytest.mark.parametrize("change", ["vocab_size", "token_ids"])
+def test_a_draft_that_cannot_share_the_models_tokens_is_refused_at_start(tiny_model_dir, tmp_path, change):
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model_dir, draft)
+    if change == "vocab_size":
+        config = json.loads((draft / "config.json").read_text())
+        config["vocab_size"] = 200  # the tokenizer's ids reach past it
+        (draft / "config.json").write_text(json.dumps(config))
+    else:
+        tokenizer = json.loads((draft / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        first, second = list(vocab)[100], list(vocab)[200]
+        vocab[first], vocab[second] = vocab[second], vocab[first]
+        (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match=re.escape(f"speculative_draft_model: cannot draft for models.{MODEL}: "
+                                                    f"the draft model {draft}")):
+        agent_config(tiny_model_dir, speculative_method="draft", speculative_draft_model=str(draft))
