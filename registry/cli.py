@@ -55,7 +55,10 @@ def add_parser(subparsers) -> None:
 def run_migrate(args: argparse.Namespace) -> int:
     from registry.migrate import upgrade_to_head
 
-    upgrade_to_head(args.db)
+    problem = _database_problem(upgrade_to_head, args.db)
+    if problem:
+        log.error("%s", problem)
+        return 2
     log.info("registry schema at head on %s", _redacted(args.db))
     return 0
 
@@ -64,7 +67,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from registry.http_head import HeadLimitedHttp
-    from registry.migrate import upgrade_to_head
     from registry.service import create_app
 
     missing = [flag for flag, value in (("--admin-token", args.admin_token), ("--router-token", args.router_token))
@@ -83,8 +85,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     # The registry's requests are short: a stop waits at most SHUTDOWN_GRACE_S for those in flight.
     options = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "timeout_graceful_shutdown": SHUTDOWN_GRACE_S}
-    if not args.no_migrate:
-        upgrade_to_head(args.db)
+    problem = _schema_problem(args.db, migrate=not args.no_migrate)
+    if problem:
+        log.error("%s", problem)
+        return 2
     planner = None
     if args.planner or args.planner_dry_run:
         import typed_config
@@ -123,7 +127,63 @@ def app_from_environment():
                       metrics_token=os.environ.get("EDGEFIRE_METRICS_TOKEN") or None)
 
 
+def _schema_problem(db_url: str, migrate: bool) -> str | None:
+    """Why serving cannot start on this database (None: it can): after migrating it (unless
+    --no-migrate), its schema must be the latest and writable (migrate.check_serviceable). With
+    --no-migrate a database that cannot be reached is not a reason (the service answers 503 until it
+    is back); any other problem is."""
+    from sqlalchemy.exc import OperationalError
+
+    from registry.migrate import check_serviceable, upgrade_to_head
+
+    if migrate:
+        return _database_problem(upgrade_to_head, db_url) or _database_problem(check_serviceable, db_url)
+    try:
+        return _database_problem(check_serviceable, db_url, reachable_only=False)
+    except OperationalError as exc:
+        log.warning("could not check the registry schema on %s (%s); serving, with 503s until the database "
+                    "answers", _redacted(db_url), _first_line(exc.orig))
+        return None
+
+
+def _database_problem(step, db_url: str, reachable_only: bool = True) -> str | None:
+    """Runs step(db_url); a database it cannot open or use is one line naming the URL (password
+    hidden) and what is wrong, instead of a traceback. `reachable_only=False` lets a database that
+    cannot be reached raise (OperationalError) for the caller to decide."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+
+    from registry.migrate import SchemaMismatch
+
+    try:
+        step(db_url)
+    except ArgumentError as exc:  # not a URL, or a dialect SQLAlchemy does not have
+        # not echoed: a mistyped URL may still hold a password
+        return (f"registry database URL is not usable: {_first_line(exc)} (expected e.g. "
+                f"sqlite:///var/edgefire/registry.db or postgresql+psycopg://USER:PASSWORD@HOST:5432/DB)")
+    except ModuleNotFoundError as exc:  # a dialect whose driver is not installed
+        return f"registry database {_redacted(db_url)}: its driver is not installed ({exc})"
+    except DBAPIError as exc:  # down, refused the login, or a user without the privileges the tables need
+        if isinstance(exc, OperationalError) and not reachable_only:
+            raise
+        return f"registry database {_redacted(db_url)} cannot be used: {_first_line(exc.orig)}"
+    except (SchemaMismatch, CommandError) as exc:
+        return f"registry database {_redacted(db_url)}: {exc}"
+    except (ValueError, OSError) as exc:  # an in-memory SQLite; a SQLite directory that cannot be made
+        return f"registry database {_redacted(db_url)} cannot be used: {exc}"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _redacted(db_url: str) -> str:
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    return make_url(db_url).render_as_string(hide_password=True)
+    try:
+        return make_url(db_url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(not a database URL)"

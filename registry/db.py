@@ -38,7 +38,12 @@ def _sqlite_engine(db_url: str) -> Engine:
     database = url.database or ""
     if database in ("", ":memory:") or database.startswith("file::memory:"):
         raise ValueError("the registry needs a SQLite file, e.g. sqlite:///var/edgefire/registry.db")
-    Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    directory = Path(database).expanduser().parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the directory {directory} for the SQLite database: "
+                         f"{exc.strerror or exc}") from None
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},

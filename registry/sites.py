@@ -44,9 +44,18 @@ class SiteStore:
             raise Conflict(f"a site named {name!r} already exists", "duplicate_site") from exc
 
     def put(self, name: str, spec: SiteSpec, actor: str) -> tuple[Site, bool]:
-        """Creates the site or replaces its descriptive fields; returns (site, created). Idempotent."""
+        """Creates the site or replaces its descriptive fields; returns (site, created). Idempotent,
+        also when several callers put the same new site at once (one creates it, the others replace)."""
         validate.site_name(name)
         validate.site_spec(spec)
+        try:
+            return self._put(name, spec, actor)
+        except (IntegrityError, Conflict):
+            # Another put created the site between this one's lookup and its insert (on PostgreSQL,
+            # FOR UPDATE locks no row that does not exist yet): it exists now, so this put replaces it.
+            return self._put(name, spec, actor)
+
+    def _put(self, name: str, spec: SiteSpec, actor: str) -> tuple[Site, bool]:
         with self._write.begin() as conn:
             existing = conn.execute(SITES.select().where(SITES.c.name == name).with_for_update()).first()
             if existing is None:

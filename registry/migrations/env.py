@@ -1,23 +1,48 @@
-"""Alembic environment for the registry: connects with registry.db's engine factory."""
+"""Alembic environment for the registry: connects with registry.db's engine factory.
+
+Migrations run in one transaction. On PostgreSQL that transaction first takes an advisory lock, so
+replicas starting together on one database migrate one after another (the later ones find the
+schema at head) instead of racing to create the same tables. On SQLite the writer's BEGIN IMMEDIATE
+serialises them, and foreign keys are off while the migrations run: batch mode rebuilds a table by
+copying and dropping it, and dropping `sites` with foreign keys on would cascade-delete every row
+that refers to it (models, capacity, links, tokens); the references are checked before the commit.
+"""
 
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import func, select
 
 from registry.db import make_engine, writer
+from registry.migrate import SchemaMismatch, refuse_unknown_revisions
 from registry.tables import Base
 
 config = context.config
+MIGRATION_LOCK_KEY = 0x6564676566697265  # "edgefire": the advisory lock held while migrating
 
 
 def _run(connection) -> None:
+    sqlite = connection.dialect.name == "sqlite"
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,
-        render_as_batch=connection.dialect.name == "sqlite",  # SQLite cannot ALTER most things
+        render_as_batch=sqlite,  # SQLite cannot ALTER most things
     )
     with context.begin_transaction():
+        if not sqlite:
+            connection.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_KEY)))
+        refuse_unknown_revisions(context.get_context().get_current_heads())
         context.run_migrations()
+        if sqlite:
+            _check_foreign_keys(connection)
+
+
+def _check_foreign_keys(connection) -> None:
+    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+    if broken:
+        tables = sorted({row[0] for row in broken})
+        raise SchemaMismatch(f"migrating left rows whose foreign keys point nowhere in {', '.join(tables)}; "
+                             f"nothing was changed")
 
 
 def run_online() -> None:
@@ -27,6 +52,9 @@ def run_online() -> None:
     engine = make_engine(db_url)
     try:
         with writer(engine).connect() as connection:
+            if connection.dialect.name == "sqlite":
+                # Outside any transaction (inside one SQLite ignores it); this connection is disposed after.
+                connection.connection.dbapi_connection.execute("PRAGMA foreign_keys=OFF")
             _run(connection)
     finally:
         engine.dispose()
