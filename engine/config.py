@@ -9,16 +9,30 @@ from pathlib import Path
 
 from engine.errors import CheckpointError, UnsupportedModelError
 
-# model_type -> whether q/k/v projections carry a bias regardless of `attention_bias`
-SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False,
-                         "mixtral": False, "qwen3_moe": False, "deepseek_v3": False}
+# model_type -> which attention projections carry a bias, as transformers builds them: "config" (q, k, v
+# and o when `attention_bias` is true), "qkv" (q, k, v always, o never: Qwen2), "none" (the key is ignored);
+# DeepSeek-V3's latent attention refuses attention_bias (config._parse_mla)
+SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
+                         "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}
+# Only Llama's MLP has `mlp_bias`; the others' MLPs never carry a bias, whatever the key says
+MLP_BIAS_MODEL_TYPES = {"llama"}
+# Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
+DEFAULT_ROPE_THETA = {"mixtral": 1000000.0}
+DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5}
+# Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES), as transformers computes them.
+# "dynamic" (NTK) changes the frequencies only past max_position_embeddings, which no sequence here
+# reaches (the context is capped there), so it computes as "default" does. "longrope" switches every
+# position's frequencies once a sequence passes the original context: keys already cached were rotated
+# with the others, so it is refused.
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+MLA_ROPE_TYPES = ("default", "yarn")
 
 
 @dataclass(slots=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default", "llama3", or "yarn" (DeepSeek-V3 only)
+    rope_type: str = "default"  # one of ROPE_TYPES ("dynamic" is parsed as "default")
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -94,6 +108,7 @@ class ModelConfig:
     rope: RopeConfig
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False         # o_proj carries a bias (attention_bias on Llama, Qwen3, Qwen3-MoE)
     qk_norm: bool = False
     mlp_bias: bool = False
     # Per layer: attention window in tokens, or None for full attention.
@@ -179,37 +194,51 @@ def _mapping(raw: dict, key: str, path: Path) -> dict:
     return value
 
 
-def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ("default", "llama3")) -> RopeConfig:
+def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ROPE_TYPES) -> RopeConfig:
     # Newer checkpoints nest everything under rope_parameters; older ones use rope_theta + rope_scaling.
-    merged = {**_mapping(raw, "rope_scaling", path), **_mapping(raw, "rope_parameters", path)}
-    theta = _positive_float(merged, "rope_theta", _positive_float(raw, "rope_theta", 10000.0, path), path)
+    parameters = _mapping(raw, "rope_parameters", path)
+    merged = {**_mapping(raw, "rope_scaling", path), **parameters}
+    default_theta = DEFAULT_ROPE_THETA.get(raw.get("model_type"), 10000.0)
+    theta = _positive_float(merged, "rope_theta", _positive_float(raw, "rope_theta", default_theta, path), path)
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in supported:
-        raise UnsupportedModelError(f"{path}: rope type {rope_type!r} is not supported for {raw.get('model_type')} "
-                                    f"(supported: {', '.join(supported)})")
+        key = "rope_parameters" if {"rope_type", "type"} & parameters.keys() else "rope_scaling"
+        raise UnsupportedModelError(f"{path}: {key}: rope type {rope_type!r} is not supported for "
+                                    f"{raw.get('model_type')} (supported: {', '.join(supported)})")
+    if rope_type == "dynamic":
+        _positive_float(merged, "factor", 1.0, path)   # checked, but it never applies (ROPE_TYPES)
+        return RopeConfig(theta=theta)
     rope = RopeConfig(theta=theta, rope_type=rope_type)
     if rope_type == "yarn":
         return _parse_yarn(rope, merged, raw, path)
+    if rope_type == "linear":
+        if merged.get("factor") is None:
+            raise CheckpointError(f"{path}: linear rope scaling lacks 'factor'")
+        rope.factor = _positive_float(merged, "factor", 1.0, path)
+        return rope
     if rope_type == "llama3":
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
             if key not in merged:
                 raise CheckpointError(f"{path}: llama3 rope scaling lacks {key!r}")
         rope.factor = _positive_float(merged, "factor", 1.0, path)
         rope.low_freq_factor = _positive_float(merged, "low_freq_factor", 1.0, path)
         rope.high_freq_factor = _positive_float(merged, "high_freq_factor", 4.0, path)
-        rope.original_max_position_embeddings = _positive_int(merged, ("original_max_position_embeddings",), path)
+        rope.original_max_position_embeddings = _original_context(raw, merged, path)
     return rope
+
+
+def _original_context(raw: dict, merged: dict, path: Path) -> int:
+    """The context a scaled rope (llama3, yarn) was trained at, read as transformers reads it: a top-level
+    original_max_position_embeddings wins over the rope's own, and max_position_embeddings stands in for both."""
+    for source in (raw, merged):
+        if source.get("original_max_position_embeddings") is not None:
+            return _positive_int(source, ("original_max_position_embeddings",), path)
+    return _positive_int(raw, ("max_position_embeddings",), path)
 
 
 def _parse_yarn(rope: RopeConfig, merged: dict, raw: dict, path: Path) -> RopeConfig:
     """yarn's fields, defaulted as the reference implementation defaults them (mscale 0: none given)."""
-    if merged.get("original_max_position_embeddings") is not None:
-        original = _positive_int(merged, ("original_max_position_embeddings",), path)
-    elif raw.get("max_position_embeddings") is not None:
-        original = _positive_int(raw, ("max_position_embeddings",), path)
-    else:
-        raise CheckpointError(f"{path}: yarn rope scaling lacks 'original_max_position_embeddings'")
-    rope.original_max_position_embeddings = original
+    rope.original_max_position_embeddings = original = _original_context(raw, merged, path)
     if merged.get("factor") is not None:
         rope.factor = _positive_float(merged, "factor", 1.0, path)
     else:   # the context the scaling reaches over the one trained at
@@ -236,20 +265,22 @@ def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int, path: Pa
     window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
     if model_type in ("mistral", "mixtral"):
         return [window] * num_layers
-    if model_type == "qwen3_moe":
-        return [window if _flag(raw, "use_sliding_window", False, path) else None] * num_layers
+    # Qwen: sliding_window applies only with use_sliding_window (transformers drops it otherwise), to the
+    # layers layer_types marks, or else to those from max_window_layers (default 28) on
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe") or not _flag(raw, "use_sliding_window", False, path):
+        return [None] * num_layers
+    if model_type == "qwen3_moe" or window is None:
+        return [window] * num_layers
     layer_types = raw.get("layer_types")
-    if layer_types and window:
+    if layer_types:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
             raise CheckpointError(f"{path}: layer_types must list one attention type per layer ({num_layers}), "
                                   f"got {layer_types!r}")
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    if _flag(raw, "use_sliding_window", False, path) and window:
-        first_full = raw.get("max_window_layers", num_layers)
-        if isinstance(first_full, bool) or not isinstance(first_full, int) or first_full < 0:
-            raise CheckpointError(f"{path}: max_window_layers must be a non-negative integer, got {first_full!r}")
-        return [window if i >= first_full else None for i in range(num_layers)]
-    return [None] * num_layers
+    first_windowed = raw.get("max_window_layers", 28)
+    if isinstance(first_windowed, bool) or not isinstance(first_windowed, int) or first_windowed < 0:
+        raise CheckpointError(f"{path}: max_window_layers must be a non-negative integer, got {first_windowed!r}")
+    return [window if i >= first_windowed else None for i in range(num_layers)]
 
 
 def token_ids(value, key: str, path: Path) -> list[int]:
@@ -323,7 +354,8 @@ def _parse_deepseek_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
     return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
                      bool(raw.get("norm_topk_prob", True)), [i >= first_sparse for i in range(num_layers)],
                      scoring="sigmoid", num_groups=num_groups, topk_groups=topk_groups,
-                     routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)), num_shared_experts=shared)
+                     routed_scaling_factor=_positive_float(raw, "routed_scaling_factor", 2.5, path),
+                     num_shared_experts=shared)
 
 
 def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
@@ -372,9 +404,12 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
-    mla, rope_types = None, ("default", "llama3")
+    mla, rope_types = None, ROPE_TYPES
+    attention_bias = SUPPORTED_MODEL_TYPES[model_type]
+    if attention_bias == "config":
+        attention_bias = "config" if _flag(raw, "attention_bias", False, path) else "none"
     if model_type == "deepseek_v3":
-        mla, rope_types = _parse_mla(raw, num_heads, path), ("default", "yarn")
+        mla, rope_types = _parse_mla(raw, num_heads, path), MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     return ModelConfig(
         model_type=model_type,
@@ -386,12 +421,13 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=_optional_int(raw, "max_position_embeddings", 4096, path),
-        rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6, path),
+        rms_norm_eps=_positive_float(raw, "rms_norm_eps", DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6), path),
         rope=_parse_rope(raw, path, rope_types),
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", False, path),
-        qkv_bias=SUPPORTED_MODEL_TYPES[model_type] or _flag(raw, "attention_bias", False, path),
+        qkv_bias=attention_bias != "none",
+        o_bias=attention_bias == "config",
         qk_norm=model_type in QK_NORM_MODEL_TYPES,
-        mlp_bias=_flag(raw, "mlp_bias", False, path),
+        mlp_bias=model_type in MLP_BIAS_MODEL_TYPES and _flag(raw, "mlp_bias", False, path),
         sliding_windows=_parse_sliding_windows(raw, model_type, num_layers, path),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=token_ids(raw.get("eos_token_id"), "eos_token_id", path),

@@ -240,8 +240,6 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             reader.read(p + "self_attn.k_proj.bias", (kv_rows,), rows=kv_part),
             reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
-    if cfg.mlp_bias:
-        raise CheckpointError("checkpoints with mlp_bias=true are not supported")
     layer = LayerWeights(
         input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
         qkv=qkv,
@@ -252,6 +250,7 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
         post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
         gate_up=None,
         down=None,
+        o_bias=reader.read(p + "self_attn.o_proj.bias", (hidden,)) if cfg.o_bias else None,
     )
     return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
 
@@ -272,6 +271,10 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
                 reader.read(p + "mlp.up_proj.weight", shapes["up"], rows=shard.mlp),
             ])
             layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"], cols=shard.mlp)
+        if cfg.mlp_bias:
+            layer.gate_up_bias = torch.cat([reader.read(p + "mlp.gate_proj.bias", (inter,), rows=shard.mlp),
+                                            reader.read(p + "mlp.up_proj.bias", (inter,), rows=shard.mlp)])
+            layer.down_bias = reader.read(p + "mlp.down_proj.bias", (hidden,))
     return layer, mlp
 
 

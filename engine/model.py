@@ -43,6 +43,11 @@ class LayerWeights:
     down: torch.Tensor | None
     moe: MoEWeights | None = None   # under expert parallelism: this rank's experts only
     mla: MLAWeights | None = None   # DeepSeek-V3's attention, in place of qkv and o_proj
+    # Biases some checkpoints carry (attention_bias: o_proj's; Llama's mlp_bias: gate/up's and down's).
+    # Under TP gate_up_bias is this rank's rows; o_bias and down_bias are whole, added after the all-reduce.
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None   # [2 * intermediate]
+    down_bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -102,9 +107,7 @@ class CausalLM:
                 attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is None:
-                hidden = self.ops.linear(self.ops.silu_and_mul(self.ops.linear(normed, layer.gate_up)), layer.down)
-                if self.tp_group is not None:
-                    all_reduce(self.tp_group, hidden)
+                hidden = self._mlp(layer, normed)
             elif self.experts is not None:
                 hidden = moe_forward_parallel(layer.moe, normed, self.experts, self.ops)
             else:
@@ -124,6 +127,15 @@ class CausalLM:
         hidden = self.weights.embed_tokens[local.clamp(0, len(vocab) - 1)].masked_fill_(outside[:, None], 0)
         all_reduce(self.tp_group, hidden)
         return hidden
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.ops.linear(x, layer.gate_up)
+        if layer.gate_up_bias is not None:
+            gate_up = gate_up + layer.gate_up_bias
+        out = self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down)
+        if self.tp_group is not None:
+            all_reduce(self.tp_group, out)
+        return out if layer.down_bias is None else out + layer.down_bias
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
                    batch: ops.AttentionBatch, layer_cache: torch.Tensor) -> torch.Tensor:
@@ -148,7 +160,7 @@ class CausalLM:
         out = self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)
-        return out
+        return out if layer.o_bias is None else out + layer.o_bias
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, rope)
+    if rope.rope_type == "linear":   # positions divided by factor, which is every frequency divided by it
+        return inv_freq / rope.factor
     if rope.rope_type != "llama3":
         return inv_freq
     old_ctx = rope.original_max_position_embeddings

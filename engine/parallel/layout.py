@@ -222,6 +222,8 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
         attention = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)   # q, k, v in and o out
         if cfg.qkv_bias:
             attention += (num_heads + 2 * num_kv_heads) * head_dim
+        if cfg.o_bias:
+            attention += hidden
         if cfg.qk_norm:
             attention += 2 * head_dim
     if cfg.is_sparse(layer):
@@ -229,7 +231,7 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
         mlp = (num_experts + moe.num_shared_experts) * 3 * hidden * moe.intermediate_size + moe.num_experts * hidden
         mlp += moe.num_experts if moe.scoring == "sigmoid" else 0   # the routing correction bias
     else:
-        mlp = 3 * hidden * num_mlp_rows
+        mlp = 3 * hidden * num_mlp_rows + (2 * num_mlp_rows + hidden if cfg.mlp_bias else 0)
     return attention + mlp + 2 * hidden   # and the layer's two norms
 
 
