@@ -7,12 +7,12 @@
     routers = 2                                # optional: routers sharing keys' limits (ports from router_port up)
     registry_replicas = 2                      # optional: registry processes over one database
     db = "postgresql+psycopg://user@db:5432/edgefire"   # optional: the registry's database (default SQLite)
+    planner = true                             # optional: the prefill/decode pool planner (registry)
     [router]                                   # any RouterConfig field
     lat = 38.7
     lon = -9.1
     [agent]                                    # any AgentConfig field, for every site
     kv_cache_bytes = 134217728
-    planner = true                             # optional: the prefill/decode pool planner (registry)
     [planner_settings]                         # any registry.planner.PlannerSettings field
     min_dwell_s = 60
     [[sites]]
@@ -158,6 +158,8 @@ class ClusterConfig:
         self.agent = _check_table("agent", self.agent, AgentConfig, LAUNCHER_AGENT_FIELDS)
         self.router = _check_table("router", self.router, RouterConfig, LAUNCHER_ROUTER_FIELDS)
         self.planner_settings = _check_table("planner_settings", self.planner_settings, PlannerSettings, frozenset())
+        # settings that make no sense are refused here, naming this table, not by the registry once started
+        typed_config.build(PlannerSettings, self.planner_settings, "planner_settings")
         if len(self.api_key) < 16:
             raise ClusterConfigError("api_key: must be at least 16 characters")
         for name in ("routers", "registry_replicas"):

@@ -14,13 +14,18 @@ and never faster than:
   min_dwell_s   since that site's last change (read from the database, so it survives restarts)
   settle_s      since any change in the region (the heartbeats must show its effect first)
 A site is only narrowed while, for every model it serves in the role it gives up, another live site
-in its region keeps doing that role for that model.
+in its region keeps doing that role for that model; when that other site dies, is cordoned or drained
+later, the narrowed site goes back to both roles at the next tick, dwell and settle notwithstanding
+(they hold back load-driven moves, not the repair of a role nobody in the region does any more).
+The operator's allowed roles bound the planner: narrowing a site's roles to one drops its pick in the
+same change (registry.sites), and the planner never moves a site that does not offer both.
 
 Every change is one `site.active_role` audit entry with its reason and the figures behind it;
 `dry_run` only logs what it would do. Routers place by the active role from their next snapshot;
 the agent learns it from its next heartbeat's answer, finishes what it has and then refuses the
 other role's new work. One planner is active at a time however many registry processes run: each
-tick starts by taking or renewing a lease row (registry.leases).
+tick starts by taking or renewing a lease row (registry.leases); a dry run takes a lease of its
+own, so a preview beside the real planner never holds that one back.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -46,6 +52,9 @@ log = logging.getLogger(__name__)
 _db_errors = LogLimiter(log, interval_s=60.0)
 
 LEASE_NAME = "planner"
+# A dry run previews beside the real planner (another replica, say): with the real one's lease it
+# would keep that planner from acting for as long as it ran, so it takes a lease of its own.
+DRY_RUN_LEASE_NAME = "planner-dry-run"
 ACTOR = "planner"
 BOTH = None  # the active role that narrows nothing
 
@@ -65,13 +74,23 @@ class PlannerSettings:
     dry_run: bool = False
 
     def validate(self) -> None:
-        for name in ("interval_s", "target_prefill_backlog_s", "target_inter_token_s", "target_kv_used", "high",
-                     "default_prefill_tokens_per_s", "default_decode_tokens_per_s"):
+        for name in ("interval_s", "min_dwell_s", "settle_s", "target_prefill_backlog_s", "target_inter_token_s",
+                     "target_kv_used", "high", "low", "default_prefill_tokens_per_s", "default_decode_tokens_per_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name}: must be a finite number, got {getattr(self, name)}")
+        for name in ("interval_s", "min_dwell_s", "target_prefill_backlog_s", "target_inter_token_s", "target_kv_used",
+                     "high", "default_prefill_tokens_per_s", "default_decode_tokens_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("min_dwell_s", "settle_s", "low"):
+        for name in ("settle_s", "low"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.min_dwell_s < self.interval_s:
+            raise ConfigError(f"min_dwell_s ({self.min_dwell_s}) must be at least interval_s ({self.interval_s}): a "
+                              f"shorter dwell would not hold a site in its pool for even one tick")
+        if self.target_kv_used > 1:
+            raise ConfigError(f"target_kv_used: the fraction of the KV pool in use, above 0 and at most 1 (0.9 for "
+                              f"90%), got {self.target_kv_used}")
         if self.low >= self.high:
             raise ConfigError(f"low ({self.low}) must be below high ({self.high}): the band between them is the hysteresis")
 
@@ -171,6 +190,9 @@ def plan(snapshot: dict, now: float, settings: PlannerSettings) -> list[RoleChan
 
 def _plan_region(region: str, sites: list[PoolSite], now: float, settings: PlannerSettings) -> RoleChange | None:
     load = region_load(sites, settings)
+    repair = _coverage_repair(region, sites, load)
+    if repair is not None:
+        return repair
     want, reason = _wanted_role(load, settings)
     if want == "hold":
         return None
@@ -184,6 +206,23 @@ def _plan_region(region: str, sites: list[PoolSite], now: float, settings: Plann
         return None
     chosen = min(candidates, key=lambda s: _preference(s, want))
     return RoleChange(chosen.name, region, want, reason, load)
+
+
+def _coverage_repair(region: str, sites: list[PoolSite], load: RegionLoad) -> RoleChange | None:
+    """A narrowed site back to both roles, at once, when for one of its models no other usable site in
+    the region does the role it gave up (that site died, was cordoned or drained after the narrowing).
+    The dwell and settle times hold back load-driven moves only: waiting them out here would leave the
+    region's clients (a key allowed only this region) with nowhere to run that step."""
+    for site in sorted(sites, key=lambda s: s.name):
+        if not (site.usable and site.flexible and site.active_role in ("prefill", "decode")):
+            continue
+        gave_up = _other(site.active_role)
+        others = [s for s in sites if s.usable and s is not site]
+        for model in sorted(m for m, role in site.models.items() if role in (gave_up, "both")):
+            if not any(s.does_for(gave_up, model) for s in others):
+                return RoleChange(site.name, region, BOTH, f"no other usable site in {region} does {gave_up} for "
+                                                           f"{model}: back to both roles, before the dwell", load)
+    return None
 
 
 def _wanted_role(load: RegionLoad, settings: PlannerSettings) -> tuple[str | None, str]:
@@ -233,8 +272,12 @@ class Planner:
     _pretend: dict[str, tuple[str | None, float]] = field(default_factory=dict)
     num_changes: int = 0
 
+    @property
+    def lease_name(self) -> str:
+        return DRY_RUN_LEASE_NAME if self.settings.dry_run else LEASE_NAME
+
     def tick(self) -> list[RoleChange]:
-        if not self.store.leases.acquire(LEASE_NAME, self.holder, ttl_s=3 * self.settings.interval_s):
+        if not self.store.leases.acquire(self.lease_name, self.holder, ttl_s=3 * self.settings.interval_s):
             return []
         now = self.clock()
         snapshot = json.loads(self.read_snapshot())
@@ -272,7 +315,7 @@ class Planner:
                 await asyncio.wait_for(stop.wait(), self.settings.interval_s)
             except TimeoutError:
                 pass
-        await asyncio.to_thread(self.store.leases.release, LEASE_NAME, self.holder)
+        await asyncio.to_thread(self.store.leases.release, self.lease_name, self.holder)
 
 
 def _overlay(snapshot: dict, pretend: dict[str, tuple[str | None, float]]) -> None:

@@ -148,6 +148,8 @@ def drain(name: str, body: DrainBody, actor: str = Depends(admin_actor), svc: Re
 
 @router.put("/sites/{name}/roles")
 def set_roles(name: str, body: RolesBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """The roles the site may take. They bound the pool planner: roles that no longer offer both drop
+    its pick (`active_role`) in the same change, audited."""
     return svc.store.sites.set_roles(name, body.roles, actor).to_json()
 
 

@@ -62,6 +62,7 @@ class SiteStore:
                 return self._insert(conn, name, spec, actor), True
             self._write_spec(conn, existing.id, spec)
             audit.record(conn, self._clock(), actor, "site.put", name, _spec_json(spec))
+            _drop_moot_active_role(conn, existing.id, name, spec, actor, self._clock())
             bump_version(conn)
             return load_site(conn, existing.id), False
 
@@ -78,6 +79,7 @@ class SiteStore:
             validate.site_spec(spec)
             self._write_spec(conn, current.id, spec)
             audit.record(conn, self._clock(), actor, action, name, _spec_json(spec, only=changes))
+            _drop_moot_active_role(conn, current.id, name, spec, actor, self._clock())
             bump_version(conn)
             return load_site(conn, current.id)
 
@@ -149,14 +151,17 @@ class SiteStore:
         """Narrows a site allowed both roles to one ("prefill" / "decode"), or back to both (None).
 
         The planner's lever: routers place by it from the next snapshot, the agent learns it from its
-        next heartbeat's answer. `detail` (the reason and the figures behind it) goes to the audit log."""
+        next heartbeat's answer. `detail` (the reason and the figures behind it) goes to the audit log.
+        The operator's allowed roles (and the models' roles) bound it: a site that does not offer both
+        is never narrowed, and narrowing its roles later drops the pick (`_drop_moot_active_role`)."""
         if role is not None and role not in ACTIVE_ROLES:
             raise InvalidInput(f"active role must be one of {list(ACTIVE_ROLES)} or null, got {role!r}")
         with self._write.begin() as conn:
             current = load_site(conn, site_id(conn, name, lock=True))
-            if role is not None and set(current.roles) != set(SITE_ROLES):
-                raise InvalidInput(f"site {name!r} is allowed only {current.roles}; its active role cannot change",
-                                   "fixed_role")
+            if role is not None and not offers_both_roles(current.roles, current.models):
+                offered = sorted(_offered_roles(current.roles, current.models))
+                raise InvalidInput(f"site {name!r} offers only {offered} (roles {current.roles}, models' roles "
+                                   f"{[m.role for m in current.models]}); its active role cannot change", "fixed_role")
             now = self._clock()
             conn.execute(update(SITES).where(SITES.c.id == current.id).values(active_role=role, active_role_since=now))
             audit.record(conn, now, actor, "site.active_role", name,
@@ -196,6 +201,35 @@ def _live_site(name: str, age: float, ttl_s: float) -> Conflict:
                     f"token that agent is using. Cordon it (POST /v1/admin/sites/{name}/cordon) or drain it (POST "
                     f"/v1/admin/sites/{name}/drain) first, or stop its agent and wait until its heartbeat is more "
                     f"than {ttl_s:g}s old; to delete it anyway, add ?force=true", "site_is_live")
+
+
+def _offered_roles(roles: list[str], models: list[ModelServed]) -> set[str]:
+    """The roles a site can take work for: its allowed roles, within its models' roles (a site with
+    no models yet is taken at its allowed roles)."""
+    if not models:
+        return set(roles)
+    by_models = {r for m in models for r in (SITE_ROLES if m.role == "both" else (m.role,))}
+    return set(roles) & by_models
+
+
+def offers_both_roles(roles: list[str], models: list[ModelServed]) -> bool:
+    """Whether the pool planner may narrow the site to one role (registry.planner's `flexible`)."""
+    return _offered_roles(roles, models) == set(SITE_ROLES)
+
+
+def _drop_moot_active_role(conn: Connection, found: int, name: str, spec: SiteSpec, actor: str, now: float) -> None:
+    """The operator's word wins: once a site's roles (or its models' roles) no longer offer both, the
+    planner's pick goes in the same change, audited. Kept, it would narrow the site to a role it may
+    no longer take (allowed only decode, picked prefill: routers and the agent would give it nothing),
+    and the planner never touches a site that does not offer both."""
+    active_role = conn.execute(select(SITES.c.active_role).where(SITES.c.id == found)).scalar()
+    if active_role is None or offers_both_roles(spec.roles, spec.models):
+        return
+    conn.execute(update(SITES).where(SITES.c.id == found).values(active_role=None, active_role_since=now))
+    offered = sorted(_offered_roles(spec.roles, spec.models))
+    audit.record(conn, now, actor, "site.active_role", name, {
+        "from": active_role, "to": "both", "offered": offered,
+        "reason": f"the site now offers only {offered}: the planner's pick of {active_role} no longer applies"})
 
 
 def _write_models(conn: Connection, found: int, models: list[ModelServed]) -> None:

@@ -5,14 +5,16 @@ fails on the way. The same cluster's agents measure the link between them (`edge
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
+import pytest
 
 from deploy.cluster import config_from_args
 from deploy.cli import build_parser
 from deploy.cli import main as edgefire
-from deploy.cluster_config import ClusterConfig, SiteSpec
+from deploy.cluster_config import ClusterConfig, ClusterConfigError, SiteSpec
 from deploy.launcher import Cluster
 from tests.e2e.conftest import wait_for_router_snapshot
 
@@ -97,3 +99,15 @@ async def test_a_prefill_heavy_burst_moves_the_flexible_site_and_no_request_fail
 
 def _active_role(cluster: Cluster) -> str | None:
     return cluster.site_state(FLEX)["active_role"]
+
+
+def test_up_refuses_planner_settings_that_make_no_sense_before_starting_anything(tmp_path):
+    """A cluster file's [planner_settings] is checked as the registry would check it: refused by
+    `edgefire up` itself, naming the table, rather than by a registry that then fails to start."""
+    sites = [SiteSpec(DECODE_ONLY, "eu", "DE", 50.11, 8.68, "decode"), SiteSpec(FLEX, "eu", "PL", 52.23, 21.01, "both")]
+    for settings, message in (({"low": 2.0, "high": 1.0}, "planner_settings: low (2.0) must be below high (1.0)"),
+                              ({"min_dwell_s": 0.0}, "planner_settings: min_dwell_s: must be > 0")):
+        with pytest.raises(ClusterConfigError, match=re.escape(message)):
+            ClusterConfig(model_dir=tmp_path, sites=sites, state_dir=tmp_path / "cluster", planner=True,
+                          planner_settings=settings)
+    assert not (tmp_path / "cluster").exists()

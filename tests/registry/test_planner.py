@@ -4,13 +4,20 @@ and a minimum dwell time (a fake clock, no sleeping); every change is audited; o
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+import typed_config
+
+from registry.errors import InvalidInput
 from registry.planner import Planner, PlannerSettings, plan
 from registry.records import ModelServed, SiteSpec
 from registry.snapshot_cache import SnapshotCache
 from registry.telemetry import HeartbeatWrite
+from router.snapshot import Site as RouterSite
+from router.snapshot import parse_site
+from typed_config import ConfigError
 
 from .conftest import capacity
 
@@ -157,3 +164,95 @@ def test_a_site_is_not_narrowed_when_only_sites_of_another_model_keep_the_role()
     with_z = {"sites": [site("x", "llama"), site("y", "qwen"), site("z", "llama")]}
     assert [(c.site, c.role) for c in plan(with_z, now=0.0, settings=SETTINGS)] in ([("x", "prefill")],
                                                                                       [("z", "prefill")])
+
+
+def flex_in_snapshot(region) -> RouterSite:
+    return parse_site(next(s for s in json.loads(region.snapshots.get().body)["sites"] if s["name"] == "flex"))
+
+
+async def test_the_operator_narrowing_a_picked_sites_roles_wins_over_the_planner(region, store, admin):
+    """flex was picked for prefill; the operator then allows it decode only. Kept, the pick would leave
+    flex taking nothing (routers: not allowed prefill, picked out of decode) for as long as it lasted,
+    since the planner never touches a site allowed one role."""
+    region.run(PREFILL_HEAVY, 2)
+    assert region.active_role("flex") == "prefill"
+
+    site = await admin.set_roles("flex", ["decode"])
+    assert site["roles"] == ["decode"] and site["active_role"] is None
+    assert flex_in_snapshot(region).serves("m", "decode")
+    status = store.telemetry.record_heartbeat(region.site_ids["flex"], capacity(1000, 900, 16))
+    assert status.to_json()["active_role"] is None  # the agent takes decode work again
+    dropped = next(e for e in store.audit.list(100).items if e.action == "site.active_role")
+    assert (dropped.actor, dropped.detail["from"], dropped.detail["to"]) == ("admin:alice", "prefill", "both")
+    assert "decode" in dropped.detail["reason"]
+
+    assert region.run(PREFILL_HEAVY, 70) == []  # still prefill-heavy: the operator's word holds
+    assert region.active_role("flex") is None
+
+    await admin.set_roles("flex", ["prefill", "decode"])  # allowed both again: the planner's to move
+    assert [(site, role) for _, site, role in region.run(PREFILL_HEAVY, 4)] == [("flex", "prefill")]
+
+
+def test_an_agent_re_registering_one_role_drops_the_planners_pick(region, store):
+    """flex's agent comes back configured for prefill only while the planner has it in the decode
+    pool: its models now offer prefill alone, so the pick goes, and the planner cannot set it again."""
+    region.run(DECODE_HEAVY, 2)
+    assert region.active_role("flex") == "decode"
+
+    store.sites.update("flex", {"models": [ModelServed("m", "prefill")]}, "site:flex", "site.register")
+    assert region.active_role("flex") is None
+    assert flex_in_snapshot(region).serves("m", "prefill")
+    with pytest.raises(InvalidInput, match="offers only \\['prefill'\\]"):
+        store.sites.set_active_role("flex", "decode", "planner", {"reason": "a planner with an old snapshot"})
+
+
+@pytest.mark.parametrize("lose_decode_site", ["cordon", "drain", "die"])
+def test_a_narrowed_site_takes_back_the_role_nobody_else_in_the_region_does(region, store, lose_decode_site):
+    """flex went to the prefill pool because dec decoded for the region; dec then leaves. Holding flex
+    to the dwell would leave a region-bound key with no decode site at all (every request refused),
+    for as long as prefill stays heavy. It goes back to both at the next tick, and stays there."""
+    region.run(PREFILL_HEAVY, 2)
+    assert region.active_role("flex") == "prefill"
+    if lose_decode_site == "cordon":
+        store.sites.cordon("dec", "ops")
+    elif lose_decode_site == "drain":
+        store.sites.drain("dec", 30.0, "ops")
+    without_dec = {name: figures for name, figures in PREFILL_HEAVY.items() if name != "dec"}
+    if lose_decode_site == "die":
+        region.clock.advance(10.0)  # dec's last heartbeat ages past its liveness window; the others beat on
+
+    changes = region.run(without_dec if lose_decode_site == "die" else PREFILL_HEAVY, 30)
+    assert [(site, role) for _, site, role in changes] == [("flex", "both")]
+    assert region.active_role("flex") is None
+    assert flex_in_snapshot(region).serves("m", "decode")
+    entry = next(e for e in store.audit.list(100).items if e.action == "site.active_role")
+    assert entry.actor == "planner" and "no other usable site in eu-west does decode for m" in entry.detail["reason"]
+
+
+def test_a_dry_run_beside_the_real_planner_never_holds_it_back(region, store, clock, caplog):
+    """An operator previews with `--planner-dry-run` on one replica while another runs the planner:
+    the preview logs, and the real planner still acts (it did not wait on the preview's lease)."""
+    dry_run = PlannerSettings(min_dwell_s=60.0, settle_s=5.0, dry_run=True)
+    preview = Planner(store, region.planner.read_snapshot, dry_run, clock=clock)
+    with caplog.at_level("INFO", logger="registry.planner"):
+        region.load(PREFILL_HEAVY)
+        assert [(c.site, c.role) for c in preview.tick()] == [("flex", "prefill")]  # ticked first
+        changes = region.run(PREFILL_HEAVY, 4)
+    assert "would set flex (eu-west) to prefill" in caplog.text
+    assert [(site, role) for _, site, role in changes] == [("flex", "prefill")]
+    assert region.active_role("flex") == "prefill"
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"min_dwell_s": 0.0}, "min_dwell_s: must be > 0"),
+    ({"min_dwell_s": -30.0}, "min_dwell_s: must be > 0"),
+    ({"min_dwell_s": 1.0, "interval_s": 2.0}, "min_dwell_s (1.0) must be at least interval_s (2.0)"),
+    ({"low": 1.5, "high": 1.0}, "low (1.5) must be below high (1.0)"),
+    ({"target_kv_used": 90.0}, "target_kv_used: the fraction of the KV pool in use"),
+    ({"settle_s": float("nan")}, "settle_s: must be a finite number"),
+])
+def test_planner_settings_that_make_no_sense_are_refused_saying_why(tmp_path, settings, message):
+    path = tmp_path / "planner.toml"
+    path.write_text("[planner]\n" + "".join(f"{k} = {'nan' if v != v else v}\n" for k, v in settings.items()))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        typed_config.load(PlannerSettings, path, table="planner")
