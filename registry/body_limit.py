@@ -24,6 +24,8 @@ class BodySizeLimit:
         if messages is None:
             await refuse(send, self.max_bytes)
             return
+        if messages[-1]["type"] != "http.request":
+            return  # the client went away (or took too long, registry.http_head) before its body's end
         buffered = iter(messages)
 
         async def replay():

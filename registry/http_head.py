@@ -1,5 +1,5 @@
-"""Limits on the HTTP request head (request line and headers) for every edgefire HTTP service: the
-registry and the router both run uvicorn with `http=HeadLimitedHttp`.
+"""Limits on the HTTP request head (request line and headers), and on the time its body may take, for
+every edgefire HTTP service: the registry and the router both run uvicorn with `http=HeadLimitedHttp`.
 
 uvicorn's httptools protocol puts no bound on a head: a 32 MiB header was accepted, and four
 half-sent 64 MiB heads grew a router by 254 MiB (httptools buffers a header until it is complete).
@@ -10,7 +10,13 @@ before any application code runs, so before authentication:
 - more than `max_head_bytes` of request line and headers, or more than `max_headers` headers:
   431 Request Header Fields Too Large;
 - a head not complete `head_timeout_s` after the connection opened or the request's first byte
-  arrived: 408 Request Timeout (a connection that sent nothing is just closed).
+  arrived: 408 Request Timeout (a connection that sent nothing is just closed);
+- a body not complete `body_timeout_s` after its head (a Content-Length larger than what is sent,
+  a body trickled a byte at a time): 408 Request Timeout. Without it such a request held its
+  connection, its task and up to the body limit of memory for ever, as a stalled head did. The
+  application sees the client leave (`http.disconnect`) and answers nothing; the 408 is the only
+  answer. A body the server itself stopped reading (a pipelined request waiting its turn, a full
+  buffer the application has not read yet) is not the client's delay: its time starts again.
 Each refusal closes the connection, after a short linger that drains what the client is still
 sending: closing with unread input would reset the connection and could destroy the answer.
 
@@ -29,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
 HEAD_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 60.0
 LINGER_S = 1.0
 
 
@@ -36,6 +43,7 @@ class HeadLimitedHttp(HttpToolsProtocol):
     max_head_bytes = MAX_HEAD_BYTES
     max_headers = MAX_HEADERS
     head_timeout_s = HEAD_TIMEOUT_S
+    body_timeout_s = BODY_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -45,6 +53,7 @@ class HeadLimitedHttp(HttpToolsProtocol):
         self._num_headers = 0
         self._refusal: int | None = None
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._start_head_deadline()
 
     def shutdown(self) -> None:
@@ -55,6 +64,7 @@ class HeadLimitedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        self._cancel_body_deadline()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -92,6 +102,7 @@ class HeadLimitedHttp(HttpToolsProtocol):
         self._cancel_head_deadline()
         if self._refusal is None:
             super().on_headers_complete()
+            self._start_body_deadline(self.cycle)  # ended by on_message_complete, at once for a request without a body
 
     def on_body(self, body: bytes) -> None:
         if self._refusal is None:
@@ -100,6 +111,7 @@ class HeadLimitedHttp(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if self._refusal is not None:
             return
+        self._cancel_body_deadline()
         self._in_head, self._head_bytes = True, 0  # the deadline starts with the next request's first byte
         super().on_message_complete()
 
@@ -131,13 +143,38 @@ class HeadLimitedHttp(HttpToolsProtocol):
         self._refusal = 408
         self._send_refusal()
 
-    def _send_refusal(self) -> None:
+    def _start_body_deadline(self, cycle) -> None:
+        self._cancel_body_deadline()
+        self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_timed_out, cycle)
+
+    def _cancel_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_timed_out(self, cycle) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing() or self._refusal is not None or cycle.response_started:
+            if cycle.response_complete and not self.transport.is_closing():
+                self.transport.close()  # answered without its body (a 413), which still trickles in
+            return
+        if self.flow.read_paused or any(queued is cycle for queued, _app in self.pipeline):
+            self._start_body_deadline(cycle)  # the server is not reading it: not the client's delay
+            return
+        # The application may be waiting in receive(): it sees the client leave, and its sends are dropped.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._refusal = 408
+        self._send_refusal(f"request body not complete within {self.body_timeout_s:g} s")
+
+    def _send_refusal(self, message: str | None = None) -> None:
         if self.transport.is_closing():
             return
         self._cancel_head_deadline()
+        self._cancel_body_deadline()
         status = http.HTTPStatus(self._refusal)
-        message = {431: f"request head exceeds {self.max_head_bytes} bytes or {self.max_headers} headers",
-                   408: f"request head not complete within {self.head_timeout_s:g} s"}[self._refusal]
+        message = message or {431: f"request head exceeds {self.max_head_bytes} bytes or {self.max_headers} headers",
+                              408: f"request head not complete within {self.head_timeout_s:g} s"}[self._refusal]
         body = f'{{"error": {{"message": "{message}", "type": "invalid_request_error", "code": "{status.name.lower()}"}}}}'
         self.transport.write(
             f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"

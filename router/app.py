@@ -35,7 +35,7 @@ from router.openapi import describe_completions
 from router.placement import servable_models
 from router.responses import encode_json
 from router.sessions import session_key
-from router.sse import SSEResponse
+from router.sse import ClientWatch, SSEResponse
 
 if TYPE_CHECKING:
     from router.server import Router
@@ -135,7 +135,7 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send) -> 
         except ApiError as exc:
             response = _error_response(exc)
         except ClientDisconnect:
-            return  # the client left before sending its whole body: no one to answer
+            return  # the client left before its answer: no one to answer
         except Exception as exc:
             response = _internal_error_response(request_id, exc)
         metrics.answered(answered.model, "chat" if chat else "completions", response.status_code)
@@ -163,12 +163,15 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
     location = router.locator.locate(client[0] if client else None, headers)
     session = session_key(api_key.id, headers.get(SESSION_HEADER), request.prompt_cache_key or request.user)
     ctx = RequestContext(request_id, api_key, location, session, trace_id=context.trace_id if context else "")
-    run = await router.service.start(request, ctx)
-    log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
-              run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
-    if request.stream:
-        return SSEResponse(_sse(run), run.headers())
-    body = await run.response()
+    # A client that leaves while its request waits for the first token (or, not streaming, for the whole
+    # answer) ends the generation there: ClientDisconnect, and the site stops generating for no one.
+    async with ClientWatch(receive):
+        run = await router.service.start(request, ctx)
+        log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
+                  run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
+        if request.stream:
+            return SSEResponse(_sse(run), run.headers())  # which watches the client itself while it streams
+        body = await run.response()
     return Response(encode_json(body).encode(), media_type="application/json", headers=run.headers())
 
 
@@ -192,6 +195,13 @@ async def _sse(run: CompletionRun | Choices):
 
 
 async def _read_body(headers: Headers, receive, max_bytes: int) -> bytes:
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        # A compressed body was read as JSON ("not valid UTF-8"); unpacking it would also let a small
+        # upload pass the body limit and inflate past it.
+        raise ApiError(415, f"Content-Encoding `{encoding}` is not supported; send the request body "
+                            f"uncompressed (no Content-Encoding header).", "invalid_request_error", None,
+                       "unsupported_content_encoding")
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large(f"The request body exceeds {max_bytes} bytes; send a smaller request.")

@@ -152,11 +152,13 @@ class Generation:
                     self._prefilled(attempt, candidate)
                     step = TokenStep([result.first_token], result.finish_reason)
                     self._accept(step)
+                    # Held from here: a caller that stops at this first token (its client left) closes
+                    # the generator at the yield, and `finally` ends the lease no decode site will take.
+                    lease = (site.grpc_address, result.kv_handle) if result.kv_handle else None
                     yield step
                     if step.finish_reason:
                         self.health.record_success(site.name)
                         return
-                    lease = (site.grpc_address, result.kv_handle) if result.kv_handle else None
                     site = candidate.decode_site
                     call = self._decode(site, lease)
                 elif not self.generated_ids:
@@ -283,9 +285,16 @@ class Generation:
         request = agent_pb2.PrefillRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
                                            sampling=self.sampling)
         timer = _ReadTimer(self._lost_check(candidate.prefill_site.name))
+        address = candidate.prefill_site.grpc_address
+        answer = asyncio.ensure_future(self.agents.client(address).prefill(request, self.policy.first_token_timeout_s))
         try:
-            result = await timer.read(_Once(self.agents.client(candidate.prefill_site.grpc_address).prefill(
-                request, self.policy.first_token_timeout_s)), self.policy.first_token_timeout_s)
+            result = await timer.read(_Once(answer), self.policy.first_token_timeout_s)
+        except asyncio.CancelledError:
+            # The caller left (its client hung up) just as the answer came: the lease it names is this
+            # request's to end, or the prefill site holds the KV until the lease expires.
+            if answer.done() and not answer.cancelled() and answer.exception() is None and answer.result().kv_handle:
+                self._release_later(address, answer.result().kv_handle)
+            raise
         finally:
             timer.close()
         self.num_prompt_tokens = result.num_prompt_tokens or len(self.prompt_ids)

@@ -3,14 +3,16 @@
 The token at output position i depends only on the prompt and i, exactly as greedy decoding
 would, so a stream resumed elsewhere with the tokens already sent matches a fault-free run.
 Fault switches: `refuse` (a status code before the first token), `die_after` (abort UNAVAILABLE
-after k tokens of a stream), `hang` (never answer), `stall_after` (go silent after k tokens of a
-stream), `token_delay_s`; `tokens_per_chunk` sends tokens k to a message, as a speculating agent does.
+after k tokens of a stream), `hang` (never answer; `hang_if` for chosen calls), `stall_after` (go
+silent after k tokens of a stream), `token_delay_s`; `tokens_per_chunk` sends tokens k to a message,
+as a speculating agent does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -49,6 +51,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.refuse_methods: frozenset[str] | None = None  # refuse only these RPCs (None: every one)
         self.die_after: int | None = None
         self.hang = False
+        self.hang_if: Callable[[str, object], bool] | None = None  # (method, request): hang that call as `hang` does
         self.stall_after: int | None = None
         self.token_delay_s = 0.0
         self.tokens_per_chunk = 1
@@ -86,7 +89,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
     async def _gate(self, method: str, request, context) -> None:
         self.calls.append((method, request))
         self.metadata.append(dict(context.invocation_metadata()))
-        if self.hang:
+        if self.hang or (self.hang_if is not None and self.hang_if(method, request)):
             await asyncio.sleep(3600)
         if self.refuse is not None and (self.refuse_methods is None or method in self.refuse_methods):
             await context.abort(self.refuse, f"{self.name} refuses")
@@ -126,8 +129,12 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
 
     async def Decode(self, request, context):
         await self._gate("Decode", request, context)
-        async for chunk in self._stream(request, context, len(request.generated_ids)):
-            yield chunk
+        try:
+            async for chunk in self._stream(request, context, len(request.generated_ids)):
+                yield chunk
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
 
     async def Prefill(self, request, context):
         await self._gate("Prefill", request, context)

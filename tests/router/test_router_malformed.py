@@ -3,7 +3,9 @@ the field where one can be named, never a 500 (issue 17, defect 3)."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 
 import pytest
 from router_fake_agent import MODEL
@@ -123,6 +125,18 @@ async def test_malformed_bodies_are_400s_naming_the_field(served, http):
     # "\\ud800" in JSON is a backslash and five letters, not a surrogate.
     body = splice(chat(), "messages", '[{"role": "user", "content": "path C:\\\\ud800"}]')
     response = await http.post(f"{url}/v1/chat/completions", content=body, headers=headers)
+    assert response.status_code == 200, response.text
+
+
+async def test_a_compressed_body_is_a_415_naming_the_encoding(served, http):
+    url, headers = served
+    for encoding, compress in (("gzip", gzip.compress), ("deflate", zlib.compress)):
+        response = await http.post(f"{url}/v1/chat/completions", content=compress(json.dumps(chat()).encode()),
+                                   headers={**headers, "Content-Encoding": encoding})
+        error = assert_openai_error(response, 415)
+        assert error["code"] == "unsupported_content_encoding" and f"`{encoding}`" in error["message"]
+    response = await http.post(f"{url}/v1/chat/completions", content=json.dumps(chat()).encode(),
+                               headers={**headers, "Content-Encoding": "identity"})
     assert response.status_code == 200, response.text
 
 
