@@ -58,6 +58,12 @@ class AsyncEngine:
         # request id -> the KV handle of its prefill, sent to its stream and not read yet: if the stream is
         # left first (a cancelled Prefill), no one else knows the handle, so the engine thread releases it
         self._unread_leases: dict[str, str] = {}
+        # request id -> the KV blocks it may need, from its hand-off to the engine thread until the stats
+        # count it: admission reads the stats of the last step, so without these a burst arriving within
+        # one step would all see the same queue and the same free blocks (pending_admissions)
+        self._pending: dict[str, int] = {}
+        self._pending_lock = threading.Lock()
+        self._added: list[str] = []  # engine thread: requests added since the stats were last refreshed
         self._stopped = False
         self._error: BaseException | None = None
         self.latest_stats: EngineStats = engine.stats()
@@ -82,6 +88,7 @@ class AsyncEngine:
                     command()
                 if commands:
                     self._refresh_stats()  # aborts and releases free blocks without a step
+                    self._settle_added()
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self._refresh_stats()  # before any caller hears of this step
@@ -117,6 +124,21 @@ class AsyncEngine:
     def _refresh_stats(self) -> None:
         self.latest_stats = self.engine.stats()  # one reference swap: readers on other threads see a whole object
 
+    def _settle_added(self) -> None:
+        """The requests just added are in latest_stats now: no longer pending."""
+        if self._added:
+            with self._pending_lock:
+                for request_id in self._added:
+                    self._pending.pop(request_id, None)
+            self._added.clear()
+
+    def pending_admissions(self) -> tuple[int, int]:
+        """(requests, KV blocks they may need) handed to the engine thread that latest_stats does not count
+        yet: an admission check adds them to the stats' waiting requests and subtracts them from its free
+        blocks."""
+        with self._pending_lock:
+            return len(self._pending), sum(self._pending.values())
+
     def _submit(self, command: Callable[[], None]) -> None:
         if self._error is not None or self._stopped:
             raise EngineDeadError("engine is not running")
@@ -148,7 +170,8 @@ class AsyncEngine:
                        generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
         request_id = request_id or uuid.uuid4().hex
         queue = await self._start(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids,
-                                                                      prefill_only))
+                                                                      prefill_only),
+                                  len(prompt_ids) + len(generated_ids or ()))
         async with aclosing(self._stream(request_id, queue)) as events:
             async for event in events:
                 yield event
@@ -157,7 +180,8 @@ class AsyncEngine:
                                request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """Decode a request whose prompt was prefilled elsewhere (payload from export_kv)."""
         request_id = request_id or uuid.uuid4().hex
-        queue = await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids))
+        queue = await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids),
+                                  len(payload.token_ids) + len(generated_ids))
         async with aclosing(self._stream(request_id, queue)) as events:
             async for event in events:
                 yield event
@@ -170,15 +194,27 @@ class AsyncEngine:
                 pass
         return event
 
-    async def _start(self, request_id: str, add: Callable[[LLMEngine], None]) -> asyncio.Queue:
+    async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int) -> asyncio.Queue:
         # The stream is registered before the request exists, so no token can miss it; a
         # request that finishes in its first step unregisters itself before we read it back.
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        with self._pending_lock:
+            self._pending[request_id] = -(-(num_tokens + 1) // self.engine.config.block_size)
+
+        def added(engine: LLMEngine) -> None:
+            try:
+                add(engine)
+            finally:
+                self._added.append(request_id)
+
         try:
-            await self.call(add)
+            await self.call(added)
         except BaseException as exc:
             self._streams.pop(request_id, None)
+            if not isinstance(exc, asyncio.CancelledError):  # the add ran and failed, or never will run
+                with self._pending_lock:
+                    self._pending.pop(request_id, None)
             if isinstance(exc, asyncio.CancelledError) and self._error is None and not self._stopped:
                 # the engine thread adds the request all the same; this abort, queued behind it, ends it
                 self._submit(lambda: self.engine.abort(request_id))

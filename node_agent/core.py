@@ -133,20 +133,24 @@ class AgentCore:
         if self.draining:
             raise DrainingError("this agent is draining and takes no new work; use another site")
         stats = model.engine.latest_stats  # as of the last step: no wait for the step in progress
+        # what was admitted since those stats, which they do not count yet (a burst within one step)
+        pending, pending_blocks = model.engine.pending_admissions()
+        waiting = stats.num_waiting + pending
         if takes_slot:
-            held = stats.num_running + stats.num_waiting + self._decode_reserved.get(model.name, 0)
+            held = stats.num_running + waiting + self._decode_reserved.get(model.name, 0)
             if held >= self.config.max_num_seqs:
                 self.metrics.rejected.labels("seqs").inc()
                 raise OverloadedError(f"decode slots are full: {held} sequences held, max_num_seqs is "
                                       f"{self.config.max_num_seqs}")
-        if stats.num_waiting >= self.config.max_waiting:
+        if waiting >= self.config.max_waiting:
             self.metrics.rejected.labels("queue").inc()
-            raise OverloadedError(f"queue is full ({stats.num_waiting} waiting, limit {self.config.max_waiting})")
+            raise OverloadedError(f"queue is full ({waiting} waiting, limit {self.config.max_waiting})")
         needed = model.blocks_needed(num_tokens + 1)
-        if needed > stats.num_blocks_free:
+        free = stats.num_blocks_free - pending_blocks
+        if needed > free:
             self.metrics.rejected.labels("kv").inc()
-            raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {stats.num_blocks_free} "
-                                  f"of {stats.num_blocks_total} are free")
+            raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {max(free, 0)} of "
+                                  f"{stats.num_blocks_total} are free")
         if takes_slot:  # no await since the check above: concurrent admissions see each other's slots
             self._decode_reserved[model.name] = self._decode_reserved.get(model.name, 0) + 1
 

@@ -99,6 +99,35 @@ async def test_a_full_agent_refuses_at_once_while_its_engine_is_busy(start_agent
         await busy
 
 
+@pytest.mark.parametrize("limit, overrides, refusal", [
+    ("queue", dict(max_waiting=3), "queue is full"),
+    ("kv", dict(kv_cache_bytes=8 * 8192), "KV pool is full"),  # 8 blocks of 16 tokens; each request needs 2
+])
+async def test_a_burst_within_one_step_is_held_to_the_limits(start_agent, connect, limit, overrides, refusal):
+    """Requests arriving while a step runs all saw that step's stats: ten at once were all admitted past a
+    queue of 3 (a router saw 153 waiting against a limit of 64) or a pool with room for 4. Admission now
+    counts what it handed the engine since those stats."""
+    agent = await start_agent(**overrides)
+    engine = agent.models[MODEL].engine
+    client = connect(agent)
+    release = threading.Event()
+    busy = asyncio.ensure_future(engine.call(lambda _engine: release.wait(30)))  # a step that does not end
+    calls = [asyncio.ensure_future(collect(client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=prompt(20, start=i), sampling=sampling(max_tokens=2))))) for i in range(10)]
+    try:
+        await asyncio.sleep(0.5)  # every admission has been answered or handed to the busy engine
+        refused = [call for call in calls if call.done()]
+        assert len(refused) == 10 - (3 if limit == "queue" else 4)
+        for call in refused:
+            assert call.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refusal in call.exception().details()
+    finally:
+        release.set()
+        await busy
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert sum(isinstance(outcome, list) and len(outcome) == 2 for outcome in outcomes) == 10 - len(refused)
+
+
 async def test_kv_pool_full_is_resource_exhausted(start_agent, connect):
     agent = await start_agent(kv_cache_bytes=8 * 8192, kv_lease_ttl_s=60)  # 8 blocks of 16 tokens
     client = connect(agent)
