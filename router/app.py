@@ -101,6 +101,10 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", model, methods=["GET"])  # ids may hold "/" (org/name)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
+    # HEAD wherever GET is (RFC 9110), as load balancers' and uptime monitors' health checks send it; the
+    # server sends the headers only. Left out of the spec, which would otherwise hold each operation twice.
+    for path, endpoint in (("/v1/models", models), ("/v1/models/{model:path}", model), ("/healthz", healthz)):
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -192,6 +196,9 @@ async def _sse(run: CompletionRun | Choices):
         error = error_body(f"The stream broke and could not be resumed ({exc}); the text so far is incomplete.",
                            "server_error", None, "stream_interrupted")
         yield b"data: " + encode_json(error).encode() + b"\n\n", True
+    except Exception as exc:  # the router's own failure: past the first byte it can only be an error event
+        log.exception("request %s: stream failed in the router", run.ctx.request_id, exc_info=exc)
+        yield b"data: " + encode_json(internal_error(run.ctx.request_id).body()).encode() + b"\n\n", True
 
 
 async def _read_body(headers: Headers, receive, max_bytes: int) -> bytes:

@@ -230,9 +230,9 @@ class CompletionService:
             room = context - num_prompt
             return min(self.limits.default_max_tokens, room) if self.limits.default_max_tokens else room
         if num_prompt + request.max_tokens > context:
-            raise bad_request(f"{prompt} ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
-                              f"model's context length ({context}); lower max_tokens.", "max_tokens",
-                              "context_length_exceeded")
+            name = request.max_tokens_param
+            raise bad_request(f"{prompt} ({num_prompt} tokens) plus {name} ({request.max_tokens}) exceeds the "
+                              f"model's context length ({context}); lower {name}.", name, "context_length_exceeded")
         return request.max_tokens
 
 
@@ -325,6 +325,7 @@ class CompletionRun:
         self._steps = generation.steps()
         self._settled = False
         self._last_step_at = 0.0
+        self._text_offset = 0  # the legacy logprobs' text_offset of the next token
 
     async def begin(self) -> None:
         """Waits for the first token, so placement failures are still plain HTTP errors."""
@@ -481,13 +482,20 @@ class CompletionRun:
             if finish is not None:
                 out.append(encode(self._chat_chunk({}, finish, None)))
         else:
-            logprobs = (responses.completion_logprobs(tokenizer, tokens, len(self.text.text) - len(delta))
-                        if r.logprobs is not None else None)
+            logprobs = self._completion_logprobs(tokens) if r.logprobs is not None else None
             if delta or logprobs or finish is not None:
                 out.append(encode(responses.completion_chunk(self.id, self.created, r.model, delta, finish,
                                                              logprobs, self.index)))
         if finish is not None and self.emit_usage:
             out.append(encode(responses.usage_chunk(self.id, self.created, r.model, r.chat, self.usage())))
+
+    def _completion_logprobs(self, tokens: list) -> dict:
+        """The legacy logprobs of a step's tokens. Each token's `text_offset` is where its text starts in the
+        choice's: the sum of the lengths of the tokens before it, whatever text a stop string still holds
+        back when the step's chunk is sent."""
+        body = responses.completion_logprobs(self.assets.tokenizer, tokens, self._text_offset)
+        self._text_offset += sum(len(text) for text in body["tokens"])
+        return body
 
     async def response(self) -> dict:
         r, tokenizer = self.request, self.assets.tokenizer
@@ -499,8 +507,8 @@ class CompletionRun:
                     if r.logprobs is not None and r.chat:
                         chat_lp.extend(responses.chat_logprobs(tokenizer, tokens, self.assets.token_bytes))
                     elif r.logprobs is not None:
-                        more = responses.completion_logprobs(tokenizer, tokens, len("".join(parts)))
-                        completion_lp = responses.merge_completion_logprobs(completion_lp, more)
+                        completion_lp = responses.merge_completion_logprobs(completion_lp,
+                                                                            self._completion_logprobs(tokens))
                     parts.append(delta)
         except GenerationFailed as exc:
             # Nothing has reached the client yet, so this is still an ordinary 503.
@@ -532,7 +540,8 @@ def _over_token_limit(request: CompletionRequest, num_prompt_tokens: int, max_to
     return bad_request(f"This request may use {needed} tokens ({num_prompt_tokens} prompt tokens + up to "
                        f"{needed - num_prompt_tokens} completion tokens over {request.num_choices} choice(s)), more "
                        f"than this API key's limit of {tokens_per_minute} tokens per minute, so it can never be admitted. Lower "
-                       f"max_tokens (or n) so the total fits.", "max_tokens", "rate_limit_too_small")
+                       f"{request.max_tokens_param} (or n) so the total fits.", request.max_tokens_param,
+                       "rate_limit_too_small")
 
 
 class Served:
@@ -589,6 +598,7 @@ class Choices:
         self.runs = runs
         first = runs[0]
         self.request, self.ctx, self.generation = first.request, first.ctx, first.generation
+        self.metrics = first.metrics
         self.finish_reason: str | None = None
 
     @property

@@ -66,6 +66,7 @@ class CompletionRequest:
     documents: list[dict] | None = None      # passed to the chat template (RAG templates read it)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, plus reasoning_effort
     max_tokens: int | None = None            # None: up to the model's context
+    max_tokens_param: str = "max_tokens"     # the parameter that set it (chat: or max_completion_tokens)
     # Sampling left None is taken from the checkpoint's generation_config.json, else the OpenAI default.
     temperature: float | None = None
     top_p: float | None = None
@@ -201,11 +202,7 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
             _check_tool_schemas(request.tools, request.named_tool)
     else:
         request.prompts = _prompts(document.get("prompt"))
-    max_tokens = document.get("max_completion_tokens") if chat else None
-    param = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, param = document.get("max_tokens"), "max_tokens"
-    request.max_tokens = _int(max_tokens, param, minimum=1)
+    request.max_tokens, request.max_tokens_param = _max_tokens(document, chat)
     request.temperature = _number(document.get("temperature"), "temperature", 0.0, 2.0)
     request.top_p = _number(document.get("top_p"), "top_p", 0.0, 1.0)
     if request.top_p is not None and request.top_p <= 0.0:
@@ -240,6 +237,21 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
                               "returned (a site computes logits only where it samples). Send one or the other.",
                               "logprobs", "unsupported_value")
     return request
+
+
+def _max_tokens(document: dict, chat: bool) -> tuple[int | None, str]:
+    """The completion's token limit and the parameter that set it. Chat's `max_completion_tokens` is the
+    current name of `max_tokens`; both at different values is a 400, as OpenAI's, rather than one of them
+    silently winning."""
+    legacy = _int(document.get("max_tokens"), "max_tokens", minimum=1)
+    current = _int(document.get("max_completion_tokens"), "max_completion_tokens", minimum=1) if chat else None
+    if current is None:
+        return legacy, "max_tokens"
+    if legacy is not None and legacy != current:
+        raise bad_request(f"`max_tokens` ({legacy}) and `max_completion_tokens` ({current}) disagree; send only "
+                          f"`max_completion_tokens` (`max_tokens` is its deprecated name).", "max_tokens",
+                          "invalid_parameter_combination")
+    return current, "max_completion_tokens"
 
 
 def _string(document: dict, name: str, required: bool = False) -> str | None:

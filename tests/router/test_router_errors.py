@@ -143,3 +143,15 @@ async def test_a_wrong_method_is_405_saying_which_methods_the_path_takes(served,
         error = assert_openai_error(response, 405)
         assert response.headers["allow"] == allowed  # RFC 9110: a 405 lists the methods the resource takes
         assert f"`{method}` is not allowed on `{path}`; use {allowed}" in error["message"]
+
+
+async def test_head_is_answered_wherever_get_is_with_the_get_status_and_no_body(served, http):
+    """Load balancers and uptime monitors check health with HEAD; RFC 9110 has it wherever GET is."""
+    url, headers = served
+    for path, auth, status in (("/healthz", {}, 200), ("/v1/models", headers, 200), ("/v1/models", {}, 401),
+                               ("/v1/models/missing", headers, 404)):
+        get, head = await http.get(f"{url}{path}", headers=auth), await http.head(f"{url}{path}", headers=auth)
+        assert get.status_code == head.status_code == status, path
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    response = await http.post(f"{url}/healthz", headers=headers)
+    assert response.status_code == 405 and response.headers["allow"] == "GET"  # the HEAD route adds nothing
