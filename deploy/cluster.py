@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -136,15 +137,20 @@ def run_up(args: argparse.Namespace) -> int:
     from deploy.launcher import Cluster, ClusterError
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the launcher's migration is not news
+    cluster = None
     try:
         config = config_from_args(args)
+        cluster = Cluster(config)
+        # Before the demo model is (re)written: a cluster already running in this state dir may serve it.
+        cluster.claim_state_dir()
         ensure_model(config, args.demo_size)
-    except ClusterConfigError as exc:
+    except (ClusterConfigError, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        if cluster is not None:
+            cluster.stop()   # nothing started yet: this gives the state dir back
+        return 2 if isinstance(exc, ClusterConfigError) else 1
     # SIGTERM (systemd, kill) stops the cluster the same way Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
-    cluster = Cluster(config)
     print(f"starting {len(config.sites)} site(s), {_count(config.registry_replicas, 'registry', 'registries')} and "
           f"{_count(config.routers, 'router', 'routers')} (logs in {cluster.state_dir / 'logs'}) ...", flush=True)
     try:
@@ -193,12 +199,20 @@ def _count(n: int, one: str, many: str) -> str:
 
 
 def supervise(cluster) -> None:
-    """Restarts a process that dies (up to MAX_RESTARTS times each) until interrupted."""
+    """Restarts a process that dies (up to MAX_RESTARTS times each) until interrupted; one that keeps
+    dying is left down, and the operator told so once (else its last restart is the last word they see)."""
+    left_down: set[str] = set()
     while True:
         time.sleep(1.0)
         for process in cluster.dead_processes():
             code = process.exit_code()
+            if process.name in left_down:
+                continue
             if process.num_starts > MAX_RESTARTS:
+                left_down.add(process.name)
+                print(f"{process.name} exited with code {code} again after {MAX_RESTARTS} restarts; leaving it down "
+                      f"(log: {process.log_path}). The rest of the cluster keeps running; Ctrl-C stops it",
+                      flush=True)
                 continue
             print(f"{process.name} exited with code {code}; restarting it (log: {process.log_path})", flush=True)
             process.start()
@@ -222,6 +236,9 @@ def banner(cluster, startup_s: float) -> str:
                      f'                http_client=httpx.Client(verify=ssl.create_default_context(cafile="{ca}")))'
                      if ca else f'OpenAI(base_url="{url}/v1", api_key="{c.api_key}")')
     python_imports = "import ssl\n\nimport httpx\nfrom openai import OpenAI" if ca else "from openai import OpenAI"
+    # status and usage find the cluster in cluster.json: outside the default state dir they must be told where.
+    state_dir = ("" if cluster.state_dir == DEFAULT_STATE_DIR.resolve()
+                 else f" --state-dir {shlex.quote(str(cluster.state_dir))}")
     tls_line = f"\n  CA bundle     {ca}   (every hop is TLS: HTTPS, gRPC and KV with client certificates)" if ca else ""
     return f"""
 edgefire is up in {startup_s:.0f}s: model `{cluster.model}` from {c.model_dir}
@@ -244,8 +261,8 @@ reply = client.chat.completions.create(model="{cluster.model}", max_tokens=32,
 print(reply.choices[0].message.content)
 EOF
 
-  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire status --watch     # sites, load, KV, heartbeats, live
-  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire usage             # requests and tokens per key, model, hour
+  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire status{state_dir} --watch     # sites, load, KV, heartbeats, live
+  EDGEFIRE_ADMIN_TOKEN={c.admin_token} edgefire usage{state_dir}             # requests and tokens per key, model, hour
 
 Watch it:
   dashboard     {cluster.registry_url}/dashboard   (sign in with the admin token)
@@ -297,7 +314,7 @@ def run_usage(args: argparse.Namespace) -> int:
         with registry:
             answer = registry.usage(args.key, args.model, args.start, args.end, args.granularity)
     except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {refusal_text(exc, args)}", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
         print(f"error: cannot reach the registry at {registry_url} ({exc})", file=sys.stderr)
@@ -328,6 +345,20 @@ def _admin_client(args: argparse.Namespace):
     except ValueError as exc:   # a malformed URL
         print(f"error: {'--registry-url' if args.registry_url else f'{path}: registry_url'}: {exc}", file=sys.stderr)
         return None
+
+
+def refusal_text(exc, args: argparse.Namespace) -> str:
+    """The registry's refusal; for a token it does not know, also where that token came from: an
+    EDGEFIRE_ADMIN_TOKEN exported for an earlier `edgefire up` wins over the new cluster's cluster.json."""
+    if exc.status != 401:
+        return str(exc)
+    if args.admin_token is None:
+        source = f"from {args.state_dir / 'cluster.json'}"
+    elif args.admin_token == os.environ.get("EDGEFIRE_ADMIN_TOKEN"):
+        source = "from $EDGEFIRE_ADMIN_TOKEN"
+    else:
+        source = "given with --admin-token"
+    return f"{exc} (the admin token {source} is not this registry's; give its admin token with --admin-token)"
 
 
 def saved_cluster(state_dir: Path) -> dict:
@@ -372,7 +403,7 @@ def status_text(registry, registry_url: str, args: argparse.Namespace) -> tuple[
     try:
         snapshot = registry.admin_snapshot()
     except RegistryError as exc:
-        return "", str(exc)
+        return "", refusal_text(exc, args)
     except httpx.HTTPError as exc:
         return "", f"cannot reach the registry at {registry_url} ({exc})"
     if args.links:

@@ -180,7 +180,7 @@ class ClusterConfig:
         otherwise surface only as a process refusing to start (an agent's gRPC port) or dying at start,
         after the others were up."""
         users: dict[int, str] = {}
-        for setting, port in self._fixed_ports():
+        for setting, port in self.fixed_ports():
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
                 raise ClusterConfigError(f"{setting}: must be a port in 1-{MAX_PORT} (0: a free one), got {port!r}")
             if port and port in users:
@@ -188,7 +188,7 @@ class ClusterConfig:
                                          f"port (or 0 for a free one)")
             users.setdefault(port, setting)
 
-    def _fixed_ports(self) -> list[tuple[str, int]]:
+    def fixed_ports(self) -> list[tuple[str, int]]:
         """(setting, port) for every port the cluster's processes listen on, as configured."""
         ports = [("router_port" if i == 0 else f"router_port + {i} (router {i + 1})", self.router_port + i)
                  for i in range(self.routers if self.router_port else 1)]

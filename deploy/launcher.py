@@ -15,12 +15,14 @@ directory: `registry.db`, `config/<process>.toml` (0600: they hold tokens), `log
 fresh local CA (deploy.tls) signs one certificate per process into `tls/` (keys 0600; the CA's key
 is never written), and every hop is TLS: HTTPS to the registry and router, gRPC and the KV data
 port with client certificates demanded by the agents.
-A start first kills whatever a crashed launcher left behind (from its pid files) and starts the
-registry from an empty database, so a second `up` after a crash starts cleanly.
+One launcher owns a state directory at a time (a lock on `launcher.pid`, see claim_state_dir). A start
+first kills whatever a crashed launcher left behind (from its pid files) and starts the registry from
+an empty database, so a second `up` after a crash starts cleanly.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -34,7 +36,7 @@ import grpc
 import httpx
 
 from deploy.cluster_config import ClusterConfig, SiteSpec
-from deploy.processes import ManagedProcess, free_port, is_ours, kill_stale, wait_ports_free
+from deploy.processes import ManagedProcess, free_port, kill_stale, wait_ports_free
 from deploy.tls import LocalCA, local_hosts
 from node_agent.tls import channel_credentials, client_context
 from registry.client import SyncRegistryClient
@@ -61,6 +63,7 @@ class Cluster:
         self.state_dir = config.state_dir.resolve()
         self.processes: dict[str, ManagedProcess] = {}
         self._admin: SyncRegistryClient | None = None
+        self._lock_fd: int | None = None   # launcher.pid, locked while this launcher owns the state dir
         self._verify = True  # how HTTPS clients check the cluster's certificates; an SSLContext under tls
         self._registry_ports: list[int] = [config.registry_port]
         self._router_ports: list[int] = [config.router_port]
@@ -146,12 +149,13 @@ class Cluster:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """From nothing to serving; on failure everything started is stopped again."""
-        self._prepare_state_dir()
-        if self.config.tls:
-            self._make_certificates()
-        self._assign_ports()
-        self._seed_registry()
         try:
+            self.claim_state_dir()
+            self._prepare_state_dir()
+            if self.config.tls:
+                self._make_certificates()
+            self._assign_ports()
+            self._seed_registry()
             for i in range(self.config.registry_replicas):
                 self._start_registry(i)
             for i, site in enumerate(self.config.sites):
@@ -177,14 +181,14 @@ class Cluster:
                 code = process.stop(signal.SIGTERM)
                 if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
                     log.info("%s exited with %s (log: %s)", name, code, process.log_path)
-        (self.state_dir / "launcher.pid").unlink(missing_ok=True)
+        self._release_state_dir()
 
     def kill_all(self) -> None:
         """SIGKILL to every process of the cluster, no drain: what a second interrupt during stop() asks for."""
         self._close_admin()
         for process in self.processes.values():
             process.kill()
-        (self.state_dir / "launcher.pid").unlink(missing_ok=True)
+        self._release_state_dir()
 
     def _close_admin(self) -> None:
         # Hang up before stopping the registry rather than leave it a connection to cut; admin()
@@ -281,7 +285,6 @@ class Cluster:
     def _prepare_state_dir(self) -> None:
         for name in ("config", "logs", "run"):
             (self.state_dir / name).mkdir(parents=True, exist_ok=True)
-        self._claim_launcher_pid()
         killed = kill_stale(self.state_dir / "run")
         if killed:
             log.warning("stopped processes left by an earlier launcher: %s", ", ".join(killed))
@@ -296,15 +299,47 @@ class Cluster:
             for path in self.state_dir.glob("registry.db*"):
                 path.unlink()  # every start begins from an empty registry: no stale sites or keys
 
-    def _claim_launcher_pid(self) -> None:
+    def claim_state_dir(self) -> None:
+        """Makes this the state directory's one launcher, or raises ClusterError naming the one that is.
+        An exclusive lock on launcher.pid, held until stop(): the kernel drops it when this process ends,
+        however it ends, so a killed launcher leaves no claim behind, and two `up`s started at the same
+        moment cannot both pass (reading the pid file, then writing it, let both through)."""
+        if self._lock_fd is not None:
+            return
         pid_path = self.state_dir / "launcher.pid"
         try:
-            pid = int(pid_path.read_text().strip())
-        except (OSError, ValueError):
-            pid = None
-        if pid is not None and pid != os.getpid() and is_ours(pid):
-            raise ClusterError(f"another launcher (pid {pid}) runs a cluster in {self.state_dir}; stop it first")
-        pid_path.write_text(str(os.getpid()))
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as exc:
+            why = "it is a file, not a directory" if isinstance(exc, FileExistsError) else exc.strerror
+            raise ClusterError(f"state dir {self.state_dir}: cannot write there ({why}); give a directory "
+                               f"this user may write with --state-dir") from None
+        while True:
+            fd = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ClusterError(f"another launcher (pid {holder}) runs a cluster in {self.state_dir}; stop it "
+                                   f"first, or give another --state-dir (and other ports)") from None
+            try:
+                same_file = os.stat(pid_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if same_file:   # not a file the previous launcher unlinked as this one opened it
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def _release_state_dir(self) -> None:
+        if self._lock_fd is None:
+            return   # never claimed: launcher.pid is another launcher's
+        (self.state_dir / "launcher.pid").unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def _make_certificates(self) -> None:
         ca = LocalCA(f"edgefire local CA ({self.state_dir})")
@@ -327,15 +362,24 @@ class Cluster:
 
     def _assign_ports(self) -> None:
         c, host = self.config, self.config.host
+        # Nothing binds until the processes start, so each pick must avoid the fixed ports and the earlier
+        # picks (with 50 sites two agents were given one port in about a third of the starts).
+        taken = {port for _setting, port in c.fixed_ports() if port}
+
+        def pick() -> int:
+            port = free_port(host, taken)
+            taken.add(port)
+            return port
+
         self._registry_ports = _run_of(c.registry_port, c.registry_replicas) or [
-            free_port(host) for _ in range(c.registry_replicas)]
-        self._router_ports = _run_of(c.router_port, c.routers) or [free_port(host) for _ in range(c.routers)]
+            pick() for _ in range(c.registry_replicas)]
+        self._router_ports = _run_of(c.router_port, c.routers) or [pick() for _ in range(c.routers)]
         c.registry_port, c.router_port = self._registry_ports[0], self._router_ports[0]
-        c.router_metrics_port = c.router_metrics_port or free_port(host)
-        self._router_metrics_ports = [c.router_metrics_port] + [free_port(host) for _ in range(1, c.routers)]
+        c.router_metrics_port = c.router_metrics_port or pick()
+        self._router_metrics_ports = [c.router_metrics_port] + [pick() for _ in range(1, c.routers)]
         for site in c.sites:
-            site.grpc_port = site.grpc_port or free_port(host)
-            site.metrics_port = site.metrics_port or free_port(host)
+            site.grpc_port = site.grpc_port or pick()
+            site.metrics_port = site.metrics_port or pick()
 
     def _seed_registry(self) -> None:
         """Migrates the registry database and creates (or, in a kept PostgreSQL one, updates) the sites,

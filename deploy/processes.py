@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,19 +160,24 @@ def wait_ports_free(host: str, ports: list[int], timeout_s: float = 10.0) -> lis
         time.sleep(0.2)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, for a child to bind in a few seconds. Taken below the kernel's ephemeral range
+def free_port(host: str = "127.0.0.1", taken: Collection[int] = ()) -> int:
+    """A port free now, for a child to bind in a few seconds, and not one of `taken` (ports already
+    handed to other children that have not bound them yet: a cluster picks all its ports before
+    starting anything, and a free port stays free until bound). Picked below the kernel's ephemeral range
     where there is room: ports there are never handed to outgoing connections, which otherwise (a busy
     client, another cluster starting beside this one) can take a port between this check and the bind."""
     low, _high = _ephemeral_range()
     if low - FIXED_PORTS_FLOOR >= 1000:
         for _ in range(100):
             port = random.randrange(FIXED_PORTS_FLOOR, low)
-            if port_free(host, port):
+            if port not in taken and port_free(host, port):
                 return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 FIXED_PORTS_FLOOR = 20000   # below this, well-known and registered services

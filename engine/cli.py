@@ -102,6 +102,18 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def check_utf8(text: str, flag: str) -> None:
+    """ValueError naming `flag` and the first offending byte when `text` came from bytes that are not
+    UTF-8 (Python keeps such argv bytes as lone surrogates, which the tokenizer refuses with a traceback)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        offset = len(text[:exc.start].encode("utf-8", "surrogateescape"))
+        byte = text[exc.start].encode("utf-8", "surrogateescape")[:1]
+        raise ValueError(f"{flag}: not UTF-8 text (byte 0x{byte.hex()} at byte {offset}); give it in UTF-8 "
+                         f"(convert it with e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.engine import EngineConfig, LLMEngine
@@ -113,6 +125,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:
+        check_utf8(args.prompt, "--prompt")
         tokenizer = ChatTokenizer.from_dir(args.model)
         params.validate(tokenizer.vocab_size)
         if args.chat:
