@@ -8,6 +8,7 @@ import logging
 import signal
 
 from router.config import ConfigError, load_config
+from router.geo import GeoDatabaseError
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve(config))
+        run_loop = asyncio.run
     else:
-        uvloop.run(_serve(config))
+        run_loop = uvloop.run
+    try:
+        run_loop(_serve(config))
+    except GeoDatabaseError as exc:
+        log.error("geoip_db: %s", exc)
+        return 2
     return 0
 
 
@@ -46,7 +52,10 @@ async def _serve(config) -> None:
 
     async with Router(config) as router:
         url = await router.start_server()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.locator.reload)
+        loop = asyncio.get_running_loop()
+        # Reading and checking a database of tens of MB is done off the event loop; requests keep the
+        # old one meanwhile, and keep it for good when the new file is bad (logged).
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.run_in_executor(None, router.locator.reload))
         log.info("router listening on %s%s", url,
                  f"; metrics on port {router.metrics_port}" if router.metrics_port else "")
         await router.serve_forever()

@@ -7,6 +7,7 @@ refused at start with the file and key named, rather than silently keeping a def
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from registry.client import registry_urls
 from router.reasoning import parser_names
 from router.tool_calls import parser_names as tool_call_parser_names
 from typed_config import ConfigError
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
 
 
 @dataclass(slots=True)
@@ -48,7 +51,9 @@ class RouterConfig:
     lat: float = 0.0
     lon: float = 0.0
     site: str | None = None           # the site this router runs beside: its measured links give client RTTs
-    geoip_db: str | None = None       # GeoIP2/GeoLite2 City .mmdb; reloaded on SIGHUP
+    geoip_db: str | None = None       # GeoIP2/GeoLite2 City .mmdb; reloaded on SIGHUP ("": none)
+    # Headers are believed only from trusted_proxies. The forwarded-for header is X-Forwarded-For style
+    # (addresses, nearest proxy last), or RFC 7239 when it is "forwarded" (`for=` of each element).
     location_header: str | None = None        # "lat,lon" set by a trusted front proxy
     forwarded_for_header: str = "x-forwarded-for"
     trusted_proxies: list[str] = field(default_factory=list)  # CIDRs whose headers we believe
@@ -133,13 +138,27 @@ class RouterConfig:
         for name, limit in (("lat", 90), ("lon", 180)):
             if not -limit <= getattr(self, name) <= limit:
                 raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {getattr(self, name)}")
+        self._validate_geo()
+        self._validate_tls()
+        return self
+
+    def _validate_geo(self) -> None:
         for cidr in self.trusted_proxies:
             try:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ConfigError(f"trusted_proxies: {cidr!r} is not an address or CIDR") from None
-        self._validate_tls()
-        return self
+        headers = {"forwarded_for_header": self.forwarded_for_header}
+        if self.location_header:  # "" is none, as geoip_db's
+            headers["location_header"] = self.location_header
+        for name, header in headers.items():
+            if not _HEADER_NAME.fullmatch(header):
+                raise ConfigError(f"{name}: {header!r} is not an HTTP header name (such as X-Forwarded-For)")
+        if self.location_header and not self.trusted_proxies:
+            raise ConfigError("location_header: it is believed only from trusted_proxies, and none are set; "
+                              "list the proxies that set it in trusted_proxies")
+        if self.geoip_db and not Path(self.geoip_db).is_file():
+            raise ConfigError(f"geoip_db: no such file {self.geoip_db!r}")
 
     def _validate_tls(self) -> None:
         for cert, key in (("tls_cert", "tls_key"), ("agent_client_cert", "agent_client_key")):

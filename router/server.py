@@ -41,6 +41,10 @@ from router.snapshot_feed import SnapshotFeed
 class Router:
     def __init__(self, config: RouterConfig, registry: RegistryClient | None = None) -> None:
         self.config = config
+        # First: a GeoIP database that cannot place clients (GeoDatabaseError) stops the start before
+        # anything else is opened.
+        self.locator = ClientLocator(config.lat, config.lon, config.geoip_db, config.location_header,
+                                     config.forwarded_for_header, config.trusted_proxies)
         self._owns_registry = registry is None
         self.registry = registry or RegistryClient(config.registry_url, config.registry_token,
                                                    verify=client_context(config.tls_ca) if config.tls_ca else True)
@@ -52,8 +56,6 @@ class Router:
         self.metrics.follow(self.feed)
         self.keys = ApiKeyCache(self.metrics.counting_errors("api_key_lookup", self.registry.lookup_api_key),
                                 config.api_key_cache_s)
-        self.locator = ClientLocator(config.lat, config.lon, config.geoip_db, config.location_header,
-                                     config.forwarded_for_header, config.trusted_proxies)
         self.health = PassiveHealth(config.failures_to_cool_down, config.cooldown_s)
         # Usage and rate-limit charges go to the registry in a report about every second; its answer
         # brings this router's share of each key's limits (router/rate_limit.py, registry/allowance.py).
@@ -103,9 +105,12 @@ class Router:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host or self.config.host, self.config.port if port is None else port))
         sock.listen(2048)
+        # proxy_headers off: which peers may say where a client is is `trusted_proxies`' alone (router/geo.py).
+        # Uvicorn's own handling believed X-Forwarded-For from any local peer (or FORWARDED_ALLOW_IPS),
+        # whatever trusted_proxies said, and rewrote the peer the router then judged.
         config = uvicorn.Config(self.app, http=HeadLimitedHttp, log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30, backlog=2048, ssl_certfile=self.config.tls_cert,
-                                ssl_keyfile=self.config.tls_key)
+                                ssl_keyfile=self.config.tls_key, proxy_headers=False)
         self._server = uvicorn.Server(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

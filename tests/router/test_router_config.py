@@ -42,6 +42,11 @@ def test_cli_adds_router_subcommand(tmp_path):
     ('[router]\nport = 9000\n[extra]\nx = 1\n', r"extra: unknown setting\(s\) outside the \[router\] table"),
     ('[router]\ncooldown_s = -1\n', "cooldown_s: must not be negative"),
     ('[router]\ntrusted_proxies = ["10.0.0.0/33"]\n', "trusted_proxies: '10.0.0.0/33' is not an address or CIDR"),
+    # A location header only a trusted proxy may set, with no proxy trusted, was silently never read.
+    ('[router]\nlocation_header = "x-client-location"\n', "location_header: it is believed only from trusted_proxies"),
+    ('[router]\nforwarded_for_header = ""\n', "forwarded_for_header: '' is not an HTTP header name"),
+    ('[router]\nforwarded_for_header = "X-Forwarded-For:"\n', "forwarded_for_header: 'X-Forwarded-For:' is not an HTTP"),
+    ('[router]\ngeoip_db = "/nonexistent/GeoLite2-City.mmdb"\n', "geoip_db: no such file '/nonexistent/GeoLite2-City.mmdb'"),
     ('[router\n', "not valid TOML"),
 ])
 def test_bad_settings_fail_at_load_naming_file_key_and_type(tmp_path, text, words):
