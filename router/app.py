@@ -128,7 +128,7 @@ async def _model_card(router: Router, model: str, snapshot) -> dict:
 async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:
     """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give."""
     request_id = _request_id()
-    context = trace.parse_traceparent(_header(scope, b"traceparent")) or trace.new_trace()
+    context = trace.parse_traceparent(_single_header(scope, b"traceparent")) or trace.new_trace()
     trace.bind(request_id, context)
     answered = _Answered()
     metrics = router.metrics
@@ -136,12 +136,12 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send) -> 
     try:
         try:
             response = await _complete(router, request_id, scope, receive, chat, answered, context)
-        except ApiError as exc:
-            response = _error_response(exc)
         except ClientDisconnect:
             return  # the client left before its answer: no one to answer
         except Exception as exc:
-            response = _internal_error_response(request_id, exc)
+            response = _error_response(exc) if isinstance(exc, ApiError) else _internal_error_response(request_id, exc)
+            # An error names its request and trace as an answer does: what an operator greps the logs for.
+            response.headers.update({"x-request-id": request_id, "x-edgefire-trace-id": context.trace_id})
         metrics.answered(answered.model, "chat" if chat else "completions", response.status_code)
         await response(scope, receive, send)
     finally:
@@ -231,6 +231,13 @@ def _header(scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _single_header(scope, name: bytes) -> str | None:
+    """The header's value when it is sent once; None when absent or repeated (W3C trace context: more
+    than one `traceparent` is invalid, and the trace restarts)."""
+    values = [value for key, value in scope["headers"] if key == name]
+    return values[0].decode("latin-1") if len(values) == 1 else None
 
 
 def _request_id() -> str:

@@ -87,3 +87,30 @@ async def test_without_a_valid_traceparent_the_router_starts_a_trace(two_sites, 
         assert sent_trace(near)[-1].trace_id == trace_id
         traces.append(trace_id)
     assert len(set(traces)) == 2 and all(len(t) == 32 and int(t, 16) for t in traces)
+
+
+async def test_a_repeated_traceparent_is_invalid_and_starts_a_new_trace(two_sites, http):
+    near, _far, auth, url = two_sites
+    other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    headers = [*auth.items(), ("traceparent", CLIENT_TRACE), ("traceparent", other)]
+    response = await http.post(f"{url}/v1/chat/completions", json=BODY, headers=headers)
+    assert response.status_code == 200
+    trace_id = response.headers["x-edgefire-trace-id"]
+    assert trace_id not in (CLIENT_TRACE.split("-")[1], other.split("-")[1])
+    assert sent_trace(near)[-1].trace_id == trace_id
+
+
+async def test_an_error_names_its_request_and_trace_as_the_logs_do(two_sites, http, caplog):
+    near, far, auth, url = two_sites
+    caplog.handler.addFilter(RequestLogFilter())
+    caplog.set_level(logging.INFO)
+    near.refuse = far.refuse = grpc.StatusCode.UNAVAILABLE  # every site fails: the client gets an error
+    response = await http.post(f"{url}/v1/chat/completions", json=BODY, headers={**auth, "traceparent": CLIENT_TRACE})
+    assert response.status_code >= 500
+    assert response.headers["x-edgefire-trace-id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    context = f" [request_id={response.headers['x-request-id']} trace_id=4bf92f3577b34da6a3ce929d0e0e4736]"
+    assert any(r.request_context == context and "site fra failed" in r.getMessage() for r in caplog.records)
+
+    bad = await http.post(f"{url}/v1/chat/completions", json={**BODY, "max_tokens": -1}, headers=auth)
+    assert bad.status_code == 400
+    assert bad.headers["x-request-id"].startswith("req-") and len(bad.headers["x-edgefire-trace-id"]) == 32
