@@ -12,7 +12,8 @@ const PLACEMENT_WINDOW_S = 300;
 const SVG_NS = "http://www.w3.org/2000/svg";
 
 const state = { sites: [], pairs: [], world: null, view: "sites", timer: null, intervalMs: 2000, generatedAt: 0,
-                hovered: null };   // the site under the pointer: its tooltip follows each refresh
+                hovered: null,     // the site under the pointer: its tooltip follows each refresh
+                session: 0 };      // bumped at each sign-out: a refresh begun before it schedules no other
 
 class AuthError extends Error {}
 
@@ -32,10 +33,11 @@ async function api(path) {
   return response.json();
 }
 
-async function refresh() {
+async function refresh(session) {
   const [snapshot, placements] = await Promise.all([
     api("/v1/admin/snapshot"), api(`/v1/admin/placements?window_s=${PLACEMENT_WINDOW_S}`),
   ]);
+  if (session !== state.session) return;   // signed out meanwhile: nothing of it stays on the page
   state.sites = snapshot.sites;
   state.generatedAt = snapshot.generated_at;
   state.pairs = placements.pairs;
@@ -48,6 +50,11 @@ function status(site) {            // active | cordoned | draining | dead: the c
   if (!site.alive) return "dead";
   if (site.state === "active" && site.capacity && site.capacity.draining) return "draining";
   return site.state;
+}
+
+function stateText(site) {         // what the state column and tooltip say: agrees with the colour
+  const state = site.state === "active" && site.capacity && site.capacity.draining ? "active, draining" : site.state;
+  return site.alive ? state : `${state}, dead`;
 }
 
 function role(site) {              // prefill | decode | both, narrowed by the pool planner's pick
@@ -188,7 +195,7 @@ function tooltipText(site) {
   const cap = site.capacity;
   return [
     site.name + (site.region ? `  (${site.region}${site.country ? ", " + site.country : ""})` : ""),
-    `state ${site.state}${site.alive ? "" : ", no live heartbeat"}`,
+    `state ${stateText(site)}${site.alive ? "" : " (no live heartbeat)"}`,
     `role ${role(site)}`,
     `load ${cap ? `${cap.num_running} running, ${cap.num_waiting} waiting` : "-"}`,
     `KV free ${kvFree(site)}`,
@@ -246,7 +253,7 @@ function drawTables() {
     row.className = `status-${status(site)}`;
     Object.assign(row.dataset, { site: site.name, state: site.state, status: status(site) });
     cell(row, site.name);
-    cell(row, site.alive ? site.state : `${site.state}, dead`, "status");
+    cell(row, stateText(site), "status");
     cell(row, role(site));
     cell(row, site.region || "-");
     cell(row, site.capacity ? `${site.capacity.num_running}/${site.capacity.num_waiting}` : "-");
@@ -299,11 +306,14 @@ function hideTooltip() {
 
 async function tick() {
   state.timer = null;
+  const session = state.session;
   const banner = document.getElementById("banner");
   try {
-    await refresh();
+    await refresh(session);
+    if (session !== state.session) return;    // signed out while it was in flight
     banner.hidden = true;
   } catch (error) {
+    if (session !== state.session) return;
     if (error instanceof AuthError) {
       signOut(error.message);
       return;
@@ -329,6 +339,7 @@ function showFleet() {
 
 function signOut(message) {
   sessionStorage.removeItem(TOKEN_KEY);
+  state.session += 1;
   clearTimeout(state.timer);
   state.timer = null;
   document.getElementById("fleet").hidden = true;
