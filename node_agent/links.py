@@ -94,6 +94,12 @@ class LinkTable:
                 link.changed = False
         return reports
 
+    def keep_only(self, peers: set[str]) -> None:
+        """Forget the peers the registry no longer lists (deregistered, or no longer serving the model):
+        their figures would stay in the metrics forever."""
+        for peer in set(self.peers) - peers:
+            del self.peers[peer]
+
     def restore(self, reports: list[dict]) -> None:
         """A report that did not reach the registry goes out again with the next one."""
         for report in reports:
@@ -144,6 +150,8 @@ class LinkLoop:
 
     async def tick(self) -> None:
         peers = (await self._client.peers())["peers"] if self._settings.probe_interval_s > 0 else []
+        if self._settings.probe_interval_s > 0:  # the registry's list is the whole truth
+            self._table.keep_only({peer["name"] for peer in peers})
         for peer in peers:
             if self._table.needs_probe(peer["name"], self._settings.probe_interval_s):
                 self._table.mark_probed(peer["name"])

@@ -65,6 +65,7 @@ class AgentMetrics:
                               ["peer"], registry=r)
         self.link_bandwidth = Gauge("edgefire_agent_link_bandwidth_mbps", "Measured throughput from a peer site",
                                     ["peer"], registry=r)
+        self._link_peers: set[str] = set()  # the peers whose link series are exported
         self.active_role = Gauge("edgefire_agent_active_role", "1 for each role this site takes new work for",
                                  ["role"], registry=r)
         self._prompt_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]: the hit ratio
@@ -106,7 +107,14 @@ class AgentMetrics:
         self.kv_pulls.labels(peer, transport).inc()
 
     def observe_links(self, links: dict) -> None:
-        """links: peer site -> node_agent.links.PeerLink."""
+        """links: peer site -> node_agent.links.PeerLink; a peer no longer among them loses its series."""
+        for peer in self._link_peers - set(links):
+            for gauge in (self.link_rtt, self.link_bandwidth):
+                try:
+                    gauge.remove(peer)
+                except KeyError:  # only one of its figures was ever known
+                    pass
+        self._link_peers = set(links)
         for peer, link in links.items():
             if link.rtt_ms is not None:
                 self.link_rtt.labels(peer).set(link.rtt_ms)

@@ -8,7 +8,8 @@ import pytest
 
 from engine.errors import KVTransferError
 from node_agent.kv_data import probe
-from node_agent.links import LinkTable
+from node_agent.links import LinkLoop, LinkSettings, LinkTable
+from node_agent.metrics import AgentMetrics
 from node_agent.proto import agent_pb2
 from registry.client import RegistryClient
 from router.snapshot import parse_snapshot
@@ -130,3 +131,36 @@ async def test_an_idle_pair_is_measured_by_a_probe(registry_server, start_agent)
     async with RegistryClient(registry_server.url, tokens["site-a"]) as agent_a:
         peers = (await agent_a.peers())["peers"]
     assert [peer["name"] for peer in peers] == ["site-b"]  # never itself, nor a site that never reported
+
+
+async def test_a_peer_the_registry_no_longer_lists_leaves_the_table_and_the_metrics():
+    """A deregistered peer's link gauges showed its last figures for as long as the agent ran."""
+    table = LinkTable()
+    for peer in ("site-b", "site-c"):
+        table.observe_rtt(peer, 0.002)
+        table.observe_transfer(peer, 4 << 20, 0.01)
+
+    class Registry:
+        listed = [{"name": "site-b", "grpc_address": "127.0.0.1:1"}, {"name": "site-c", "grpc_address": "127.0.0.1:2"}]
+
+        async def peers(self):
+            return {"peers": self.listed}
+
+        async def post_links(self, reports):
+            pass
+
+    async def no_probe(name, address):
+        pass
+
+    registry = Registry()
+    loop = LinkLoop(registry, table, no_probe, LinkSettings(probe_interval_s=60.0))
+    metrics = AgentMetrics()
+    await loop.tick()
+    metrics.observe_links(table.peers)
+    assert 'peer="site-c"' in metrics.render().decode()
+    registry.listed = registry.listed[:1]  # site-c deregistered
+    await loop.tick()
+    metrics.observe_links(table.peers)
+    assert set(table.peers) == {"site-b"}
+    text = metrics.render().decode()
+    assert 'peer="site-c"' not in text and 'peer="site-b"' in text
