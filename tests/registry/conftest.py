@@ -85,6 +85,17 @@ def pg_session_url():
     drop_pg_schema(schema)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_db_url(request, tmp_path):
+    """A database with no schema yet (the SQLite file in a directory not made yet)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'sub' / 'registry.db'}"
+        return
+    schema = new_pg_schema()
+    yield pg_schema_url(schema)
+    drop_pg_schema(schema)
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory):
     path = tmp_path_factory.mktemp("registry-template") / "registry.db"

@@ -26,15 +26,6 @@ from .conftest import ADMIN_TOKEN, PG_URL, capacity, drop_pg_schema, new_pg_sche
 NUM_REPLICAS = 3
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def empty_db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'registry.db'}"
-        return
-    schema = new_pg_schema()
-    yield pg_schema_url(schema)
-    drop_pg_schema(schema)
-
 
 def _serve(db_url: str, *flags: str) -> int:
     """`edgefire registry serve` on a port already taken: a registry that wrongly went on to serve ends

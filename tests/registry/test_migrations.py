@@ -12,21 +12,10 @@ from registry.db import make_engine
 from registry.migrate import downgrade_to_base
 from registry.tables import Base
 
-from .conftest import drop_pg_schema, new_pg_schema, pg_schema_url
-
 REGISTRY_TABLES = {"sites", "site_models", "capacity", "links", "api_keys", "site_tokens", "audit_log",
                    "registry_version", "leases", "placements", "fleet_routers", "rate_usage", "rate_holds",
                    "key_usage"}
 
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def empty_db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'sub' / 'registry.db'}"
-        return
-    schema = new_pg_schema()
-    yield pg_schema_url(schema)
-    drop_pg_schema(schema)
 
 
 def test_migrate_command_creates_schema_matching_models(empty_db_url):
