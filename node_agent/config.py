@@ -18,6 +18,7 @@ from engine.config import load_config as load_model_config
 from engine.errors import EngineError
 from engine.parallel.layout import ParallelLayout
 from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig, check_draft_model
+from node_agent.tls import check_bundle, check_identity
 from registry import validate as registry_rules
 from registry.client import registry_urls
 from registry.errors import InvalidInput
@@ -191,6 +192,14 @@ class AgentConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
+        try:
+            for name in ("tls_ca", "tls_client_ca"):
+                if getattr(self, name):
+                    check_bundle(name, getattr(self, name))
+            if self.tls_cert:
+                check_identity("tls_cert", self.tls_cert, "tls_key", self.tls_key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for name in ("kv_cache_bytes", "kv_chunk_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:

@@ -4,14 +4,20 @@ One place turns the configs' file paths into what each transport takes: gRPC (ro
 agent → agent), the KV data port (raw sockets wrapped by `ssl`), and HTTPS clients of the registry
 (httpx takes an `ssl.SSLContext`). A CA bundle verifies the other side; a certificate and key
 identify this side; a client CA on a server demands client certificates (mutual TLS).
+
+`check_bundle` and `check_identity` read the files once at start, so a file that is not PEM, a key
+that is not its certificate's, or an expired certificate is one line naming the setting, not a
+traceback from deep in a transport (or, for gRPC, a handshake that fails only when a peer calls).
 """
 
 from __future__ import annotations
 
+import datetime
 import ssl
 from pathlib import Path
 
 import grpc
+from cryptography import x509
 
 
 def _read(path: str | None) -> bytes | None:
@@ -44,3 +50,45 @@ def server_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSL
         context.load_verify_locations(cafile=client_ca)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def check_bundle(setting: str, path: str) -> None:
+    """Raise ValueError naming `setting` unless `path` is a readable PEM bundle of CA certificates."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{setting}: {path!r} is not a readable PEM CA bundle ({_reason(exc)})") from None
+
+
+def check_identity(cert_setting: str, cert: str, key_setting: str, key: str) -> None:
+    """Raise ValueError naming the setting at fault unless `cert` is a PEM certificate (chain), now
+    valid, and `key` its unencrypted PEM private key."""
+    try:
+        leaf = x509.load_pem_x509_certificates(Path(cert).read_bytes())[0]
+    except OSError as exc:
+        raise ValueError(f"{cert_setting}: {cert!r} is not readable ({_reason(exc)})") from None
+    except ValueError:
+        raise ValueError(f"{cert_setting}: {cert!r} holds no PEM certificate") from None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if leaf.not_valid_after_utc < now:
+        raise ValueError(f"{cert_setting}: the certificate in {cert!r} expired on "
+                         f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; issue a new one")
+    if leaf.not_valid_before_utc > now:
+        raise ValueError(f"{cert_setting}: the certificate in {cert!r} is not valid before "
+                         f"{leaf.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (check this machine's clock)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password="")  # "": an encrypted key fails here instead of prompting
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"{key_setting}: the key in {key!r} does not match the certificate in {cert!r} "
+                             f"({cert_setting})") from None
+        raise ValueError(f"{key_setting}: {key!r} holds no unencrypted PEM private key") from None
+    except OSError as exc:
+        raise ValueError(f"{key_setting}: {key!r} is not readable ({_reason(exc)})") from None
+
+
+def _reason(exc: OSError) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or "not PEM"
+    return exc.strerror or str(exc)

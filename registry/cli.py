@@ -83,6 +83,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         log.error("--tls-cert and --tls-key: give both or neither")
         return 2
+    if args.tls_cert:
+        from node_agent.tls import check_identity
+
+        try:
+            check_identity("--tls-cert", args.tls_cert, "--tls-key", args.tls_key)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
     # The registry's requests are short: a stop waits at most SHUTDOWN_GRACE_S for those in flight.
     options = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "timeout_graceful_shutdown": SHUTDOWN_GRACE_S}
     problem = _schema_problem(args.db, migrate=not args.no_migrate)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typed_config
 from registry.allowance import GRANT_TTL_S
+from node_agent.tls import check_bundle, check_identity
 from registry.client import registry_urls
 from router.reasoning import parser_names
 from router.tool_calls import parser_names as tool_call_parser_names
@@ -172,6 +173,14 @@ class RouterConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
+        try:
+            if self.tls_ca:
+                check_bundle("tls_ca", self.tls_ca)
+            for cert, key in (("tls_cert", "tls_key"), ("agent_client_cert", "agent_client_key")):
+                if getattr(self, cert):
+                    check_identity(cert, getattr(self, cert), key, getattr(self, key))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def config_from_dict(values: dict, where: str = "router config") -> RouterConfig:
