@@ -137,6 +137,8 @@ def cordon(name: str, actor: str = Depends(admin_actor), svc: RegistryService = 
 
 @router.post("/sites/{name}/uncordon")
 def uncordon(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
+    """Back to active. A 409 for a draining site whose agent still heartbeats (it exits once drained):
+    uncordon it after the agent has stopped, before starting it again. Repeating it changes nothing."""
     return svc.store.sites.uncordon(name, actor).to_json()
 
 

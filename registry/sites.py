@@ -135,7 +135,11 @@ class SiteStore:
         return self._set_state(name, "cordoned", None, actor, "site.cordon")
 
     def uncordon(self, name: str, actor: str) -> Site:
-        return self._set_state(name, "active", None, actor, "site.uncordon")
+        """Back to active. Refused (409) for a draining site whose agent still heartbeats: that agent
+        is finishing its requests and then exits whatever the registry says, so "active" would be a
+        site that vanishes. Once it has stopped (or its heartbeat is stale), uncordon it before
+        starting it again; otherwise the restarted agent reads "draining" and drains at once."""
+        return self._set_state(name, "active", None, actor, "site.uncordon", refuse_live_drain=True)
 
     def drain(self, name: str, deadline_s: float, actor: str) -> Site:
         validate.drain_deadline(deadline_s)
@@ -169,15 +173,37 @@ class SiteStore:
             bump_version(conn)
             return load_site(conn, current.id)
 
-    def _set_state(self, name: str, state: str, deadline: float | None, actor: str, action: str) -> Site:
+    def _set_state(self, name: str, state: str, deadline: float | None, actor: str, action: str,
+                   refuse_live_drain: bool = False) -> Site:
         with self._write.begin() as conn:
             found = site_id(conn, name, lock=True)
+            if refuse_live_drain:
+                self._refuse_live_drain(conn, found, name)
+            current = conn.execute(select(SITES.c.state).where(SITES.c.id == found)).scalar()
+            if deadline is None and current == state:
+                # A repeated cordon/uncordon changes nothing: not audited, and routers refetch nothing.
+                return load_site(conn, found)
             conn.execute(update(SITES).where(SITES.c.id == found).values(
                 state=state, drain_deadline=deadline, updated_at=self._clock(),
             ))
             audit.record(conn, self._clock(), actor, action, name, {"state": state, "drain_deadline": deadline})
             bump_version(conn)
             return load_site(conn, found)
+
+    def _refuse_live_drain(self, conn: Connection, found: int, name: str) -> None:
+        site = conn.execute(select(SITES.c.state, SITES.c.heartbeat_interval_s).where(SITES.c.id == found)).one()
+        if site.state != "draining":
+            return
+        reported_at = conn.execute(select(CAPACITY.c.reported_at).where(CAPACITY.c.site_id == found)).scalar()
+        if reported_at is None:
+            return
+        age = max(0.0, self._clock() - reported_at)
+        ttl_s = liveness_ttl_s(site.heartbeat_interval_s)
+        if age <= ttl_s:
+            raise Conflict(f"site {name!r} is draining and its agent heartbeated {age:.1f}s ago: it is finishing "
+                           f"its requests and then exits, so the drain cannot be called off. Uncordon the site once "
+                           f"its agent has stopped (or its heartbeat is more than {ttl_s:g}s old), before starting "
+                           f"the agent again", "site_is_draining")
 
     def _insert(self, conn: Connection, name: str, spec: SiteSpec, actor: str) -> Site:
         if conn.execute(SITES.select().where(SITES.c.name == name)).first() is not None:

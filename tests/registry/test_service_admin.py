@@ -159,3 +159,39 @@ async def test_a_site_that_is_not_live_deletes_without_force(admin, connect, clo
     assert await admin.delete_site("fra-1") is None
     assert (await admin.list_sites())["items"] == []
     assert (await admin.audit_log())["items"][0]["detail"]["force"] is False
+
+
+async def test_uncordoning_a_site_whose_agent_is_still_draining_is_refused(admin, connect, clock):
+    """The draining agent exits whatever the registry says: an uncordon then would show "active" for a
+    site about to vanish. Refused with what to do instead; allowed once the agent has deregistered."""
+    agent = await new_site(admin, connect, heartbeat_interval_s=2.0)
+    await agent.heartbeat(HEARTBEAT)
+    await admin.drain("fra-1", 30)
+    assert (await agent.heartbeat({**HEARTBEAT, "draining": True}))["state"] == "draining"
+    with pytest.raises(RegistryError) as err:
+        await admin.uncordon("fra-1")
+    assert (err.value.status, err.value.code) == (409, "site_is_draining")
+    assert "once its agent has stopped" in err.value.message
+    assert (await admin.get_site("fra-1"))["state"] == "draining"
+    assert (await admin.audit_log())["items"][0]["action"] == "site.drain"
+    await agent.deregister()
+    assert (await admin.uncordon("fra-1"))["state"] == "active"
+    assert (await admin.audit_log())["items"][0]["action"] == "site.uncordon"
+
+
+async def test_a_drained_site_whose_heartbeat_went_stale_uncordons(admin, connect, clock):
+    agent = await new_site(admin, connect, heartbeat_interval_s=2.0)
+    await agent.heartbeat(HEARTBEAT)
+    await admin.drain("fra-1", 30)
+    clock.advance(3 * 2.0 + 0.5)   # past the liveness TTL: the agent is gone without deregistering
+    assert (await admin.uncordon("fra-1"))["state"] == "active"
+    assert (await agent.heartbeat(HEARTBEAT))["state"] == "active"   # a restarted agent serves again
+
+
+async def test_a_repeated_cordon_or_uncordon_is_audited_once(admin):
+    await admin.create_site("fra-1", **FRA)
+    for change in (admin.cordon, admin.cordon, admin.uncordon, admin.uncordon):
+        await change("fra-1")
+    actions = [e["action"] for e in (await admin.audit_log())["items"]]
+    assert actions == ["site.uncordon", "site.cordon", "site.create"]
+    assert (await admin.uncordon("fra-1"))["state"] == "active"   # still answered with the site
