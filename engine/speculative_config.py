@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import load_config
-from engine.errors import CheckpointError
 
 METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
@@ -76,9 +75,6 @@ def check_draft_model(draft_dir: str | Path, model_dir: str | Path) -> None:
 
 def _token_ids(path: Path) -> dict[str, int]:
     """Every token's text -> id of a tokenizer.json, added (special) tokens included."""
-    from tokenizers import Tokenizer
+    from engine.tokenizer import read_tokenizer
 
-    try:
-        return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-    except Exception as exc:  # the tokenizers library raises a bare Exception on bad input
-        raise CheckpointError(f"{path} is not a valid tokenizer ({exc})") from exc
+    return read_tokenizer(path).get_vocab(with_added_tokens=True)

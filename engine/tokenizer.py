@@ -16,7 +16,7 @@ from engine.chat_template import (CONTROL_TOKEN_END, CONTROL_TOKEN_START, SPECIA
 from engine.config import read_json
 from engine.errors import CheckpointError
 
-__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError", "chat_template_file"]
+__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError", "chat_template_file", "read_tokenizer"]
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # named templates beside chat_template.jinja
 
 
@@ -66,6 +66,11 @@ def _control_tokens(added_tokens, template_literals: str, config: dict, config_f
         return [token.content for token in added_tokens if token.special or token.content in listed]
     return [token.content for token in added_tokens
             if token.special or (token.content in template_literals and not token.content.isspace())]
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """tokenizer.json at `path`; CheckpointError naming the file when it is not UTF-8 or not a tokenizer."""
+    return _parse_tokenizer(_read_text(path), str(path))
 
 
 def _parse_tokenizer(tokenizer_json: str, where: str) -> Tokenizer:
