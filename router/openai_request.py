@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
 MAX_SEED = 2 ** 63 - 1  # the agent API carries a uint64, but engines take seeds in [0, 2**63) (int64 tensors)
+# OpenAI takes any int64 seed; a negative one is folded into the engines' range (router.completions
+# sampling_params), so it is as reproducible as any other.
+MIN_SEED = -2 ** 63
 MAX_UINT32 = 2 ** 32 - 1  # the agent API's top_k
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
@@ -189,7 +192,7 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     if chat:
         request.messages = _messages(document.get("messages"), request.model)
         request.tools = _tools(document.get("tools"))
-        request.tool_choice = _tool_choice(document.get("tool_choice"), request.tools)
+        request.tool_choice, request.tools = _tool_choice(document.get("tool_choice"), request.tools)
         parallel = document.get("parallel_tool_calls")
         request.parallel_tool_calls = True if parallel is None else _bool(parallel, "parallel_tool_calls")
         request.documents = _documents(document.get("documents"))
@@ -213,7 +216,7 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
                                          MAX_REPETITION_PENALTY)
     if request.repetition_penalty is not None and request.repetition_penalty <= 0.0:
         raise bad_request("`repetition_penalty` must be greater than 0 (1 means off).", "repetition_penalty")
-    request.seed = _int(document.get("seed"), "seed", 0, MAX_SEED)
+    request.seed = _int(document.get("seed"), "seed", MIN_SEED, MAX_SEED)
     request.stop = _stop(document.get("stop"))
     request.n = _int(document.get("n"), "n", 1, MAX_CHOICES) or 1
     request.presence_penalty = _number(document.get("presence_penalty"), "presence_penalty", -MAX_PENALTY,
@@ -349,8 +352,13 @@ def _messages(value, model: str) -> list[dict]:
         if message.get("content") is None and role != "assistant":  # only an assistant turn may be calls alone
             raise bad_request(f"`{param}.content` is required for a {role} message (send \"\" for empty text).",
                               f"{param}.content", "missing_required_parameter")
+        if message.get("function_call") is not None:
+            raise bad_request(f"`{param}.function_call` is the deprecated form of a tool call, which this endpoint "
+                              f"does not read; send it as `tool_calls` ([{{\"id\", \"type\": \"function\", "
+                              f"\"function\": {{\"name\", \"arguments\"}}}}]) and its result as a `tool` message.",
+                              f"{param}.function_call", "unsupported_parameter")
         normalized = {**message, "role": "system" if role == "developer" else role,
-                      "content": _content(message.get("content"), f"{param}.content", model)}
+                      "content": _content(_turn_content(message, role), f"{param}.content", model, role)}
         calls = message.get("tool_calls")
         if calls == []:  # no calls, as if absent: templates test for the key (Llama 3.x then wants exactly one call)
             del normalized["tool_calls"]
@@ -424,25 +432,41 @@ def _template_kwargs(document: dict) -> dict:
     return value
 
 
-def _content(value, param: str, model: str) -> str:
+def _turn_content(message: dict, role: str):
+    """The content of a turn; an assistant turn that refused (content null, `refusal` set) said its refusal,
+    and the model reads it as that turn's text."""
+    content = message.get("content")
+    if content is None and role == "assistant" and isinstance(message.get("refusal"), str):
+        return message["refusal"]
+    return content
+
+
+def _content(value, param: str, model: str, role: str = "user") -> str:
     if value is None:
         # An assistant turn with only tool calls. Templates index `message.content` (Qwen3 tests
         # `'</think>' in message.content`), so it is an empty string, as vLLM sends it, not a missing key.
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, list):  # content parts: only text is supported
-        texts = []
-        for part in value:
-            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                raise bad_request(f"`{param}` holds an image, but the model `{model}` has no vision: it reads text "
-                                  f"only. Send text parts ({{\"type\": \"text\", \"text\": ...}}).", param,
-                                  "image_input_not_supported")
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"`{param}` may hold only text parts ({{\"type\": \"text\", \"text\": ...}}).", param)
-            texts.append(part["text"])
-        return "".join(texts)
+    if isinstance(value, list):  # content parts: only text (and an assistant's refusal) is supported
+        return "".join(_part_text(part, param, model, role) for part in value)
     raise bad_request(f"`{param}` must be a string or an array of text parts.", param)
+
+
+def _part_text(part, param: str, model: str, role: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+        return part["refusal"]  # what the assistant said when it refused, as OpenAI's replies carry it
+    if kind in IMAGE_PART_TYPES:
+        raise bad_request(f"`{param}` holds an image, but the model `{model}` has no vision: it reads text "
+                          f"only. Send text parts ({{\"type\": \"text\", \"text\": ...}}).", param,
+                          "image_input_not_supported")
+    if isinstance(kind, str) and kind not in ("text", "refusal"):
+        raise bad_request(f"`{param}` holds a part of type `{kind}`, but the model `{model}` reads text only. Send "
+                          f"text parts ({{\"type\": \"text\", \"text\": ...}}).", param, "unsupported_content_type")
+    raise bad_request(f"`{param}` may hold only text parts ({{\"type\": \"text\", \"text\": ...}}).", param)
 
 
 def _prompts(value) -> list[str | list[int]]:
@@ -569,19 +593,57 @@ def _check_tool_schemas(tools: list[dict], named: str | None) -> None:
             _checked(json_schema_spec(parameters), param)
 
 
-def _tool_choice(value, tools: list[dict] | None) -> str | None:
-    """"none" | "auto" | "required" | a function's name; None without tools ("auto" is OpenAI's default then)."""
+def _tool_choice(value, tools: list[dict] | None) -> tuple[str | None, list[dict] | None]:
+    """"none" | "auto" | "required" | a function's name (None without tools: "auto" is OpenAI's default
+    then), and the tools the model is offered: `allowed_tools` narrows them to the ones it names."""
     if value is None:
-        return "auto" if tools else None
+        return ("auto" if tools else None), tools
     if not tools:
         raise bad_request("`tool_choice` needs `tools`.", "tool_choice")
     if value in TOOL_CHOICES:
-        return value
+        return value, tools
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        return _allowed_tools(value.get("allowed_tools"), tools)
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise bad_request("`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}.", "tool_choice")
-    if name not in [t["function"]["name"] for t in tools]:
+        raise bad_request("`tool_choice` must be \"none\", \"auto\", \"required\", {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}} or {\"type\": \"allowed_tools\", \"allowed_tools\": "
+                          "{\"mode\", \"tools\"}}.", "tool_choice")
+    if name not in _tool_names(tools):
         raise bad_request(f"`tool_choice` names the function `{name}`, which is not in `tools`.", "tool_choice")
-    return name
+    return name, tools
+
+
+def _allowed_tools(value, tools: list[dict]) -> tuple[str, list[dict]]:
+    """OpenAI's `allowed_tools`: the model may call only the named tools (`mode` "required": must call
+    one). The model is offered only those, so it cannot call another; the rest of `tools` stays unread."""
+    param = "tool_choice.allowed_tools"
+    if not isinstance(value, dict) or value.get("mode") not in ("auto", "required") or \
+            not isinstance(value.get("tools"), list) or not value["tools"]:
+        raise bad_request(f"`{param}` must be {{\"mode\": \"auto\" or \"required\", \"tools\": [{{\"type\": "
+                          f"\"function\", \"function\": {{\"name\": ...}}}}, ...]}}.", param)
+    names = set()
+    for i, tool in enumerate(value["tools"]):
+        name = _allowed_tool_name(tool)
+        if name is None:
+            raise bad_request(f"`{param}.tools[{i}]` must be {{\"type\": \"function\", \"function\": "
+                              f"{{\"name\": ...}}}}; only function tools are supported.", f"{param}.tools[{i}]")
+        if name not in _tool_names(tools):
+            raise bad_request(f"`{param}.tools[{i}]` names the function `{name}`, which is not in `tools`.",
+                              f"{param}.tools[{i}]")
+        names.add(name)
+    return value["mode"], [tool for tool in tools if tool["function"]["name"] in names]
+
+
+def _allowed_tool_name(tool) -> str | None:
+    """The function an allowed tool names: Chat's {"type", "function": {"name"}} or Responses' {"type", "name"}."""
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        return None
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else tool.get("name")
+    return name if isinstance(name, str) else None
+
+
+def _tool_names(tools: list[dict]) -> list[str]:
+    return [tool["function"]["name"] for tool in tools]

@@ -10,7 +10,7 @@ the few accepted without effect (`metadata`, `store: false`, ...) are listed wit
 from __future__ import annotations
 
 from router.openai_request import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS_COMPLETIONS,
-                                   MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS,
+                                   MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED,
                                    MAX_TOP_LOGPROBS_CHAT, MAX_UINT32, REASONING_EFFORTS, ROLES, TOOL_CHOICES)
 
 
@@ -53,7 +53,7 @@ _SAMPLING = {
     "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": MAX_UINT32, "description": "0 or -1: off"}),
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}),
-    "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
+    "seed": _nullable({"type": "integer", "minimum": MIN_SEED, "maximum": MAX_SEED}),
     "stop": _STOP,
     "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
                     "description": "completions of the prompt; the later ones read it from the prefix cache"}),
@@ -93,8 +93,19 @@ _TOOL_CHOICE = _nullable({"anyOf": [
     {"enum": list(TOOL_CHOICES)},
     {"type": "object", "required": ["type", "function"],
      "properties": {"type": {"const": "function"},
-                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}],
-    "description": "needs `tools`; a named function must be one of them"})
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+    {"type": "object", "required": ["type", "allowed_tools"],
+     "properties": {"type": {"const": "allowed_tools"},
+                    "allowed_tools": {"type": "object", "required": ["mode", "tools"],
+                                      "properties": {"mode": {"enum": ["auto", "required"]},
+                                                     "tools": {"type": "array", "minItems": 1, "items": {
+                                                         "type": "object", "required": ["type", "function"],
+                                                         "properties": {"type": {"const": "function"},
+                                                                        "function": {"type": "object",
+                                                                                     "required": ["name"],
+                                                                                     "properties": {"name": {
+                                                                                         "type": "string"}}}}}}}}}}],
+    "description": "needs `tools`; a named function (or each allowed tool) must be one of them"})
 
 CHAT_COMPLETION_REQUEST = {
     "title": "ChatCompletionRequest", "type": "object", "required": ["model", "messages"],
