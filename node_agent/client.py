@@ -67,9 +67,11 @@ class AgentClient:
         return self.stub.FetchKV(agent_pb2.FetchKVRequest(kv_handle=kv_handle), timeout=timeout,
                                  metadata=self.metadata(request_id))
 
-    async def release_kv(self, kv_handle: str, timeout: float | None = None, request_id: str | None = None) -> bool:
-        response = await self.stub.ReleaseKV(agent_pb2.ReleaseKVRequest(kv_handle=kv_handle), timeout=timeout,
-                                             metadata=self.metadata(request_id))
+    async def release_kv(self, kv_handle: str, timeout: float | None = None, request_id: str | None = None,
+                         lease_id: str = "") -> bool:
+        """Ends a lease by its handle, or by the lease id its Prefill carried (or both)."""
+        response = await self.stub.ReleaseKV(agent_pb2.ReleaseKVRequest(kv_handle=kv_handle, lease_id=lease_id),
+                                             timeout=timeout, metadata=self.metadata(request_id))
         return response.released
 
     async def model_info(self, model: str, timeout: float | None = None,

@@ -4,6 +4,9 @@ lease prefilled KV, pull KV from peers (recomputing when that fails), and drain.
 Handles given out are `<model>/<engine handle>`, so FetchKV and ReleaseKV find the engine that
 holds the blocks. A lease is single use: the FetchKV stream (or KV data-port stream) that reads
 it releases it when the stream ends, however it ends; otherwise ReleaseKV or the engine's TTL does.
+A caller that gives up on a Prefill (its client left, a timeout) may do so after this agent answered,
+so it never learns the handle: it releases by the lease id it chose for that Prefill (`LeaseIds`).
+A decode site whose pull fails before it read the lease releases it too, since it recomputes instead.
 
 Each request is logged when it starts and ends (INFO); the lines end with the request id and trace
 id the caller sent (node_agent.trace), and a lease's export is logged under the trace of the
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
@@ -28,7 +32,7 @@ from engine.kv_transfer import KVLayout, KVPayload
 from engine.sampling import SamplingParams
 from node_agent.client import AgentClient, AgentPool
 from node_agent.config import AgentConfig
-from node_agent.errors import DrainingError, OverloadedError, UnknownModelError, WrongRoleError
+from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.metrics import AgentMetrics
 from node_agent.kv_data import KVDataServer, KVSourceUnreachable, probe, receive_bulk
 from node_agent.links import LinkTable
@@ -40,6 +44,13 @@ from node_agent.transfer import receive_payload
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0
+RELEASE_TIMEOUT_S = 5.0      # a decode site's release of a lease it did not read
+MAX_LEASE_ID_CHARS = 128
+MAX_LEASE_IDS = 100_000      # per kind of entry; far above leases made within one TTL at any real rate
+
+
+class LeaseReleasedError(AgentError):
+    """A Prefill whose lease id its caller released already: the caller has given up on it."""
 
 
 @dataclass(slots=True)
@@ -54,6 +65,53 @@ class Peer:
 
     site: str
     data_address: str | None
+
+
+class LeaseIds:
+    """Caller-chosen lease ids (PrefillRequest.lease_id): the handle each one's Prefill leased, and the
+    ids released before their Prefill leased anything, so that lease ends the moment it is made (a
+    release may overtake its Prefill: they are separate calls). Entries are kept for `ttl_s`, the lease
+    TTL: by then a lease has ended on its own, and a Prefill's caller has long stopped waiting for it."""
+
+    def __init__(self, ttl_s: float, max_entries: int = MAX_LEASE_IDS) -> None:
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._handles: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (leased at, kv handle)
+        self._released: OrderedDict[str, float] = OrderedDict()             # id -> released at
+
+    def is_released(self, lease_id: str) -> bool:
+        self._prune()
+        return lease_id in self._released
+
+    def leased(self, lease_id: str, kv_handle: str) -> bool:
+        """Records the handle a Prefill leased; False when its id was released first (end it now)."""
+        if self.is_released(lease_id):
+            return False
+        self._remember(self._handles, lease_id, (time.monotonic(), kv_handle))
+        return True
+
+    def release(self, lease_id: str) -> str | None:
+        """The handle leased under this id (forgotten now); None when its Prefill has leased nothing
+        yet, and the id is remembered as released for when it does."""
+        self._prune()
+        entry = self._handles.pop(lease_id, None)
+        if entry is not None:
+            return entry[1]
+        self._remember(self._released, lease_id, time.monotonic())
+        return None
+
+    def _remember(self, entries: OrderedDict, lease_id: str, value) -> None:
+        entries[lease_id] = value
+        entries.move_to_end(lease_id)  # oldest first, so pruning stops at the first fresh entry
+        if len(entries) > self._max_entries:
+            entries.popitem(last=False)
+
+    def _prune(self) -> None:
+        oldest = time.monotonic() - self._ttl_s
+        while self._handles and next(iter(self._handles.values()))[0] < oldest:
+            self._handles.popitem(last=False)
+        while self._released and next(iter(self._released.values())) < oldest:
+            self._released.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -83,6 +141,8 @@ class AgentCore:
         self._peer_info: dict[str, Peer] = {}  # peer gRPC address -> its Health answer
         self.links = LinkTable()  # measured paths to peer sites (node_agent.links)
         self.lease_traces = LeaseTraces()  # the request each open lease was made for (its export's logs)
+        self.lease_ids = LeaseIds(config.kv_lease_ttl_s)
+        self._releases: set[asyncio.Task] = set()  # releases of leases a failed pull never read
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -192,7 +252,11 @@ class AgentCore:
                 yield event
 
     async def prefill(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None) -> PrefillOutcome:
+                      request_id: str | None = None, lease_id: str = "") -> PrefillOutcome:
+        _check_lease_id(lease_id)
+        if lease_id and self.lease_ids.is_released(lease_id):
+            raise LeaseReleasedError(f"lease id {lease_id!r} was released before this Prefill ran; its caller "
+                                     "has given up on it")
         with self.inflight():
             model = await self._accept(model_name, "prefill", prompt_ids, [], params)
             started = time.perf_counter()
@@ -208,6 +272,12 @@ class AgentCore:
             layout = replace(model.kv_layout, num_tokens=len(prompt_ids))
             kv_bytes = layout.bytes_per_token_per_layer * layout.num_layers * layout.num_tokens
             handle = f"{model.name}/{event.kv_handle}"
+            if lease_id and not self.lease_ids.leased(lease_id, handle):
+                model.engine.release_kv_nowait(event.kv_handle)
+                log.info("prefill %s: lease id %s was released while it ran; its lease ends now", model.name,
+                         lease_id)
+                raise LeaseReleasedError(f"lease id {lease_id!r} was released while this Prefill ran; its caller "
+                                         "has given up on it")
             self.lease_traces.remember(handle)
             log.info("prefill %s: %d prompt tokens (%d cached) in %.3f s; KV lease %s holds %d bytes", model.name,
                      len(prompt_ids), event.num_cached_tokens, seconds, handle, kv_bytes)
@@ -227,6 +297,8 @@ class AgentCore:
                 payload = None
                 if source is not None and generated_ids:
                     payload = await self._pull(model, source, prompt_ids, request_id, time_left)
+                if source is not None and payload is None:
+                    self._release_unread(source, request_id)
                 events, imported = await self._start_decode(model, payload, prompt_ids, generated_ids, params,
                                                              request_id)
             finally:
@@ -249,6 +321,22 @@ class AgentCore:
             else:
                 return _prepend(first, events), True
         return model.engine.generate(prompt_ids, params, request_id, generated_ids), False
+
+    def _release_unread(self, source: KVSource, request_id: str | None) -> None:
+        """The source's lease, which this site recomputes instead of reading: a pull that failed before
+        the source opened it (the peer's Health or data port unreachable, a refused FetchKV) leaves
+        it held there, and the router, seeing this site's tokens, counts it taken. Best effort, in the
+        background: the recompute does not wait for a peer that may be down."""
+        task = asyncio.ensure_future(self._release_at_source(source, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release_at_source(self, source: KVSource, request_id: str | None) -> None:
+        try:
+            await self._peers.client(source.address).release_kv(source.kv_handle, RELEASE_TIMEOUT_S, request_id)
+        except aio.AioRpcError as exc:
+            log.info("request %s: ReleaseKV of %s on %s failed (%s); the lease will expire there", request_id,
+                     source.kv_handle, source.address, exc.code().name)
 
     async def _pull(self, model: HostedModel, source: KVSource, prompt_ids: list[int], request_id: str | None,
                     time_left: float | None) -> KVPayload | None:
@@ -375,8 +463,23 @@ class AgentCore:
         self.lease_traces.forget(kv_handle)
         log.info("KV lease %s: export closed, lease ended", kv_handle)
 
-    async def release_kv(self, kv_handle: str) -> bool:
-        """False when the lease was already gone (fetched, released or expired)."""
+    async def release_kv(self, kv_handle: str, lease_id: str = "") -> bool:
+        """Ends the lease named by its handle or by its Prefill's lease id (a Prefill that has not leased
+        yet ends its lease as soon as it makes it). False when no lease was ended now (it was fetched,
+        released or expired, or is not made yet)."""
+        if not kv_handle and not lease_id:
+            raise InvalidRequestError("ReleaseKV names no lease: set kv_handle, lease_id or both")
+        _check_lease_id(lease_id)
+        handles = {kv_handle} if kv_handle else set()
+        leased = self.lease_ids.release(lease_id) if lease_id else None
+        if leased is not None:
+            handles.add(leased)
+        released = False
+        for handle in handles:
+            released |= await self._release_handle(handle)
+        return released
+
+    async def _release_handle(self, kv_handle: str) -> bool:
         self.lease_traces.forget(kv_handle)
         try:
             model, engine_handle = self._lease(kv_handle)
@@ -393,7 +496,7 @@ class AgentCore:
         for model in self.models.values():
             handles = await model.engine.call(lambda engine: list(engine.leases))
             for handle in handles:
-                released += await self.release_kv(f"{model.name}/{handle}")
+                released += await self._release_handle(f"{model.name}/{handle}")
         return released
 
     # -- drain -------------------------------------------------------------------------------
@@ -413,7 +516,15 @@ class AgentCore:
             log.info("drain released %d unfetched KV leases", released)
 
     async def close(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
         await self._peers.close()
+
+
+def _check_lease_id(lease_id: str) -> None:
+    if len(lease_id) > MAX_LEASE_ID_CHARS:
+        raise InvalidRequestError(f"lease_id has {len(lease_id)} characters; send at most {MAX_LEASE_ID_CHARS}")
 
 
 async def _prepend(first: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:

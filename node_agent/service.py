@@ -20,7 +20,7 @@ from grpc import aio
 from engine.async_engine import EngineDeadError, kv_chunks
 from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
 from node_agent.convert import sampling_from_proto, token_chunks, token_to_proto
-from node_agent.core import AgentCore, KVSource
+from node_agent.core import AgentCore, KVSource, LeaseReleasedError
 from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 from node_agent.trace import bind, from_metadata, new_trace
@@ -39,6 +39,7 @@ _STATUS = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (WrongRoleError, grpc.StatusCode.FAILED_PRECONDITION),
     (KVTransferError, grpc.StatusCode.DATA_LOSS),
+    (LeaseReleasedError, grpc.StatusCode.CANCELLED),
 ]
 
 
@@ -85,7 +86,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         request_id = _request_id(request.request_id, context)
         async with grpc_errors(context, request_id):
             outcome = await self.core.prefill(request.model, list(request.prompt_ids),
-                                              sampling_from_proto(request.sampling), request_id)
+                                              sampling_from_proto(request.sampling), request_id, request.lease_id)
             first = outcome.first
             return agent_pb2.PrefillResult(
                 first_token=token_to_proto(first), kv_handle=outcome.kv_handle,
@@ -124,8 +125,10 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                 end()
 
     async def ReleaseKV(self, request: agent_pb2.ReleaseKVRequest, context: aio.ServicerContext):
-        _request_id("", context)
-        return agent_pb2.ReleaseKVResponse(released=await self.core.release_kv(request.kv_handle))
+        request_id = _request_id("", context)
+        async with grpc_errors(context, request_id):
+            released = await self.core.release_kv(request.kv_handle, request.lease_id)
+            return agent_pb2.ReleaseKVResponse(released=released)
 
     async def Decode(self, request: agent_pb2.DecodeRequest, context: aio.ServicerContext):
         request_id = _request_id(request.request_id, context)

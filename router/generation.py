@@ -23,12 +23,18 @@ whose site has been silent for `LOST_SILENCE_S` is given up as soon as the route
 counts that site alive (its heartbeats stopped, or it left the registry): a site that still streams
 is never cut on the registry's word alone, and a registry outage does not make sites look dead (the
 router keeps its last good view; see snapshot_feed.py).
+
+Every KV lease a split attempt makes is ended by this request unless its decode site took it: each
+Prefill carries a fresh lease id, so a Prefill given up on (the client hung up, a timeout, a lost
+site) is released by that id even when the agent answered and the answer never arrived; a release
+that overtakes its Prefill still ends the lease (node_agent.core.LeaseIds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -50,6 +56,12 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION,
+})
+# Prefill failures after which the agent may have leased KV all the same: the call ended on this
+# side (a deadline, a lost connection) or for a reason the agent did not choose, perhaps after it answered.
+UNSURE_PREFILL_CODES = frozenset({
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
 })
 RELEASE_TIMEOUT_S = 5.0
 SITE_WATCH_S = 1.0     # how often a silent attempt's site is looked up in the router's view
@@ -282,18 +294,24 @@ class Generation:
             self.ledger.prefilled(attempt)
 
     async def _prefill(self, candidate: Candidate):
+        # Names the lease before any answer does: a call given up on (the client hung up, a timeout)
+        # may end just after the agent answered, and then only this id reaches its lease.
+        lease_id = secrets.token_hex(16)
         request = agent_pb2.PrefillRequest(request_id=self.request_id, model=self.model, prompt_ids=self.prompt_ids,
-                                           sampling=self.sampling)
+                                           sampling=self.sampling, lease_id=lease_id)
         timer = _ReadTimer(self._lost_check(candidate.prefill_site.name))
         address = candidate.prefill_site.grpc_address
         answer = asyncio.ensure_future(self.agents.client(address).prefill(request, self.policy.first_token_timeout_s))
         try:
             result = await timer.read(_Once(answer), self.policy.first_token_timeout_s)
-        except asyncio.CancelledError:
-            # The caller left (its client hung up) just as the answer came: the lease it names is this
-            # request's to end, or the prefill site holds the KV until the lease expires.
-            if answer.done() and not answer.cancelled() and answer.exception() is None and answer.result().kv_handle:
-                self._release_later(address, answer.result().kv_handle)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in UNSURE_PREFILL_CODES:
+                self._release_later(address, "", lease_id)
+            raise
+        except (asyncio.CancelledError, TimeoutError, _SiteLost):
+            # Given up here: the agent may have leased the KV (answered or not), and the prefill site
+            # would hold it until the lease expires. A release that overtakes the Prefill still ends it.
+            self._release_later(address, _answered_handle(answer), lease_id)
             raise
         finally:
             timer.close()
@@ -355,15 +373,15 @@ class Generation:
         log.info("request %s: site %s is full (%s) after %d token(s); next candidate", self.request_id, site,
                  details or "RESOURCE_EXHAUSTED", len(self.generated_ids))
 
-    def _release_later(self, address: str, kv_handle: str) -> None:
+    def _release_later(self, address: str, kv_handle: str, lease_id: str = "") -> None:
         # A lease the decode site never took must be ended now rather than left to expire.
-        task = asyncio.ensure_future(self._release(address, kv_handle))
+        task = asyncio.ensure_future(self._release(address, kv_handle, lease_id))
         _background.add(task)
         task.add_done_callback(_background.discard)
 
-    async def _release(self, address: str, kv_handle: str) -> None:
+    async def _release(self, address: str, kv_handle: str, lease_id: str) -> None:
         try:
-            await self.agents.client(address).release_kv(kv_handle, RELEASE_TIMEOUT_S, self.request_id)
+            await self.agents.client(address).release_kv(kv_handle, RELEASE_TIMEOUT_S, self.request_id, lease_id)
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: ReleaseKV on %s failed (%s); the lease will expire", self.request_id, address,
                      exc.code().name)
@@ -434,6 +452,13 @@ class _ReadTimer:
     def _expire(self, error: type[Exception]) -> None:
         self._expired = error
         self._task.cancel()
+
+
+def _answered_handle(answer: asyncio.Future) -> str:
+    """The KV handle of a Prefill answer that arrived, or "" (none yet, or a failure)."""
+    if answer.done() and not answer.cancelled() and answer.exception() is None:
+        return answer.result().kv_handle
+    return ""
 
 
 class _Once:

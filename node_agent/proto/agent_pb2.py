@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x11\x65\x64gefire.agent.v1\"\xe0\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x44\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x30.edgefire.agent.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12+\n\x07grammar\x18\x0e \x01(\x0b\x32\x1a.edgefire.agent.v1.Grammar\x12\x16\n\x0eno_speculation\x18\x0f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\":\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x33\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1d.edgefire.agent.v1.TopLogprobB\n\n\x08_logprob\"\x83\x01\n\nTokenChunk\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"\xd8\x01\n\rPrefillResult\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x11\n\tkv_handle\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\"#\n\x0e\x46\x65tchKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x9b\x01\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\"%\n\x10ReleaseKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\".\n\x08KVSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tkv_handle\x18\x02 \x01(\t\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\x12.\n\tkv_source\x18\x06 \x01(\x0b\x32\x1b.edgefire.agent.v1.KVSource\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x1e\n\x16generation_config_json\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x15\n\reos_token_ids\x18\n \x03(\r\"\x0f\n\rHealthRequest\"\xa6\x02\n\x0eHealthResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.edgefire.agent.v1.HealthResponse.Status\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x15\n\rnum_kv_leases\x18\x08 \x01(\r\x12\x14\n\x0ckv_data_port\x18\t \x01(\r\"4\n\x06Status\x12\x0b\n\x07SERVING\x10\x00\x12\x0c\n\x08\x44RAINING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\"\n\x0c\x44rainRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\"7\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x02 \x01(\r2\x87\x05\n\x05\x41gent\x12O\n\x08Generate\x12\".edgefire.agent.v1.GenerateRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12N\n\x07Prefill\x12!.edgefire.agent.v1.PrefillRequest\x1a .edgefire.agent.v1.PrefillResult\x12J\n\x07\x46\x65tchKV\x12!.edgefire.agent.v1.FetchKVRequest\x1a\x1a.edgefire.agent.v1.KVChunk0\x01\x12V\n\tReleaseKV\x12#.edgefire.agent.v1.ReleaseKVRequest\x1a$.edgefire.agent.v1.ReleaseKVResponse\x12K\n\x06\x44\x65\x63ode\x12 .edgefire.agent.v1.DecodeRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12Q\n\x0cGetModelInfo\x12#.edgefire.agent.v1.ModelInfoRequest\x1a\x1c.edgefire.agent.v1.ModelInfo\x12M\n\x06Health\x12 .edgefire.agent.v1.HealthRequest\x1a!.edgefire.agent.v1.HealthResponse\x12J\n\x05\x44rain\x12\x1f.edgefire.agent.v1.DrainRequest\x1a .edgefire.agent.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x11\x65\x64gefire.agent.v1\"\xe0\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x44\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x30.edgefire.agent.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12+\n\x07grammar\x18\x0e \x01(\x0b\x32\x1a.edgefire.agent.v1.Grammar\x12\x16\n\x0eno_speculation\x18\x0f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\":\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x33\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1d.edgefire.agent.v1.TopLogprobB\n\n\x08_logprob\"\x83\x01\n\nTokenChunk\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"\x8e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xd8\x01\n\rPrefillResult\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.edgefire.agent.v1.Token\x12\x11\n\tkv_handle\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\"#\n\x0e\x46\x65tchKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x9b\x01\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\"7\n\x10ReleaseKVRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\".\n\x08KVSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tkv_handle\x18\x02 \x01(\t\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x15\n\rgenerated_ids\x18\x04 \x03(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.edgefire.agent.v1.SamplingParams\x12.\n\tkv_source\x18\x06 \x01(\x0b\x32\x1b.edgefire.agent.v1.KVSource\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x1e\n\x16generation_config_json\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x15\n\reos_token_ids\x18\n \x03(\r\"\x0f\n\rHealthRequest\"\xa6\x02\n\x0eHealthResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.edgefire.agent.v1.HealthResponse.Status\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x15\n\rnum_kv_leases\x18\x08 \x01(\r\x12\x14\n\x0ckv_data_port\x18\t \x01(\r\"4\n\x06Status\x12\x0b\n\x07SERVING\x10\x00\x12\x0c\n\x08\x44RAINING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\"\n\x0c\x44rainRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\"7\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x02 \x01(\r2\x87\x05\n\x05\x41gent\x12O\n\x08Generate\x12\".edgefire.agent.v1.GenerateRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12N\n\x07Prefill\x12!.edgefire.agent.v1.PrefillRequest\x1a .edgefire.agent.v1.PrefillResult\x12J\n\x07\x46\x65tchKV\x12!.edgefire.agent.v1.FetchKVRequest\x1a\x1a.edgefire.agent.v1.KVChunk0\x01\x12V\n\tReleaseKV\x12#.edgefire.agent.v1.ReleaseKVRequest\x1a$.edgefire.agent.v1.ReleaseKVResponse\x12K\n\x06\x44\x65\x63ode\x12 .edgefire.agent.v1.DecodeRequest\x1a\x1d.edgefire.agent.v1.TokenChunk0\x01\x12Q\n\x0cGetModelInfo\x12#.edgefire.agent.v1.ModelInfoRequest\x1a\x1c.edgefire.agent.v1.ModelInfo\x12M\n\x06Health\x12 .edgefire.agent.v1.HealthRequest\x1a!.edgefire.agent.v1.HealthResponse\x12J\n\x05\x44rain\x12\x1f.edgefire.agent.v1.DrainRequest\x1a .edgefire.agent.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,36 +47,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKEN']._serialized_end=889
   _globals['_TOKENCHUNK']._serialized_start=892
   _globals['_TOKENCHUNK']._serialized_end=1023
-  _globals['_PREFILLREQUEST']._serialized_start=1025
-  _globals['_PREFILLREQUEST']._serialized_end=1149
-  _globals['_PREFILLRESULT']._serialized_start=1152
-  _globals['_PREFILLRESULT']._serialized_end=1368
-  _globals['_FETCHKVREQUEST']._serialized_start=1370
-  _globals['_FETCHKVREQUEST']._serialized_end=1405
-  _globals['_KVCHUNK']._serialized_start=1408
-  _globals['_KVCHUNK']._serialized_end=1563
-  _globals['_RELEASEKVREQUEST']._serialized_start=1565
-  _globals['_RELEASEKVREQUEST']._serialized_end=1602
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1604
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1641
-  _globals['_KVSOURCE']._serialized_start=1643
-  _globals['_KVSOURCE']._serialized_end=1689
-  _globals['_DECODEREQUEST']._serialized_start=1692
-  _globals['_DECODEREQUEST']._serialized_end=1886
-  _globals['_MODELINFOREQUEST']._serialized_start=1888
-  _globals['_MODELINFOREQUEST']._serialized_end=1921
-  _globals['_MODELINFO']._serialized_start=1924
-  _globals['_MODELINFO']._serialized_end=2175
-  _globals['_HEALTHREQUEST']._serialized_start=2177
-  _globals['_HEALTHREQUEST']._serialized_end=2192
-  _globals['_HEALTHRESPONSE']._serialized_start=2195
-  _globals['_HEALTHRESPONSE']._serialized_end=2489
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=2437
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=2489
-  _globals['_DRAINREQUEST']._serialized_start=2491
-  _globals['_DRAINREQUEST']._serialized_end=2525
-  _globals['_DRAINRESPONSE']._serialized_start=2527
-  _globals['_DRAINRESPONSE']._serialized_end=2582
-  _globals['_AGENT']._serialized_start=2585
-  _globals['_AGENT']._serialized_end=3232
+  _globals['_PREFILLREQUEST']._serialized_start=1026
+  _globals['_PREFILLREQUEST']._serialized_end=1168
+  _globals['_PREFILLRESULT']._serialized_start=1171
+  _globals['_PREFILLRESULT']._serialized_end=1387
+  _globals['_FETCHKVREQUEST']._serialized_start=1389
+  _globals['_FETCHKVREQUEST']._serialized_end=1424
+  _globals['_KVCHUNK']._serialized_start=1427
+  _globals['_KVCHUNK']._serialized_end=1582
+  _globals['_RELEASEKVREQUEST']._serialized_start=1584
+  _globals['_RELEASEKVREQUEST']._serialized_end=1639
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1641
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1678
+  _globals['_KVSOURCE']._serialized_start=1680
+  _globals['_KVSOURCE']._serialized_end=1726
+  _globals['_DECODEREQUEST']._serialized_start=1729
+  _globals['_DECODEREQUEST']._serialized_end=1923
+  _globals['_MODELINFOREQUEST']._serialized_start=1925
+  _globals['_MODELINFOREQUEST']._serialized_end=1958
+  _globals['_MODELINFO']._serialized_start=1961
+  _globals['_MODELINFO']._serialized_end=2212
+  _globals['_HEALTHREQUEST']._serialized_start=2214
+  _globals['_HEALTHREQUEST']._serialized_end=2229
+  _globals['_HEALTHRESPONSE']._serialized_start=2232
+  _globals['_HEALTHRESPONSE']._serialized_end=2526
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=2474
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=2526
+  _globals['_DRAINREQUEST']._serialized_start=2528
+  _globals['_DRAINREQUEST']._serialized_end=2562
+  _globals['_DRAINRESPONSE']._serialized_start=2564
+  _globals['_DRAINRESPONSE']._serialized_end=2619
+  _globals['_AGENT']._serialized_start=2622
+  _globals['_AGENT']._serialized_end=3269
 # @@protoc_insertion_point(module_scope)

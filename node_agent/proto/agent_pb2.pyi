@@ -101,16 +101,18 @@ class TokenChunk(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_ids", "sampling")
+    __slots__ = ("request_id", "model", "prompt_ids", "sampling", "lease_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("first_token", "kv_handle", "num_prompt_tokens", "num_cached_tokens", "kv_layout", "kv_bytes", "finish_reason", "lease_ttl_s")
@@ -159,10 +161,12 @@ class KVChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., kv_layout: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
-    __slots__ = ("kv_handle",)
+    __slots__ = ("kv_handle", "lease_id")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
-    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, kv_handle: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
     __slots__ = ("released",)

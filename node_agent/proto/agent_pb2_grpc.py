@@ -101,7 +101,9 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKV(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Ends a lease by its handle, or by the lease_id its Prefill carried (the caller that gave up
+        on a Prefill knows no handle).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

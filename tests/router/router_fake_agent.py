@@ -59,6 +59,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.calls: list[tuple[str, object]] = []
         self.metadata: list[dict] = []
         self.released: list[str] = []
+        self.released_lease_ids: list[str] = []
         self.num_cancelled = 0
         self.num_health_checks = 0
         self.health_load = {"kv_blocks_total": 1000, "kv_blocks_free": 1000}  # load figures Health reports
@@ -147,7 +148,10 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
             kv_bytes=len(request.prompt_ids) * self.info.kv_bytes_per_token, finish_reason=finish, lease_ttl_s=30)
 
     async def ReleaseKV(self, request, context):
-        self.released.append(request.kv_handle)
+        if request.kv_handle:
+            self.released.append(request.kv_handle)
+        if request.lease_id:
+            self.released_lease_ids.append(request.lease_id)
         return agent_pb2.ReleaseKVResponse(released=True)
 
     async def GetModelInfo(self, request, context):

@@ -88,3 +88,5 @@ async def test_client_that_hangs_up_after_one_prompts_prefill_ends_that_prompts_
     await _send_and_hang_up(url, key, body, lambda: [m for m, _ in prefill.calls].count("Prefill") == 2,
                             path="/v1/completions")
     await _eventually(lambda: len(prefill.released) == 1)
+    hung = next(request for method, request in prefill.calls if method == "Prefill" and len(request.prompt_ids) > 10)
+    await _eventually(lambda: hung.lease_id in prefill.released_lease_ids)  # whatever it leased ends too
