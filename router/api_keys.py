@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ log = logging.getLogger(__name__)
 NEGATIVE_TTL_S = 5.0
 STALE_WAIT_S = 0.25
 STALE_GRACE_S = 5.0
+# At most this many answers are held, the oldest dropped first. Refusals are also dropped once they
+# expire (every NEGATIVE_TTL_S, a sweep): a client trying a new made-up key on every request would
+# otherwise add an entry per request for as long as the router runs. Accepted keys stay after they
+# expire, since they are the last-known answer while the registry is away; the registry's key table
+# bounds them.
+MAX_CACHED_KEYS = 100_000
 
 
 @dataclass(slots=True)
@@ -54,12 +61,14 @@ class _Entry:
 
 class ApiKeyCache:
     def __init__(self, lookup: Callable[[str], Awaitable[dict | None]], ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = MAX_CACHED_KEYS) -> None:
         self._lookup = lookup
         self._ttl_s = ttl_s
         self._clock = clock
-        self._entries: dict[bytes, _Entry] = {}
+        self._max_entries = max_entries
+        self._entries: dict[bytes, _Entry] = {}   # oldest answer first
         self._pending: dict[bytes, asyncio.Future] = {}
+        self._next_sweep = -math.inf
 
     async def authenticate(self, secret: str | None) -> ApiKey:
         if not secret:
@@ -80,7 +89,7 @@ class ApiKeyCache:
             try:
                 key = await asyncio.wait_for(asyncio.shield(pending), STALE_WAIT_S)
             except TimeoutError:  # the registry is slow: the last answer stands until the lookup replaces it
-                self._entries[digest] = _Entry(entry.key, self._clock() + STALE_GRACE_S)
+                self._store(digest, _Entry(entry.key, self._clock() + STALE_GRACE_S))
                 key = entry.key
         if key is None:
             raise bad_api_key()
@@ -99,14 +108,28 @@ class ApiKeyCache:
             record = await self._lookup(secret)
         except (httpx.HTTPError, RegistryError) as exc:
             if stale is not None:  # last-known answer while the registry is away, asked again after a grace
-                self._entries[digest] = _Entry(stale.key, self._clock() + STALE_GRACE_S)
+                self._store(digest, _Entry(stale.key, self._clock() + STALE_GRACE_S))
                 return stale.key
             log.warning("API key lookup failed: %s", type(exc).__name__)
             raise no_capacity("The router cannot verify API keys right now; retry shortly.", 5.0) from exc
         key = None if record is None else parse_api_key(record)
         ttl = self._ttl_s if key is not None else min(self._ttl_s, NEGATIVE_TTL_S)
-        self._entries[digest] = _Entry(key, self._clock() + ttl)
+        self._store(digest, _Entry(key, self._clock() + ttl))
         return key
+
+    def _store(self, digest: bytes, entry: _Entry) -> None:
+        self._entries.pop(digest, None)  # re-inserted: the newest answer goes last
+        self._entries[digest] = entry
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + NEGATIVE_TTL_S
+            for expired in [d for d, e in self._entries.items() if e.key is None and e.expires_at <= now]:
+                del self._entries[expired]
+        while len(self._entries) > self._max_entries:
+            del self._entries[next(iter(self._entries))]
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def parse_api_key(record: dict) -> ApiKey:

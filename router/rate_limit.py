@@ -217,7 +217,7 @@ class RateLimiter:
         seq = self._next_seq
         self._next_seq += 1
         # Charges older than every window are dropped (the registry would, and they only swell the report).
-        oldest = math.floor(self._wall()) - WINDOW_SLOTS - MAX_FUTURE_SLOTS
+        oldest = self._oldest_reported_slot()
         newest_first = sorted(((slot, key_id), counts) for (key_id, slot), counts in self._pending.items()
                               if slot >= oldest and (counts[0] or counts[1]))[::-1]
         charges = [RateCharge(key_id, slot, requests, tokens) for (key_id, slot), (requests, tokens)
@@ -235,11 +235,19 @@ class RateLimiter:
             demand.append(KeyDemand(state.key_id, state.asked["requests"], state.asked["tokens"],
                                     remaining["requests"], remaining["tokens"]))
             state.asked = dict.fromkeys(LIMITS, 0.0)
-        for key_id in [k for k in self._history if k not in self._keys]:
-            self._window(key_id)
-            if not self._history[key_id]:
-                del self._history[key_id]
+        self._prune_history()
         return ReportPart(seq, charges, demand)
+
+    def _prune_history(self) -> None:
+        """Drops every key's charges older than a window, busy keys' too: a key charged every second
+        would otherwise keep a slot per second for as long as the router runs. Slots are added in clock
+        order, so only each key's oldest few are looked at (one look per key per report)."""
+        oldest = math.floor(self._wall()) - WINDOW_S
+        for key_id, slots in list(self._history.items()):
+            while slots and (first := next(iter(slots))) < oldest:
+                del slots[first]
+            if not slots:
+                del self._history[key_id]
 
     def answered(self, seq: int, sent_at: float, answer: dict) -> None:
         """The registry's answer to report `seq`, whose (last) attempt was sent at `sent_at` (clock)."""
@@ -273,6 +281,15 @@ class RateLimiter:
     def failed(self) -> None:
         """A report attempt got no answer (the registry unreachable, or answering 5xx)."""
         self._failing = True
+        # No new report is taken while the one in flight goes unanswered, so nothing else drops the
+        # charges meanwhile: an outage of hours would keep one entry per key and second.
+        oldest = self._oldest_reported_slot()
+        self._pending = {slot_key: counts for slot_key, counts in self._pending.items() if slot_key[1] >= oldest}
+        self._prune_history()
+
+    def _oldest_reported_slot(self) -> int:
+        """Charges of older slots are outside every window: the registry would drop them."""
+        return math.floor(self._wall()) - WINDOW_SLOTS - MAX_FUTURE_SLOTS
 
     def status(self) -> dict:
         return {"mode": "local_share" if self.local_share else "global", "live_routers": self.live_routers,

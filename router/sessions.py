@@ -2,8 +2,8 @@
 
 A session is keyed by `x-session-affinity`, else the OpenAI `user` field, within one API key (two
 customers' "user-1" are different sessions). The table is bounded (least recently used out
-first) and forgets a session idle for `ttl_s`; a forgotten session is placed like a new one, by
-rendezvous hash, which every router agrees on.
+first) and forgets a session idle for `ttl_s` (dropped as newer sessions come); a forgotten
+session is placed like a new one, by rendezvous hash, which every router agrees on.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ class SessionTable:
     def remember(self, key: str | None, prefill_site: str, decode_site: str) -> None:
         if key is None:
             return
-        self._pairs[key] = ((prefill_site, decode_site), self._clock())
+        now = self._clock()
+        self._pairs[key] = ((prefill_site, decode_site), now)
         self._pairs.move_to_end(key)
-        while len(self._pairs) > self._max_sessions:
+        # Oldest first, so the sessions idle past the TTL are at the front: gone now, not when pushed
+        # out by the cap, which a router serving far fewer sessions would hold forever.
+        while self._pairs and (len(self._pairs) > self._max_sessions
+                               or now - next(iter(self._pairs.values()))[1] > self._ttl_s):
             self._pairs.popitem(last=False)
 
     def __len__(self) -> int:
