@@ -16,7 +16,7 @@ from pathlib import Path
 
 from deploy.cli import EXIT_BROKEN_PIPE, discard_stdout
 from deploy.cluster_config import (DEFAULT_DEMO_MODEL_DIR, DEFAULT_REGISTRY_PORT, DEFAULT_ROUTER_PORT,
-                                   DEFAULT_STATE_DIR, ClusterConfig, ClusterConfigError, demo_sites,
+                                   DEFAULT_STATE_DIR, ClusterConfig, ClusterConfigError, demo_model_dir, demo_sites,
                                    load_cluster_toml)
 from engine.demo import ARCHITECTURES, demo_record, make_demo_model
 from engine.demo import SIZES as DEMO_SIZES  # torch-free: only writing the weights imports torch
@@ -32,7 +32,8 @@ def add_parser(subparsers) -> None:
                                description="Starts, on loopback: the registry (SQLite), one agent per site and a "
                                            "router, and prints how to call it. Ctrl-C stops everything.")
     up.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: a random-weight demo "
-                                               f"model in {DEFAULT_DEMO_MODEL_DIR})")
+                                               f"model in {DEFAULT_DEMO_MODEL_DIR}, or with --state-dir DIR in "
+                                               f"DIR/{DEFAULT_DEMO_MODEL_DIR.name})")
     up.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     up.add_argument("--sites", type=int, help="number of demo sites (default 3: prefill-only, decode-only, both)")
     up.add_argument("--config", type=Path, help="cluster TOML file describing the sites (see deploy/README.md)")
@@ -47,8 +48,8 @@ def add_parser(subparsers) -> None:
     up.add_argument("--planner", action="store_true", default=None,
                     help="run the prefill/decode pool planner: it moves sites allowed both roles between the pools")
     up.add_argument("--demo-size", default="small", choices=list(DEMO_SIZES),
-                    help="size of the demo model (default small); the demo model is rewritten when it was made "
-                         "at another size. Not used with --model")
+                    help="size of the demo model (default small); the state dir's demo model is rewritten when it "
+                         "was made at another size. Not used with --model")
     up.add_argument("--tls", action="store_true", default=None,
                     help="run every hop over TLS (HTTPS, gRPC, KV data port) with a local CA made in the state dir")
     up.add_argument("--routers", type=int, help="routers to run (default 1); they share every key's limits and "
@@ -108,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         return load_cluster_toml(args.config, **overrides)
     overrides.setdefault("sites", demo_sites(3))
     if overrides["model_dir"] is None:
-        overrides.update(model_dir=DEFAULT_DEMO_MODEL_DIR, demo_model=True)
+        overrides.update(model_dir=demo_model_dir(args.state_dir or DEFAULT_STATE_DIR), demo_model=True)
     return ClusterConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -2,7 +2,7 @@
 
 `ClusterConfig` comes from `edgefire up` flags (`demo_config`) or a `cluster.toml` (`load_cluster_toml`):
 
-    model = "/models/Llama-3.2-1B-Instruct"   # optional: the demo model when absent
+    model = "/models/Llama-3.2-1B-Instruct"   # optional: the state dir's demo model when absent (demo_model_dir)
     router_port = 8080
     routers = 2                                # optional: routers sharing keys' limits (ports from router_port up)
     registry_replicas = 2                      # optional: registry processes over one database
@@ -53,7 +53,7 @@ from registry.records import SiteSpec as RegistrySiteSpec
 from router.config import RouterConfig
 
 DEFAULT_STATE_DIR = Path(".edgefire/cluster")
-DEFAULT_DEMO_MODEL_DIR = Path(".edgefire/demo-model")
+DEFAULT_DEMO_MODEL_DIR = Path(".edgefire/demo-model")   # the default state dir's (demo_model_dir)
 DEFAULT_ROUTER_PORT = 8080
 DEFAULT_REGISTRY_PORT = 8500
 DEFAULT_GRPC_PORT = 50051
@@ -250,6 +250,16 @@ def demo_sites(num_sites: int) -> list[SiteSpec]:
     return sites
 
 
+def demo_model_dir(state_dir: str | Path) -> Path:
+    """Where the cluster in `state_dir` keeps its demo model: in the state dir, whose one launcher (it holds
+    the state dir's lock) is the only one to write it, so an `up` with another --demo-size beside a running
+    cluster never rewrites the weights that cluster's agents serve. The default state dir keeps the demo
+    model where `make run` has always made it, beside it in .edgefire/."""
+    if Path(state_dir).resolve() == DEFAULT_STATE_DIR.resolve():
+        return DEFAULT_DEMO_MODEL_DIR
+    return Path(state_dir) / DEFAULT_DEMO_MODEL_DIR.name
+
+
 def load_cluster_toml(path: str | Path, **overrides) -> ClusterConfig:
     """A cluster file; `overrides` (flags given on the command line) win over its values."""
     document = typed_config.read_toml(path)
@@ -268,7 +278,7 @@ def load_cluster_toml(path: str | Path, **overrides) -> ClusterConfig:
     values.update(typed_config.check_values(ClusterConfig, document, str(path)))
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "model_dir" not in values:
-        values.update(model_dir=DEFAULT_DEMO_MODEL_DIR, demo_model=True)
+        values.update(model_dir=demo_model_dir(values.get("state_dir", DEFAULT_STATE_DIR)), demo_model=True)
     try:
         return ClusterConfig(**values)
     except ClusterConfigError as exc:

@@ -43,6 +43,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.accept_threshold must be in (0, 1), got {self.accept_threshold!r}")
 
 
+# Pairs found compatible in this process, keyed by the files the check reads (_files_read). An agent checks
+# its draft when its config loads, so a bad draft is a one-line configuration error, and the engine checks
+# it again as it starts the draft (`edgefire generate` and library users have no other check): the second
+# finds the pair here instead of parsing both tokenizer.json files again.
+_compatible: set[tuple] = set()
+
+
 def check_draft_model(draft_dir: str | Path, model_dir: str | Path) -> None:
     """Raise ValueError (CheckpointError for an unreadable checkpoint) when the draft at `draft_dir` cannot
     propose tokens for the model at `model_dir`: a token id must mean the same text to both, or every
@@ -50,7 +57,32 @@ def check_draft_model(draft_dir: str | Path, model_dir: str | Path) -> None:
     without tokenizer.json is taken at its config's word (the engine itself runs on token ids), so its
     vocabulary must be the model's size. With both tokenizers, sizes may differ where one model pads its
     embedding further than the other (a family's small and large models often do) while every token of
-    the shared tokenizer has an id both hold; the draft's logits are then cut or padded to the model's."""
+    the shared tokenizer has an id both hold; the draft's logits are then cut or padded to the model's.
+    A pair already found compatible, its files unchanged since, is not checked again."""
+    files = _files_read(draft_dir, model_dir)
+    if files in _compatible:
+        return
+    _check_pair(draft_dir, model_dir)
+    _compatible.add(files)
+
+
+def _files_read(draft_dir: str | Path, model_dir: str | Path) -> tuple:
+    """Each file the check reads, with its size, modification time and inode (None when absent or
+    unreadable): a file edited, replaced or removed since makes another key, checked afresh."""
+    files = []
+    for directory in (draft_dir, model_dir):
+        for name in ("config.json", "tokenizer.json"):
+            path = Path(directory).resolve() / name
+            try:
+                stat = path.stat()
+            except OSError:
+                files.append((str(path), None))
+                continue
+            files.append((str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return tuple(files)
+
+
+def _check_pair(draft_dir: str | Path, model_dir: str | Path) -> None:
     draft, target = load_config(draft_dir), load_config(model_dir)
     draft_tokenizer, model_tokenizer = Path(draft_dir) / "tokenizer.json", Path(model_dir) / "tokenizer.json"
     if not (draft_tokenizer.is_file() and model_tokenizer.is_file()):

@@ -3,6 +3,9 @@
 Every field can be set three ways, later ones winning: the TOML file, an `EDGEFIRE_AGENT_<FIELD>`
 environment variable, and a `--<field-with-dashes>` flag. Models are a TOML table
 `[models] name = "/checkpoint/dir"`, `EDGEFIRE_AGENT_MODELS="a=/x,b=/y"` or repeated `--model a=/x`.
+A model whose parallel sizes differ from the agent-wide ones names its own in `[model_parallel]`
+(`name = "tp=1 ep=4"`, or `EDGEFIRE_AGENT_MODEL_PARALLEL="name=tp=1 ep=4"`): a dense model and a
+mixture of experts on one site, the experts split across ranks and the dense model on one.
 Loading and type checks are `typed_config`'s (shared with the router): a bad value is a ConfigError
 that names the file (or variable, or flag), the field and what to change.
 """
@@ -29,6 +32,8 @@ ENV_PREFIX = "EDGEFIRE_AGENT_"
 MIN_THROUGHPUT_BYTES = 16 << 10  # a smaller transfer measures latency, not throughput (node_agent.links)
 MAX_PROBE_BYTES = 1 << 20        # the most a KV data port sends to one link probe
 ROLES = ("prefill", "decode", "both")
+# A model's own parallel sizes (model_parallel) by their short names, as ParallelLayout prints them.
+PARALLEL_SIZES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "ep": "expert_parallel_size"}
 
 
 @dataclass(slots=True)
@@ -70,6 +75,8 @@ class AgentConfig:
     tensor_parallel_size: int = 1               # each model on this many ranks per pipeline stage (one device each)
     pipeline_parallel_size: int = 1             # each model's layers in this many stages
     expert_parallel_size: int = 1               # a mixture of experts' experts split across this many ranks per stage
+    # model name -> its own sizes ("tp=1 ep=4"; tp, pp, ep); a size it leaves out is the agent-wide one above
+    model_parallel: dict[str, str] = field(default_factory=dict)
     # Speculative decoding (engine.speculative): ngram (prompt lookup) or draft (a smaller checkpoint with the
     # same tokenizer, speculative_draft_model); None: off. Requests may opt out (no_speculation).
     speculative_method: str | None = None
@@ -103,28 +110,45 @@ class AgentConfig:
                     check_draft_model(draft, path)
                 except (EngineError, ValueError) as exc:
                     raise ConfigError(f"speculative_draft_model: cannot draft for models.{name}: {exc}") from None
-        if method is not None and self.pipeline_parallel_size > 1:
-            raise ConfigError("speculative_method: speculative decoding does not run with pipeline_parallel_size > 1")
-        if method == "draft" and self.layout.world_size > 1:
-            raise ConfigError(f"speculative_method: a draft model runs in one process, not with {self.layout}; use "
-                              f"\"ngram\" with tensor or expert parallelism, or a single-rank engine")
+        if method is None:
+            return
+        for name in self.models:  # speculation is the site's, every model's engine runs it
+            layout = self.layout_of(name)
+            if layout.pp > 1:
+                raise ConfigError(f"speculative_method: speculative decoding does not run with pipeline_parallel_size "
+                                  f"> 1 ({self._sizes_setting(name)}: {layout})")
+            if method == "draft" and layout.world_size > 1:
+                raise ConfigError(f"speculative_method: a draft model runs in one process, not with {layout} "
+                                  f"({self._sizes_setting(name)}); use \"ngram\" with tensor or expert parallelism, "
+                                  f"or a single-rank engine")
 
-    @property
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel_size)
+    def layout_of(self, model: str | None) -> ParallelLayout:
+        """The model's parallel sizes: its own in model_parallel, the agent-wide ones for the sizes it leaves
+        out (all of them for a model without its own, or None)."""
+        own = self.model_parallel.get(model)
+        sizes = {"tp": self.tensor_parallel_size, "pp": self.pipeline_parallel_size, "ep": self.expert_parallel_size}
+        if own is not None:
+            sizes.update(parse_parallel_sizes(own, f"model_parallel.{model}"))
+        return ParallelLayout(sizes["tp"], sizes["pp"], sizes["ep"])
+
+    def _sizes_setting(self, model: str) -> str:
+        """The setting that gives the model its sizes, for messages: where to change them."""
+        return f"model_parallel.{model}" if model in self.model_parallel else f"models.{model}"
 
     def _validate_parallel(self) -> None:
-        """The parallel sizes against each model's config.json, refused at start like any other bad
+        """Each model's parallel sizes against its config.json, refused at start like any other bad
         setting: the engine would otherwise refuse them while loading, as a traceback out of the agent."""
-        try:
-            self.layout.validate()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        for name in self.model_parallel:
+            if name not in self.models:
+                raise ConfigError(f"model_parallel.{name}: no such model in models (models: "
+                                  f"{', '.join(self.models)})")
         for name, path in self.models.items():
+            layout = self.layout_of(name)
             try:
-                self.layout.check_model(load_model_config(path))
+                layout.validate()
+                layout.check_model(load_model_config(path))
             except (EngineError, ValueError) as exc:
-                raise ConfigError(f"models.{name}: {exc}") from None
+                raise ConfigError(f"{self._sizes_setting(name)}: {exc}") from None
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_method is None:
@@ -223,6 +247,24 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and not -limit <= value <= limit:
                 raise ConfigError(f"{name}: must be in [-{limit}, {limit}], got {value}")
+
+
+def parse_parallel_sizes(text: str, where: str) -> dict[str, int]:
+    """A model's own sizes, "tp=1 ep=4" (tp, pp and ep, space-separated, each at most once): {"tp": 1, "ep": 4}."""
+    sizes: dict[str, int] = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep or key not in PARALLEL_SIZES:
+            raise ConfigError(f"{where}: expected sizes such as \"tp=1 ep=4\" (tp, pp and ep, space-separated), "
+                              f"got {text!r}")
+        if key in sizes:
+            raise ConfigError(f"{where}: {key} is given twice in {text!r}")
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
+            raise ConfigError(f"{where}: {key} ({PARALLEL_SIZES[key]}) must be an integer >= 1, got {value!r}")
+        sizes[key] = int(value)
+    if not sizes:
+        raise ConfigError(f"{where}: expected sizes such as \"tp=1 ep=4\" (tp, pp and ep), got {text!r}")
+    return sizes
 
 
 FIELDS = typed_config.fields_of(AgentConfig)

@@ -42,13 +42,15 @@ def served(model: HostedModel, role: str) -> dict:
             "kv_format": model.kv_layout.kv_format}
 
 
-def engine_config(config: AgentConfig) -> EngineConfig:
+def engine_config(config: AgentConfig, model: str | None = None) -> EngineConfig:
+    """The engine settings of `model` (its own parallel sizes, AgentConfig.layout_of); without a model,
+    the agent-wide ones."""
+    layout = config.layout_of(model)
     return EngineConfig(device=config.device, dtype=config.dtype, block_size=config.block_size,
                         kv_cache_bytes=config.kv_cache_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs, kv_handle_ttl_s=config.kv_lease_ttl_s,
-                        kv_chunk_bytes=config.kv_chunk_bytes, tensor_parallel_size=config.tensor_parallel_size,
-                        pipeline_parallel_size=config.pipeline_parallel_size,
-                        expert_parallel_size=config.expert_parallel_size, show_progress=False,
+                        kv_chunk_bytes=config.kv_chunk_bytes, tensor_parallel_size=layout.tp,
+                        pipeline_parallel_size=layout.pp, expert_parallel_size=layout.ep, show_progress=False,
                         weight_mode=config.weight_mode, speculative=config.speculative_config())
 
 
@@ -89,6 +91,6 @@ async def load_model(name: str, checkpoint_dir: str, config: AgentConfig) -> Hos
     """The model loaded; ModelLoadError, naming the model and its directory, for what the engine refuses
     (its errors, and the ValueErrors of the settings it checks as it starts)."""
     try:
-        return await asyncio.to_thread(_load_sync, name, checkpoint_dir, engine_config(config))
+        return await asyncio.to_thread(_load_sync, name, checkpoint_dir, engine_config(config, name))
     except (EngineError, ValueError) as exc:
         raise ModelLoadError(f"model {name} ({checkpoint_dir}): {exc}") from exc
