@@ -61,12 +61,20 @@ class GrammarSpec:
 
 
 def to_llguidance(spec: GrammarSpec) -> str:
-    """The llguidance grammar text of a spec (InvalidRequestError when the schema is not JSON)."""
+    """The llguidance grammar text of a spec (InvalidRequestError when the schema is not JSON); a JSON
+    schema compiles without what constrains nothing (`without_no_ops`)."""
     spec.validate()
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    source = spec.source
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=_JSON_OPTIONS)
+        source = json.dumps(without_no_ops(json.loads(spec.source)))
+    except RecursionError:
+        pass  # nested past Python's limit: the library refuses the schema as sent below, in its own words
+    except ValueError as exc:
+        raise InvalidRequestError(f"the JSON schema cannot be read as JSON: {exc}") from None
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(source, overrides=_JSON_OPTIONS)
     except ValueError as exc:
         if "recursion limit" in str(exc):  # the library reads at most 128 levels of nested objects and arrays
             raise InvalidRequestError(f"the JSON schema nests objects and arrays too deeply for the grammar library "
@@ -103,6 +111,53 @@ _SUBSCHEMA_KEYWORDS = ("properties", "patternProperties", "additionalProperties"
                        "then", "else", "dependentSchemas", "unevaluatedItems", "unevaluatedProperties",
                        "$defs", "definitions")
 _NAMED_SUBSCHEMAS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
+
+
+# Keyword values that constrain nothing (each is the keyword's default), which client generators emit
+# (OpenAPI and Java ones write `uniqueItems: false` on every array) and the library refuses as unimplemented.
+_NO_OP_VALUES = {"uniqueItems": (False,), "unevaluatedProperties": (True, {}), "unevaluatedItems": (True, {}),
+                 "propertyNames": (True, {}), "dependentRequired": ({},), "dependentSchemas": ({},),
+                 "dependencies": ({},)}
+
+
+# `format` values that name a type's encoding or a library's own type, written by OpenAPI generators
+# (OpenAPI 3's data type formats) and pydantic (`bytes`, `SecretStr`, `Path`, `UUID4`, IP types...). No
+# JSON Schema validator asserts them, so leaving them out loses nothing a client could check; the library
+# refuses them as unknown. A format JSON Schema defines stays: enforced where the library can, else a 400.
+_ANNOTATION_FORMATS = frozenset({
+    "int32", "int64", "float", "double", "byte", "binary", "password",
+    "base64", "path", "file-path", "directory-path", "uuid1", "uuid3", "uuid4", "uuid5", "name-email",
+    "multi-host-uri", "ipvanyaddress", "ipvanyinterface", "ipvanynetwork", "ipv4interface", "ipv6interface",
+    "ipv4network", "ipv6network"})
+
+
+def without_no_ops(schema):
+    """The schema without what constrains nothing: the no-op keyword values above, and a `format` that is
+    an annotation only (above). Annotation keywords (`title`, `description`, `examples`, `default`,
+    `deprecated`, `readOnly`, `$comment`...) the library already ignores. Returns a copy; the client's
+    schema is left as sent."""
+    if not isinstance(schema, dict):
+        return schema
+    kept = {}
+    for keyword, value in schema.items():
+        if any(value == no_op and type(value) is type(no_op) for no_op in _NO_OP_VALUES.get(keyword, ())):
+            continue
+        if keyword == "format" and isinstance(value, str) and value in _ANNOTATION_FORMATS:
+            continue
+        kept[keyword] = _subschemas_without_no_ops(keyword, value)
+    return kept
+
+
+def _subschemas_without_no_ops(keyword: str, value):
+    """`value` of `keyword` with no-ops dropped from the subschemas in it (other values, such as a `const`
+    or an `enum` that happens to hold a `uniqueItems` key, are data and stay untouched)."""
+    if keyword not in _SUBSCHEMA_KEYWORDS:
+        return value
+    if keyword in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+        return {name: without_no_ops(sub) for name, sub in value.items()}
+    if isinstance(value, list):
+        return [without_no_ops(sub) for sub in value]
+    return without_no_ops(value)
 
 
 def _keyword_path(schema, problem: str) -> str | None:
@@ -154,7 +209,7 @@ def json_schema_spec(schema: dict | bool) -> GrammarSpec:
 
 def lark_json(schema: dict) -> str:
     """A Lark rule body for JSON following `schema`, written as compactly as a json_schema spec's output."""
-    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+    return "%json " + json.dumps({**without_no_ops(schema), "x-guidance": _JSON_OPTIONS})
 
 
 class GrammarMatcher:

@@ -223,13 +223,29 @@ def _penalize_repetition(logits: torch.Tensor, params: list[SamplingParams],
     ids, valid = _padded(histories, rows, [0] * len(rows), logits.device)
     seen = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
     seen.scatter_(1, ids, valid)
-    penalty = torch.tensor([params[row].repetition_penalty for row in rows], dtype=logits.dtype,
-                           device=logits.device).unsqueeze(1)
     picked = logits[rows]
+    penalty = _finite_penalty(params, rows, picked, seen)
     penalized = torch.where(picked < 0, picked * penalty, picked / penalty)
     logits = logits.clone()
     logits[rows] = torch.where(seen, penalized, picked)
     return logits
+
+
+def _finite_penalty(params: list[SamplingParams], rows: list[int], picked: torch.Tensor,
+                    seen: torch.Tensor) -> torch.Tensor:
+    """The rows' repetition penalties [len(rows), 1], raised where needed so that dividing a seen logit by
+    them stays finite. Any penalty in (0, 1) is valid, but one far below 1 (1e-40) divides a positive logit
+    past the float range: +inf, whose softmax is NaN, and a sampled row drew garbage. Where that would
+    happen the exact distribution is a point mass on the largest seen logit (it exceeds the next by a
+    factor of ~1e38 times their gap), and the raised penalty keeps exactly that: it maps the largest seen
+    logit to half the float range (room for the presence and frequency penalties that follow) and every
+    other logit proportionally below it. A penalty under the float's smallest normal (1e-46 is 0 in
+    float32) is raised to it first, so 0 is never divided by 0."""
+    finfo = torch.finfo(picked.dtype)
+    penalty = torch.tensor([params[row].repetition_penalty for row in rows], dtype=picked.dtype,
+                           device=picked.device).unsqueeze(1).clamp_(min=finfo.tiny)
+    largest_seen = torch.where(seen, picked, 0.0).clamp_(min=0.0).amax(-1, keepdim=True)
+    return torch.maximum(penalty, largest_seen / (finfo.max / 2))
 
 
 def _penalize_presence(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None,

@@ -6,8 +6,8 @@ FastAPI keeps the completion routes for the OpenAPI spec, whose request bodies `
 Errors become OpenAI bodies here and only here (`ApiError` → JSON with its status and headers).
 A stream that breaks for good after its first byte ends with one SSE error event and no [DONE].
 Logs carry request ids, sites and counts — never API keys or prompt text. Each completion joins the
-client's W3C trace (`traceparent` header) or starts one; the trace goes to every site the request
-reaches and into every log line about it (node_agent.trace), and back in `x-edgefire-trace-id`.
+client's W3C trace (`traceparent` header, with its `tracestate`) or starts one; the trace goes to every
+site the request reaches and into every log line about it (node_agent.trace), and back in `x-edgefire-trace-id`.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from starlette.requests import ClientDisconnect
 
 from node_agent import trace
 from router.completions import Choices, CompletionRun, RequestContext
-from router.errors import ApiError, error_body, internal_error, too_large, unknown_model
+from router.errors import ApiError, error_body, internal_error, not_in_regions, too_large, unknown_model
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
 from router.openapi import describe_completions
-from router.placement import servable_models
+from router.placement import model_availability, servable_models
 from router.responses import encode_json
 from router.sessions import session_key
 from router.sse import ClientWatch, SSEResponse
@@ -83,10 +83,14 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"object": "list", "data": data})
 
     async def model(request: Request, model: str) -> Response:
-        """One model's card (the SDK's `models.retrieve`); 404 for a model /v1/models does not list."""
+        """One model's card (the SDK's `models.retrieve`); 404 for a model /v1/models does not list, 403 for
+        one served only outside the key's regions."""
         api_key = await router.authenticate(request.headers.get("authorization"))
         snapshot = router.feed.current()
-        if model not in servable_models(snapshot, router.service.cost, api_key.allowed_regions):
+        available = model_availability(snapshot, router.service.cost, model, api_key.allowed_regions)
+        if available.outside_regions:
+            raise not_in_regions(model, api_key.allowed_regions, available.outside_regions)
+        if not available.live:
             raise unknown_model(model)
         return JSONResponse(await _model_card(router, model, snapshot))
 
@@ -128,7 +132,7 @@ async def _model_card(router: Router, model: str, snapshot) -> dict:
 async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:
     """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give."""
     request_id = _request_id()
-    context = trace.parse_traceparent(_single_header(scope, b"traceparent")) or trace.new_trace()
+    context = _client_trace(scope)
     trace.bind(request_id, context)
     answered = _Answered()
     metrics = router.metrics
@@ -169,13 +173,19 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
     ctx = RequestContext(request_id, api_key, location, session, trace_id=context.trace_id if context else "")
     # A client that leaves while its request waits for the first token (or, not streaming, for the whole
     # answer) ends the generation there: ClientDisconnect, and the site stops generating for no one.
-    async with ClientWatch(receive):
-        run = await router.service.start(request, ctx)
-        log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
-                  run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
-        if request.stream:
-            return SSEResponse(_sse(run), run.headers())  # which watches the client itself while it streams
-        body = await run.response()
+    watch, streaming = ClientWatch(receive), False
+    try:
+        async with watch.guarding():
+            run = await router.service.start(request, ctx)
+            log.debug("request %s: model %s prefill %s decode %s attempts %d", request_id, request.model,
+                      run.generation.prefill_site, run.generation.decode_site, run.generation.num_attempts)
+            if request.stream:
+                streaming = True
+                return SSEResponse(_sse(run), run.headers(), watch)  # which guards the stream with the same watch
+            body = await run.response()
+    finally:
+        if not streaming:
+            watch.close()
     return Response(encode_json(body).encode(), media_type="application/json", headers=run.headers())
 
 
@@ -231,6 +241,16 @@ def _header(scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _client_trace(scope) -> trace.TraceContext:
+    """The client's trace with its `tracestate` (every such header: one list split over several), or a
+    new trace, without the client's state: W3C trace context reads tracestate only beside a valid parent."""
+    parent = trace.parse_traceparent(_single_header(scope, b"traceparent"))
+    if parent is None:
+        return trace.new_trace()
+    states = [value.decode("latin-1") for key, value in scope["headers"] if key == b"tracestate"]
+    return trace.with_state(parent, trace.parse_tracestate(states)) if states else parent
 
 
 def _single_header(scope, name: bytes) -> str | None:

@@ -20,7 +20,7 @@ from engine.tokenizer import TemplateError
 from node_agent.proto import agent_pb2
 from router import responses
 from router.api_keys import ApiKey
-from router.errors import ApiError, bad_request, no_capacity, rate_limited, unknown_model
+from router.errors import ApiError, bad_request, no_capacity, not_in_regions, rate_limited, unknown_model
 from router.generation import AgentRejected, FailoverPolicy, Generation, GenerationFailed, TokenStep
 from router.geo import Location
 from router.health import PassiveHealth
@@ -28,7 +28,7 @@ from router.ledger import InflightLedger
 from router.metrics import RouterMetrics, elapsed_s
 from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import MAX_SEED, CompletionRequest
-from router.placement import CostModel, PlacementRequest, rank, servable_models
+from router.placement import CostModel, PlacementRequest, model_availability, rank, servable_models
 from router.fleet_reporter import FleetReporter
 from router.rate_limit import Charge, Refusal
 from router.reasoning import ReasoningStream, after_reasoning
@@ -181,13 +181,17 @@ class CompletionService:
         return any(site.name == name and site.alive for site in view.sites)
 
     def _check_served(self, model: str, snapshot, allowed_regions: frozenset[str]) -> None:
-        """404 for a model no site offers; 503 + Retry-After for one whose sites served it lately but
-        none is live now (stale heartbeats, restarts): that is a wait, not an unknown model."""
-        if model in servable_models(snapshot, self.cost, allowed_regions):
+        """404 for a model no site offers; 403 for one served only outside the key's regions (retrying
+        cannot help); 503 + Retry-After for one whose sites in them served it lately but none is live
+        now (stale heartbeats, restarts): that is a wait, not an unknown model."""
+        available = model_availability(snapshot, self.cost, model, allowed_regions)
+        if available.live:
             return
-        if model in servable_models(snapshot, self.cost, allowed_regions, recently=True):
+        if available.resting:
             raise no_capacity(f"No site serving `{model}` is live right now; retry after the Retry-After delay.",
                               self.limits.retry_after_s)
+        if available.outside_regions:
+            raise not_in_regions(model, allowed_regions, available.outside_regions)
         raise unknown_model(model)
 
     async def _tokenize(self, request: CompletionRequest, assets: ModelAssets, index: int = 0) -> list[int]:
@@ -267,6 +271,16 @@ def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarS
                                      assets.tokenizer)
 
 
+# The smallest normal float32: the agent API carries the penalty as a float32, in which a smaller one
+# (1e-46) becomes 0, which agents read as "unset" and run without a penalty. Every penalty below this
+# one gives the same distribution (engine.sampling: the seen token with the largest logit takes it all).
+MIN_WIRE_REPETITION_PENALTY = 1.1754943508222875e-38
+
+
+def _wire_penalty(penalty: float) -> float:
+    return max(penalty, MIN_WIRE_REPETITION_PENALTY)
+
+
 def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens: int,
                     grammar: GrammarSpec | None = None, index: int = 0) -> agent_pb2.SamplingParams:
     """The request's sampling; what it leaves unset comes from the checkpoint's generation config, then
@@ -277,7 +291,7 @@ def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens:
     sampling = agent_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=_first(request.temperature, defaults.temperature, 1.0),
         top_p=_first(request.top_p, defaults.top_p, 1.0), top_k=_first(request.top_k, defaults.top_k, 0),
-        repetition_penalty=_first(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+        repetition_penalty=_wire_penalty(_first(request.repetition_penalty, defaults.repetition_penalty, 1.0)),
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         logit_bias=request.logit_bias, min_p=request.min_p or 0.0,
         stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs, no_speculation=request.no_speculation)

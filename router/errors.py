@@ -46,6 +46,15 @@ def unknown_model(model: str) -> ApiError:
                     "invalid_request_error", "model", "model_not_found")
 
 
+def not_in_regions(model: str, allowed_regions: frozenset[str], serving_regions: tuple[str, ...]) -> ApiError:
+    """403 as OpenAI answers a request from a region it does not serve (`request_forbidden`): the model
+    exists, and retrying cannot help (the SDK retries 503s, never a 403); the key's regions must change."""
+    return ApiError(403, f"The model `{model}` is served only in regions this API key may not use (it may use "
+                         f"{', '.join(sorted(allowed_regions))}; the model is served in {', '.join(serving_regions)}). "
+                         f"Ask the operator to allow one of those regions for this key, or pick a model "
+                         f"GET /v1/models lists.", "request_forbidden", "model", "model_not_in_allowed_regions")
+
+
 def too_large(message: str, param: str | None = None) -> ApiError:
     return ApiError(413, message, "invalid_request_error", param, "request_too_large")
 

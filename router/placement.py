@@ -4,7 +4,8 @@ Filter. A site can take a role for a request when it serves the model in that ro
 the model's role), is live (`active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
 draining), in a region the API key allows, and has the KV blocks free: the uncached prompt for a
 prefill site, prompt + the decode horizon for a decode site. The models live sites can serve at all
-(`servable_models`) are what the router offers; any other model is unknown to it.
+(`servable_models`) are what the router offers; `model_availability` says why a key cannot use one
+(its regions exclude every site that serves it, or those sites are down for now, or none does).
 
 Inputs. Each site's figures are its latest heartbeat plus `pending`: what this router placed there
 since that heartbeat (router/ledger.py), so a burst does not see the same idle site twenty times.
@@ -254,6 +255,31 @@ def servable_models(snapshot: Snapshot, cost: CostModel, allowed_regions: frozen
             decode.update(m for m in site.models if site.serves(m, "decode"))
         models = snapshot.placement_cache[key] = sorted(prefill & decode)
     return models
+
+
+@dataclass(slots=True, frozen=True)
+class Availability:
+    """Where a model stands for an API key: live in its regions (`live`), served there lately but by no
+    live site now (`resting`: a wait), or served only outside them (`outside_regions`: the regions that
+    serve it, lately or now); none of these: no site serves it at all."""
+    live: bool = False
+    resting: bool = False
+    outside_regions: tuple[str, ...] = ()
+
+
+def model_availability(snapshot: Snapshot, cost: CostModel, model: str,
+                       allowed_regions: frozenset[str] = frozenset()) -> Availability:
+    """Why a key may or may not use a model now: tells a model the key's regions exclude from one that
+    does not exist, and both from one whose sites are down for the moment."""
+    if model in servable_models(snapshot, cost, allowed_regions):
+        return Availability(live=True)
+    if model in servable_models(snapshot, cost, allowed_regions, recently=True):
+        return Availability(resting=True)
+    if allowed_regions and model in servable_models(snapshot, cost, recently=True):
+        regions = {site.region or "(no region)" for site in snapshot.sites
+                   if model in site.models and served_recently(site, cost)}
+        return Availability(outside_regions=tuple(sorted(regions)))
+    return Availability()
 
 
 # -- per snapshot: the sites that may serve a model, as arrays -----------------------------------

@@ -121,12 +121,14 @@ async def test_no_capacity_is_503_with_retry_after(cluster, make_router, http):
     assert "retry-after" in response.headers
 
 
-async def test_region_limited_key_gets_404_when_no_allowed_site_serves_the_model(cluster, make_router, http):
+async def test_region_limited_key_gets_403_naming_the_regions_when_only_other_regions_serve_the_model(
+        cluster, make_router, http):
     await cluster.add_site("fra", 50.1, 8.7, region="eu")
     key = await cluster.create_key(allowed_regions=["us"])
     _router, url = await make_router()
     response = await http.post(f"{url}/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
-    assert assert_openai_error(response, 404, "model")["code"] == "model_not_found"
+    error = assert_openai_error(response, 403, "model")
+    assert error["code"] == "model_not_in_allowed_regions" and "us" in error["message"] and "eu" in error["message"]
 
 
 async def test_unknown_route_is_openai_shaped_404(served, http):

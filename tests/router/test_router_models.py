@@ -39,10 +39,12 @@ async def test_only_models_live_sites_serve_in_the_keys_regions_are_listed_and_o
         error = assert_openai_error(await ask(http, url, key, model), 404, "model")
         assert error["code"] == "model_not_found" and model in error["message"]
     assert (await ask(http, url, key, MODEL)).status_code == 200
-    # A key limited to regions where no site serves the model sees none, and gets the same 404.
+    # A key limited to regions where no site serves the model sees none, and a 403 saying so (not "does
+    # not exist": the model does, elsewhere).
     us_key = await cluster.create_key(allowed_regions=["us"])
     assert await models(http, url, us_key) == []
-    assert_openai_error(await ask(http, url, us_key, MODEL), 404, "model")
+    error = assert_openai_error(await ask(http, url, us_key, MODEL), 403, "model")
+    assert error["code"] == "model_not_in_allowed_regions"
 
 
 async def test_a_served_model_whose_sites_are_full_is_listed_and_503(cluster, make_router, http):
