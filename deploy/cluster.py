@@ -24,7 +24,6 @@ from engine.demo import SIZES as DEMO_SIZES  # torch-free: only writing the weig
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 5  # per process, while `up` supervises; a process that keeps dying is left down
-ROLES = ("prefill", "decode")
 
 
 def add_parser(subparsers) -> None:
@@ -482,15 +481,18 @@ def status_table(sites: list[dict]) -> str:
 
 
 def site_role(site: dict) -> str:
-    """The roles routers place on a site, as the dashboard shows them: its models' roles within the
-    site's allowed `roles` (`PUT /v1/admin/sites/{name}/roles` narrows a model's `both`), then the
-    pool planner's pick."""
-    allowed = set(site.get("roles") or ROLES)
-    models = site.get("models") or ()
-    offered = {role for m in models for role in (ROLES if m["role"] == "both" else (m["role"],))} if models else allowed
-    serves = [role for role in ROLES if role in offered & allowed]
-    name = "both" if len(serves) == 2 else serves[0] if serves else "none"
-    return f"{name} (now {site['active_role']})" if site.get("active_role") else name
+    """The roles routers place on a site, as the registry publishes them (`role_offer`, the one rule the
+    dashboard and routers read too): "both (now prefill)" for a site the pool planner narrowed."""
+    from registry.wire import read_role_offer
+
+    offer = read_role_offer(site)
+    now = _roles_name(offer.roles)
+    configured = "both" if offer.flexible else now
+    return configured if now == configured else f"{configured} (now {now})"
+
+
+def _roles_name(roles: tuple[str, ...]) -> str:
+    return "both" if len(roles) == 2 else roles[0] if roles else "none"
 
 
 def links_matrix(names: list[str], links: list[dict], now: float) -> str:

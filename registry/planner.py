@@ -24,8 +24,11 @@ Every change is one `site.active_role` audit entry with its reason and the figur
 `dry_run` only logs what it would do. Routers place by the active role from their next snapshot;
 the agent learns it from its next heartbeat's answer, finishes what it has and then refuses the
 other role's new work. One planner is active at a time however many registry processes run: each
-tick starts by taking or renewing a lease row (registry.leases); a dry run takes a lease of its
-own, so a preview beside the real planner never holds that one back.
+tick starts by taking or renewing a lease row (registry.leases), and each role change checks that
+lease again in its own transaction: a planner that stalled past its lease writes nothing and logs
+that it lost it. A dry run takes a lease of its own, so a preview beside the real planner never holds
+that one back. Which roles a site offers is the snapshot's `role_offer` (registry.wire), the same
+field the routers, `edgefire status` and the dashboard read.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from dataclasses import dataclass, field
 from sqlalchemy.exc import SQLAlchemyError
 
 from registry.errors import RegistryStoreError
+from registry.leases import LeaseClaim, LeaseLost
 from registry.log_limit import LogLimiter
 from registry.store import RegistryStore
+from registry.wire import RoleOffer, read_role_offer
 from typed_config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -97,26 +102,30 @@ class PlannerSettings:
 
 @dataclass(slots=True)
 class PoolSite:
-    """One site as the planner sees it."""
+    """One site as the planner sees it: its roles are the snapshot's `role_offer` (registry.wire)."""
 
     name: str
     region: str
-    allowed: frozenset[str]         # roles the site's configuration and models allow
+    offer: RoleOffer                # what the site takes work in now, the planner's pick included
+    unnarrowed: RoleOffer           # what it would take work in with no pick (the same rule, without it)
     active_role: str | None
     active_role_since: float | None
     usable: bool                    # alive, active, not draining
     capacity: dict
-    models: dict[str, str] = field(default_factory=dict)  # model -> prefill | decode | both
 
     @property
     def flexible(self) -> bool:
-        return self.allowed == {"prefill", "decode"}
+        return self.offer.flexible
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.offer.by_model)
 
     def does(self, role: str) -> bool:
-        return role in self.allowed and self.active_role in (BOTH, role)
+        return role in self.offer.roles
 
     def does_for(self, role: str, model: str) -> bool:
-        return self.does(role) and self.models.get(model) in (role, "both")
+        return self.offer.serves(model, role)
 
 
 @dataclass(slots=True)
@@ -146,15 +155,16 @@ class RoleChange:
 def pool_sites(snapshot: dict) -> list[PoolSite]:
     sites = []
     for doc in snapshot.get("sites", ()):
-        models = {m["model"]: m.get("role", "both") for m in doc.get("models", ())}
-        model_roles = set(models.values())
-        by_models = {r for r in ("prefill", "decode") if r in model_roles or "both" in model_roles}
-        allowed = frozenset(by_models & set(doc.get("roles") or ("prefill", "decode")))
         cap = doc.get("capacity") or {}
         usable = bool(doc.get("alive")) and doc.get("state") == "active" and bool(cap) and not cap.get("draining")
-        sites.append(PoolSite(doc["name"], doc.get("region") or "", allowed, doc.get("active_role"),
-                              doc.get("active_role_since"), usable, cap, models))
+        sites.append(PoolSite(doc["name"], doc.get("region") or "", read_role_offer(doc), _unnarrowed(doc),
+                              doc.get("active_role"), doc.get("active_role_since"), usable, cap))
     return sites
+
+
+def _unnarrowed(doc: dict) -> RoleOffer:
+    """The site's offer were the planner's pick dropped: the published offer's rule, without the pick."""
+    return read_role_offer({**doc, "role_offer": None, "active_role": BOTH})
 
 
 def region_load(sites: list[PoolSite], settings: PlannerSettings) -> RegionLoad:
@@ -218,7 +228,7 @@ def _coverage_repair(region: str, sites: list[PoolSite], load: RegionLoad) -> Ro
             continue
         gave_up = _other(site.active_role)
         others = [s for s in sites if s.usable and s is not site]
-        for model in sorted(m for m, role in site.models.items() if role in (gave_up, "both")):
+        for model in sorted(m for m in site.models if site.unnarrowed.serves(m, gave_up)):
             if not any(s.does_for(gave_up, model) for s in others):
                 return RoleChange(site.name, region, BOTH, f"no other usable site in {region} does {gave_up} for "
                                                            f"{model}: back to both roles, before the dwell", load)
@@ -277,31 +287,45 @@ class Planner:
         return DRY_RUN_LEASE_NAME if self.settings.dry_run else LEASE_NAME
 
     def tick(self) -> list[RoleChange]:
+        """The role changes made this tick (in a dry run: the ones it would make)."""
         if not self.store.leases.acquire(self.lease_name, self.holder, ttl_s=3 * self.settings.interval_s):
             return []
         now = self.clock()
         snapshot = json.loads(self.read_snapshot())
         if self.settings.dry_run:
             _overlay(snapshot, self._pretend)
-        changes = plan(snapshot, now, self.settings)
-        for change in changes:
-            self._apply(change, now)
-        return changes
+        made = []
+        for change in plan(snapshot, now, self.settings):
+            try:
+                if self._apply(change, now):
+                    made.append(change)
+            except LeaseLost as exc:
+                # Stalled past the lease: another planner may be acting on a newer snapshot by now.
+                log.warning("planner: lost the planner lease before setting %s to %s, so nothing was changed "
+                            "(%s); the holder of the lease plans from here", change.site, change.role or "both", exc)
+                break
+        return made
 
-    def _apply(self, change: RoleChange, now: float) -> None:
+    def _apply(self, change: RoleChange, now: float) -> bool:
+        """Makes the change, only while this planner holds the lease (LeaseLost otherwise); False when
+        the store refused it."""
         role = change.role or "both"
         if self.settings.dry_run:
             self._pretend[change.site] = (change.role, now)
             log.info("planner (dry run): would set %s (%s) to %s: %s %s", change.site, change.region, role,
                      change.reason, change.load.figures())
-            return
+            return True
         try:
-            self.store.sites.set_active_role(change.site, change.role, ACTOR, change.detail())
+            self.store.sites.set_active_role(change.site, change.role, ACTOR, change.detail(),
+                                             lease=LeaseClaim(self.lease_name, self.holder))
+        except LeaseLost:
+            raise
         except RegistryStoreError as exc:  # the site changed or vanished since the snapshot: next tick sees it
             log.warning("planner: could not set %s to %s: %s", change.site, role, exc)
-            return
+            return False
         self.num_changes += 1
         log.info("planner: %s (%s) now does %s: %s", change.site, change.region, role, change.reason)
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -319,6 +343,8 @@ class Planner:
 
 
 def _overlay(snapshot: dict, pretend: dict[str, tuple[str | None, float]]) -> None:
+    """The dry run's picks over the snapshot, each site's offer re-derived by the rule that published it."""
     for doc in snapshot.get("sites", ()):
         if doc["name"] in pretend:
             doc["active_role"], doc["active_role_since"] = pretend[doc["name"]]
+            doc["role_offer"] = read_role_offer({**doc, "role_offer": None}).to_json()

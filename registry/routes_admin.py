@@ -18,8 +18,9 @@ from registry.errors import InvalidInput
 from registry.fleet import USAGE_COUNTS, UsageQuery
 from registry.http_errors import ApiError, status_of
 from registry.placements import MAX_WINDOW_S
-from registry.records import Page
+from registry.records import Page, Site
 from registry.validate import MAX_ID
+from registry.wire import role_offer
 
 MAX_EPOCH_S = 2**40   # far past any usage row; keeps the query's bounds within a 64-bit column
 
@@ -68,19 +69,25 @@ Cursor = Query(None, description="next_cursor from the previous page")
 KeyId = Path(ge=1, le=MAX_ID, description="the API key's id")
 
 
-def _page(page: Page) -> dict:
-    return {"items": [item.to_json() for item in page.items], "next_cursor": page.next_cursor}
+def _page(page: Page, to_json=lambda item: item.to_json()) -> dict:
+    return {"items": [to_json(item) for item in page.items], "next_cursor": page.next_cursor}
+
+
+def _site_json(site: Site) -> dict:
+    """A site as the admin API shows it: with its `role_offer`, as the routers' snapshot has it."""
+    offer = role_offer(site.roles, ((m.model, m.role) for m in site.models), site.active_role)
+    return {**site.to_json(), "role_offer": offer.to_json()}
 
 
 @router.post("/sites", status_code=201)
 def create_site(body: SiteCreateBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
-    return svc.store.sites.create(body.name, body.spec(), actor).to_json()
+    return _site_json(svc.store.sites.create(body.name, body.spec(), actor))
 
 
 @router.get("/sites")
 def list_sites(limit: int = Limit, cursor: str | None = Cursor, _: str = Depends(admin_actor),
                svc: RegistryService = Depends(registry)) -> dict:
-    return _page(svc.store.sites.list(limit, cursor))
+    return _page(svc.store.sites.list(limit, cursor), _site_json)
 
 
 @router.get("/snapshot")
@@ -100,7 +107,7 @@ def placements(window_s: float = Query(300.0, gt=0, le=MAX_WINDOW_S, description
 
 @router.get("/sites/{name}")
 def get_site(name: str, _: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
-    return svc.store.sites.get(name).to_json()
+    return _site_json(svc.store.sites.get(name))
 
 
 @router.put("/sites/{name}")
@@ -109,13 +116,13 @@ def put_site(name: str, body: SiteBody, response: Response, actor: str = Depends
     """Creates the site or replaces its descriptive fields (not its state); repeating it changes nothing."""
     site, created = svc.store.sites.put(name, body.spec(), actor)
     response.status_code = 201 if created else 200
-    return site.to_json()
+    return _site_json(site)
 
 
 @router.patch("/sites/{name}")
 def update_site(name: str, body: SitePatchBody, actor: str = Depends(admin_actor),
                 svc: RegistryService = Depends(registry)) -> dict:
-    return svc.store.sites.update(name, body.changes(), actor).to_json()
+    return _site_json(svc.store.sites.update(name, body.changes(), actor))
 
 
 @router.delete("/sites/{name}", status_code=204)
@@ -132,32 +139,32 @@ def delete_site(name: str, force: bool = Query(False, description="delete even a
 @router.post("/sites/{name}/cordon")
 def cordon(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
     """No new requests go to the site; requests in flight finish."""
-    return svc.store.sites.cordon(name, actor).to_json()
+    return _site_json(svc.store.sites.cordon(name, actor))
 
 
 @router.post("/sites/{name}/uncordon")
 def uncordon(name: str, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
     """Back to active. A 409 for a draining site whose agent still heartbeats (it exits once drained):
     uncordon it after the agent has stopped, before starting it again. Repeating it changes nothing."""
-    return svc.store.sites.uncordon(name, actor).to_json()
+    return _site_json(svc.store.sites.uncordon(name, actor))
 
 
 @router.post("/sites/{name}/drain")
 def drain(name: str, body: DrainBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
     """Like cordon, and the agent is told to finish its requests within deadline_s seconds."""
-    return svc.store.sites.drain(name, body.deadline_s, actor).to_json()
+    return _site_json(svc.store.sites.drain(name, body.deadline_s, actor))
 
 
 @router.put("/sites/{name}/roles")
 def set_roles(name: str, body: RolesBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
     """The roles the site may take. They bound the pool planner: roles that no longer offer both drop
     its pick (`active_role`) in the same change, audited."""
-    return svc.store.sites.set_roles(name, body.roles, actor).to_json()
+    return _site_json(svc.store.sites.set_roles(name, body.roles, actor))
 
 
 @router.put("/sites/{name}/models")
 def set_models(name: str, body: ModelsBody, actor: str = Depends(admin_actor), svc: RegistryService = Depends(registry)) -> dict:
-    return svc.store.sites.set_models(name, [m.record() for m in body.models], actor).to_json()
+    return _site_json(svc.store.sites.set_models(name, [m.record() for m in body.models], actor))
 
 
 @router.post("/sites/{name}/tokens", status_code=201)

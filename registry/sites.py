@@ -18,9 +18,11 @@ from sqlalchemy.exc import IntegrityError
 from registry import audit, validate
 from registry.db import writer
 from registry.errors import Conflict, InvalidInput
-from registry.records import ACTIVE_ROLES, SITE_ROLES, ModelServed, Page, Site, SiteSpec, liveness_ttl_s
+from registry.leases import LeaseClaim, check_held
+from registry.records import ACTIVE_ROLES, ModelServed, Page, Site, SiteSpec, liveness_ttl_s
 from registry.sql import SITE_MODELS, SITES, bump_version, load_site, load_sites, site_id
 from registry.tables import CapacityRow
+from registry.wire import RoleOffer, role_offer
 
 CAPACITY = CapacityRow.__table__
 
@@ -151,22 +153,25 @@ class SiteStore:
     def set_models(self, name: str, models: list[ModelServed], actor: str) -> Site:
         return self.update(name, {"models": models}, actor, "site.set_models")
 
-    def set_active_role(self, name: str, role: str | None, actor: str, detail: dict) -> Site:
+    def set_active_role(self, name: str, role: str | None, actor: str, detail: dict,
+                        lease: LeaseClaim | None = None) -> Site:
         """Narrows a site allowed both roles to one ("prefill" / "decode"), or back to both (None).
 
         The planner's lever: routers place by it from the next snapshot, the agent learns it from its
         next heartbeat's answer. `detail` (the reason and the figures behind it) goes to the audit log.
         The operator's allowed roles (and the models' roles) bound it: a site that does not offer both
-        is never narrowed, and narrowing its roles later drops the pick (`_drop_moot_active_role`)."""
+        is never narrowed, and narrowing its roles later drops the pick (`_drop_moot_active_role`).
+        With `lease`, the change is made only if that holder still holds the lease when it commits;
+        otherwise LeaseLost, and nothing is written."""
         if role is not None and role not in ACTIVE_ROLES:
             raise InvalidInput(f"active role must be one of {list(ACTIVE_ROLES)} or null, got {role!r}")
         with self._write.begin() as conn:
+            now = self._clock()
+            if lease is not None:  # first: the lease row is locked before the site's, as `acquire` locks it alone
+                check_held(conn, lease, now)
             current = load_site(conn, site_id(conn, name, lock=True))
             if role is not None and not offers_both_roles(current.roles, current.models):
-                offered = sorted(_offered_roles(current.roles, current.models))
-                raise InvalidInput(f"site {name!r} offers only {offered} (roles {current.roles}, models' roles "
-                                   f"{[m.role for m in current.models]}); its active role cannot change", "fixed_role")
-            now = self._clock()
+                raise _fixed_role(name, current)
             conn.execute(update(SITES).where(SITES.c.id == current.id).values(active_role=role, active_role_since=now))
             audit.record(conn, now, actor, "site.active_role", name,
                          {"from": current.active_role or "both", "to": role or "both", **detail})
@@ -229,18 +234,23 @@ def _live_site(name: str, age: float, ttl_s: float) -> Conflict:
                     f"than {ttl_s:g}s old; to delete it anyway, add ?force=true", "site_is_live")
 
 
-def _offered_roles(roles: list[str], models: list[ModelServed]) -> set[str]:
-    """The roles a site can take work for: its allowed roles, within its models' roles (a site with
-    no models yet is taken at its allowed roles)."""
-    if not models:
-        return set(roles)
-    by_models = {r for m in models for r in (SITE_ROLES if m.role == "both" else (m.role,))}
-    return set(roles) & by_models
+def _fixed_role(name: str, site: Site) -> InvalidInput:
+    offered = list(_offer(site.roles, site.models).roles)
+    if not site.models:
+        return InvalidInput(f"site {name!r} serves no model yet, so it offers no role; its active role cannot change "
+                            f"until it serves a model in both roles", "fixed_role")
+    return InvalidInput(f"site {name!r} offers only {offered} (roles {site.roles}, models' roles "
+                        f"{[m.role for m in site.models]}); its active role cannot change", "fixed_role")
+
+
+def _offer(roles: list[str], models: list[ModelServed]) -> RoleOffer:
+    """The site's role offer without the planner's pick (registry.wire's one rule)."""
+    return role_offer(roles, ((m.model, m.role) for m in models), None)
 
 
 def offers_both_roles(roles: list[str], models: list[ModelServed]) -> bool:
-    """Whether the pool planner may narrow the site to one role (registry.planner's `flexible`)."""
-    return _offered_roles(roles, models) == set(SITE_ROLES)
+    """Whether the pool planner may narrow the site to one role (the snapshot's `role_offer.flexible`)."""
+    return _offer(roles, models).flexible
 
 
 def _drop_moot_active_role(conn: Connection, found: int, name: str, spec: SiteSpec, actor: str, now: float) -> None:
@@ -252,7 +262,7 @@ def _drop_moot_active_role(conn: Connection, found: int, name: str, spec: SiteSp
     if active_role is None or offers_both_roles(spec.roles, spec.models):
         return
     conn.execute(update(SITES).where(SITES.c.id == found).values(active_role=None, active_role_since=now))
-    offered = sorted(_offered_roles(spec.roles, spec.models))
+    offered = list(_offer(spec.roles, spec.models).roles)
     audit.record(conn, now, actor, "site.active_role", name, {
         "from": active_role, "to": "both", "offered": offered,
         "reason": f"the site now offers only {offered}: the planner's pick of {active_role} no longer applies"})

@@ -18,9 +18,12 @@ which at worst keeps a site that died just then listed for one extra TTL.
 Wire shape:
   {"version": str, "generated_at": float, "sites": [{"name", "region", "country", "lat", "lon",
    "grpc_address", "state", "roles", "active_role", "active_role_since",
-   "models": [{"model", "role", "kv_bytes_per_token"?, "kv_format"?}], "alive": bool,
+   "models": [{"model", "role", "kv_bytes_per_token"?, "kv_format"?}],
+   "role_offer": {"roles": [...], "by_model": {model: [...]}, "flexible": bool}, "alive": bool,
    "heartbeat_age_s": float | null, "capacity": {...capacity fields, "reported_at"} | null}],
    "links": [{"src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at"}]}
+`role_offer` is registry.wire.RoleOffer: the roles the site takes work in now, per model and in all,
+and whether the pool planner may move it; every reader of a site's role reads it from here.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from registry.records import liveness_ttl_s
 from registry.sql import SITE_MODELS, SITES, read_version
 from registry.tables import CapacityRow, LinkRow, SiteRow
 from registry.telemetry import CAPACITY_FIELDS
+from registry.wire import role_offer
 
 CAPACITY = CapacityRow.__table__
 LINKS = LinkRow.__table__
@@ -250,9 +254,12 @@ def _served_json(model: str, role: str, kv_bytes_per_token: int | None, kv_forma
 
 
 def _head_json(row, models: list[tuple]) -> bytes:
+    roles, active_role = json.loads(row[8]), row[10]
+    # Computed here once per change of the site's rows (the head is kept until they change).
+    offer = role_offer(roles, ((model, role) for model, role, *_ in models), active_role)
     return _dumps({
         "name": row[1], "region": row[2], "country": row[3], "lat": row[4], "lon": row[5],
-        "grpc_address": row[6], "state": row[7], "roles": json.loads(row[8]),
-        "active_role": row[10], "active_role_since": row[11],
-        "models": [_served_json(*served) for served in models],
+        "grpc_address": row[6], "state": row[7], "roles": roles,
+        "active_role": active_role, "active_role_since": row[11],
+        "models": [_served_json(*served) for served in models], "role_offer": offer.to_json(),
     })[:-1].encode()

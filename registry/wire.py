@@ -1,5 +1,6 @@
-"""The heartbeat wire contract: what an agent reports about its capacity, field by field, with the
-types and bounds that agent, registry and router all hold it to.
+"""The wire contracts between agents, registry and routers: what an agent reports about its capacity,
+field by field, with the types and bounds that agent, registry and router all hold it to; and which
+roles a site offers (`RoleOffer`), the one rule every view of a site's role reads.
 
 - the agent builds its heartbeat as a `CapacityReport` (node_agent.heartbeat);
 - the registry validates every heartbeat body against `CapacityReport` before it is queued for the
@@ -15,16 +16,25 @@ latter exact in any JSON parser), so a heartbeat that passes here always stores.
 
 To add a field: add it to `CapacityReport` with a default and its bounds, and (registry) a column
 in `registry.tables` plus a migration. Agents that do not send it get the default.
+Role offer: the registry computes each site's `RoleOffer` once (registry.snapshot) and publishes it
+as the site's `role_offer` in the routers' snapshot and the admin API; the planner, `edgefire status`,
+the dashboard and the routers read that field instead of re-deriving it. A snapshot from a registry
+older than the field is read by the same rule (`read_role_offer`).
+
 Standard library and pydantic only: the router and the agent import this without the engine.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from registry.records import SITE_ROLES
 
 MAX_INT32 = 2**31 - 1
 MAX_JSON_INT = 2**53 - 1
@@ -114,3 +124,60 @@ class SnapshotCapacity(CapacityReport):
     def cached_hashes(self) -> frozenset[int]:
         summary = self.prefix_cache_summary
         return summary.hash_values() if summary is not None else frozenset()
+
+
+def offered_roles(site_roles: Iterable[str], model_role: str, active_role: str | None) -> tuple[str, ...]:
+    """The roles a site takes one model's work in: those the operator allows the site (its `roles`),
+    that it serves the model in (the model's role, where "both" is either), and that the pool
+    planner's pick leaves it (`active_role`; None: no pick). The site's state (cordoned, draining)
+    and liveness are not part of it: every view shows them beside the role."""
+    return tuple(role for role in SITE_ROLES
+                 if role in site_roles and model_role in (role, "both") and active_role in (None, role))
+
+
+@dataclass(slots=True, frozen=True)
+class RoleOffer:
+    """Which roles a site offers, per model, now; a site with no models offers nothing."""
+
+    by_model: dict[str, tuple[str, ...]]  # model -> the roles the site takes its work in
+    flexible: bool  # without the planner's pick it offers both roles: the planner may move it between pools
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles the site takes any work in."""
+        return tuple(role for role in SITE_ROLES if any(role in roles for roles in self.by_model.values()))
+
+    def serves(self, model: str, role: str) -> bool:
+        return role in self.by_model.get(model, ())
+
+    def to_json(self) -> dict:
+        return {"roles": list(self.roles), "by_model": {model: list(roles) for model, roles in self.by_model.items()},
+                "flexible": self.flexible}
+
+
+def role_offer(site_roles: Iterable[str], models: Iterable[tuple[str, str]], active_role: str | None) -> RoleOffer:
+    """The offer of a site allowed `site_roles`, serving (model, model role) pairs, with the planner's pick."""
+    site_roles, models = tuple(site_roles), list(models)
+    unnarrowed = {role for _, model_role in models for role in offered_roles(site_roles, model_role, None)}
+    return RoleOffer({model: offered_roles(site_roles, model_role, active_role) for model, model_role in models},
+                     unnarrowed == set(SITE_ROLES))
+
+
+def read_role_offer(site: dict) -> RoleOffer:
+    """A snapshot site's `role_offer` as the registry published it; for a site from an older registry's
+    snapshot, which has none, the offer by the same rule from its roles, models and active role.
+    Raises TypeError when the field is malformed."""
+    published = site.get("role_offer")
+    if published is None:
+        models = [(entry["model"], entry.get("role", "both")) for entry in site.get("models") or ()]
+        return role_offer(site.get("roles") or SITE_ROLES, models, site.get("active_role"))
+    if not isinstance(published, dict):
+        raise TypeError("role_offer must be an object")
+    by_model, flexible = published.get("by_model"), published.get("flexible")
+    if not isinstance(by_model, dict) or not isinstance(flexible, bool):
+        raise TypeError("role_offer must be an object with a 'by_model' object and a 'flexible' boolean")
+    for model, roles in by_model.items():
+        if not isinstance(roles, list) or not set(roles) <= set(SITE_ROLES) or len(set(roles)) != len(roles):
+            raise TypeError(f"role_offer.by_model[{model!r}] must be a list of distinct roles from {list(SITE_ROLES)}")
+    return RoleOffer({model: tuple(role for role in SITE_ROLES if role in roles) for model, roles in by_model.items()},
+                     flexible)

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from registry.log_limit import LogLimiter
-from registry.wire import SnapshotCapacity
+from registry.wire import RoleOffer, SnapshotCapacity, read_role_offer
 
 log = logging.getLogger(__name__)
 _skipped = LogLimiter(log, interval_s=60.0)
@@ -49,15 +49,14 @@ class Site:
     alive: bool
     heartbeat_age_s: float | None
     capacity: SnapshotCapacity | None
+    offer: RoleOffer                    # the registry's `role_offer`: which roles the site takes each model's work in
     country: str | None = None
     active_role: str | None = None      # the pool planner's pick among the allowed roles; None: all of them
     model_kv: dict[str, ModelKV] = field(default_factory=dict)  # the site's own KV figures, where it reported them
 
     def serves(self, model: str, role: str) -> bool:
-        """role is "prefill" or "decode"; a "both" model entry serves either; the active role narrows it."""
-        model_role = self.models.get(model)
-        return (model_role is not None and model_role in (role, "both") and role in self.roles
-                and self.active_role in (None, role))
+        """role is "prefill" or "decode": as the registry published it (registry.wire.RoleOffer)."""
+        return self.offer.serves(model, role)
 
 
 @dataclass(slots=True)
@@ -124,6 +123,7 @@ def parse_site(doc: dict) -> Site:
         roles=tuple(_text_items(doc, "roles") or ("prefill", "decode")), models=models,
         alive=_bool(doc, "alive"), heartbeat_age_s=_optional_number(doc, "heartbeat_age_s"),
         capacity=None if capacity is None else SnapshotCapacity.model_validate(capacity),
+        offer=read_role_offer(doc),  # an older registry's snapshot has none: the same rule derives it
         active_role=_optional_text(doc, "active_role"), model_kv=model_kv,
     )
 

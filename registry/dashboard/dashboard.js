@@ -57,15 +57,15 @@ function stateText(site) {         // what the state column and tooltip say: agr
   return site.alive ? state : `${state}, dead`;
 }
 
-function role(site) {              // prefill | decode | both, narrowed by the pool planner's pick
-  const roles = new Set();
-  for (const m of site.models || []) {
-    if (m.role === "both") { roles.add("prefill"); roles.add("decode"); } else roles.add(m.role);
-  }
-  const allowed = site.roles || [];
-  const serves = ["prefill", "decode"].filter((r) => roles.has(r) && allowed.includes(r));
-  const configured = serves.length === 2 ? "both" : serves[0] || "none";
-  return site.active_role ? site.active_role : configured;
+function role(site) {              // prefill | decode | both | none: what the site takes work in now
+  const roles = site.role_offer.roles;   // the registry's one rule (registry/wire.py), the pool planner's pick included
+  return roles.length === 2 ? "both" : roles[0] || "none";
+}
+
+function roleText(site) {          // as `edgefire status` words it: "both (now prefill)" for a site the planner narrowed
+  const now = role(site);
+  const configured = site.role_offer.flexible ? "both" : now;
+  return now === configured ? now : `${configured} (now ${now})`;
 }
 
 function load(site) {
@@ -196,7 +196,7 @@ function tooltipText(site) {
   return [
     site.name + (site.region ? `  (${site.region}${site.country ? ", " + site.country : ""})` : ""),
     `state ${stateText(site)}${site.alive ? "" : " (no live heartbeat)"}`,
-    `role ${role(site)}`,
+    `role ${roleText(site)}`,
     `load ${cap ? `${cap.num_running} running, ${cap.num_waiting} waiting` : "-"}`,
     `KV free ${kvFree(site)}`,
     `heartbeat ${heartbeat(site)}`,
@@ -254,7 +254,7 @@ function drawTables() {
     Object.assign(row.dataset, { site: site.name, state: site.state, status: status(site) });
     cell(row, site.name);
     cell(row, stateText(site), "status");
-    cell(row, role(site));
+    cell(row, roleText(site));
     cell(row, site.region || "-");
     cell(row, site.capacity ? `${site.capacity.num_running}/${site.capacity.num_waiting}` : "-");
     cell(row, kvFree(site));

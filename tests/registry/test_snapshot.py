@@ -14,7 +14,7 @@ from registry.store import RegistryStore
 from .conftest import capacity
 
 SITE_KEYS = {"name", "region", "country", "lat", "lon", "grpc_address", "state", "roles", "active_role",
-             "active_role_since", "models", "alive",
+             "active_role_since", "models", "role_offer", "alive",
              "heartbeat_age_s", "capacity"}
 CAPACITY_KEYS = {"kv_blocks_total", "kv_blocks_free", "block_size", "num_running", "num_waiting",
                  "inflight_prefill_tokens", "inflight_decode_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
