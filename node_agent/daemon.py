@@ -28,7 +28,7 @@ from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
 from node_agent.errors import ListenError
 from node_agent.kv_data import KVDataServer
-from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report
+from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report, engine_gpus
 from node_agent.links import LinkLoop, LinkSettings
 from node_agent.metrics import AgentMetrics
 from node_agent.metrics_server import MetricsServer
@@ -67,8 +67,7 @@ class Agent:
 
     async def start(self) -> None:
         cfg = self.config
-        loaded = await asyncio.gather(*(load_model(name, path, cfg) for name, path in cfg.models.items()))
-        self.models = {m.name: m for m in loaded}
+        self.models = await self._load_models()
         self.core = AgentCore(cfg, self.models, self.metrics)
         self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
         # Without SO_REUSEPORT (gRPC's default) a second agent given a port in use fails here instead
@@ -98,6 +97,20 @@ class Agent:
             self._start_heartbeats()
         self._engine_watch = asyncio.create_task(self._watch_engines(), name="engine-watch")
         log.info("agent %s serving %s on %s", cfg.site, ", ".join(self.models), self.address)
+
+    async def _load_models(self) -> dict[str, HostedModel]:
+        """Every model loaded, or none: when one fails, those that did load are shut down before its error
+        is raised (their step threads, and a parallel engine's rank processes, would outlive the agent)."""
+        models = self.config.models
+        loaded = await asyncio.gather(*(load_model(name, path, self.config) for name, path in models.items()),
+                                      return_exceptions=True)
+        failure = next((result for result in loaded if isinstance(result, BaseException)), None)
+        hosted = [result for result in loaded if isinstance(result, HostedModel)]
+        if failure is None:
+            return {model.name: model for model in hosted}
+        for model in hosted:
+            await asyncio.to_thread(model.engine.shutdown)
+        raise failure
 
     async def _start_kv_data(self, host: str, port: int) -> None:
         core = self.core
@@ -212,9 +225,12 @@ class Agent:
             self.request_drain(deadline_s)
 
     async def capacity(self) -> CapacityReport:
-        """The heartbeat body: engine stats summed over hosted models, and their prefix-cache hashes."""
-        stats, hashes = [], []
+        """The heartbeat body: engine stats summed over hosted models, their prefix-cache hashes, and the
+        GPUs they run on."""
+        stats, hashes, gpus = [], [], set()
         for model in self.models.values():
+            engine = model.engine.engine
+            gpus |= engine_gpus(engine.device, engine.layout.world_size)
             if not model.engine.alive:  # its last figures; the site reports draining until it stops
                 stats.append(model.engine.latest_stats)
                 continue
@@ -222,7 +238,7 @@ class Agent:
             self.metrics.observe_stats(model.name, model_stats)
             stats.append(model_stats)
             hashes += (await model.engine.cache_summary())["hashes"]
-        return capacity_report(self.config.block_size, self.core.draining, stats, hashes)
+        return capacity_report(self.config.block_size, self.core.draining, stats, hashes, gpus)
 
     async def refresh_metrics(self) -> None:
         for model in self.models.values():

@@ -5,13 +5,15 @@ to a cap, then tries again; a success resets it. With several registry URLs the 
 on to the next replica within a call (registry/client.py). Nothing here ever stops serving: the loop only logs, waits and retries.
 The heartbeat body is the wire contract's `CapacityReport` (registry.wire), built by
 `capacity_report` from the engines' figures, so what the agent sends is what the registry accepts.
+A registry older than the agent refuses the fields it does not know (422): those are left out of
+the heartbeats from then on, once each, so an agent can be upgraded before its registry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,8 @@ if TYPE_CHECKING:  # the agent's engines; only their figures are read here
     from engine.engine import EngineStats
 
 log = logging.getLogger(__name__)
+
+UNKNOWN_FIELD = ": is not a field of this request"  # how the registry's 422 names a field it does not know
 
 
 def registry_failure(exc: RegistryError | httpx.HTTPError) -> str:
@@ -40,6 +44,16 @@ def registry_failure(exc: RegistryError | httpx.HTTPError) -> str:
     return f"{type(exc).__name__}{where}" + (f": {exc}" if str(exc) else "")
 
 
+def unknown_field(exc: RegistryError) -> str | None:
+    """The optional heartbeat field a registry refused as not one of its fields (its 422 names the first
+    such field: registry.http_errors), or None for any other refusal."""
+    if exc.status != 422:
+        return None
+    name, found, _ = exc.message.partition(UNKNOWN_FIELD)
+    field = CapacityReport.model_fields.get(name)
+    return name if found and field is not None and not field.is_required() else None
+
+
 @dataclass(slots=True)
 class Registration:
     name: str
@@ -52,10 +66,36 @@ class Registration:
     lon: float | None = None
 
 
+def engine_gpus(device, world_size: int) -> set[int]:
+    """The GPU indices an engine's ranks run on: rank r on the engine's device index + r (as
+    engine.parallel.executor places them); none on a CPU. Models of one agent start from the same
+    configured device, so two engines usually share GPUs."""
+    if device.type != "cuda":
+        return set()
+    first = device.index or 0
+    return set(range(first, first + world_size))
+
+
+def widest_layout(engines: Sequence[EngineStats]) -> tuple[int, int, int]:
+    """(tp, pp, ep) of the engine with the most ranks, taken whole: with `model_parallel` the models
+    have their own sizes, and the largest of each size taken apart (tp from one model, pp from another)
+    would name a layout that no engine runs."""
+    def ranks(e: EngineStats) -> int:
+        return max(e.tensor_parallel_size, e.expert_parallel_size) * e.pipeline_parallel_size
+
+    if not engines:
+        return 1, 1, 1
+    widest = max(engines, key=ranks)  # the first of equals: the models' configured order
+    return widest.tensor_parallel_size, widest.pipeline_parallel_size, widest.expert_parallel_size
+
+
 def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineStats],
-                    cached_hashes: Sequence[str]) -> CapacityReport:
-    """The site's heartbeat: every engine's figures summed. The prefix-cache hashes (most recently
-    used first, per engine) are cut to the contract's maximum rather than refused for the lot."""
+                    cached_hashes: Sequence[str], gpus: Collection[int] = ()) -> CapacityReport:
+    """The site's heartbeat: every engine's load and KV figures summed (each engine has a KV pool of
+    its own), the distinct GPUs its engines run on (`gpus`, device indices: engines sharing a GPU count
+    it once) and the widest engine's layout. The prefix-cache hashes (most recently used first, per
+    engine) are cut to the contract's maximum rather than refused for the lot."""
+    tp, pp, ep = widest_layout(engines)
     return CapacityReport(
         kv_blocks_total=sum(e.num_blocks_total for e in engines), kv_blocks_free=sum(e.num_blocks_free for e in engines),
         block_size=block_size, num_running=sum(e.num_running for e in engines),
@@ -68,11 +108,8 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         decode_kv_tokens=float(sum(e.decode_kv_tokens for e in engines)),
         prefix_cache_summary=PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:MAX_CACHE_HASHES])),
         draining=draining,
-        num_gpus=sum(e.num_gpus for e in engines),
-        # one layout per agent (its config): every engine has it
-        tensor_parallel_size=max((e.tensor_parallel_size for e in engines), default=1),
-        pipeline_parallel_size=max((e.pipeline_parallel_size for e in engines), default=1),
-        expert_parallel_size=max((e.expert_parallel_size for e in engines), default=1),
+        num_gpus=len(set(gpus)),
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
         speculative_acceptance=sum(e.num_accepted_draft_tokens for e in engines)
         / max(1, sum(e.num_draft_tokens for e in engines)),
     )
@@ -93,6 +130,7 @@ class HeartbeatLoop:
         self.registered = False
         self.num_heartbeats = 0
         self.num_failures = 0
+        self.left_out: set[str] = set()  # heartbeat fields the registry refused as unknown
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="heartbeat")
@@ -118,7 +156,7 @@ class HeartbeatLoop:
             self.registered = True
             log.info("registered site %s at %s", r.name, r.grpc_address)
         try:
-            status = await self.client.heartbeat((await self._capacity()).to_json())
+            status = await self._send((await self._capacity()).to_json())
         except RegistryError as exc:
             if exc.status == 404:
                 self.registered = False  # the registry forgot us (e.g. restored from an old copy)
@@ -126,6 +164,20 @@ class HeartbeatLoop:
         self.num_heartbeats += 1
         if self._on_status is not None and isinstance(status, dict):
             self._on_status(status)
+
+    async def _send(self, report: dict):
+        """The heartbeat, less the fields the registry said it does not know: an agent upgraded before its
+        registry would otherwise be refused every heartbeat, and its site never be placed on."""
+        while True:
+            try:
+                return await self.client.heartbeat({k: v for k, v in report.items() if k not in self.left_out})
+            except RegistryError as exc:
+                field = unknown_field(exc)
+                if field is None or field in self.left_out:
+                    raise
+                self.left_out.add(field)
+                log.warning("the registry does not know the heartbeat field %s (it is older than this agent); "
+                            "heartbeats leave it out", field)
 
     async def _sleep(self, seconds: float) -> None:
         try:
@@ -143,7 +195,10 @@ class HeartbeatLoop:
     async def stop(self, deregister: bool) -> None:
         self._stop.set()
         if self._task is not None:
-            await self._task
+            # A beat in flight is dropped, not awaited: one waiting on an engine that died with the figures
+            # asked of it never ends, and the agent (leaving anyway) would never stop for its supervisor.
+            self._task.cancel()
+            await asyncio.wait([self._task])
         if deregister:
             try:
                 await self.client.deregister()
