@@ -17,7 +17,8 @@ The grant (`allowance`). At a report at time t, for one key, one limit and the r
     held   = Σ the other routers' holds (below)
     free   = L − used
     share  = ⌈free · demand_r / Σ demand⌉    (demand: what each router was asked for lately; live routers only)
-    grant  = max(0, min(share, ⌈2 · demand_r⌉, free − held))
+    floor  = ⌊(free − held) / (2 · n)⌋       (n: the routers that reported in the last LIVE_ROUTER_S)
+    grant  = max(0, min(max(min(share, ⌈2 · demand_r⌉), floor), free − held))
 
 and r's hold becomes max(grant, remaining_r), remaining_r being what r still had of its previous
 grant when it sent the report (it may spend that until the answer comes). Reports that touch a key
@@ -57,12 +58,24 @@ Where it can go over, and by how much:
    wholly in such a stretch admits at most L · (routers really live) / n; a window that straddles the
    switch less than 2L (routers may have spent whole grants just before).
 
-What it costs. A grant is at most twice what its router was asked for over its last interval: what
-it can use until its next report, not the whole window, so the routers that ask next find room, and
-a dead router's hold is small. A router whose budget runs out reports early (it does not wait out
-the interval) when the registry said part of the key's window was still unallocated, and its demand
-then counts the requests that found no room, so a burst ramps up in a few round trips. Busy on
-several routers, a key's window is shared by demand within a report interval of the demand moving.
+What it costs. Above its floor, a grant is at most twice what its router was asked for over its last
+interval: what it can use until its next report, not the whole window, so the routers that ask next
+find room. A router whose budget runs out reports early (it does not wait out the interval) when the
+registry said part of the key's window was still unallocated, and its demand then counts the
+requests that found no room, so a burst ramps up in a few round trips. Busy on several routers, a
+key's window is shared by demand within a report interval of the demand moving.
+
+The floor. Demand alone would make a key that is barely used get a grant of twice a trickle (or
+nothing, after an interval without requests), so a sudden burst on it found no room and waited for
+round trips to the registry, and on a loaded machine got 429s with its window all but empty. So
+every grant is at least the key's unheld room split over twice the live routers: a burst of that
+size is admitted at once, with no report. The floor is a share of what nobody holds, so it never
+breaks (I), and it shrinks as the window fills (nothing, at the limit). Floors alone hold at most
+half of a key's free room (each router's is at most 1/(2n) of what the others leave: summed, at most
+n/(3n − 1) ≤ 1/2 of it), so the rest stays unallocated for the routers whose demand is above theirs. The
+price: an idle router keeps its floor held until it gives the key back (IDLE_RELEASE_S without a
+request, router/rate_limit.py), and a dead router's hold, not handed out again for about a minute,
+is up to its floor rather than twice its demand.
 """
 
 from __future__ import annotations
@@ -76,6 +89,7 @@ GRANT_TTL_S = 3.0        # a router uses a grant at most this long after sending
 HOLD_S = GRANT_TTL_S + WINDOW_SLOTS   # how long a hold counts when its router reports no more
 MAX_FUTURE_SLOTS = 5     # slots a router stamps further ahead than this are taken as now
 DEMAND_HEADROOM = 2.0    # a grant covers up to this many times the router's demand of its last interval
+FLOOR_SPLIT = 2          # the floor: the unheld room split over this many times the live routers
 
 
 @dataclass(slots=True)
@@ -95,19 +109,29 @@ class Allowance:
     unallocated: int    # free − every hold, this one included: what an early report could still get
 
 
+def grant_floor(unheld: int, live_routers: int) -> int:
+    """The least a router is granted of a key's unheld room (the module docstring says why)."""
+    if live_routers < 1 or unheld <= 0:
+        return 0
+    return unheld // (FLOOR_SPLIT * live_routers)
+
+
 def window_start(now: float) -> int:
     """The oldest slot that counts at `now`."""
     return math.floor(now) - WINDOW_S
 
 
-def allowance(limit: int, used: int, demand: float, remaining: int, others: list[Held]) -> Allowance:
+def allowance(limit: int, used: int, demand: float, remaining: int, others: list[Held],
+              live_routers: int = 0) -> Allowance:
     """The grant for one router (see the module docstring): `demand` ≥ 0 its own, `remaining` ≥ 0 what
-    it still had of its previous grant when it sent this report."""
+    it still had of its previous grant when it sent this report, `live_routers` the routers the
+    registry counts as live, this one included (0: no floor, the grant follows demand alone)."""
     free = limit - used
     held = sum(other.hold for other in others)
     total_demand = demand + sum(other.demand for other in others)
     share = math.ceil(free * demand / total_demand) if total_demand > 0 else 0
-    grant = max(0, min(share, math.ceil(DEMAND_HEADROOM * demand), free - held))
+    by_demand = min(share, math.ceil(DEMAND_HEADROOM * demand))
+    grant = max(0, min(max(by_demand, grant_floor(free - held, live_routers)), free - held))
     hold = max(grant, remaining)
     return Allowance(grant, hold, free, max(0, free - held - hold))
 

@@ -225,9 +225,9 @@ class FleetStore:
                 log.warning("router %s reported unknown API key id(s) %s; dropped", report.router_id, sorted(unknown))
             if applied:
                 self._record(conn, report, keys, now)
-            grants = self._grant(conn, report, keys, now)
-            conn.execute(self._release, {"router_id": report.router_id, "ids": [g.key_id for g in grants if g.known]})
             live = conn.execute(self._live, {"since": now - LIVE_ROUTER_S}).scalar_one()
+            grants = self._grant(conn, report, keys, now, live)
+            conn.execute(self._release, {"router_id": report.router_id, "ids": [g.key_id for g in grants if g.known]})
         if now - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = now
             self._prune(now)
@@ -259,7 +259,7 @@ class FleetStore:
         if usage:
             conn.execute(self._add_usage, sorted(usage, key=lambda u: (u["key_id"], u["model"], u["hour"])))
 
-    def _grant(self, conn, report: FleetReport, keys: dict, now: float) -> list[KeyGrant]:
+    def _grant(self, conn, report: FleetReport, keys: dict, now: float, live: int) -> list[KeyGrant]:
         demand = {d.key_id: d for d in report.demand}
         if not demand:
             return []
@@ -286,7 +286,7 @@ class FleetStore:
                                  else 0.0) for o in others.get(key_id, [])]
                 result = allowance(limit, int(getattr(window, name) or 0) if window else 0,
                                    max(0.0, getattr(asked, name)), max(0, getattr(asked, f"remaining_{name}")),
-                                   standing)
+                                   standing, live)
                 hold[name] = result.hold
                 limits[name] = LimitGrant(result.grant, result.free, result.unallocated,
                                           reset_s(now, window.oldest if window else None))

@@ -13,8 +13,12 @@ An answer also names the reported keys the registry now holds revoked; `on_revok
 (the router's key cache refuses them from then on, router/api_keys.py).
 
 `ask()` is for a request that found no room in its key's budget: it has the next report go out at
-once (with that request's demand in it) and waits, up to `ask_timeout_s`, for its answer; concurrent
-askers share that report.
+once (with that request's demand in it) and waits for its answer; concurrent askers share that
+report. `admit()` asks again while an answer leaves the request short but the registry says the key
+has unallocated room (other requests took what was granted meanwhile), all within `ask_timeout_s`.
+That deadline is GRANT_TTL_S: the answer that brings a grant may come behind the report already in
+flight, two round trips on a loaded registry, and a 429 for a key the registry has room for is what
+the limit must not do; a grant answered later than that would have lapsed on arrival anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from registry.allowance import GRANT_TTL_S
 from registry.client import RegistryError
 from registry.fleet import UsageCount
 from registry.retry import Backoff
@@ -75,7 +80,7 @@ class _Report:
 
 class FleetReporter:
     def __init__(self, send: Callable[[dict], Awaitable[dict]], limiter: RateLimiter, meter: UsageMeter,
-                 name: str = "", interval_s: float = 1.0, ask_timeout_s: float = 1.0,
+                 name: str = "", interval_s: float = 1.0, ask_timeout_s: float = GRANT_TTL_S,
                  clock: Callable[[], float] = time.monotonic,
                  on_revoked: Callable[[list[int]], None] | None = None) -> None:
         self._send = send
@@ -189,23 +194,30 @@ class FleetReporter:
 
     async def admit(self, key_id, requests_per_minute: int | None, tokens_per_minute: int | None,
                     num_tokens: int) -> Charge | Refusal | None:
-        """The limiter's decision, after one early report when it says one may bring room; None for a key
-        without limits (or without a registry id: nothing to charge or meter)."""
+        """The limiter's decision, after early reports for as long as it says one may bring room (up to
+        `ask_timeout_s` in all); None for a key without limits (or without a registry id: nothing to
+        charge or meter)."""
         if not isinstance(key_id, int):
             return None
         decision = self.limiter.admit(key_id, requests_per_minute, tokens_per_minute, num_tokens)
-        if isinstance(decision, Refusal) and decision.ask and await self.ask():
+        deadline = self._clock() + self._ask_timeout_s
+        while isinstance(decision, Refusal) and decision.ask:
+            if not await self.ask(deadline - self._clock()):
+                break
             decision = self.limiter.admit(key_id, requests_per_minute, tokens_per_minute, num_tokens, retry=True)
         return decision
 
-    async def ask(self) -> bool:
+    async def ask(self, timeout_s: float | None = None) -> bool:
         """Has a report go out now (after the one in flight, if any) and waits for its answer, up to
-        `ask_timeout_s`; False when none came in time."""
+        `timeout_s` (`ask_timeout_s` when None); False when none came in time."""
+        timeout_s = self._ask_timeout_s if timeout_s is None else timeout_s
+        if timeout_s <= 0:
+            return False
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._wake.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self._ask_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
             return False
         finally:

@@ -8,13 +8,14 @@ a *budget*: the grant of the registry's last answer less what it charged since i
     charge = limiter.admit(key_id, requests_per_minute, tokens_per_minute, num_tokens)
     # Charge: admitted, and the tokens are taken (prompt + max_tokens, the most the request can use)
     # Refusal: 429 after `retry_after_s`; `ask` says an early report may bring room (the caller
-    #          asks the reporter and tries again once); `never`: the request is over the whole
-    #          limit, a client error (400) rather than a wait
+    #          asks the reporter and tries again, for as long as that stays so, up to a deadline);
+    #          `never`: the request is over the whole limit, a client error (400) rather than a wait
     limiter.give_back(charge, unused_tokens)     # when the request ends
 
 A request that does not fit a budget is refused unless the key has no grant here yet, or the
 registry said part of its window was unallocated at its last answer: then the caller has the
-reporter send a report at once, with this demand in it, and tries again with the answer. Every
+reporter send a report at once, with this demand in it, and tries again with the answer (and asks
+again while the answer leaves it short yet still says so, until the caller's deadline). Every
 charge is also kept per slot (second of this router's clock): `pending` until it goes out in a
 report, and for the last 61 s in `history`, this router's own window, which is what it admits from
 when the registry cannot be reached.
@@ -116,7 +117,8 @@ class RateLimiter:
     def admit(self, key_id: int, requests_per_minute: int | None, tokens_per_minute: int | None,
               num_tokens: int, retry: bool = False) -> Charge | Refusal | None:
         """A Charge when admitted, a Refusal when not; None for a key with no limit (nothing to charge).
-        `retry`: the same request again after an early report (its demand is counted already)."""
+        `retry`: the same request again after an early report (its demand is counted already, and
+        is counted again only when it is refused again)."""
         if not requests_per_minute and not tokens_per_minute:
             return None   # the common case: keys without limits cost one comparison
         limits = {"requests": requests_per_minute or None, "tokens": tokens_per_minute or None}
@@ -132,19 +134,18 @@ class RateLimiter:
         for name in needed:
             if amounts[name] > limits[name]:   # more than a whole minute's allowance: not demand to share
                 return Refusal(name, WINDOW_S, never=True)
-        if not retry:
+        state.last_asked_at = now
+        local = self.local_share
+        refusal = self._check_local(state, amounts, needed) if local else \
+            self._check_budgets(state, amounts, needed, now)
+        if not retry or refusal is not None:   # refused again, it asks again: demand of the next report too
             state.asked["requests"] += 1
             state.asked["tokens"] += num_tokens
-        state.last_asked_at = now
-        if self.local_share:
-            refusal = self._check_local(state, amounts, needed)
-            if refusal is not None:
-                return refusal
+        if refusal is not None:
+            return refusal
+        if local:
             self.num_local_admissions += 1
         else:
-            refusal = self._check_budgets(state, amounts, needed, now)
-            if refusal is not None:
-                return refusal
             for name in needed:
                 state.budgets[name].left -= amounts[name]
         return self._charge(key_id, num_tokens)

@@ -102,7 +102,8 @@ def test_grants_follow_demand_and_hold_what_a_router_may_still_spend(store, cloc
         assert grant.tokens is None   # no token limit: nothing to grant
         return grant.requests
 
-    assert report("a", 1, demand=5).grant == 10   # at most twice what it was asked for lately
+    # twice its demand (10), or the floor: the unheld window (60) split over twice the live routers (1)
+    assert report("a", 1, demand=5).grant == 30
     alone = report("a", 2, demand=40)
     assert (alone.grant, alone.unallocated) == (60, 0)   # the only router asking may get the whole window
     # b asks while a holds everything: nothing for b until a reports again.
