@@ -19,11 +19,12 @@ async def test_drain_finishes_inflight_refuses_new_and_releases_leases(start_age
     client = connect(agent)
     leased = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt(20), sampling=sampling()))
     assert leased.kv_handle
+    # long enough that the drain lands while it runs, even on a loaded machine (the agent shares this loop)
     stream = client.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt(30),
-                                                       sampling=sampling(max_tokens=60)))
+                                                       sampling=sampling(max_tokens=200)))
     first = await stream.read()
 
-    response = await client.drain(deadline_s=2.0)
+    response = await client.drain(deadline_s=5.0)
     assert response.draining and response.num_inflight == 1
     assert (await client.health()).status == agent_pb2.HealthResponse.DRAINING
     with pytest.raises(aio.AioRpcError) as refused:
@@ -33,8 +34,8 @@ async def test_drain_finishes_inflight_refuses_new_and_releases_leases(start_age
     rest = []
     while (chunk := await stream.read()) is not aio.EOF:
         rest.extend(chunk.tokens)
-    assert len(first.tokens) + len(rest) == 60  # the in-flight request ran to its end
-    await asyncio.wait_for(agent.wait_stopped(), 10)
+    assert len(first.tokens) + len(rest) == 200  # the in-flight request ran to its end
+    await asyncio.wait_for(agent.wait_stopped(), 20)
     # the unfetched lease was released at the drain deadline, before the engine stopped
     assert agent.models[MODEL].engine.engine.leases == {}
 
