@@ -709,7 +709,9 @@ class LLMEngine:
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.admitted_once = True
         self._write_payload(seq, payload)
-        seq.num_computed_tokens = payload.layout.num_tokens
+        # Cached blocks may reach past the prompt into the generated tokens (a resume whose earlier
+        # run here published them): those are computed too, and shared, so never written again.
+        seq.num_computed_tokens = max(seq.num_computed_tokens, payload.layout.num_tokens)
         self.block_manager.register_full_blocks(seq)
         self.scheduler.add_running(seq)
 

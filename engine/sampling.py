@@ -221,8 +221,10 @@ def _penalize_repetition(logits: torch.Tensor, params: list[SamplingParams],
     if histories is None:
         raise ValueError("a repetition penalty needs the sequences' token histories")
     ids, valid = _padded(histories, rows, [0] * len(rows), logits.device)
-    seen = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, ids, valid)
+    # scatter_add, not scatter: the padding (id 0, invalid) of a shorter history would otherwise overwrite
+    # a real 0 of that row with False, leaving token 0 unpenalized beside a longer row
+    counts = torch.zeros(len(rows), logits.shape[-1], dtype=torch.int32, device=logits.device)
+    seen = counts.scatter_add_(1, ids, valid.to(torch.int32)) > 0
     picked = logits[rows]
     penalty = _finite_penalty(params, rows, picked, seen)
     penalized = torch.where(picked < 0, picked * penalty, picked / penalty)
