@@ -35,7 +35,7 @@ from router.reasoning import ReasoningStream, after_reasoning
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
-from router.tool_calls import ToolCall, ToolCallStream, tool_call_deltas
+from router.tool_calls import ToolCall, ToolCallStream, has_strict_tool, tool_call_deltas
 
 PROMPT_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a thread
 
@@ -80,7 +80,10 @@ class CompletionService:
         prompts = [await self._tokenize(request, assets, i) for i in range(request.num_prompts)]
         max_tokens = [self._check_lengths(request, ids, assets, self._prompt_param(request, i))
                       for i, ids in enumerate(prompts)]
-        grammar = request_grammar(request, assets)
+        # A tool-call grammar is built off the event loop: the first one of a model reads its vocabulary as
+        # the grammar library does (about a second for 128k tokens, then cached).
+        grammar = (await asyncio.to_thread(request_grammar, request, assets) if _tool_grammar(request)
+                   else request_grammar(request, assets))
         key = ctx.api_key
         num_prompt_tokens = sum(len(ids) for ids in prompts)
         if request.max_tokens is None and key.tokens_per_minute:
@@ -253,13 +256,20 @@ async def _begin(runs: list[CompletionRun]) -> None:
 
 
 def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarSpec | None:
-    """What the output must follow: the response format, or the model's tool-call format wrapping the
-    required function(s); a 400 when the model's tool-call format is not known or a token id is not its."""
+    """What the output must follow: the response format, the model's tool-call format wrapping the required
+    function(s), or (auto, with `strict` functions) free text or calls whose arguments follow the strict
+    functions' schemas; a 400 when a required call's format is not known or a token id is not the model's."""
     vocab = assets.tokenizer.vocab_size
     bad = next((t for t in request.logit_bias if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"`logit_bias` names token id {bad}, beyond this model's vocabulary ({vocab}).",
                           "logit_bias")
+    if request.tool_choice == "auto" and _tool_grammar(request) and assets.tool_calls is not None:
+        # Strict tools keep their guarantee where the model may also answer in words: free text, or calls
+        # that follow the schemas. Without a strict tool the answer runs free, with no grammar to pay for.
+        thinking = (assets.reasoning.start_id, assets.reasoning.end_id) if assets.reasoning is not None else None
+        return assets.tool_calls.auto_grammar(request.tools, request.parallel_tool_calls, assets.tokenizer,
+                                              thinking)
     if request.tool_choice != "required" and request.named_tool is None:
         return request.grammar
     if assets.tool_calls is None:
@@ -269,6 +279,14 @@ def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarS
     tools = [t for t in request.tools if request.named_tool in (None, t["function"]["name"])]
     return assets.tool_calls.grammar(tools, request.parallel_tool_calls and request.named_tool is None,
                                      assets.tokenizer)
+
+
+def _tool_grammar(request: CompletionRequest) -> bool:
+    """The output follows a grammar of tool calls: a required or named call, or `auto` with strict tools (and
+    no response format, which then decides the answer)."""
+    if request.tool_choice == "required" or request.named_tool is not None:
+        return True
+    return request.tool_choice == "auto" and request.grammar is None and has_strict_tool(request.tools)
 
 
 # The smallest normal float32: the agent API carries the penalty as a float32, in which a smaller one

@@ -203,6 +203,8 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
                 raise bad_request("`response_format` cannot be combined with a required tool call; the call's "
                                   "arguments already follow the function's schema.", "response_format")
             _check_tool_schemas(request.tools, request.named_tool)
+        elif request.tool_choice == "auto":
+            _check_tool_schemas(request.tools, None, strict_only=True)
     else:
         request.prompts = _prompts(document.get("prompt"))
     request.max_tokens, request.max_tokens_param = _max_tokens(document, chat)
@@ -400,6 +402,7 @@ def _tools(value) -> list[dict] | None:
         if not (isinstance(tool, dict) and isinstance(tool.get("function"), dict)
                 and isinstance(tool["function"].get("name"), str)):
             raise bad_request(f"`tools[{i}]` must be a {shape} object.", f"tools[{i}]")
+        _bool(tool["function"].get("strict"), f"tools[{i}].function.strict")
     return value
 
 
@@ -579,11 +582,14 @@ def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
     return spec
 
 
-def _check_tool_schemas(tools: list[dict], named: str | None) -> None:
-    """The parameters of every function a required call may use must compile: they constrain the call."""
+def _check_tool_schemas(tools: list[dict], named: str | None, strict_only: bool = False) -> None:
+    """The parameters of every function a call's grammar constrains must compile: those a required call may
+    use, or (`strict_only`, tool_choice auto) those of the `strict` functions."""
     for i, tool in enumerate(tools):
         function = tool["function"]
         if named is not None and function["name"] != named:
+            continue
+        if strict_only and function.get("strict") is not True:
             continue
         parameters = function.get("parameters")
         param = f"tools[{i}].function.parameters"
