@@ -4,7 +4,9 @@ The project's one retry policy (`registry.retry.Backoff`) for both: a failed cal
 to a cap, then tries again; a success resets it. With several registry URLs the client itself moves
 on to the next replica within a call (registry/client.py). Nothing here ever stops serving: the loop only logs, waits and retries.
 The heartbeat body is the wire contract's `CapacityReport` (registry.wire), built by
-`capacity_report` from the engines' figures, so what the agent sends is what the registry accepts.
+`site_capacity_report` from each hosted model's engine figures, so what the agent sends is what the
+registry accepts: the site's sums, and with several models each model's own KV pool and prefix cache,
+the cap on cache hashes shared fairly among them (`hash_shares`).
 A registry older than the agent refuses the fields it does not know (422): those are left out of
 the heartbeats from then on, once each, so an agent can be upgraded before its registry.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,7 @@ import httpx
 
 from registry.client import RegistryClient, RegistryError
 from registry.retry import Backoff
-from registry.wire import MAX_CACHE_HASHES, CapacityReport, PrefixCacheSummary
+from registry.wire import MAX_CACHE_HASHES, CapacityReport, ModelCapacity, PrefixCacheSummary
 
 if TYPE_CHECKING:  # the agent's engines; only their figures are read here
     from engine.engine import EngineStats
@@ -89,12 +91,52 @@ def widest_layout(engines: Sequence[EngineStats]) -> tuple[int, int, int]:
     return widest.tensor_parallel_size, widest.pipeline_parallel_size, widest.expert_parallel_size
 
 
+@dataclass(slots=True)
+class ModelFigures:
+    """One hosted model's engine, as a heartbeat reads it: its figures and its prefix-cache hashes
+    (16 hex digits each, most recently used first)."""
+
+    stats: EngineStats
+    cached_hashes: Sequence[str] = ()
+
+
+def hash_shares(counts: Sequence[int], budget: int) -> list[int]:
+    """How many of its hashes each model sends within `budget`: an equal share each, and what a model
+    with fewer leaves goes to the others (the smallest take theirs first)."""
+    shares, left = [0] * len(counts), budget
+    for num_served, i in enumerate(sorted(range(len(counts)), key=counts.__getitem__)):
+        shares[i] = min(counts[i], left // (len(counts) - num_served))
+        left -= shares[i]
+    return shares
+
+
+def site_capacity_report(block_size: int, draining: bool, models: Mapping[str, ModelFigures],
+                         gpus: Collection[int] = ()) -> CapacityReport:
+    """The heartbeat of a site hosting `models`. With one model its figures are the site's, sent as ever.
+    With several, the site's sums, and each model's own KV pool and prefix cache under `models` (a
+    request needs room in its own model's pool, and a cached prefix serves only the model that cached
+    it); the cap on hashes is shared among the models, so none is cut off."""
+    engines = [figures.stats for figures in models.values()]
+    if len(models) <= 1:
+        hashes = next(iter(models.values())).cached_hashes if models else ()
+        return capacity_report(block_size, draining, engines, hashes, gpus)
+    shares = hash_shares([len(figures.cached_hashes) for figures in models.values()], MAX_CACHE_HASHES)
+    own = {name: ModelCapacity(kv_blocks_total=figures.stats.num_blocks_total,
+                               kv_blocks_free=figures.stats.num_blocks_free,
+                               prefix_cache_summary=PrefixCacheSummary(block_size=block_size,
+                                                                       hashes=list(figures.cached_hashes[:share])))
+           for (name, figures), share in zip(models.items(), shares)}
+    return capacity_report(block_size, draining, engines, (), gpus, own)
+
+
 def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineStats],
-                    cached_hashes: Sequence[str], gpus: Collection[int] = ()) -> CapacityReport:
+                    cached_hashes: Sequence[str], gpus: Collection[int] = (),
+                    models: dict[str, ModelCapacity] | None = None) -> CapacityReport:
     """The site's heartbeat: every engine's load and KV figures summed (each engine has a KV pool of
     its own), the distinct GPUs its engines run on (`gpus`, device indices: engines sharing a GPU count
-    it once) and the widest engine's layout. The prefix-cache hashes (most recently used first, per
-    engine) are cut to the contract's maximum rather than refused for the lot."""
+    it once) and the widest engine's layout; `models`: each model's own figures (site_capacity_report).
+    The prefix-cache hashes (most recently used first, per engine) are cut to the contract's maximum
+    rather than refused for the lot."""
     tp, pp, ep = widest_layout(engines)
     return CapacityReport(
         kv_blocks_total=sum(e.num_blocks_total for e in engines), kv_blocks_free=sum(e.num_blocks_free for e in engines),
@@ -112,6 +154,7 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
         speculative_acceptance=sum(e.num_accepted_draft_tokens for e in engines)
         / max(1, sum(e.num_draft_tokens for e in engines)),
+        models=models,
     )
 
 
@@ -156,7 +199,7 @@ class HeartbeatLoop:
             self.registered = True
             log.info("registered site %s at %s", r.name, r.grpc_address)
         try:
-            status = await self._send((await self._capacity()).to_json())
+            status = await self._send(await self._capacity())
         except RegistryError as exc:
             if exc.status == 404:
                 self.registered = False  # the registry forgot us (e.g. restored from an old copy)
@@ -165,12 +208,12 @@ class HeartbeatLoop:
         if self._on_status is not None and isinstance(status, dict):
             self._on_status(status)
 
-    async def _send(self, report: dict):
+    async def _send(self, report: CapacityReport):
         """The heartbeat, less the fields the registry said it does not know: an agent upgraded before its
         registry would otherwise be refused every heartbeat, and its site never be placed on."""
         while True:
             try:
-                return await self.client.heartbeat({k: v for k, v in report.items() if k not in self.left_out})
+                return await self.client.heartbeat(report.to_json(self.left_out))
             except RegistryError as exc:
                 field = unknown_field(exc)
                 if field is None or field in self.left_out:

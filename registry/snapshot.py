@@ -20,7 +20,7 @@ Wire shape:
    "grpc_address", "state", "roles", "active_role", "active_role_since",
    "models": [{"model", "role", "kv_bytes_per_token"?, "kv_format"?}],
    "role_offer": {"roles": [...], "by_model": {model: [...]}, "flexible": bool}, "alive": bool,
-   "heartbeat_age_s": float | null, "capacity": {...capacity fields, "reported_at"} | null}],
+   "heartbeat_age_s": float | null, "capacity": {...capacity fields, "reported_at", "models"?} | null}],
    "links": [{"src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at"}]}
 `role_offer` is registry.wire.RoleOffer: the roles the site takes work in now, per model and in all,
 and whether the pool planner may move it; every reader of a site's role reads it from here.
@@ -39,7 +39,7 @@ from sqlalchemy.orm import aliased
 from registry.records import liveness_ttl_s
 from registry.sql import SITE_MODELS, SITES, read_version
 from registry.tables import CapacityRow, LinkRow, SiteRow
-from registry.telemetry import CAPACITY_FIELDS
+from registry.telemetry import CAPACITY_FIELDS, JSON_TEXT_COLUMNS
 from registry.wire import role_offer
 
 CAPACITY = CapacityRow.__table__
@@ -47,7 +47,7 @@ LINKS = LinkRow.__table__
 _SITE_COLUMNS = [SITES.c[n] for n in ("id", "name", "region", "country", "lat", "lon", "grpc_address", "state",
                                       "roles", "heartbeat_interval_s", "active_role", "active_role_since")]
 _CAPACITY_COLUMNS = [CAPACITY.c.site_id, *(CAPACITY.c[n] for n in CAPACITY_FIELDS)]
-_PLAIN_CAPACITY_FIELDS = [n for n in CAPACITY_FIELDS if n != "prefix_cache_summary"]
+_PLAIN_CAPACITY_FIELDS = [n for n in CAPACITY_FIELDS if n not in JSON_TEXT_COLUMNS]
 _REPORTED_AT = 1 + CAPACITY_FIELDS.index("reported_at")  # in a capacity row: site_id, then CAPACITY_FIELDS
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -234,10 +234,13 @@ def read_db_version(engine: Engine) -> int:
 
 
 def capacity_json(cap: dict) -> str:
-    """One capacity row (column name -> value) as the snapshot's JSON text; the stored summary is spliced in."""
+    """One capacity row (column name -> value) as the snapshot's JSON text; the stored summary and models'
+    figures are spliced in, the latter only where the site reported them (a single-model site's capacity
+    reads as it always did)."""
     plain = {name: cap[name] for name in _PLAIN_CAPACITY_FIELDS}
     plain["draining"] = bool(plain["draining"])
-    return f'{_dumps(plain)[:-1]},"prefix_cache_summary":{cap["prefix_cache_summary"] or "null"}}}'
+    models = f',"models":{cap["models"]}' if cap["models"] is not None else ""
+    return f'{_dumps(plain)[:-1]},"prefix_cache_summary":{cap["prefix_cache_summary"] or "null"}{models}}}'
 
 
 def _tail(capacity: str) -> bytes:

@@ -73,6 +73,9 @@ class CapacityRow(Base):
     pipeline_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
     expert_parallel_size: Mapped[int] = mapped_column(Integer, server_default="1")
     speculative_acceptance: Mapped[float] = mapped_column(Float, server_default="0")
+    # Each model's own KV pool and prefix cache (registry.wire.ModelCapacity) as opaque JSON text, from an
+    # agent hosting several models; NULL for one model or an older agent.
+    models: Mapped[str | None] = mapped_column(Text)
 
 
 class LinkRow(Base):

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter
 from sqlalchemy import Connection, Engine, delete, select, text
 
 from registry import validate
@@ -20,27 +21,30 @@ from registry.errors import InvalidInput, NotFound
 from registry.records import LinkMeasurement, SiteStatus
 from registry.sql import SITES, bump_version, upsert
 from registry.tables import CapacityRow, LinkRow
-from registry.wire import CapacityReport
+from registry.wire import CapacityReport, ModelCapacity
 
 CAPACITY = CapacityRow.__table__
 LINKS = LinkRow.__table__
 CAPACITY_FIELDS = [c.name for c in CAPACITY.columns if c.name != "site_id"]
+_MODELS_JSON = TypeAdapter(dict[str, ModelCapacity])
 _PG_ARRAY_TYPES = {"site_id": "integer", "block_size": "integer", "num_running": "integer", "num_waiting": "integer",
                    "prefix_cache_summary": "text", "draining": "boolean", "kv_blocks_total": "bigint",
                    "kv_blocks_free": "bigint", "inflight_prefill_tokens": "bigint", "inflight_decode_tokens": "bigint",
                    "num_gpus": "integer", "tensor_parallel_size": "integer", "pipeline_parallel_size": "integer",
                    "expert_parallel_size": "integer"}
 _PG_COLUMNS = ["site_id", *CAPACITY_FIELDS]
-_PG_ARRAY_COLUMNS = [c for c in _PG_COLUMNS if c != "prefix_cache_summary"]
-# One array parameter per column; the summaries (JSON text with many quotes, which psycopg would
-# escape one regex match at a time in a text[] array) travel as one JSON array of strings instead.
+JSON_TEXT_COLUMNS = ("prefix_cache_summary", "models")  # JSON text, NULL where the heartbeat had none
+_PG_ARRAY_COLUMNS = [c for c in _PG_COLUMNS if c not in JSON_TEXT_COLUMNS]
+# One array parameter per column; the JSON text columns (many quotes, which psycopg would escape one
+# regex match at a time in a text[] array) travel as one JSON array of strings each instead.
 PG_UPSERT_CAPACITY = text(
     f"INSERT INTO capacity ({', '.join(_PG_COLUMNS)}) "
-    f"SELECT {', '.join('s.summary' if c == 'prefix_cache_summary' else f'u.{c}' for c in _PG_COLUMNS)} FROM unnest("
+    f"SELECT {', '.join(f'{c}.v' if c in JSON_TEXT_COLUMNS else f'u.{c}' for c in _PG_COLUMNS)} FROM unnest("
     + ", ".join(f"CAST(:{c} AS {_PG_ARRAY_TYPES.get(c, 'double precision')}[])" for c in _PG_ARRAY_COLUMNS)
     + f") WITH ORDINALITY AS u({', '.join(_PG_ARRAY_COLUMNS)}, ord)"
-    " JOIN json_array_elements_text(CAST(:prefix_cache_summary AS json)) WITH ORDINALITY AS s(summary, ord) USING (ord)"
-    " ON CONFLICT (site_id) DO UPDATE SET "
+    + "".join(f" JOIN json_array_elements_text(CAST(:{c} AS json)) WITH ORDINALITY AS {c}(v, ord) USING (ord)"
+              for c in JSON_TEXT_COLUMNS)
+    + " ON CONFLICT (site_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in CAPACITY_FIELDS)
 )
 
@@ -111,7 +115,8 @@ class TelemetryStore:
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         # One statement with one array per column instead of a round trip per row.
         columns = {name: [row[name] for row in rows] for name in _PG_ARRAY_COLUMNS}
-        columns["prefix_cache_summary"] = json.dumps([row["prefix_cache_summary"] for row in rows])
+        for name in JSON_TEXT_COLUMNS:
+            columns[name] = json.dumps([row[name] for row in rows])
         conn.execute(PG_UPSERT_CAPACITY, columns)
 
     def clear_capacity(self, site_id: int) -> None:
@@ -146,10 +151,12 @@ class TelemetryStore:
 
 
 def capacity_row(write: HeartbeatWrite) -> dict:
-    """The row to upsert for a heartbeat; the prefix-cache summary is stored as its JSON text."""
+    """The row to upsert for a heartbeat; the prefix-cache summary and the models' own figures are stored
+    as their JSON text."""
     cap = write.capacity
-    row = cap.model_dump(exclude={"prefix_cache_summary"})
+    row = cap.model_dump(exclude=set(JSON_TEXT_COLUMNS))
     summary = cap.prefix_cache_summary
     row.update(site_id=write.site_id, reported_at=write.reported_at,
-               prefix_cache_summary=None if summary is None else summary.model_dump_json())
+               prefix_cache_summary=None if summary is None else summary.model_dump_json(),
+               models=None if cap.models is None else _MODELS_JSON.dump_json(cap.models).decode())
     return row

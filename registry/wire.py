@@ -16,6 +16,18 @@ latter exact in any JSON parser), so a heartbeat that passes here always stores.
 
 To add a field: add it to `CapacityReport` with a default and its bounds, and (registry) a column
 in `registry.tables` plus a migration. Agents that do not send it get the default.
+
+Several models at one site. Each model an agent hosts has an engine with its own KV pool and prefix
+cache. The site's figures are their sums (what the planner and `edgefire status` read); an agent
+hosting more than one model also sends each model's own pool and cache under `models` (a single-model
+site sends none: its figures are its model's, and its heartbeat stays as small as ever). The routers
+check a request's KV headroom and prefix-cache hits against its model's own figures
+(`SnapshotCapacity.own`), and the site's where the site does not report the model apart (an older
+agent). Every prefix-cache hash of a heartbeat counts against one cap, `MAX_CACHE_HASHES`, which the
+agent shares among its models. A registry older than `models` refuses the field; the agent then
+sends the heartbeat without it and folds every model's hashes into the site's summary, the shape
+agents sent before (`CapacityReport.to_json`).
+
 Role offer: the registry computes each site's `RoleOffer` once (registry.snapshot) and publishes it
 as the site's `role_offer` in the routers' snapshot and the admin API; the planner, `edgefire status`,
 the dashboard and the routers read that field instead of re-deriving it. A snapshot from a registry
@@ -27,20 +39,23 @@ Standard library and pydantic only: the router and the agent import this without
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain, zip_longest
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from registry.records import SITE_ROLES
+from registry.validate import MAX_MODEL_ID
 
 MAX_INT32 = 2**31 - 1
 MAX_JSON_INT = 2**53 - 1
 MAX_BLOCK_SIZE = 4096  # tokens per KV block
 MAX_TOKENS_PER_S = 1e12
-MAX_CACHE_HASHES = 16_384  # ~300 KB of JSON per heartbeat at most
+MAX_CACHE_HASHES = 16_384  # ~300 KB of JSON per heartbeat at most, over the site's and every model's summary
+MAX_MODELS_PER_SITE = 256
 CACHE_HASH_HEX_DIGITS = 16  # engine.prefix_hash hashes are 64-bit
 
 Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
@@ -48,6 +63,7 @@ LargeCount = Annotated[int, Field(ge=0, le=MAX_JSON_INT)]
 BlockSize = Annotated[int, Field(ge=1, le=MAX_BLOCK_SIZE)]
 TokensPerSecond = Annotated[float, Field(ge=0.0, le=MAX_TOKENS_PER_S, allow_inf_nan=False)]
 CacheHash = Annotated[str, StringConstraints(pattern=rf"^[0-9a-f]{{{CACHE_HASH_HEX_DIGITS}}}$")]
+ModelId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_ID)]
 
 
 class WireModel(BaseModel):
@@ -66,6 +82,24 @@ class PrefixCacheSummary(WireModel):
         # 8-byte words: read in C, 2.4x faster than an int() per hash (a router reads every site's
         # summary on each snapshot refresh).
         return frozenset(struct.unpack(f">{len(self.hashes)}Q", bytes.fromhex("".join(self.hashes))))
+
+
+def _num_hashes(summary: PrefixCacheSummary | None) -> int:
+    return 0 if summary is None else len(summary.hashes)
+
+
+class ModelCapacity(WireModel):
+    """One model's own figures at a site that hosts several: its engine's KV pool and prefix cache."""
+
+    kv_blocks_total: LargeCount
+    kv_blocks_free: LargeCount
+    prefix_cache_summary: PrefixCacheSummary | None = None
+
+    @model_validator(mode="after")
+    def _free_within_total(self) -> ModelCapacity:
+        if self.kv_blocks_free > self.kv_blocks_total:
+            raise ValueError("kv_blocks_free cannot exceed kv_blocks_total")
+        return self
 
 
 class CapacityReport(WireModel):
@@ -94,29 +128,55 @@ class CapacityReport(WireModel):
     expert_parallel_size: int = Field(1, ge=1, le=MAX_INT32)
     # Speculative decoding: the share of proposed tokens the site's engines kept since start (0: none proposed).
     speculative_acceptance: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    # Each model's own KV pool and prefix cache, from an agent hosting several (None: one model, or an
+    # older agent; the site's figures are then the only ones).
+    models: dict[ModelId, ModelCapacity] | None = Field(None, max_length=MAX_MODELS_PER_SITE)
 
     @model_validator(mode="after")
-    def _free_within_total(self) -> CapacityReport:
+    def _consistent(self) -> CapacityReport:
+        # One validator, not two: every heartbeat passes here, and each is a Python call.
         if self.kv_blocks_free > self.kv_blocks_total:
             raise ValueError("kv_blocks_free cannot exceed kv_blocks_total")
+        if self.models is not None:  # without them the site's summary alone is capped by its max_length
+            num_hashes = _num_hashes(self.prefix_cache_summary) + sum(
+                _num_hashes(own.prefix_cache_summary) for own in self.models.values())
+            if num_hashes > MAX_CACHE_HASHES:
+                raise ValueError(f"the prefix-cache summaries hold {num_hashes} hashes in all, over the cap of "
+                                 f"{MAX_CACHE_HASHES}: share the cap among the models")
         return self
 
-    def to_json(self) -> dict:
-        return self.model_dump(mode="json")
+    def to_json(self, left_out: Collection[str] = ()) -> dict:
+        """The heartbeat body, less the optional fields in `left_out` (those a registry older than the agent
+        does not know). `models` travels only when set. Left out, each model's hashes go into the site's
+        summary instead, one list for all models as agents sent it before: an older registry and its routers
+        keep the site's prefix-cache affinity."""
+        body = self.model_dump(mode="json", exclude={"models", *left_out})
+        if self.models is None:
+            return body
+        if "models" not in left_out:
+            body["models"] = {name: own.model_dump(mode="json") for name, own in self.models.items()}
+        elif "prefix_cache_summary" not in left_out:
+            body["prefix_cache_summary"] = self._folded_summary().model_dump(mode="json")
+        return body
+
+    def _folded_summary(self) -> PrefixCacheSummary:
+        """The site's summary with every model's hashes (within the cap already): the models' lists
+        interleaved, so the most recently used of each come first as in one engine's list; equal hashes once."""
+        summaries = [own.prefix_cache_summary for own in self.models.values() if own.prefix_cache_summary]
+        site = self.prefix_cache_summary
+        lists = [summary.hashes for summary in summaries]
+        interleaved = chain.from_iterable(zip_longest(*lists))
+        hashes = dict.fromkeys(chain(site.hashes if site else (), (h for h in interleaved if h is not None)))
+        return PrefixCacheSummary(block_size=site.block_size if site else self.block_size, hashes=list(hashes))
 
 
-class SnapshotCapacity(CapacityReport):
-    """A site's capacity as the routers' snapshot carries it: the heartbeat plus when it arrived."""
-
-    # Fields a newer registry adds are ignored, so routers can be upgraded after registries.
-    model_config = ConfigDict(extra="ignore")
-
-    reported_at: float | None = Field(None, allow_inf_nan=False,
-                                      description="when the registry stored it (its clock, seconds since the epoch)")
+class _CacheLookup:
+    """What a router reads of a prefix-cache summary (mixed into the snapshot's capacity models, which
+    hold the `prefix_cache_summary`)."""
 
     @property
     def cache_block_size(self) -> int:
-        """Block size of the prefix-cache summary; 0 when the site reports no cached blocks."""
+        """Block size of the prefix-cache summary; 0 when it holds no cached blocks."""
         summary = self.prefix_cache_summary
         return summary.block_size if summary is not None and summary.hashes else 0
 
@@ -124,6 +184,28 @@ class SnapshotCapacity(CapacityReport):
     def cached_hashes(self) -> frozenset[int]:
         summary = self.prefix_cache_summary
         return summary.hash_values() if summary is not None else frozenset()
+
+
+class SnapshotModelCapacity(_CacheLookup, ModelCapacity):
+    """A model's own figures as the routers' snapshot carries them."""
+
+    model_config = ConfigDict(extra="ignore")  # fields a newer registry adds
+
+
+class SnapshotCapacity(_CacheLookup, CapacityReport):
+    """A site's capacity as the routers' snapshot carries it: the heartbeat plus when it arrived."""
+
+    # Fields a newer registry adds are ignored, so routers can be upgraded after registries.
+    model_config = ConfigDict(extra="ignore")
+
+    reported_at: float | None = Field(None, allow_inf_nan=False,
+                                      description="when the registry stored it (its clock, seconds since the epoch)")
+    models: dict[ModelId, SnapshotModelCapacity] | None = Field(None, max_length=MAX_MODELS_PER_SITE)
+
+    def own(self, model: str) -> SnapshotCapacity | SnapshotModelCapacity:
+        """The KV pool and prefix cache a request for `model` meets here: the model's own where the site
+        reports it apart, else the site's (a single-model site, or an agent older than `models`)."""
+        return self.models.get(model, self) if self.models else self
 
 
 def offered_roles(site_roles: Iterable[str], model_role: str, active_role: str | None) -> tuple[str, ...]:

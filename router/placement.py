@@ -3,7 +3,10 @@
 Filter. A site can take a role for a request when it serves the model in that role (site roles and
 the model's role), is live (`active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
 draining), in a region the API key allows, and has the KV blocks free: the uncached prompt for a
-prefill site, prompt + the decode horizon for a decode site. The models live sites can serve at all
+prefill site, prompt + the decode horizon for a decode site. Each model a site hosts has a KV pool
+and prefix cache of its own: the blocks free and the cached prefixes are the model's own where the
+site reports them apart (registry.wire.SnapshotCapacity.own), the site's otherwise (one model, or an
+older agent). Load and rates stay the site's: its models share its devices. The models live sites can serve at all
 (`servable_models`) are what the router offers; `model_availability` says why a key cannot use one
 (its regions exclude every site that serves it, or those sites are down for now, or none does).
 
@@ -304,7 +307,7 @@ class _ModelSites:
     located: np.ndarray           # has coordinates
     can_prefill: np.ndarray
     can_decode: np.ndarray
-    kv_blocks_free: np.ndarray
+    kv_blocks_free: np.ndarray    # in the model's own KV pool where the site reports it apart
     block_size: np.ndarray
     inflight_prefill_tokens: np.ndarray
     prefill_rate: np.ndarray      # measured, else the default
@@ -336,6 +339,7 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
     if not sites:
         return None
     caps = [s.capacity for s in sites]
+    own = [c.own(model) for c in caps]  # the model's own KV pool and prefix cache where reported apart
 
     def column(values, dtype=np.float64) -> np.ndarray:
         return np.fromiter(values, dtype, len(sites))
@@ -350,7 +354,7 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         located=column((s.lat is not None and s.lon is not None for s in sites), bool),
         can_prefill=column((s.serves(model, "prefill") for s in sites), bool),
         can_decode=column((s.serves(model, "decode") for s in sites), bool),
-        kv_blocks_free=column(c.kv_blocks_free for c in caps), block_size=column(c.block_size for c in caps),
+        kv_blocks_free=column(o.kv_blocks_free for o in own), block_size=column(c.block_size for c in caps),
         inflight_prefill_tokens=column(c.inflight_prefill_tokens for c in caps),
         prefill_rate=column(c.prefill_tokens_per_s or cost.default_prefill_tokens_per_s for c in caps),
         num_running=column(c.num_running for c in caps),
@@ -361,7 +365,7 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         rate_kv_tokens=column(c.decode_kv_tokens if c.decode_batch_size else _kv_in_use(c) for c in caps),
         kv_bytes_per_token=column(k.bytes_per_token if k else 0 for k in kv),
         kv_format=column((formats.setdefault(k.kv_format if k else "", len(formats)) for k in kv), np.int64),
-        summaries=_summaries(caps), **_fresh_links(snapshot, sites, index, cost))
+        summaries=_summaries(own), **_fresh_links(snapshot, sites, index, cost))
 
 
 def _kv_in_use(cap) -> int:
@@ -378,6 +382,7 @@ def _decoding_kv_tokens(cap) -> float:
 
 
 def _summaries(caps: list) -> dict[int, _Summaries]:
+    """The prefix-cache summaries of the sites (each the model's own, where the site reports it apart)."""
     by_block_size: dict[int, list[tuple[int, frozenset[int]]]] = {}
     for i, cap in enumerate(caps):
         if cap.cached_hashes and cap.cache_block_size > 0:
