@@ -64,6 +64,9 @@ class AsyncEngine:
         self._pending: dict[str, int] = {}
         self._pending_lock = threading.Lock()
         self._added: list[str] = []  # engine thread: requests added since the stats were last refreshed
+        # calls waiting for the engine thread's answer: failed at once if it stops or crashes before it ran them
+        self._calls: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
+        self._calls_lock = threading.Lock()
         self._stopped = False
         self._error: BaseException | None = None
         self.latest_stats: EngineStats = engine.stats()
@@ -98,6 +101,17 @@ class AsyncEngine:
             self._error = exc
             for loop, queue in list(self._streams.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"engine crashed: {exc!r}"))
+        finally:
+            self._fail_calls()
+
+    def _fail_calls(self) -> None:
+        """The calls queued when the thread ended never run: their callers (a heartbeat's stats, a metrics
+        scrape, an abort) would wait forever, and an agent waiting on one would never stop."""
+        reason = f"engine crashed: {self._error!r}" if self._error is not None else "engine is not running"
+        with self._calls_lock:
+            calls, self._calls = self._calls, set()
+        for loop, future in calls:
+            loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(reason))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         """Hands a step's tokens to their streams: one wake-up of each event loop per step, not one per
@@ -150,8 +164,13 @@ class AsyncEngine:
         """Run fn(engine) on the engine thread and return its result (exceptions propagate)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        waiting = (loop, future)
+        with self._calls_lock:  # before the dead-engine check in _submit: a call is either failed or refused
+            self._calls.add(waiting)
 
         def command() -> None:
+            with self._calls_lock:
+                self._calls.discard(waiting)
             try:
                 result = fn(self.engine)
             except Exception as exc:
@@ -161,7 +180,12 @@ class AsyncEngine:
                 self._refresh_stats()
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
-        self._submit(command)
+        try:
+            self._submit(command)
+        except EngineDeadError:
+            with self._calls_lock:
+                self._calls.discard(waiting)
+            raise
         return await future
 
     # -- requests ----------------------------------------------------------------------------

@@ -129,3 +129,34 @@ async def test_a_lease_whose_release_is_queued_opens_no_second_export(engines):
         await busy
     stats = await a.stats()
     assert stats.num_pinned_handles == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
+async def test_calls_queued_when_the_engine_crashes_or_stops_fail_instead_of_waiting_forever(llama_checkpoint):
+    """A heartbeat's stats, a metrics scrape or an abort queued behind the step that crashed the engine
+    thread (or behind its shutdown) must fail with EngineDeadError: the agent waits on them as it stops."""
+    from engine.async_engine import EngineDeadError
+
+    engine = AsyncEngine(LLMEngine(llama_checkpoint[0], EngineConfig(kv_cache_bytes=8 << 20, show_progress=False)))
+    stepping, crash = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def failing_step():
+        stepping.set()
+        crash.wait(10)  # a stats call is queued meanwhile
+        raise RuntimeError("device lost")
+
+    engine.engine.step = failing_step
+    stream = engine.generate([3, 4, 5], SamplingParams(max_tokens=4))
+    reading = asyncio.ensure_future(stream.__anext__())
+    await asyncio.to_thread(stepping.wait, 10)
+    queued = asyncio.ensure_future(engine.stats())
+    await asyncio.sleep(0.05)
+    crash.set()
+    with pytest.raises(EngineDeadError, match="device lost"):
+        await asyncio.wait_for(queued, 10)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(reading, 10)
+    with pytest.raises(EngineDeadError):  # and a call made after the crash is refused at once
+        await engine.stats()
+    engine.engine.step = real_step
+    engine.shutdown()
