@@ -32,7 +32,8 @@ from engine.kv_transfer import KVLayout, KVPayload
 from engine.sampling import SamplingParams
 from node_agent.client import AgentClient, AgentPool
 from node_agent.config import AgentConfig
-from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
+from node_agent.errors import (DrainingError, LeaseReleasedError, OverloadedError, UnknownModelError,
+                               WrongRoleError)
 from node_agent.metrics import AgentMetrics
 from node_agent.kv_data import KVDataServer, KVSourceUnreachable, probe, receive_bulk
 from node_agent.links import LinkTable
@@ -47,10 +48,6 @@ PROBE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 5.0      # a decode site's release of a lease it did not read
 MAX_LEASE_ID_CHARS = 128
 MAX_LEASE_IDS = 100_000      # per kind of entry; far above leases made within one TTL at any real rate
-
-
-class LeaseReleasedError(AgentError):
-    """A Prefill whose lease id its caller released already: the caller has given up on it."""
 
 
 @dataclass(slots=True)

@@ -28,3 +28,7 @@ class ListenError(AgentError):
 
 class ModelLoadError(AgentError):
     """A model the configuration names cannot be served: its checkpoint is refused, or it does not fit."""
+
+
+class LeaseReleasedError(AgentError):
+    """A Prefill whose lease id its caller released already: the caller has given up on it."""

@@ -20,8 +20,9 @@ from grpc import aio
 from engine.async_engine import EngineDeadError, kv_chunks
 from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
 from node_agent.convert import sampling_from_proto, token_chunks, token_to_proto
-from node_agent.core import AgentCore, KVSource, LeaseReleasedError
-from node_agent.errors import AgentError, DrainingError, OverloadedError, UnknownModelError, WrongRoleError
+from node_agent.core import AgentCore, KVSource
+from node_agent.errors import (AgentError, DrainingError, LeaseReleasedError, OverloadedError, UnknownModelError,
+                               WrongRoleError)
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 from node_agent.trace import bind, from_metadata, new_trace
 from node_agent.transfer import chunk_message
