@@ -28,7 +28,7 @@ from router.ledger import InflightLedger
 from router.metrics import RouterMetrics, elapsed_s
 from router.model_assets import ModelAssets, ModelAssetsCache
 from router.openai_request import MAX_SEED, CompletionRequest
-from router.placement import CostModel, PlacementRequest, model_availability, rank, servable_models
+from router.placement import CostModel, PlacementRequest, model_availability, rank
 from router.fleet_reporter import FleetReporter
 from router.rate_limit import Charge, Refusal
 from router.reasoning import ReasoningStream, after_reasoning
