@@ -31,7 +31,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.compression import WEIGHT_MODES
 from engine.config import ModelConfig, load_config, read_json, token_ids
-from engine.errors import CheckpointError, DeviceError, InvalidRequestError, KVTransferError, UnknownHandleError
+from engine.errors import CheckpointError, DeviceError, InvalidRequestError, UnknownHandleError
 from engine.kv_export import KVExport, KVMap
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.fingerprint import model_fingerprint

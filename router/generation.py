@@ -408,7 +408,7 @@ class _ReadTimer:
 
     async def read(self, call, timeout_s: float):
         self._started = now = self._loop.time()
-        self._deadline = deadline = now + timeout_s
+        self._deadline = now + timeout_s
         self._task = task = asyncio.current_task()
         self._expired = None
         wake = self._next_wake(now)
