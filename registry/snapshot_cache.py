@@ -45,6 +45,7 @@ class SnapshotCache:
         self._commits_lock = threading.Lock()
         self._commits: dict[int, list[dict]] = {}  # registry version -> capacity rows that commit wrote
         self._returned: RegistryReturn | None = None  # None until the first read (and after losing the database)
+        self._num_catch_ups = 0  # reads and applies so far: did the data move while a caller waited?
 
     def capacity_written(self, db_version: int, rows: list[dict]) -> None:
         """TelemetryStore listener: this process committed `rows`, moving the registry to `db_version`."""
@@ -54,6 +55,7 @@ class SnapshotCache:
             self._commits[db_version] = rows
 
     def get(self, if_none_match: str | None = None) -> RenderedSnapshot:
+        num_catch_ups = self._num_catch_ups
         try:
             db_version = read_db_version(self._engine)
         except OperationalError:
@@ -61,7 +63,7 @@ class SnapshotCache:
                 self._data, self._returned = None, None
             raise
         with self._lock:
-            if self._data is None or self._data.db_version != db_version:
+            if self._stale(db_version, num_catch_ups):
                 self._catch_up(db_version)
                 self._body = None
             data = self._data
@@ -75,6 +77,17 @@ class SnapshotCache:
                 self._body = (version, now, data.render(now))
                 self._observe("render", started)
             return RenderedSnapshot(etag, self._body[2])
+
+    def _stale(self, db_version: int, num_catch_ups: int) -> bool:
+        """Whether the data must be brought to `db_version`, which this caller read before it waited
+        for the lock. Data newer than that is current when another caller caught up meanwhile: routers
+        polling together queue here, and with other replicas writing each of them used to read every
+        row again. Newer data that did not move meanwhile means the database's version went back (a
+        restored backup): read again."""
+        data = self._data
+        if data is None or data.db_version < db_version:
+            return True
+        return data.db_version > db_version and self._num_catch_ups == num_catch_ups
 
     def site_counts(self) -> Counter:
         """Sites per (state, alive) now, from the data brought up to the database's version."""
@@ -92,6 +105,7 @@ class SnapshotCache:
         every version in between, otherwise by reading (which may land on a newer version)."""
         data = self._data
         started = time.perf_counter()
+        self._num_catch_ups += 1
         with self._commits_lock:
             commits = self._commits
             self._commits = {v: rows for v, rows in commits.items() if v > db_version}
