@@ -31,7 +31,7 @@ from router.openai_request import MAX_SEED, CompletionRequest
 from router.placement import CostModel, PlacementRequest, model_availability, rank
 from router.fleet_reporter import FleetReporter
 from router.rate_limit import Charge, Refusal
-from router.reasoning import ReasoningStream, after_reasoning
+from router.reasoning import ReasoningStream, with_reasoning
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
@@ -155,9 +155,8 @@ class CompletionService:
         if not candidates:
             raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
                               f"use; retry shortly.", self.limits.retry_after_s)
-        if grammar is not None and request.chat and assets.reasoning is not None and \
-                assets.reasoning.starts_open(prompt_ids, assets.tokenizer):
-            grammar = after_reasoning(grammar, assets.reasoning)
+        if grammar is not None and request.chat and assets.reasoning is not None:
+            grammar = with_reasoning(grammar, assets.reasoning, prompt_ids, assets.tokenizer, request.template_kwargs)
         sampling = sampling_params(request, assets, max_tokens, grammar, index)
         request_id = ctx.request_id if not index else f"{ctx.request_id}.{index}"
 
@@ -256,20 +255,23 @@ async def _begin(runs: list[CompletionRun]) -> None:
 
 
 def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarSpec | None:
-    """What the output must follow: the response format, the model's tool-call format wrapping the required
-    function(s), or (auto, with `strict` functions) free text or calls whose arguments follow the strict
-    functions' schemas; a 400 when a required call's format is not known or a token id is not the model's."""
+    """What the answer must follow (a reasoning model's block comes in front in `_new_run`): the response
+    format, the model's tool-call format wrapping the required function(s), under auto with a response
+    format the JSON answer or calls of the tools, or (auto, with `strict` functions) free text or calls whose
+    arguments follow the strict functions' schemas; a 400 when a required call's format is not known or a
+    token id is not the model's."""
     vocab = assets.tokenizer.vocab_size
     bad = next((t for t in request.logit_bias if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"`logit_bias` names token id {bad}, beyond this model's vocabulary ({vocab}).",
                           "logit_bias")
     if request.tool_choice == "auto" and _tool_grammar(request) and assets.tool_calls is not None:
+        if request.grammar is not None:  # an agent with an output type: its final answer, or calls on the way
+            return assets.tool_calls.answer_or_calls_grammar(request.grammar, request.tools,
+                                                             request.parallel_tool_calls, assets.tokenizer)
         # Strict tools keep their guarantee where the model may also answer in words: free text, or calls
         # that follow the schemas. Without a strict tool the answer runs free, with no grammar to pay for.
-        thinking = (assets.reasoning.start_id, assets.reasoning.end_id) if assets.reasoning is not None else None
-        return assets.tool_calls.auto_grammar(request.tools, request.parallel_tool_calls, assets.tokenizer,
-                                              thinking)
+        return assets.tool_calls.auto_grammar(request.tools, request.parallel_tool_calls, assets.tokenizer)
     if request.tool_choice != "required" and request.named_tool is None:
         return request.grammar
     if assets.tool_calls is None:
@@ -282,11 +284,11 @@ def request_grammar(request: CompletionRequest, assets: ModelAssets) -> GrammarS
 
 
 def _tool_grammar(request: CompletionRequest) -> bool:
-    """The output follows a grammar of tool calls: a required or named call, or `auto` with strict tools (and
-    no response format, which then decides the answer)."""
+    """The output follows a grammar of tool calls: a required or named call, or `auto` with a response format
+    (the answer or calls) or with strict tools."""
     if request.tool_choice == "required" or request.named_tool is not None:
         return True
-    return request.tool_choice == "auto" and request.grammar is None and has_strict_tool(request.tools)
+    return request.tool_choice == "auto" and (request.grammar is not None or has_strict_tool(request.tools))
 
 
 # The smallest normal float32: the agent API carries the penalty as a float32, in which a smaller one
@@ -339,8 +341,11 @@ class CompletionRun:
         self.created = int(time.time())
         parse_tools = (request.chat and request.tool_choice not in (None, "none") and assets.tool_calls is not None)
         forced = request.tool_choice == "required" or request.named_tool is not None
-        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls) if parse_tools
-                           else None)
+        # Under auto with a response format the answer is JSON unless it opens with calls (answer_or_calls_grammar).
+        answer_names = (frozenset(t["function"]["name"] for t in request.tools)
+                        if request.tool_choice == "auto" and request.grammar is not None else None)
+        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names)
+                           if parse_tools else None)
         # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
         # tokens are then left out by id instead.
         self.text = TextStream(assets.tokenizer, request.stop, skip_special_tokens=self.tool_calls is None)

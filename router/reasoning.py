@@ -17,10 +17,23 @@ end tag. Whether a request starts inside the block is read from its prompt ids. 
 stream is a pure function of the tokens generated so far, so a stream resumed on another site
 splits exactly as an unbroken one.
 
-A request whose output follows a grammar (`response_format`, a required tool call) and whose prompt
-opens the block gets the grammar after the end tag (`after_reasoning`): the reasoning is free text,
-the answer is what the grammar allows. Constrained from the first token, the JSON would be written
-inside the block and come back as reasoning, with an empty answer.
+A request whose output follows a grammar (`response_format`, a tool call) gets the reasoning block in
+its grammar too (`with_reasoning`): constrained from the first token, the model could not think (it
+must open the block itself, as Qwen3 does) or would write the JSON inside a block its prompt opened,
+which would come back as reasoning with an empty answer. The reasoning is free text, the answer is
+what the grammar allows:
+
+| the prompt | the grammar |
+|---|---|
+| opens the block (ends with the start tag) | reasoning, end tag, answer (`after_reasoning`) |
+| closes an empty block (thinking turned off), or the request sets `enable_thinking` / `thinking` false | the answer |
+| neither (Qwen3 thinking: the model opens the block itself) | an optional block, then the answer (`reasoning_first`) |
+
+Templates close an empty block to turn thinking off: Qwen3's `enable_thinking: false`, SmolLM3's
+`/no_think`, DeepSeek-V3.1 without `thinking`.
+
+`reasoning_effort` is a template variable like any other: where a template reads it, the prompt shows
+its effect, and no value of it turns reasoning off.
 """
 
 from __future__ import annotations
@@ -55,23 +68,62 @@ class ReasoningFormat:
 
     def starts_open(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
         """Whether the prompt itself opened the block: its last non-blank token is the start tag."""
+        return self._last_tag(prompt_ids, tokenizer) == self.start_id
+
+    def starts_closed(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
+        """Whether the prompt ends with a block it closed (the empty block templates write to turn thinking
+        off): its last non-blank token is the end tag."""
+        return self._last_tag(prompt_ids, tokenizer) == self.end_id
+
+    def _last_tag(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> int | None:
+        """The start or end tag when it is the prompt's last non-blank token, else None."""
         for token_id in reversed(prompt_ids):
-            if token_id == self.start_id:
-                return True
+            if token_id in (self.start_id, self.end_id):
+                return token_id
             if tokenizer.decode([token_id], skip_special_tokens=False).strip():
-                return False
-        return False
+                return None
+        return None
+
+
+# Chat template variables that turn reasoning off when false (Qwen3 and SmolLM3 read the first, DeepSeek-V3.1
+# either): a request that sets one gets no reasoning block in its grammar, even from a template that ignores it.
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+# The grammar's pieces around the answer: the tags by token id (text cannot spell a token), free text inside,
+# and the blank line models write after the end tag (Qwen3's template puts one there), which the answer's
+# own grammar (compact JSON, a call's marker) would refuse; a few characters, so no model wanders in blanks.
+_REASONING_RULES = ("REASONING: /(.|\\n)*/", r"BLANK: /[ \t\r\n]{1,4}/")
+
+
+def with_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, prompt_ids: list[int], tokenizer: ChatTokenizer,
+                   template_kwargs: dict) -> GrammarSpec:
+    """The grammar of a reasoning model's output whose answer must follow `spec`, from how the prompt leaves
+    the block (the module's table)."""
+    if fmt.starts_open(prompt_ids, tokenizer):
+        return after_reasoning(spec, fmt)
+    if fmt.starts_closed(prompt_ids, tokenizer) or any(template_kwargs.get(k) is False for k in THINKING_SWITCHES):
+        return spec
+    return reasoning_first(spec, fmt.start_id, fmt.end_id)
 
 
 def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat) -> GrammarSpec:
-    """The grammar of an output that starts inside the reasoning block: free text up to the end tag (by
-    token id; text cannot spell a token), then `spec`. Lark grammars name their entry rule `start`."""
+    """The grammar of an output that starts inside the reasoning block: free text up to the end tag, then
+    `spec`."""
+    return GrammarSpec("lark", "\n".join([f"start: REASONING <[{fmt.end_id}]> BLANK? answer", *_REASONING_RULES,
+                                          _answer_rules(spec)]))
+
+
+def reasoning_first(spec: GrammarSpec, start_id: int, end_id: int) -> GrammarSpec:
+    """The grammar of an output that may open the reasoning block itself (Qwen3 writes the start tag as its
+    first token): an optional block of free text, then `spec`."""
+    return GrammarSpec("lark", "\n".join([f"start: (<[{start_id}]> REASONING <[{end_id}]> BLANK?)? answer",
+                                          *_REASONING_RULES, _answer_rules(spec)]))
+
+
+def _answer_rules(spec: GrammarSpec) -> str:
+    """`spec` as Lark rules whose entry is `answer` (Lark grammars name theirs `start`)."""
     if spec.kind == "json_schema":
-        answer = f"answer: {lark_json(json.loads(spec.source))}"
-    else:
-        answer = re.sub(r"^start:", "answer:", spec.source, count=1, flags=re.MULTILINE)
-    return GrammarSpec("lark", "\n".join([f"start: REASONING <[{fmt.end_id}]> answer", "REASONING: /(.|\\n)*/",
-                                          answer]))
+        return f"answer: {lark_json(json.loads(spec.source))}"
+    return re.sub(r"^start:", "answer:", spec.source, count=1, flags=re.MULTILINE)
 
 
 def reasoning_format(tokenizer: ChatTokenizer, setting: str | None = None) -> ReasoningFormat | None:

@@ -34,7 +34,12 @@ project's 2-core CPU machine with a 128k-token vocabulary and four strict tools 
 CPU path): a free-text token's mask takes about 6 us (the library caches the mask of a state that
 repeats), the first two steps about 0.9 ms each, the step that opens a call up to 10 ms once, and
 the call itself about 10 us a token, as a required call does. Without a strict function there is no
-grammar at all. Markers that the grammar library
+grammar at all. With `auto` and a `response_format` (an OpenAI Agents SDK agent with an output type and
+tools) the output is constrained to the final answer, JSON following the response format, or calls of the
+offered functions from its first token on (strict or not, as above), and the parser looks for calls at
+the start only, so JSON that holds the marker's text, or (Llama 3's bare JSON) has a `name`, stays the
+answer. A reasoning model's block comes in front of each of these grammars (router.reasoning).
+Markers that the grammar library
 reads as special tokens are matched by token id, so the model writes them as the tokens it was
 trained on and text cannot spell them out byte by byte.
 """
@@ -51,6 +56,7 @@ import llguidance
 
 from engine.grammar import GrammarSpec, lark_json
 from engine.tokenizer import ChatTokenizer
+from router.reasoning import reasoning_first
 
 NO_PARSER = "none"
 _DECODER = json.JSONDecoder()
@@ -99,8 +105,10 @@ class ToolCallFormat:
 
     # -- parsing `auto` output ---------------------------------------------------------------
 
-    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
-        """(content before the calls, calls) when the text holds calls that parse, else None."""
+    def split(self, text: str, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]] | None:
+        """(content before the calls, calls) when the text holds calls that parse, else None. `names`: the
+        offered functions, where text that is no call of theirs is an answer (a JSON object with a `name`):
+        a call must then name one and, as a JSON object, hold nothing but its name and arguments."""
         if self.marker:
             start = text.find(self.marker)
             if start < 0:
@@ -111,23 +119,23 @@ class ToolCallFormat:
             if not body.startswith("{"):
                 return None
         try:
-            calls = self._parse_calls(body)
+            calls = self._parse_calls(body, names)
         except (ValueError, KeyError, TypeError):
             return None
         return (content, calls) if calls else None
 
-    def _parse_calls(self, body: str) -> list[ToolCall]:
+    def _parse_calls(self, body: str, names: frozenset[str] | None) -> list[ToolCall]:
         pos = _expect(body, 0, self.section_begin)
         if self.array:
             items, pos = _DECODER.raw_decode(body, pos)
             if not isinstance(items, list):
                 raise ValueError("the calls are not a JSON array")
-            calls = [self._object_call(item) for item in items]
+            calls = [self._object_call(item, names) for item in items]
         else:
             calls = []
             begin, separator = self.call_begin.strip(), self.separator.strip()
             while True:
-                call, pos = self._one_call(body, pos)
+                call, pos = self._one_call(body, pos, names)
                 calls.append(call)
                 pos = _skip_space(body, pos)
                 following = _skip_space(body, pos + len(separator)) if separator and body.startswith(separator, pos) else pos
@@ -137,11 +145,11 @@ class ToolCallFormat:
         _expect(body.rstrip(), _skip_space(body, pos), self.section_end)
         return calls
 
-    def _one_call(self, body: str, pos: int) -> tuple[ToolCall, int]:
+    def _one_call(self, body: str, pos: int, names: frozenset[str] | None) -> tuple[ToolCall, int]:
         pos = _expect(body, _skip_space(body, pos), self.call_begin)
         if self.name_key:
             item, pos = _DECODER.raw_decode(body, _skip_space(body, pos))
-            call = self._object_call(item)
+            call = self._object_call(item, names)
         else:
             pattern = re.compile(re.escape(self.name_prefix) + r"([^\s\"'<>\[\]{}]+?)" + self.name_suffix_regex
                                  + re.escape(self.name_sep))
@@ -151,13 +159,17 @@ class ToolCallFormat:
             arguments, pos = _DECODER.raw_decode(body, _skip_space(body, match.end()))
             if not isinstance(arguments, dict):
                 raise ValueError("arguments are not an object")
+            if names is not None and match.group(1) not in names:
+                raise ValueError("not an offered function")
             call = ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids))
         return call, _expect(body, _skip_space(body, pos), self.call_end)
 
-    def _object_call(self, item) -> ToolCall:
+    def _object_call(self, item, names: frozenset[str] | None = None) -> ToolCall:
         name, arguments = item[self.name_key], item.get(self.args_key, {})
         if not isinstance(name, str) or not isinstance(arguments, dict):
             raise ValueError("a call needs a string name and object arguments")
+        if names is not None and (name not in names or item.keys() - {self.name_key, self.args_key}):
+            raise ValueError("not a call of an offered function")
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids))
 
     # -- grammars: a required call, and `auto` with strict tools ----------------------------------
@@ -177,12 +189,23 @@ class ToolCallFormat:
         `thinking`: the (start, end) token ids of a reasoning block the model may open first (Qwen3 opens
         its own): free text inside, then the answer."""
         lit = _Literals(tokenizer)
-        tools = [tool if tool["function"].get("strict") is True else _loose(tool) for tool in tools]
-        rules = [*self._free_text_rules(lit), *self._calls_rules(tools, parallel and self.parallel, lit)]
-        if thinking is not None:
-            start_id, end_id = thinking
-            rules = [f"start: (<[{start_id}]> THOUGHT <[{end_id}]>)? reply", r"THOUGHT: /(.|\n)*/",
-                     *(re.sub(r"^start:", "reply:", rule) for rule in rules)]
+        rules = [*self._free_text_rules(lit), *self._calls_rules(_as_enforced(tools), parallel and self.parallel, lit)]
+        spec = GrammarSpec("lark", "\n".join(rules))
+        return spec if thinking is None else reasoning_first(spec, *thinking)
+
+    def answer_or_calls_grammar(self, answer: GrammarSpec, tools: list[dict], parallel: bool,
+                                tokenizer: ChatTokenizer) -> GrammarSpec:
+        """Lark for `tool_choice: auto` with a response format (the Agents SDK's agent with an output type and
+        tools): the final answer, JSON following `answer`'s schema, or calls of these tools from the first
+        token on (strict tools' arguments following their schema, the others' any JSON object). Nothing comes
+        before the calls, so the parser looks for them at the start only (ToolCallStream's `answer_names`):
+        the JSON may hold the marker's text in a string. The answer cannot begin with a marker: compact JSON
+        opens with `{`, `[`, `"`, a digit, `-` or a literal, and no marker of text does (`<...>`, `[TOOL_CALLS]`,
+        where `[T` is no JSON); a bare JSON call (Llama 3) is told from an answer by its shape and name."""
+        lit = _Literals(tokenizer)
+        rules = [f"start: final_answer | {lit(self.marker)} calls",
+                 f"final_answer: {lark_json(json.loads(answer.source))}",
+                 *self._calls_rules(_as_enforced(tools), parallel and self.parallel, lit)]
         return GrammarSpec("lark", "\n".join(rules))
 
     def _free_text_rules(self, lit: _Literals) -> list[str]:
@@ -235,6 +258,11 @@ class ToolCallFormat:
 def has_strict_tool(tools: list[dict] | None) -> bool:
     """Some function is `strict`: its calls must follow its schema even where the model may answer in words."""
     return any(tool["function"].get("strict") is True for tool in tools or ())
+
+
+def _as_enforced(tools: list[dict]) -> list[dict]:
+    """The tools as a grammar under `auto` holds them: strict ones as sent, the others loose."""
+    return [tool if tool["function"].get("strict") is True else _loose(tool) for tool in tools]
 
 
 def _loose(tool: dict) -> dict:
@@ -354,14 +382,19 @@ class ToolCallStream:
     tail that could still be the start of the marker. From the marker on, text is kept until `finish`,
     which parses the calls; calls that do not parse come back as content. With `forced` (a required
     call) the whole answer is the calls. Without `parallel` (`parallel_tool_calls: false`) an answer holds
-    at most one call: the first, when a model left free (`auto`) writes several.
+    at most one call: the first, when a model left free (`auto`) writes several. With `answer_names` (the
+    offered functions, under `auto` with a response format) the answer is JSON unless it opens with calls
+    of those functions: calls are looked for at its start only (a bare JSON call: an object of just a
+    function's name and arguments), and the JSON streams as content once it is known to be no call.
     """
 
-    def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True) -> None:
+    def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True,
+                 answer_names: frozenset[str] | None = None) -> None:
         self.fmt = fmt
         self.parallel = parallel
+        self.answer_names = answer_names
         self._in_calls = forced
-        self._decided = forced       # bare-JSON formats: whether the answer is a call is known
+        self._decided = forced       # calls looked for at the start only: whether the answer opens with them is known
         self._pending = ""           # content held back
         self._calls_text = ""
 
@@ -370,18 +403,11 @@ class ToolCallStream:
             self._calls_text += text
             return ""
         self._pending += text
-        marker = self.fmt.marker
-        if not marker:  # bare JSON: a call only if the answer starts with "{"
-            if self._decided:
-                return self._take(len(self._pending))
-            stripped = self._pending.lstrip()
-            if not stripped:
-                return ""
-            self._decided = True
-            if stripped.startswith("{"):
-                self._in_calls, self._calls_text, self._pending = True, self._pending, ""
-                return ""
+        if self._decided:
             return self._take(len(self._pending))
+        if not self.fmt.marker or self.answer_names is not None:
+            return self._decide_at_start()
+        marker = self.fmt.marker
         start = self._pending.find(marker)
         if start >= 0:
             self._in_calls, self._calls_text = True, self._pending[start:]
@@ -389,6 +415,18 @@ class ToolCallStream:
         hold = next((n for n in range(min(len(marker) - 1, len(self._pending)), 0, -1)
                      if marker.startswith(self._pending[-n:])), 0)
         return self._take(len(self._pending) - hold)
+
+    def _decide_at_start(self) -> str:
+        """Calls only at the answer's start (after blanks): its opening, the marker or a bare call's "{"."""
+        opening = self.fmt.marker or "{"
+        stripped = self._pending.lstrip()
+        if len(stripped) < len(opening) and opening.startswith(stripped):
+            return ""  # blank, or what could still become the opening
+        self._decided = True
+        if stripped.startswith(opening):
+            self._in_calls, self._calls_text, self._pending = True, self._pending, ""
+            return ""
+        return self._take(len(self._pending))
 
     def _take(self, upto: int, keep: bool = True) -> str:
         out = self._pending[:upto]
@@ -399,7 +437,7 @@ class ToolCallStream:
         """(content not yet sent, the calls) at the end of the answer."""
         if not self._in_calls:
             return self._take(len(self._pending)), []
-        parsed = self.fmt.split(self._calls_text)
+        parsed = self.fmt.split(self._calls_text, self.answer_names)
         if parsed is None:
             return self._calls_text, []
         content, calls = parsed
