@@ -12,11 +12,13 @@ import httpx
 import pytest
 from router_fake_agent import MODEL, FakeAgent, model_info_from_dir, word_token_ids
 
+from engine.tokenizer import ChatTokenizer
 from registry.client import RegistryClient
 from registry.migrate import upgrade_to_head
 from registry.service import create_app
 from router.config import RouterConfig
 from router.server import Router
+from tests.engine.chat_checkpoints import write_template_tokenizer
 
 ADMIN_TOKEN = "admin-secret"
 ROUTER_TOKEN = "router-secret"
@@ -117,3 +119,15 @@ async def make_router(cluster):
 async def http():
     async with httpx.AsyncClient(timeout=20) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def template_tokenizer(tmp_path_factory):
+    """template name -> ChatTokenizer with that template's control tokens (trained once per module)."""
+    made: dict[str, ChatTokenizer] = {}
+
+    def get(name: str) -> ChatTokenizer:
+        if name not in made:
+            made[name] = ChatTokenizer.from_dir(write_template_tokenizer(tmp_path_factory.mktemp("tpl"), name))
+        return made[name]
+    return get

@@ -14,9 +14,8 @@ import json
 import pytest
 
 from engine.grammar import GrammarCompiler
-from engine.tokenizer import ChatTokenizer
 from router.tool_calls import FORMATS, ToolCallStream, tool_call_format
-from tests.engine.chat_checkpoints import TEMPLATES, write_template_tokenizer
+from tests.engine.chat_checkpoints import TEMPLATES
 
 EXPECTED = {
     "Qwen-Qwen2.5-7B-Instruct": "hermes", "Qwen-Qwen3-0.6B": "hermes",
@@ -47,18 +46,6 @@ CALL_TEXT = {
     "kimi_k2": '<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>'
                '{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>',
 }
-
-
-@pytest.fixture(scope="module")
-def template_tokenizer(tmp_path_factory):
-    """template name -> ChatTokenizer with that template's control tokens (trained once per module)."""
-    made: dict[str, ChatTokenizer] = {}
-
-    def get(name: str) -> ChatTokenizer:
-        if name not in made:
-            made[name] = ChatTokenizer.from_dir(write_template_tokenizer(tmp_path_factory.mktemp("tpl"), name))
-        return made[name]
-    return get
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

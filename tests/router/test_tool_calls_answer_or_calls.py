@@ -20,18 +20,17 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from engine.grammar import GrammarCompiler, json_schema_spec
+from engine.grammar import json_schema_spec
 from engine.tokenizer import ChatTokenizer
 from router.completions import request_grammar
 from router.model_assets import ModelAssets
 from router.openai_request import parse_request
 from router.reasoning import reasoning_format, with_reasoning
 from router.tool_calls import FORMATS, ToolCallStream, tool_call_format
-from tests.engine.chat_checkpoints import write_template_tokenizer
 from tests.router.test_router_reasoning_model import REASONING, _build_thinker
 from tests.router.test_router_structured import MODEL, model_dir, serving  # noqa: F401 (fixture)
 from tests.router.test_router_tool_calls import CALL_TEXT, EXPECTED
-from tests.router.test_tool_calls_strict_auto import ADD, NOTE, SCHEMA_OF, WEATHER, _two_calls
+from tests.router.test_tool_calls_strict_auto import ADD, NOTE, SCHEMA_OF, WEATHER, _accepts, _two_calls
 
 QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 # The agent's output type; `name` first, as a Llama 3 call's object begins.
@@ -39,25 +38,6 @@ REPORT = {"type": "object", "additionalProperties": False, "required": ["name", 
           "properties": {"name": {"type": "string", "maxLength": 6}, "sky": {"enum": ["sun", "rain", "snow"]}}}
 REPORT_FORMAT = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT, "strict": True}}
 ANSWER = '{"name": "Oslo", "sky": "snow"}'
-
-
-@pytest.fixture(scope="module")
-def template_tokenizer(tmp_path_factory):
-    made: dict[str, ChatTokenizer] = {}
-
-    def get(name: str) -> ChatTokenizer:
-        if name not in made:
-            made[name] = ChatTokenizer.from_dir(write_template_tokenizer(tmp_path_factory.mktemp("tpl"), name))
-        return made[name]
-    return get
-
-
-def _accepts(tokenizer: ChatTokenizer, spec, text: str) -> bool:
-    compiler = GrammarCompiler(tokenizer.tokenizer.to_str(), tokenizer.vocab_size,
-                               [tokenizer.token_to_id(tokenizer.eos_token)], num_threads=1)
-    matcher = compiler.matcher(spec)
-    return all(matcher.consume(t) for t in tokenizer.encode(text, add_special_tokens=False)) and \
-        matcher.matcher.is_accepting()
 
 
 def _assets(tokenizer: ChatTokenizer, **more) -> ModelAssets:

@@ -27,7 +27,7 @@ from router.model_assets import ModelAssets
 from router.openai_request import parse_request
 from router.reasoning import reasoning_format
 from router.tool_calls import FORMATS, tool_call_format
-from tests.engine.chat_checkpoints import CONTROL_TOKEN, template_text, train_tokenizer, write_template_tokenizer
+from tests.engine.chat_checkpoints import CONTROL_TOKEN, template_text, train_tokenizer
 from tests.router.test_router_structured import MODEL, model_dir, serving  # noqa: F401 (fixture)
 from tests.router.test_router_tool_calls import CALL_TEXT, EXPECTED
 
@@ -47,17 +47,6 @@ QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 def _loose(tool: dict) -> dict:
     return {"type": "function", "function": {k: v for k, v in tool["function"].items() if k != "strict"}}
-
-
-@pytest.fixture(scope="module")
-def template_tokenizer(tmp_path_factory):
-    made: dict[str, ChatTokenizer] = {}
-
-    def get(name: str) -> ChatTokenizer:
-        if name not in made:
-            made[name] = ChatTokenizer.from_dir(write_template_tokenizer(tmp_path_factory.mktemp("tpl"), name))
-        return made[name]
-    return get
 
 
 def _accepts(tokenizer: ChatTokenizer, spec, text: str) -> bool:
