@@ -17,13 +17,35 @@ router = APIRouter(prefix="/v1/router", tags=["router"], dependencies=[Depends(r
 
 @router.get("/snapshot")
 async def snapshot(request: Request, svc: RegistryService = Depends(registry)) -> Response:
-    """Every site with its latest capacity and liveness; 304 when If-None-Match holds the current ETag."""
-    rendered = await run_in_threadpool(svc.snapshots.get, request.headers.get("if-none-match"))
-    headers = {"ETag": rendered.etag, "Cache-Control": "no-cache"}
+    """Every site with its latest capacity and liveness; 304 when If-None-Match holds the current ETag.
+    Compressed (`Content-Encoding: deflate`) for a client that accepts it, as httpx does by default:
+    the body of a large fleet is mostly prefix-cache hashes, about half their size compressed."""
+    deflate = accepts_deflate(request.headers.get("accept-encoding"))
+    rendered = await run_in_threadpool(svc.snapshots.get, request.headers.get("if-none-match"), deflate)
+    headers = {"ETag": rendered.etag, "Cache-Control": "no-cache", "Vary": "Accept-Encoding"}
     svc.metrics.snapshot_requests.labels("304" if rendered.body is None else "200").inc()
     if rendered.body is None:
         return Response(status_code=304, headers=headers)
+    if rendered.encoding is not None:
+        headers["Content-Encoding"] = rendered.encoding
     return Response(rendered.body, media_type="application/json", headers=headers)
+
+
+def accepts_deflate(accept_encoding: str | None) -> bool:
+    """Whether an Accept-Encoding header accepts `deflate` (by name or `*`, with a q-value above 0)."""
+    accepted = {}
+    for item in (accept_encoding or "").split(","):
+        coding, _, params = item.partition(";")
+        q = 1.0
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0  # a malformed weight: not an acceptance
+        accepted[coding.strip().lower()] = q
+    return accepted.get("deflate", accepted.get("*", 0.0)) > 0.0
 
 
 @router.post("/api-keys/lookup")

@@ -7,6 +7,19 @@ re-read after a change re-encodes only the sites whose rows changed, and a heart
 process updates the data in place (`apply_capacity`) without reading anything. A render is string
 joins of those fragments plus each site's age.
 
+Compressed (`render_deflated`, for a router whose request accepts `deflate`). Heartbeats move the
+registry version with every group commit, so routers rarely hold the current ETag and each poll
+takes the whole body: 3.7 MB for 300 sites of which 60 report 2,000-4,000 prefix-cache hashes.
+Compressing that body per render costs 31 ms at zlib level 1 (a render costs 0.15 ms), and under
+heartbeat load nearly every poll renders. So each fragment is compressed once, on its own, when it
+is first served (`DeflatedFragments`, keyed by the fragment object, so a re-read keeps what did not
+change), and a render splices those raw deflate blocks with the few bytes that move with the clock
+(liveness, ages, separators) as stored blocks. That is valid deflate because every fragment starts
+from an empty history and ends byte-aligned (a sync flush); the zlib trailer's Adler-32 is combined
+from the fragments' own. Measured on that fleet: 2.14 MB (58%; the whole body at level 1: 54%, the
+hex hashes' information is 42%), 0.74 ms per render, and a fragment's compression is paid once per
+capacity row (a 3,000-hash tail: 0.5 ms).
+
 Back from an outage. Agents back off while the registry is away, so when it returns every
 heartbeat is stale at once; declaring every site dead then would stop every router. A site that was
 alive when the registry went away (its heartbeat within one TTL of the newest one the registry had
@@ -29,6 +42,8 @@ and whether the pool planner may move it; every reader of a site's role reads it
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from collections import Counter
 from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
@@ -54,7 +69,11 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 _ALIVE = b',"alive":true,"heartbeat_age_s":'
 _DEAD = b',"alive":false,"heartbeat_age_s":'
-_NEVER_REPORTED = b',"alive":false,"heartbeat_age_s":null,"capacity":null},'
+_NEVER_REPORTED = b',"alive":false,"heartbeat_age_s":null,"capacity":null}'
+_ZLIB_HEADER = b"\x78\x01"  # deflate, 32 KiB window, fastest level (RFC 1950)
+_FINAL_EMPTY_BLOCK = b"\x01\x00\x00\xff\xff"  # a last stored block of no bytes: ends the deflate data
+_MAX_STORED = 0xFFFF  # bytes in one stored block
+_ADLER_BASE = 65521
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +91,7 @@ class RegistryReturn:
 @dataclass(slots=True)
 class SnapshotSite:
     head: bytes  # the site's JSON object up to its live fields (no closing brace)
-    tail: bytes  # ',"capacity":<capacity JSON>},', or empty when the site has not reported
+    tail: bytes  # ',"capacity":<capacity JSON>}', or empty when the site has not reported
     seen_at: float | None  # the last heartbeat, or the registry's return for a site alive when it went away
     ttl_s: float
     state: str = "active"  # active | cordoned | draining (also in `head`; kept apart for the metrics)
@@ -91,24 +110,50 @@ class SnapshotData:
         return f"{self.db_version}.{bisect_right(self.deadlines, now)}"
 
     def render(self, now: float) -> bytes:
-        head = _dumps({"version": self.version_at(now), "generated_at": now})[:-1]
-        parts = [f'{head},"sites":['.encode()]
+        parts = [self._opening(now)]
         append = parts.append
         for site in self.sites:  # the one loop over every site per render: keep it to byte appends
             append(site.head)
             if site.seen_at is None:
                 append(_NEVER_REPORTED)
+            else:
+                age = now - site.seen_at
+                if age < 0.0:
+                    age = 0.0
+                append(_ALIVE if age <= site.ttl_s else _DEAD)
+                append(b"%.3f" % age)
+                append(site.tail)
+            append(b",")
+        if self.sites:
+            parts.pop()  # no comma after the last site
+        parts += [b'],"links":', self.links.encode(), b"}"]
+        return b"".join(parts)
+
+    def render_deflated(self, now: float, fragments: DeflatedFragments) -> bytes:
+        """`render(now)` as a zlib stream (HTTP `Content-Encoding: deflate`), from compressed fragments."""
+        out = _DeflateStream(fragments)
+        out.literal(self._opening(now))
+        for i, site in enumerate(self.sites):  # the same bytes as render(), in the same order
+            if i:
+                out.literal(b",")
+            out.fragment(site.head)
+            if site.seen_at is None:
+                out.literal(_NEVER_REPORTED)
                 continue
             age = now - site.seen_at
             if age < 0.0:
                 age = 0.0
-            append(_ALIVE if age <= site.ttl_s else _DEAD)
-            append(b"%.3f" % age)
-            append(site.tail)
-        if self.sites:
-            parts[-1] = parts[-1][:-1]  # no comma after the last site
-        parts += [b'],"links":', self.links.encode(), b"}"]
-        return b"".join(parts)
+            out.literal(_ALIVE if age <= site.ttl_s else _DEAD)
+            out.literal(b"%.3f" % age)
+            out.fragment(site.tail)
+        out.literal(b'],"links":')
+        out.fragment(self.links)
+        out.literal(b"}")
+        return out.finish()
+
+    def _opening(self, now: float) -> bytes:
+        head = _dumps({"version": self.version_at(now), "generated_at": now})[:-1]
+        return f'{head},"sites":['.encode()
 
     def apply_capacity(self, db_version: int, rows: list[dict]) -> bool:
         """Moves the data to `db_version` = this version plus these capacity upserts (one heartbeat
@@ -244,7 +289,7 @@ def capacity_json(cap: dict) -> str:
 
 
 def _tail(capacity: str) -> bytes:
-    return f',"capacity":{capacity}}},'.encode()
+    return f',"capacity":{capacity}}}'.encode()
 
 
 def _served_json(model: str, role: str, kv_bytes_per_token: int | None, kv_format: str | None) -> dict:
@@ -266,3 +311,88 @@ def _head_json(row, models: list[tuple]) -> bytes:
         "active_role": active_role, "active_role_since": row[11],
         "models": [_served_json(*served) for served in models], "role_offer": offer.to_json(),
     })[:-1].encode()
+
+
+@dataclass(slots=True, frozen=True)
+class DeflatedFragment:
+    """One fragment compressed on its own: raw deflate blocks from an empty history, ending byte-aligned
+    and not final, so they splice anywhere in a deflate stream; with the fragment's Adler-32 and length."""
+
+    blocks: bytes
+    adler: int
+    size: int
+
+
+class DeflatedFragments:
+    """Each fragment (a site's head or tail, the links) compressed once, kept while renders use it.
+
+    Keyed by the fragment object itself: the reader and `apply_capacity` keep one bytes object per
+    unchanged row, whose hash Python computes once, so a lookup costs no pass over the bytes."""
+
+    def __init__(self, level: int = 1) -> None:
+        self._level = level
+        self._kept: dict[bytes | str, DeflatedFragment] = {}
+        self._used: dict[bytes | str, DeflatedFragment] = {}
+
+    def get(self, fragment: bytes | str) -> DeflatedFragment:
+        found = self._used.get(fragment) or self._kept.get(fragment)
+        if found is None:
+            found = self._deflate(fragment.encode() if isinstance(fragment, str) else fragment)
+        self._used[fragment] = found
+        return found
+
+    def end_render(self) -> None:
+        """Forgets the fragments the render just finished did not use (rows that changed or went away)."""
+        self._kept, self._used = self._used, {}
+
+    def _deflate(self, data: bytes) -> DeflatedFragment:
+        compressor = zlib.compressobj(self._level, zlib.DEFLATED, -zlib.MAX_WBITS)
+        return DeflatedFragment(compressor.compress(data) + compressor.flush(zlib.Z_SYNC_FLUSH),
+                                zlib.adler32(data), len(data))
+
+
+class _DeflateStream:
+    """A zlib stream assembled from compressed fragments and literal bytes (sent as stored blocks)."""
+
+    def __init__(self, fragments: DeflatedFragments) -> None:
+        self._fragments = fragments
+        self._parts = [_ZLIB_HEADER]
+        self._literals: list[bytes] = []
+        self._adler = 1  # Adler-32 of no bytes
+
+    def literal(self, data: bytes) -> None:
+        self._literals.append(data)
+
+    def fragment(self, fragment: bytes | str) -> None:
+        if not fragment:
+            return
+        self._flush_literals()
+        deflated = self._fragments.get(fragment)
+        self._parts.append(deflated.blocks)
+        self._adler = adler32_combine(self._adler, deflated.adler, deflated.size)
+
+    def finish(self) -> bytes:
+        self._flush_literals()
+        self._fragments.end_render()
+        self._parts += [_FINAL_EMPTY_BLOCK, struct.pack(">I", self._adler)]
+        return b"".join(self._parts)
+
+    def _flush_literals(self) -> None:
+        if not self._literals:
+            return
+        data = b"".join(self._literals)
+        self._literals.clear()
+        self._adler = zlib.adler32(data, self._adler)
+        for start in range(0, len(data), _MAX_STORED):
+            chunk = data[start:start + _MAX_STORED]
+            # A stored block, not final: its 3 header bits pad to one zero byte (the stream is byte-aligned here).
+            self._parts += [b"\x00", struct.pack("<HH", len(chunk), len(chunk) ^ 0xFFFF), chunk]
+
+
+def adler32_combine(adler1: int, adler2: int, len2: int) -> int:
+    """The Adler-32 of A + B from A's, B's and B's length (zlib's adler32_combine, which Python does not expose)."""
+    rem = len2 % _ADLER_BASE
+    low1, high1 = adler1 & 0xFFFF, adler1 >> 16
+    low = (low1 + (adler2 & 0xFFFF) + _ADLER_BASE - 1) % _ADLER_BASE
+    high = (rem * low1 + high1 + (adler2 >> 16) + _ADLER_BASE - rem) % _ADLER_BASE
+    return low | (high << 16)

@@ -3,7 +3,9 @@ and then only re-encoded where they changed; a version moved by this process's o
 commits is reached by applying those commits instead of reading at all (any other change, on this
 replica or another, is read from the database: the version counter there is the reference). The
 body is re-rendered at most every `max_body_age_s` (or when liveness flips), and a router whose
-ETag is current gets a 304 without any rendering.
+ETag is current gets a 304 without any rendering. A router that accepts `deflate` gets the body as a
+zlib stream spliced from fragments compressed once each (registry/snapshot.py), cached the same way;
+both encodings of one version carry the same ETag (the answer varies by Accept-Encoding).
 
 The first read after start, and the first after the database was lost, marks the registry's return
 (`RegistryReturn`, see registry/snapshot.py): sites alive when it went away get one liveness window.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from registry.snapshot import RegistryReturn, SnapshotData, SnapshotReader, read_db_version
+from registry.snapshot import DeflatedFragments, RegistryReturn, SnapshotData, SnapshotReader, read_db_version
 
 MAX_PENDING_COMMITS = 1000  # beyond this many unapplied commits, a re-read is cheaper anyway
 
@@ -29,6 +31,14 @@ MAX_PENDING_COMMITS = 1000  # beyond this many unapplied commits, a re-read is c
 class RenderedSnapshot:
     etag: str
     body: bytes | None  # None: the caller's ETag is current
+    encoding: str | None = None  # "deflate": `body` is a zlib stream of the JSON; None: the JSON itself
+
+
+@dataclass(slots=True)
+class _Body:
+    version: str
+    rendered_at: float
+    body: bytes
 
 
 class SnapshotCache:
@@ -41,7 +51,8 @@ class SnapshotCache:
         self._lock = threading.Lock()  # one rebuild at a time; concurrent callers reuse its result
         self._reader = SnapshotReader()
         self._data: SnapshotData | None = None
-        self._body: tuple[str, float, bytes] | None = None  # (version, rendered_at, body)
+        self._bodies: dict[str | None, _Body] = {}  # by encoding (None: plain JSON)
+        self._fragments = DeflatedFragments()
         self._commits_lock = threading.Lock()
         self._commits: dict[int, list[dict]] = {}  # registry version -> capacity rows that commit wrote
         self._returned: RegistryReturn | None = None  # None until the first read (and after losing the database)
@@ -54,7 +65,8 @@ class SnapshotCache:
                 self._commits.clear()
             self._commits[db_version] = rows
 
-    def get(self, if_none_match: str | None = None) -> RenderedSnapshot:
+    def get(self, if_none_match: str | None = None, deflate: bool = False) -> RenderedSnapshot:
+        """The current snapshot (`deflate`: as a zlib stream), or no body when `if_none_match` holds its ETag."""
         num_catch_ups = self._num_catch_ups
         try:
             db_version = read_db_version(self._engine)
@@ -65,18 +77,23 @@ class SnapshotCache:
         with self._lock:
             if self._stale(db_version, num_catch_ups):
                 self._catch_up(db_version)
-                self._body = None
-            data = self._data
+                self._bodies.clear()
             now = self._clock()
-            version = data.version_at(now)
+            version = self._data.version_at(now)
             etag = f'"{version}"'
             if if_none_match is not None and etag in _etags(if_none_match):
                 return RenderedSnapshot(etag, None)
-            if self._body is None or self._body[0] != version or now - self._body[1] > self._max_body_age_s:
-                started = time.perf_counter()
-                self._body = (version, now, data.render(now))
-                self._observe("render", started)
-            return RenderedSnapshot(etag, self._body[2])
+            encoding = "deflate" if deflate else None
+            return RenderedSnapshot(etag, self._body(encoding, version, now), encoding)
+
+    def _body(self, encoding: str | None, version: str, now: float) -> bytes:
+        body = self._bodies.get(encoding)
+        if body is None or body.version != version or now - body.rendered_at > self._max_body_age_s:
+            started = time.perf_counter()
+            rendered = self._data.render_deflated(now, self._fragments) if encoding else self._data.render(now)
+            body = self._bodies[encoding] = _Body(version, now, rendered)
+            self._observe(f"render_{encoding}" if encoding else "render", started)
+        return body.body
 
     def _stale(self, db_version: int, num_catch_ups: int) -> bool:
         """Whether the data must be brought to `db_version`, which this caller read before it waited
