@@ -23,6 +23,7 @@ from registry.tables import ApiKeyRow, SiteTokenRow
 API_KEYS = ApiKeyRow.__table__
 SITE_TOKENS = SiteTokenRow.__table__
 MAX_TOKENS_PER_QUERY = 1000
+KEY_PREFIX_CHARS = 10
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,7 +83,7 @@ class AccessStore:
         now = self._clock()
         with self._write.begin() as conn:
             new_id = conn.execute(insert(API_KEYS).values(
-                name=spec.name, key_hash=hash_secret(secret), key_prefix=secret[:10],
+                name=spec.name, key_hash=hash_secret(secret), key_prefix=key_prefix(secret),
                 allowed_regions=json.dumps(spec.allowed_regions), requests_per_minute=spec.requests_per_minute,
                 tokens_per_minute=spec.tokens_per_minute, revoked=False, created_at=now,
             )).inserted_primary_key[0]
@@ -130,6 +131,13 @@ class AccessStore:
         if row is None or row.revoked:
             return None
         return _api_key(row)
+
+
+def key_prefix(secret: str) -> str:
+    """What the admin API shows of a key so operators recognise it: its first 10 characters, or a
+    quarter of it when shorter. An imported key may be as short as 16 characters, and 10 of those
+    would leave too little of it secret."""
+    return secret[:min(KEY_PREFIX_CHARS, len(secret) // 4)]
 
 
 def _api_key(row) -> ApiKey:

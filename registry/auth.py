@@ -1,5 +1,6 @@
 """Who may call what: the admin, router and (optional) metrics tokens given at start-up, and
-per-site agent tokens. The metrics token only scrapes `/metrics` (the admin token may too).
+per-site agent tokens. The metrics token only scrapes `/metrics` (the admin token may too). The
+tokens given at start-up must differ, or one role's token would carry another's rights.
 
 Missing or unknown tokens get 401; a valid token of the wrong kind gets 403. Site tokens are
 cached for a few seconds so a heartbeat costs no database read; a token revoked on another
@@ -32,6 +33,7 @@ class Authenticator:
     def __init__(self, access: AccessStore, admin_token: str, router_token: str, metrics_token: str | None = None) -> None:
         if not admin_token or not router_token:
             raise ValueError("the registry needs both an admin token and a router token")
+        check_distinct_tokens(admin_token, router_token, metrics_token or None)
         self._access = access
         self._admin_token = admin_token
         self._router_token = router_token
@@ -157,6 +159,17 @@ class Authenticator:
         if known:
             raise ApiError(403, f"this token cannot use {api}", "wrong_token_kind")
         raise ApiError(401, "invalid bearer token", "invalid_token", {"WWW-Authenticate": "Bearer"})
+
+
+def check_distinct_tokens(admin_token: str, router_token: str, metrics_token: str | None) -> None:
+    """A token given to two roles would carry both roles' rights wherever it is kept (a router's
+    config, Prometheus'), so each role needs its own."""
+    named = [("admin", admin_token), ("router", router_token), ("metrics", metrics_token)]
+    for index, (role, token) in enumerate(named):
+        for other, other_token in named[index + 1:]:
+            if token is not None and other_token is not None and same_secret(token, other_token):
+                raise ValueError(f"the {role} token and the {other} token must differ: "
+                                 f"each role needs a token of its own")
 
 
 def _retrieve(future: asyncio.Future) -> None:

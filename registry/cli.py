@@ -66,6 +66,7 @@ def run_migrate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from registry.auth import check_distinct_tokens
     from registry.http_head import HeadLimitedHttp
     from registry.service import create_app
 
@@ -73,6 +74,11 @@ def run_serve(args: argparse.Namespace) -> int:
                if not value]
     if missing:
         log.error("missing %s (or EDGEFIRE_ADMIN_TOKEN / EDGEFIRE_ROUTER_TOKEN)", " and ".join(missing))
+        return 2
+    try:
+        check_distinct_tokens(args.admin_token, args.router_token, args.metrics_token or None)
+    except ValueError as exc:
+        log.error("%s", exc)
         return 2
     if args.workers < 1:
         log.error("--workers must be at least 1")

@@ -162,8 +162,9 @@ class _Answered:
 async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
                     answered: _Answered | None = None, context: trace.TraceContext | None = None) -> Response:
     headers = Headers(scope=scope)
-    body = await _read_body(headers, receive, router.config.max_body_bytes)
+    # The key first: a caller without one gets its 401 before the router reads (up to max_body_bytes of) its body.
     api_key = await router.authenticate(headers.get("authorization"))
+    body = await _read_body(headers, receive, router.config.max_body_bytes)
     request = parse_request(parse_json(body), chat)
     if answered is not None:
         answered.model = request.model

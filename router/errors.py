@@ -23,9 +23,10 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> dict[str, str]:
+        challenge = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}  # RFC 9110: every 401 names its scheme
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return challenge
+        return {**challenge, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -49,11 +49,14 @@ async def assert_head_limits(port: int) -> None:
     assert (await exchange(port, [HEAD + b"\r\n"])).startswith(b"HTTP/1.1 200 ")
 
 
-async def assert_body_deadline(port: int, path: str) -> None:
+async def assert_body_deadline(port: int, path: str, authorization: bytes | None = None) -> None:
     """A body shorter than its Content-Length, and one trickled a byte at a time, are refused with 408
     once the caller's shortened HeadLimitedHttp.body_timeout_s (0.5 s) has passed (both held their
-    connection for ever), a body sent in time is answered, and the service still answers afterwards."""
-    head = b"POST %s HTTP/1.1\r\nHost: edgefire\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" % path
+    connection for ever), a body sent in time is answered, and the service still answers afterwards.
+    `authorization`: the header's value, where the service checks it before reading a body."""
+    auth = b"Authorization: %s\r\n" % authorization if authorization else b""
+    head = (b"POST %s HTTP/1.1\r\nHost: edgefire\r\nContent-Type: application/json\r\n%sContent-Length: 100\r\n\r\n"
+            % (path, auth))
     short = await exchange(port, [head + b'{"model":'], timeout_s=5.0)
     assert short.startswith(b"HTTP/1.1 408 ") and b"request body not complete within 0.5 s" in short, short
     trickled = await exchange(port, [head] + [b" "] * 99, pause_s=0.1, timeout_s=5.0)
