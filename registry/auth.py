@@ -2,7 +2,9 @@
 per-site agent tokens. The metrics token only scrapes `/metrics` (the admin token may too). The
 tokens given at start-up must differ, or one role's token would carry another's rights.
 
-Missing or unknown tokens get 401; a valid token of the wrong kind gets 403. Site tokens are
+Missing or unknown tokens get 401, and so does a request with two Authorization headers, whichever
+holds the token: which one a hop in between added is not knowable (the agents refuse two
+`authorization` metadata entries alike). A valid token of the wrong kind gets 403. Site tokens are
 cached for a few seconds so a heartbeat costs no database read; a token revoked on another
 registry replica therefore stops working within SITE_TOKEN_CACHE_S (at once on this one). A token
 used in the last SITE_TOKEN_REFRESH_S of its cache entry is re-checked in the background, many in
@@ -70,7 +72,7 @@ class Authenticator:
             await self._refuse(token, "the router API")
 
     async def site(self, request: Request) -> SiteIdentity:
-        return await self.site_for_header(request.headers.get("authorization"))
+        return await self.site_for_header(authorization_header(request.scope["headers"]))
 
     async def site_for_header(self, authorization: str | None) -> SiteIdentity:
         """`site` for a raw Authorization header value (the heartbeat fast path has no Request)."""
@@ -179,8 +181,22 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
+def authorization_header(raw_headers) -> str | None:
+    """The one Authorization header's value in ASGI raw headers (lowercase names), None when absent;
+    401 when it is sent more than once. One pass, and nothing allocated beyond the value's text,
+    since the heartbeat fast path calls this on every heartbeat."""
+    found = None
+    for name, value in raw_headers:
+        if name == b"authorization":
+            if found is not None:
+                raise ApiError(401, "send one 'Authorization: Bearer <token>' header, not several",
+                               "repeated_authorization", {"WWW-Authenticate": "Bearer"})
+            found = value
+    return None if found is None else found.decode("latin-1")
+
+
 def _bearer(request: Request) -> str:
-    return _token(request.headers.get("authorization"))
+    return _token(authorization_header(request.scope["headers"]))
 
 
 def _token(header: str | None) -> str:

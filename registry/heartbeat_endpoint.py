@@ -17,6 +17,7 @@ from starlette.responses import PlainTextResponse
 
 from registry import http_errors
 from registry.app_state import RegistryService
+from registry.auth import authorization_header
 from registry.body_limit import read_messages, refuse
 from registry.routes_agent import store_heartbeat
 
@@ -39,7 +40,7 @@ async def serve(service: RegistryService, max_bytes: int, scope, receive, send) 
         return  # the client went away before sending its whole body
     body = b"".join([message.get("body", b"") for message in messages])
     try:
-        reply = await store_heartbeat(service, _authorization(scope), body)
+        reply = await store_heartbeat(service, authorization_header(scope["headers"]), body)
     except Exception as exc:
         await _error(scope, receive, send, exc)
         return
@@ -56,10 +57,3 @@ async def _error(scope, receive, send, exc: Exception) -> None:
         log.exception("heartbeat failed")
         response = PlainTextResponse("Internal Server Error", status_code=500)
     await response(scope, receive, send)
-
-
-def _authorization(scope) -> str | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return value.decode("latin-1")
-    return None

@@ -15,6 +15,7 @@ from sqlalchemy.exc import OperationalError
 from registry.access import SiteIdentity
 from registry.api_models import LinksBody, RegistrationBody
 from registry.app_state import CredentialFirstRoute, RegistryService, registry, site_caller
+from registry.auth import authorization_header
 from registry.errors import InvalidInput
 from registry.http_errors import ApiError, validation_problem
 from registry.telemetry import HeartbeatWrite, capacity_row
@@ -52,7 +53,8 @@ async def heartbeat(request: Request) -> Response:
     Served by registry.heartbeat_endpoint in front of FastAPI; this route documents the endpoint
     and serves paths the fast path leaves to FastAPI (it answers the same way).
     """
-    reply = await store_heartbeat(request.app.state.registry, request.headers.get("authorization"), await request.body())
+    reply = await store_heartbeat(request.app.state.registry, authorization_header(request.scope["headers"]),
+                                  await request.body())
     return Response(reply, media_type="application/json")
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from registry.client import RegistryError
-from router.errors import bad_api_key, no_capacity
+from router.errors import ApiError, bad_api_key, no_capacity
 
 log = logging.getLogger(__name__)
 NEGATIVE_TTL_S = 5.0
@@ -135,6 +135,21 @@ class ApiKeyCache:
 def parse_api_key(record: dict) -> ApiKey:
     return ApiKey(record["id"], record.get("name", ""), frozenset(record.get("allowed_regions") or ()),
                   record.get("requests_per_minute"), record.get("tokens_per_minute"))
+
+
+def authorization_header(raw_headers) -> str | None:
+    """The one Authorization header's value in ASGI raw headers (lowercase names), None when absent.
+    Sent more than once it is refused (401) whichever copy holds the key: which one a hop in between
+    added is not knowable (the registry and the agents refuse it alike). One pass, and nothing
+    allocated beyond the value's text, since every completion request comes through here."""
+    found = None
+    for name, value in raw_headers:
+        if name == b"authorization":
+            if found is not None:
+                raise ApiError(401, "The request has more than one Authorization header; send one "
+                                    "`Authorization: Bearer <key>`.", "invalid_request_error", None, "invalid_api_key")
+            found = value
+    return None if found is None else found.decode("latin-1")
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from node_agent import trace
+from router.api_keys import authorization_header
 from router.completions import Choices, CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, not_in_regions, too_large, unknown_model
 from router.generation import AgentRejected, GenerationFailed
@@ -76,7 +77,7 @@ def create_app(router: Router) -> FastAPI:
         return await _complete(router, _new_request_id(request), request.scope, request.receive, chat=False)
 
     async def models(request: Request) -> Response:
-        api_key = await router.authenticate(request.headers.get("authorization"))
+        api_key = await router.authenticate(authorization_header(request.scope["headers"]))
         snapshot = router.feed.current()
         served = servable_models(snapshot, router.service.cost, api_key.allowed_regions)
         data = await asyncio.gather(*(_model_card(router, m, snapshot) for m in served))
@@ -85,7 +86,7 @@ def create_app(router: Router) -> FastAPI:
     async def model(request: Request, model: str) -> Response:
         """One model's card (the SDK's `models.retrieve`); 404 for a model /v1/models does not list, 403 for
         one served only outside the key's regions."""
-        api_key = await router.authenticate(request.headers.get("authorization"))
+        api_key = await router.authenticate(authorization_header(request.scope["headers"]))
         snapshot = router.feed.current()
         available = model_availability(snapshot, router.service.cost, model, api_key.allowed_regions)
         if available.outside_regions:
@@ -163,7 +164,7 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
                     answered: _Answered | None = None, context: trace.TraceContext | None = None) -> Response:
     headers = Headers(scope=scope)
     # The key first: a caller without one gets its 401 before the router reads (up to max_body_bytes of) its body.
-    api_key = await router.authenticate(headers.get("authorization"))
+    api_key = await router.authenticate(authorization_header(scope["headers"]))
     body = await _read_body(headers, receive, router.config.max_body_bytes)
     request = parse_request(parse_json(body), chat)
     if answered is not None:

@@ -87,6 +87,22 @@ async def test_malformed_headers_are_401_before_the_site_or_body_is_looked_at(ra
         assert ADMIN_TOKEN not in response.text
 
 
+async def test_two_authorization_headers_are_401_on_every_route_whichever_holds_the_token(app, raw, tokens):
+    """Which of two headers a hop in between added is not knowable, so neither is trusted (as the
+    agents refuse two `authorization` entries); the heartbeat fast path reads its header itself."""
+    calls = guarded_calls(app)
+    assert ("POST", "/v1/agent/heartbeat", "site") in calls
+    for method, path, owner in calls:
+        right = f"Bearer {tokens[owner]}"
+        for pair in ([right, right], [right, "Bearer wrong"], ["Bearer wrong", right]):
+            response = await raw.request(method, path, json={}, headers=[("Authorization", value) for value in pair])
+            assert response.status_code == 401, (method, path, pair, response.text)
+            assert response.headers["www-authenticate"] == "Bearer"
+            error = response.json()["error"]
+            assert error["code"] == "repeated_authorization" and "send one" in error["message"], (path, error)
+            assert tokens[owner] not in response.text
+
+
 async def test_the_scheme_is_case_insensitive_and_the_token_trimmed(raw, tokens):
     for authorization in (f"bearer {ADMIN_TOKEN}", f"BEARER {ADMIN_TOKEN}", f"Bearer   {ADMIN_TOKEN}"):
         assert (await raw.get("/v1/admin/sites", headers={"Authorization": authorization})).status_code == 200

@@ -58,6 +58,20 @@ async def test_malformed_headers_are_refused(served, http, authorization):
     assert_refused(response, authorization)
 
 
+async def test_two_authorization_headers_are_refused_whichever_holds_the_key(served, http):
+    """Which of two headers a hop in between added is not knowable, so neither is trusted (as the
+    registry and the agents refuse them); the completion routes read the header in front of FastAPI."""
+    url, key, credentials = served
+    for method, path, body in CALLS:
+        for pair in ([key, key], [key, credentials["unknown"]], [credentials["unknown"], key]):
+            headers = [("Authorization", f"Bearer {value}") for value in pair]
+            response = await http.request(method, url + path, json=body, headers=headers)
+            assert_refused(response, (path, pair))
+            if method != "HEAD":
+                assert "more than one Authorization header" in response.json()["error"]["message"], path
+            assert key not in response.text
+
+
 async def test_the_scheme_is_case_insensitive_and_the_key_trimmed(served, http):
     url, key, _credentials = served
     for authorization in (f"bearer {key}", f"BEARER {key}", f"Bearer  {key}"):
