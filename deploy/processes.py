@@ -8,14 +8,17 @@ process group with it. Pid files let the next launcher clean up after one that c
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,10 +171,12 @@ def free_port(host: str = "127.0.0.1", taken: Collection[int] = ()) -> int:
     client, another cluster starting beside this one) can take a port between this check and the bind."""
     low, _high = _ephemeral_range()
     if low - FIXED_PORTS_FLOOR >= 1000:
-        for _ in range(100):
-            port = random.randrange(FIXED_PORTS_FLOOR, low)
-            if port not in taken and port_free(host, port):
-                return port
+        with _reservations() as reserved:
+            for _ in range(100):
+                port = random.randrange(FIXED_PORTS_FLOOR, low)
+                if port not in taken and port not in reserved and port_free(host, port):
+                    reserved[port] = time.time()
+                    return port
     while True:
         with socket.socket() as sock:
             sock.bind((host, 0))
@@ -181,6 +186,40 @@ def free_port(host: str = "127.0.0.1", taken: Collection[int] = ()) -> int:
 
 
 FIXED_PORTS_FLOOR = 20000   # below this, well-known and registered services
+# Ports handed out by any launcher on this machine lately: two clusters starting side by side (tests, or
+# two `edgefire up`) could otherwise both find one port free and both hand it out before either binds it.
+PORT_RESERVATIONS = Path(tempfile.gettempdir()) / "edgefire-port-reservations"
+RESERVATION_S = 120.0       # far longer than a cluster takes to bind what it picked
+
+
+@contextmanager
+def _reservations() -> Iterator[dict[int, float]]:
+    """The ports other launchers handed out within RESERVATION_S (port -> when), under a machine-wide lock;
+    what the caller adds is kept for the next. An unusable file (another user's, a read-only /tmp) only
+    loses the protection."""
+    try:
+        file = open(PORT_RESERVATIONS, "a+")
+    except OSError:
+        yield {}
+        return
+    with file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        now = time.time()
+        reserved = {}
+        for line in file:
+            fields = line.split()
+            if len(fields) == 2 and fields[0].isdigit():
+                try:
+                    at = float(fields[1])
+                except ValueError:
+                    continue
+                if now - at < RESERVATION_S:
+                    reserved[int(fields[0])] = at
+        yield reserved
+        file.seek(0)
+        file.truncate()
+        file.writelines(f"{port} {at:.3f}\n" for port, at in reserved.items())
 
 
 def _ephemeral_range() -> tuple[int, int]:
