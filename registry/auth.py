@@ -23,6 +23,7 @@ from starlette.requests import Request
 from registry.access import AccessStore, SiteIdentity
 from registry.credentials import same_secret
 from registry.http_errors import ApiError
+from registry.http_head import RepeatedHeader, single_header
 
 SITE_TOKEN_CACHE_S = 5.0
 SITE_TOKEN_REFRESH_S = 1.5
@@ -185,14 +186,11 @@ def authorization_header(raw_headers) -> str | None:
     """The one Authorization header's value in ASGI raw headers (lowercase names), None when absent;
     401 when it is sent more than once. One pass, and nothing allocated beyond the value's text,
     since the heartbeat fast path calls this on every heartbeat."""
-    found = None
-    for name, value in raw_headers:
-        if name == b"authorization":
-            if found is not None:
-                raise ApiError(401, "send one 'Authorization: Bearer <token>' header, not several",
-                               "repeated_authorization", {"WWW-Authenticate": "Bearer"})
-            found = value
-    return None if found is None else found.decode("latin-1")
+    try:
+        return single_header(raw_headers, b"authorization")
+    except RepeatedHeader:
+        raise ApiError(401, "send one 'Authorization: Bearer <token>' header, not several",
+                       "repeated_authorization", {"WWW-Authenticate": "Bearer"}) from None
 
 
 def _bearer(request: Request) -> str:

@@ -184,3 +184,20 @@ class HeadLimitedHttp(HttpToolsProtocol):
             self.loop.call_later(LINGER_S, self.transport.close)  # meanwhile data_received drops what arrives
         else:
             self.transport.close()
+
+
+class RepeatedHeader(ValueError):
+    """A header that must come once was sent more than once."""
+
+
+def single_header(raw_headers, name: bytes) -> str | None:
+    """The value of header `name` (lowercase) in ASGI raw headers, None when absent; RepeatedHeader when
+    it is sent more than once (which copy a hop in between added is not knowable). One pass, nothing
+    allocated beyond the value's text: the heartbeat and completion endpoints call it per request."""
+    found = None
+    for key, value in raw_headers:
+        if key == name:
+            if found is not None:
+                raise RepeatedHeader(name.decode("latin-1"))
+            found = value
+    return None if found is None else found.decode("latin-1")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from registry.client import RegistryError
+from registry.http_head import RepeatedHeader, single_header
 from router.errors import ApiError, bad_api_key, no_capacity
 
 log = logging.getLogger(__name__)
@@ -142,14 +143,11 @@ def authorization_header(raw_headers) -> str | None:
     Sent more than once it is refused (401) whichever copy holds the key: which one a hop in between
     added is not knowable (the registry and the agents refuse it alike). One pass, and nothing
     allocated beyond the value's text, since every completion request comes through here."""
-    found = None
-    for name, value in raw_headers:
-        if name == b"authorization":
-            if found is not None:
-                raise ApiError(401, "The request has more than one Authorization header; send one "
-                                    "`Authorization: Bearer <key>`.", "invalid_request_error", None, "invalid_api_key")
-            found = value
-    return None if found is None else found.decode("latin-1")
+    try:
+        return single_header(raw_headers, b"authorization")
+    except RepeatedHeader:
+        raise ApiError(401, "The request has more than one Authorization header; send one "
+                            "`Authorization: Bearer <key>`.", "invalid_request_error", None, "invalid_api_key") from None
 
 
 def bearer_token(authorization: str | None) -> str | None:

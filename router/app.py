@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from node_agent import trace
+from registry.http_head import RepeatedHeader, single_header
 from router.api_keys import authorization_header
 from router.completions import Choices, CompletionRun, RequestContext
 from router.errors import ApiError, error_body, internal_error, not_in_regions, too_large, unknown_model
@@ -258,8 +259,10 @@ def _client_trace(scope) -> trace.TraceContext:
 def _single_header(scope, name: bytes) -> str | None:
     """The header's value when it is sent once; None when absent or repeated (W3C trace context: more
     than one `traceparent` is invalid, and the trace restarts)."""
-    values = [value for key, value in scope["headers"] if key == name]
-    return values[0].decode("latin-1") if len(values) == 1 else None
+    try:
+        return single_header(scope["headers"], name)
+    except RepeatedHeader:
+        return None
 
 
 def _request_id() -> str:
