@@ -56,7 +56,6 @@ import llguidance
 
 from engine.grammar import GrammarSpec, lark_json
 from engine.tokenizer import ChatTokenizer
-from router.reasoning import reasoning_first
 
 NO_PARSER = "none"
 _DECODER = json.JSONDecoder()
@@ -180,18 +179,15 @@ class ToolCallFormat:
         rules = self._calls_rules(tools, parallel and self.parallel, lit)
         return GrammarSpec("lark", "\n".join([f"start: {lit(self.marker)} calls", *rules]))
 
-    def auto_grammar(self, tools: list[dict], parallel: bool, tokenizer: ChatTokenizer,
-                     thinking: tuple[int, int] | None = None) -> GrammarSpec:
+    def auto_grammar(self, tools: list[dict], parallel: bool, tokenizer: ChatTokenizer) -> GrammarSpec:
         """Lark for `tool_choice: auto` with strict tools: free text, or (from the format's marker on, text
         before it kept) calls of these tools, to the end of the answer. Arguments follow the function's
         schema where the tool is `strict`, and are any JSON object where it is not. Free text cannot hold
         the marker without a call that parses following it, so whatever the parser takes for calls parses.
-        `thinking`: the (start, end) token ids of a reasoning block the model may open first (Qwen3 opens
-        its own): free text inside, then the answer."""
+        A reasoning model's block goes in front as for any grammar (router.reasoning.with_reasoning)."""
         lit = _Literals(tokenizer)
         rules = [*self._free_text_rules(lit), *self._calls_rules(_as_enforced(tools), parallel and self.parallel, lit)]
-        spec = GrammarSpec("lark", "\n".join(rules))
-        return spec if thinking is None else reasoning_first(spec, *thinking)
+        return GrammarSpec("lark", "\n".join(rules))
 
     def answer_or_calls_grammar(self, answer: GrammarSpec, tools: list[dict], parallel: bool,
                                 tokenizer: ChatTokenizer) -> GrammarSpec:

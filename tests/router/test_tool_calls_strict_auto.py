@@ -25,7 +25,7 @@ from router.completions import request_grammar
 from router.errors import ApiError
 from router.model_assets import ModelAssets
 from router.openai_request import parse_request
-from router.reasoning import reasoning_format
+from router.reasoning import reasoning_first, reasoning_format
 from router.tool_calls import FORMATS, tool_call_format
 from tests.engine.chat_checkpoints import CONTROL_TOKEN, template_text, train_tokenizer
 from tests.router.test_router_structured import MODEL, model_dir, serving  # noqa: F401 (fixture)
@@ -130,7 +130,8 @@ def test_a_model_that_opens_its_own_reasoning_may_think_first(template_tokenizer
     """Qwen3 writes `<think>` itself: the reasoning block is free, then the answer is text or strict calls."""
     tokenizer = template_tokenizer("Qwen-Qwen3-0.6B")
     reasoning = reasoning_format(tokenizer)
-    spec = tool_call_format(tokenizer).auto_grammar([ADD], True, tokenizer, (reasoning.start_id, reasoning.end_id))
+    spec = reasoning_first(tool_call_format(tokenizer).auto_grammar([ADD], True, tokenizer), reasoning.start_id,
+                           reasoning.end_id)
     thought = "<think>\nThe user wants a sum; I have a tool for that.\n</think>\n\n"
     assert _accepts(tokenizer, spec, thought + CALL_TEXT["hermes"])
     assert _accepts(tokenizer, spec, thought + "It is 3.")
