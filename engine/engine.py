@@ -149,6 +149,7 @@ class EngineStats:
     steps: StepTotals = field(default_factory=StepTotals)  # running totals since start
     num_kv_blocks_from_compression: int = 0   # KV blocks paid for by compressed_in_memory's savings
     num_gpus: int = 0                    # GPUs the engine's ranks run on (0: CPU)
+    gpu_indices: tuple[int, ...] = ()    # their device indices, as placed (a site counts shared ones once)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -767,8 +768,15 @@ class LLMEngine:
         hashes = self.block_manager.cached_hashes(max_hashes)
         return {"block_size": self.config.block_size, "hashes": [f"{h:016x}" for h in hashes]}
 
+    def gpu_indices(self) -> tuple[int, ...]:
+        """The GPUs this engine's ranks run on: a parallel engine's where its executor placed them, a single
+        rank's its device (a bare "cuda" is cuda:0, the current device of this process); none on a CPU."""
+        devices = self.executor.rank_devices if self.layout.world_size > 1 else [self.device]
+        return tuple(sorted({d.index or 0 for d in devices if d.type == "cuda"}))
+
     def stats(self) -> EngineStats:
         running, waiting = self.scheduler.running, self.scheduler.waiting
+        gpu_indices = self.gpu_indices()
         return EngineStats(
             num_blocks_total=self.block_manager.num_blocks,
             num_blocks_free=self.block_manager.num_free_blocks,
@@ -787,7 +795,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             steps=self.step_totals.copy(),
             num_kv_blocks_from_compression=self.num_kv_blocks_from_compression,
-            num_gpus=self.layout.world_size if self.device.type == "cuda" else 0,
+            num_gpus=len(gpu_indices),
+            gpu_indices=gpu_indices,
             tensor_parallel_size=self.layout.tp,
             pipeline_parallel_size=self.layout.pp,
             expert_parallel_size=self.layout.ep,

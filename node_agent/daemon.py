@@ -28,7 +28,7 @@ from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
 from node_agent.errors import ListenError
 from node_agent.kv_data import KVDataServer
-from node_agent.heartbeat import HeartbeatLoop, ModelFigures, Registration, engine_gpus, site_capacity_report
+from node_agent.heartbeat import HeartbeatLoop, ModelFigures, Registration, site_capacity_report
 from node_agent.links import LinkLoop, LinkSettings
 from node_agent.metrics import AgentMetrics
 from node_agent.metrics_server import MetricsServer
@@ -227,17 +227,15 @@ class Agent:
     async def capacity(self) -> CapacityReport:
         """The heartbeat body: each hosted model's engine figures and prefix-cache hashes (summed for the
         site, and apart per model when there are several), and the GPUs they run on."""
-        figures, gpus = {}, set()
+        figures = {}
         for model in self.models.values():
-            engine = model.engine.engine
-            gpus |= engine_gpus(engine.device, engine.layout.world_size)
             if not model.engine.alive:  # its last figures; the site reports draining until it stops
                 figures[model.name] = ModelFigures(model.engine.latest_stats)
                 continue
             model_stats = await model.engine.stats()
             self.metrics.observe_stats(model.name, model_stats)
             figures[model.name] = ModelFigures(model_stats, (await model.engine.cache_summary())["hashes"])
-        return site_capacity_report(self.config.block_size, self.core.draining, figures, gpus)
+        return site_capacity_report(self.config.block_size, self.core.draining, figures)
 
     async def refresh_metrics(self) -> None:
         for model in self.models.values():

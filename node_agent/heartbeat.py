@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,16 +68,6 @@ class Registration:
     lon: float | None = None
 
 
-def engine_gpus(device, world_size: int) -> set[int]:
-    """The GPU indices an engine's ranks run on: rank r on the engine's device index + r (as
-    engine.parallel.executor places them); none on a CPU. Models of one agent start from the same
-    configured device, so two engines usually share GPUs."""
-    if device.type != "cuda":
-        return set()
-    first = device.index or 0
-    return set(range(first, first + world_size))
-
-
 def widest_layout(engines: Sequence[EngineStats]) -> tuple[int, int, int]:
     """(tp, pp, ep) of the engine with the most ranks, taken whole: with `model_parallel` the models
     have their own sizes, and the largest of each size taken apart (tp from one model, pp from another)
@@ -110,8 +100,7 @@ def hash_shares(counts: Sequence[int], budget: int) -> list[int]:
     return shares
 
 
-def site_capacity_report(block_size: int, draining: bool, models: Mapping[str, ModelFigures],
-                         gpus: Collection[int] = ()) -> CapacityReport:
+def site_capacity_report(block_size: int, draining: bool, models: Mapping[str, ModelFigures]) -> CapacityReport:
     """The heartbeat of a site hosting `models`. With one model its figures are the site's, sent as ever.
     With several, the site's sums, and each model's own KV pool and prefix cache under `models` (a
     request needs room in its own model's pool, and a cached prefix serves only the model that cached
@@ -119,22 +108,22 @@ def site_capacity_report(block_size: int, draining: bool, models: Mapping[str, M
     engines = [figures.stats for figures in models.values()]
     if len(models) <= 1:
         hashes = next(iter(models.values())).cached_hashes if models else ()
-        return capacity_report(block_size, draining, engines, hashes, gpus)
+        return capacity_report(block_size, draining, engines, hashes)
     shares = hash_shares([len(figures.cached_hashes) for figures in models.values()], MAX_CACHE_HASHES)
     own = {name: ModelCapacity(kv_blocks_total=figures.stats.num_blocks_total,
                                kv_blocks_free=figures.stats.num_blocks_free,
                                prefix_cache_summary=PrefixCacheSummary(block_size=block_size,
                                                                        hashes=list(figures.cached_hashes[:share])))
            for (name, figures), share in zip(models.items(), shares)}
-    return capacity_report(block_size, draining, engines, (), gpus, own)
+    return capacity_report(block_size, draining, engines, (), own)
 
 
 def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineStats],
-                    cached_hashes: Sequence[str], gpus: Collection[int] = (),
-                    models: dict[str, ModelCapacity] | None = None) -> CapacityReport:
+                    cached_hashes: Sequence[str], models: dict[str, ModelCapacity] | None = None) -> CapacityReport:
     """The site's heartbeat: every engine's load and KV figures summed (each engine has a KV pool of
-    its own), the distinct GPUs its engines run on (`gpus`, device indices: engines sharing a GPU count
-    it once) and the widest engine's layout; `models`: each model's own figures (site_capacity_report).
+    its own), the distinct GPUs its engines run on (each engine's `gpu_indices`, as it placed its ranks:
+    models of one agent start from the same configured device, so engines sharing a GPU count it once)
+    and the widest engine's layout; `models`: each model's own figures (site_capacity_report).
     The prefix-cache hashes (most recently used first, per engine) are cut to the contract's maximum
     rather than refused for the lot."""
     tp, pp, ep = widest_layout(engines)
@@ -150,7 +139,7 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         decode_kv_tokens=float(sum(e.decode_kv_tokens for e in engines)),
         prefix_cache_summary=PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:MAX_CACHE_HASHES])),
         draining=draining,
-        num_gpus=len(set(gpus)),
+        num_gpus=len({index for e in engines for index in e.gpu_indices}),
         tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
         speculative_acceptance=sum(e.num_accepted_draft_tokens for e in engines)
         / max(1, sum(e.num_draft_tokens for e in engines)),

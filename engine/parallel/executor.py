@@ -67,11 +67,13 @@ class ParallelExecutor:
         num_threads = max(1, self._threads_before // layout.world_size) if device.type == "cpu" else 1
         stages = layout.stages(model_config)
         self.shards = [rank_shard(layout, model_config, r, stages) for r in range(layout.world_size)]
+        # where each rank runs (rank 0 here): the engine reports these, so no one else restates the rule
+        self.rank_devices = rank_devices(device, layout.world_size)
         log.info("starting %d ranks (%s); stages hold layers %s", layout.world_size, layout,
                  ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
         store = rendezvous(layout.world_size, None)
         specs = [WorkerSpec(rank, str(model_dir), layout.tp, layout.pp, layout.ep, store.port, -1,
-                            _rank_device(device, rank), str(dtype).removeprefix("torch."), num_threads,
+                            str(self.rank_devices[rank]), str(dtype).removeprefix("torch."), num_threads,
                             {**asdict(config), "speculative": None},  # rank 0 speculates; ranks run the steps
                             logging.getLogger().getEffectiveLevel())
                  for rank in range(1, layout.world_size)]
@@ -222,10 +224,11 @@ def _check_devices(layout: ParallelLayout, device: torch.device) -> None:
                          f"expert_parallel_size to fit, or start from a lower device index")
 
 
-def _rank_device(device: torch.device, rank: int) -> str:
+def rank_devices(device: torch.device, world_size: int) -> list[torch.device]:
+    """Each rank's device: rank r on the engine's device index + r (a bare "cuda" counts from cuda:0)."""
     if device.type != "cuda":
-        return str(device)
-    return f"cuda:{(device.index or 0) + rank}"
+        return [device] * world_size
+    return [torch.device("cuda", (device.index or 0) + rank) for rank in range(world_size)]
 
 
 def _open_pool(message: dict, fds: list[int], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -11,10 +11,11 @@ import torch
 from pydantic import ValidationError, create_model
 
 from engine.engine import EngineStats
+from engine.parallel.executor import rank_devices
 from node_agent import daemon
 from node_agent.daemon import Agent
 from node_agent.errors import ModelLoadError
-from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report, engine_gpus
+from node_agent.heartbeat import HeartbeatLoop, Registration, capacity_report
 from registry.client import RegistryError
 from registry.http_errors import validation_problem
 from registry.wire import CapacityReport, WireModel
@@ -31,12 +32,12 @@ def stats(tp: int = 1, pp: int = 1, ep: int = 1) -> EngineStats:
 
 
 def report(engines: list[tuple[str, EngineStats]]) -> dict:
-    """The heartbeat of a site whose models all start at `device` (the agent's one device setting)."""
-    gpus = set()
+    """The heartbeat of a site whose models all start at `device` (the agent's one device setting), each
+    engine's ranks where a parallel engine places them."""
     for device, engine in engines:
-        gpus |= engine_gpus(torch.device(device), max(engine.tensor_parallel_size, engine.expert_parallel_size)
-                            * engine.pipeline_parallel_size)
-    return capacity_report(16, False, [engine for _, engine in engines], [], gpus).to_json()
+        world_size = max(engine.tensor_parallel_size, engine.expert_parallel_size) * engine.pipeline_parallel_size
+        engine.gpu_indices = tuple(d.index for d in rank_devices(torch.device(device), world_size) if d.type == "cuda")
+    return capacity_report(16, False, [engine for _, engine in engines], []).to_json()
 
 
 def test_models_sharing_gpus_count_each_gpu_once():

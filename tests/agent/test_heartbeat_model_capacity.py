@@ -44,8 +44,9 @@ def test_each_model_reports_its_own_pool_beside_the_sums():
 
 def test_a_single_model_heartbeat_is_the_one_sent_before():
     engine, cached = stats(100, 40), hashes(1, 5)
-    report = site_capacity_report(16, False, {"a": ModelFigures(engine, cached)}, gpus={0})
-    assert report.to_json() == capacity_report(16, False, [engine], cached, {0}).to_json()
+    engine.gpu_indices = (0,)
+    report = site_capacity_report(16, False, {"a": ModelFigures(engine, cached)})
+    assert report.to_json() == capacity_report(16, False, [engine], cached).to_json()
     assert "models" not in report.to_json()
 
 

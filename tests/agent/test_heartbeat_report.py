@@ -33,9 +33,10 @@ def test_a_site_without_engines_reports_empty_capacity():
 
 
 def test_report_names_the_devices_and_layout():
-    engines = [stats(1, 1, 1.0, num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2)] * 2
+    engines = [stats(1, 1, 1.0, num_gpus=4, gpu_indices=(0, 1, 2, 3), tensor_parallel_size=2,
+                     pipeline_parallel_size=2, expert_parallel_size=2)] * 2
     # two engines on the same four GPUs: the site has four, not eight
-    wire = capacity_report(16, False, engines, [], gpus={0, 1, 2, 3}).to_json()
+    wire = capacity_report(16, False, engines, []).to_json()
     assert (wire["num_gpus"], wire["tensor_parallel_size"], wire["pipeline_parallel_size"],
             wire["expert_parallel_size"]) == (4, 2, 2, 2)
 

@@ -86,8 +86,10 @@ def test_every_container_runs_this_versions_image_with_a_valid_command():
 def test_containerfile_exposes_the_default_ports():
     text = (DEPLOY / "container" / "Containerfile").read_text()
     exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
+    # an agent's KV data port defaults to any free port: the image declares the one the example config fixes
+    kv_data_port = tomllib.loads((DEPLOY / "config" / "agent.toml").read_text())["kv_data_port"]
     assert exposed == {8500, RouterConfig().port, listen_port(AGENT_FIELDS["grpc_listen"].default),
-                       listen_port(AGENT_FIELDS["metrics_listen"].default)}
+                       listen_port(AGENT_FIELDS["metrics_listen"].default), kv_data_port}
     assert 'ENTRYPOINT ["edgefire"]' in text
 
 
@@ -97,14 +99,16 @@ def test_agent_configmap_keys_and_ports_match_the_statefulset():
     statefulset = find("StatefulSet", "edgefire-agent")
     (agent,) = statefulset["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
-    assert ports == {"grpc": listen_port(config["grpc_listen"]), "metrics": listen_port(config["metrics_listen"])}
+    assert ports == {"grpc": listen_port(config["grpc_listen"]), "kv-data": config["kv_data_port"],
+                     "metrics": listen_port(config["metrics_listen"])}
     for variable in agent["env"]:
         if variable["name"].startswith("EDGEFIRE_AGENT_"):
             assert variable["name"].removeprefix("EDGEFIRE_AGENT_").lower() in AGENT_FIELDS
     assert agent["resources"]["limits"]["nvidia.com/gpu"] >= 1
     service = find("Service", "edgefire-agent")
     assert service["spec"]["clusterIP"] == "None" and statefulset["spec"]["serviceName"] == "edgefire-agent"
-    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+    # every port a peer or router dials is on the Service, under the number the pod listens on
+    assert {p["targetPort"]: p["port"] for p in service["spec"]["ports"]} == ports
     grace = statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > config["drain_timeout_s"]  # a drain is never cut short by the kubelet
 

@@ -322,12 +322,72 @@ def test_a_refused_configuration_is_not_restarted_forever(name, tmp_path, monkey
     assert unit(name)["Restart"] == "on-failure"
 
 
+def containerfile_stages() -> list[tuple[str, str, list[tuple[str, list[str]]]]]:
+    """(base image, stage name, its instructions as (keyword, words)) per stage, continued lines joined."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "container" / "Containerfile").read_text())
+    stages = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        keyword, *words = shlex.split(line, posix=False)
+        if keyword.upper() == "FROM":
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else str(len(stages))
+            stages.append((words[0], name, []))
+        else:
+            stages[-1][2].append((keyword.upper(), words))
+    return stages
+
+
+def copies(instructions: list[tuple[str, list[str]]]) -> list[tuple[str | None, list[str], str]]:
+    """(stage copied from or None for the build context, sources, destination) of each COPY."""
+    found = []
+    for keyword, words in instructions:
+        if keyword == "COPY":
+            stage = next((w.removeprefix("--from=") for w in words if w.startswith("--from=")), None)
+            paths = [w for w in words if not w.startswith("--")]
+            found.append((stage, paths[:-1], paths[-1]))
+    return found
+
+
+def runs(instructions: list[tuple[str, list[str]]]) -> str:
+    return "\n".join(" ".join(words) for keyword, words in instructions if keyword == "RUN")
+
+
 def test_the_image_holds_every_package_the_install_needs():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    text = (DEPLOY / "container" / "Containerfile").read_text()
-    copied = {line.split()[1] for line in text.splitlines() if line.startswith("COPY ")}
-    assert packages <= copied, f"not copied into the image: {sorted(packages - copied)}"
+    (_base, _name, builder), *_ = containerfile_stages()
+    from_context = [source for stage, sources, _dest in copies(builder) if stage is None for source in sources]
+    assert packages | {"pyproject.toml", "README.md"} <= set(from_context)
+    assert all((ROOT / source).exists() for source in from_context), "a COPY names a path the repository lacks"
+    extension_files = [f for ext in pyproject["tool"]["setuptools"]["ext-modules"]
+                       for f in ext["sources"] + ext.get("depends", [])]
+    assert all(f.split("/")[0] in from_context for f in extension_files)
+
+
+def test_the_image_compiles_the_engine_extensions_and_ships_no_compiler():
+    """Built without a compiler, the optional extensions are skipped and CPU sites decode on the torch path."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extensions = [ext["name"] for ext in pyproject["tool"]["setuptools"]["ext-modules"]]
+    stages = containerfile_stages()
+    assert len(stages) == 2, "a builder stage compiles the extensions, a runtime stage installs them"
+    (_, builder_name, builder), (runtime_base, _, runtime) = stages
+    assert re.search(r"apt-get install .*\bbuild-essential\b", runs(builder))
+    wheel_dir = re.search(r"pip wheel .*--wheel-dir (\S+) \.", runs(builder)).group(1)
+    ((stage, sources, destination),) = [c for c in copies(runtime) if c[0] is not None]
+    assert stage == builder_name and sources == [wheel_dir]
+    assert re.search(rf"pip install \S*{re.escape(destination)}/edgefire-\*\.whl", runs(runtime))
+    assert runtime_base.endswith("-slim") and not re.search(r"build-essential|\bgcc\b|\bclang\b", runs(runtime))
+    assert not [c for c in copies(runtime) if c[0] is None], "the runtime stage takes only the built wheel"
+    # the image refuses to build when an extension is missing or cannot load after torch
+    check = next(line for line in runs(runtime).splitlines() if line.startswith("python -c"))
+    imported = re.search(r"import ([\w., ]+)", check).group(1).replace(" ", "").split(",")
+    assert imported[0] == "torch" and set(extensions) <= set(imported[1:])
+
+
+def test_the_image_build_context_leaves_out_what_this_machine_built():
+    ignored = (DEPLOY / "container" / "Containerfile.dockerignore").read_text().split()
+    assert {"**/*.so", ".venv"} <= set(ignored)
 
 
 def test_the_readme_lists_every_cluster_file_setting():
