@@ -344,7 +344,8 @@ class CompletionRun:
         # Under auto with a response format the answer is JSON unless it opens with calls (answer_or_calls_grammar).
         answer_names = (frozenset(t["function"]["name"] for t in request.tools)
                         if request.tool_choice == "auto" and request.grammar is not None else None)
-        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names)
+        names = frozenset(t["function"]["name"] for t in request.tools or ())
+        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names, names)
                            if parse_tools else None)
         # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
         # tokens are then left out by id instead.
@@ -405,7 +406,7 @@ class CompletionRun:
     async def _deltas(self) -> AsyncIterator[tuple[str, str, list, str | None]]:
         """(answer text, reasoning text, tokens, finish_reason) per step; stops the generation at a stop
         string (stop strings apply to the answer, not to the reasoning). Tool calls found in the answer are
-        in `self.calls` when the finish reason comes (it is then "tool_calls")."""
+        in `self.calls` when the finish reason comes (it is then "tool_calls", or "length" when they were cut)."""
         step = self.first_step
         try:
             while True:
@@ -459,9 +460,11 @@ class CompletionRun:
         if self.tool_calls is not None:
             delta = self.tool_calls.add(delta)
             if finish is not None:
-                tail, self.calls = self.tool_calls.finish()
+                # Cut by max_tokens, the calls so far are still calls (the last as far as it got), and the
+                # finish reason stays "length", as OpenAI's: the client knows the last call may be incomplete.
+                tail, self.calls = self.tool_calls.finish(cut=finish == "length")
                 delta += tail
-                finish = "tool_calls" if self.calls else finish
+                finish = "tool_calls" if self.calls and finish != "length" else finish
         if finish is not None:
             self.finish_reason = finish
         if self.reasoning is not None:

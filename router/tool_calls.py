@@ -24,24 +24,27 @@ output is plain content.
 
 With `tool_choice: required` or a named function the output is constrained (engine.grammar) to
 exactly the format wrapping arguments that match the function's JSON schema, so it always parses.
-With `auto` the output is parsed: text before the format's opening marker is content, and calls
-that do not parse leave the whole output as content. With `auto` and a `strict` function (OpenAI's
-promise that its calls follow its schema) the output is constrained too, but loosely: free text, in
-which the marker's text cannot appear, or from the marker on calls of the offered functions (strict
-ones' arguments follow their schema, the others' are any JSON object), like xgrammar's structural
-tags: the grammar lets text run until the trigger, then shapes the call. Its cost, measured on this
-project's 2-core CPU machine with a 128k-token vocabulary and four strict tools (one row, the engine's
-CPU path): a free-text token's mask takes about 6 us (the library caches the mask of a state that
-repeats), the first two steps about 0.9 ms each, the step that opens a call up to 10 ms once, and
-the call itself about 10 us a token, as a required call does. Without a strict function there is no
-grammar at all. With `auto` and a `response_format` (an OpenAI Agents SDK agent with an output type and
-tools) the output is constrained to the final answer, JSON following the response format, or calls of the
-offered functions from its first token on (strict or not, as above), and the parser looks for calls at
-the start only, so JSON that holds the marker's text, or (Llama 3's bare JSON) has a `name`, stays the
-answer. A reasoning model's block comes in front of each of these grammars (router.reasoning).
-Markers that the grammar library
-reads as special tokens are matched by token id, so the model writes them as the tokens it was
-trained on and text cannot spell them out byte by byte.
+With `auto` the output is parsed: text before the format's opening marker, and any the model writes
+after its calls, is content (OpenAI carries content beside calls), and calls that do not parse leave the
+whole output as content. Llama 3's bare JSON has no marker, so an object is a call only when it names an
+offered function and holds nothing but its name and parameters; any other object is an answer. An answer
+cut by max_tokens keeps the calls it completed and the one it ends in, with the arguments written so far,
+and its finish reason "length", as OpenAI's; none of a call's markup becomes content.
+With `auto` and a `strict` function (OpenAI's promise that its calls follow its schema) the output is
+constrained too, but loosely: free text, in which the marker's text cannot appear, or from the marker on
+calls of the offered functions (strict ones' arguments follow their schema, the others' are any JSON
+object), like xgrammar's structural tags: the grammar lets text run until the trigger, then shapes the
+call. Its cost, measured on this project's 2-core CPU machine with a 128k-token vocabulary and four
+strict tools (one row, the engine's CPU path): a free-text token's mask takes about 6 us (the library
+caches the mask of a state that repeats), the first two steps about 0.9 ms each, the step that opens a
+call up to 10 ms once, and the call itself about 10 us a token, as a required call does. Without a strict
+function there is no grammar at all. With `auto` and a `response_format` (an OpenAI Agents SDK agent with
+an output type and tools) the output is constrained to the final answer, JSON following the response
+format, or calls of the offered functions from its first token on (strict or not, as above), and the
+parser looks for calls at the start only, so JSON that holds the marker's text, or (Llama 3's bare JSON)
+has a `name`, stays the answer. A reasoning model's block comes in front of each of these grammars
+(router.reasoning). Markers that the grammar library reads as special tokens are matched by token id, so
+the model writes them as the tokens it was trained on and text cannot spell them out byte by byte.
 """
 
 from __future__ import annotations
@@ -102,66 +105,158 @@ class ToolCallFormat:
     def marker(self) -> str:
         return self.section_begin or self.call_begin
 
-    # -- parsing `auto` output ---------------------------------------------------------------
+    # -- parsing the output ----------------------------------------------------------------------
 
-    def split(self, text: str, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]] | None:
-        """(content before the calls, calls) when the text holds calls that parse, else None. `names`: the
-        offered functions, where text that is no call of theirs is an answer (a JSON object with a `name`):
-        a call must then name one and, as a JSON object, hold nothing but its name and arguments."""
-        if self.marker:
-            start = text.find(self.marker)
+    def split(self, text: str, names: frozenset[str] | None = None,
+              cut: bool = False) -> tuple[str, list[ToolCall]] | None:
+        """(content, calls) when the text holds calls that parse, else None (the whole text is then content).
+        Content is the text before the calls and any the model wrote between or after them, as written: OpenAI
+        carries content beside calls, and dropping it would lose words the model meant for the user. `names`:
+        the functions a call may name, where text that is no call of theirs is content (a JSON object with a
+        `name`): a call must then name one and, as a JSON object, hold nothing but its name and arguments.
+
+        `cut`: the answer was cut short (max_tokens). The calls it completed come back as calls, and the one it
+        ends inside comes back with the arguments written so far (what a client streaming the call has been
+        sent), as OpenAI returns a call cut by max_tokens. Cut before that call's name is complete, the call is
+        left out, and so is its markup: it is the start of a call, no words for the user, and a client would
+        show it as the answer; with no call complete that leaves (content, [])."""
+        if not self.marker:  # a bare JSON call opens the answer, or there is none
+            text = text.lstrip()
+            if not text.startswith("{"):
+                return None
+        content, calls, rest = "", [], text
+        while True:
+            start = rest.find(self.marker) if self.marker else (-1 if calls else 0)
+            if start < 0 and cut and rest.strip() and self.marker.startswith(rest.lstrip()):
+                return content, calls  # ended inside the next marker (a required call's, or after calls)
             if start < 0:
+                break
+            if rest[:start].strip():
+                content += rest[:start]
+            try:
+                rest = rest[start:][self._parse_calls(rest[start:], names, cut, calls):]
+            except _Ended as ended:
+                calls += [ended.call] if ended.call is not None else []
+                return content, calls
+            except (ValueError, KeyError, TypeError):
                 return None
-            content, body = text[:start], text[start:]
-        else:  # a bare JSON call: the whole answer is the call
-            content, body = "", text.strip()
-            if not body.startswith("{"):
-                return None
-        try:
-            calls = self._parse_calls(body, names)
-        except (ValueError, KeyError, TypeError):
+        if not calls:
             return None
-        return (content, calls) if calls else None
+        return content + rest.lstrip(), calls  # the blank between the calls and more words is layout
 
-    def _parse_calls(self, body: str, names: frozenset[str] | None) -> list[ToolCall]:
-        pos = _expect(body, 0, self.section_begin)
+    def _parse_calls(self, body: str, names: frozenset[str] | None, cut: bool, calls: list[ToolCall]) -> int:
+        """Appends the calls that open `body` to `calls`; the end of the last one (of its section)."""
+        pos = _expect(body, 0, self.section_begin, cut)
         if self.array:
-            items, pos = _DECODER.raw_decode(body, pos)
-            if not isinstance(items, list):
-                raise ValueError("the calls are not a JSON array")
-            calls = [self._object_call(item, names) for item in items]
+            pos = _expect(body, _skip_space(body, pos), "[", cut)
+            while True:
+                call, pos = self._object_call_at(body, _skip_space(body, pos), names, cut)
+                calls.append(call)
+                pos = _skip_space(body, pos)
+                if not body.startswith(",", pos):
+                    break
+                pos += 1
+            pos = _expect(body, pos, "]", cut)
         else:
-            calls = []
             begin, separator = self.call_begin.strip(), self.separator.strip()
             while True:
-                call, pos = self._one_call(body, pos, names)
+                call, pos = self._one_call(body, pos, names, cut)
                 calls.append(call)
                 pos = _skip_space(body, pos)
                 following = _skip_space(body, pos + len(separator)) if separator and body.startswith(separator, pos) else pos
+                if cut and begin and following < len(body) and begin.startswith(body[following:]):
+                    raise _Ended()  # ended inside the next call's opening
                 if not begin or not body.startswith(begin, following):
                     break
                 pos = following
-        _expect(body.rstrip(), _skip_space(body, pos), self.section_end)
-        return calls
+        return _expect(body, _skip_space(body, pos), self.section_end, cut)
 
-    def _one_call(self, body: str, pos: int, names: frozenset[str] | None) -> tuple[ToolCall, int]:
-        pos = _expect(body, _skip_space(body, pos), self.call_begin)
+    def _one_call(self, body: str, pos: int, names: frozenset[str] | None, cut: bool) -> tuple[ToolCall, int]:
+        pos = _skip_space(body, _expect(body, _skip_space(body, pos), self.call_begin, cut))
         if self.name_key:
-            item, pos = _DECODER.raw_decode(body, _skip_space(body, pos))
-            call = self._object_call(item, names)
+            call, pos = self._object_call_at(body, pos, names, cut)
         else:
-            pattern = re.compile(re.escape(self.name_prefix) + r"([^\s\"'<>\[\]{}]+?)" + self.name_suffix_regex
-                                 + re.escape(self.name_sep))
-            match = pattern.match(body, pos)
-            if match is None:
-                raise ValueError("no function name")
-            arguments, pos = _DECODER.raw_decode(body, _skip_space(body, match.end()))
-            if not isinstance(arguments, dict):
-                raise ValueError("arguments are not an object")
-            if names is not None and match.group(1) not in names:
-                raise ValueError("not an offered function")
-            call = ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids))
-        return call, _expect(body, _skip_space(body, pos), self.call_end)
+            call, pos = self._named_call_at(body, pos, names, cut)
+        try:
+            return call, _expect(body, _skip_space(body, pos), self.call_end, cut)
+        except _Ended:
+            raise _Ended(call) from None  # its arguments are whole: only the closing was cut
+
+    def _named_call_at(self, body: str, pos: int, names: frozenset[str] | None,
+                       cut: bool) -> tuple[ToolCall, int]:
+        """`NAME name_sep ARGUMENTS` at `pos`."""
+        pattern = re.compile(re.escape(self.name_prefix) + r"([^\s\"'<>\[\]{}]+?)" + self.name_suffix_regex
+                             + re.escape(self.name_sep))
+        match = pattern.match(body, pos)
+        if match is None:
+            if cut and self._name_so_far(body[pos:]):
+                raise _Ended()
+            raise ValueError("no function name")
+        name = match.group(1)
+        if names is not None and name not in names:
+            raise ValueError("not an offered function")
+        start = _skip_space(body, match.end())
+        try:
+            arguments, pos = _DECODER.raw_decode(body, start)
+        except ValueError:
+            if cut and _object_so_far(body[start:]):
+                raise _Ended(ToolCall(name, body[start:], new_call_id(self.short_ids))) from None
+            raise
+        if not isinstance(arguments, dict):
+            raise ValueError("arguments are not an object")
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids)), pos
+
+    def _name_so_far(self, text: str) -> bool:
+        """Whether `text` could still grow into a call's name and its separator (the answer ended inside them)."""
+        sep = self.name_sep
+        head = text[:len(text) - next((k for k in range(min(len(sep) - 1, len(text)), 0, -1)
+                                       if text.endswith(sep[:k])), 0)]
+        if len(head) <= len(self.name_prefix):
+            return self.name_prefix.startswith(head)
+        return head.startswith(self.name_prefix) and re.fullmatch(r"[^\s\"'<>\[\]{}]*",
+                                                                   head[len(self.name_prefix):]) is not None
+
+    def _object_call_at(self, body: str, pos: int, names: frozenset[str] | None,
+                        cut: bool) -> tuple[ToolCall, int]:
+        """A call written as one JSON object at `pos`."""
+        try:
+            item, end = _DECODER.raw_decode(body, pos)
+        except ValueError:
+            if not cut:
+                raise
+            raise _Ended(self._cut_object_call(body[pos:], names)) from None
+        return self._object_call(item, names), end
+
+    def _cut_object_call(self, text: str, names: frozenset[str] | None) -> ToolCall | None:
+        """The call object the answer ended inside: its name and the arguments written so far, None while its
+        name is not complete; a ValueError where the text is no call's beginning."""
+        opening = re.compile(r'\{\s*' + re.escape(json.dumps(self.name_key)) + r'\s*:\s*').match(text)
+        if opening is None:
+            if _pieces_so_far(text, ["{", json.dumps(self.name_key), ":"]):
+                return None
+            raise ValueError("not a call")
+        try:
+            name, end = _DECODER.raw_decode(text, opening.end())
+        except ValueError:
+            if opening.end() == len(text) or text.startswith('"', opening.end()):
+                return None  # ended before the name was whole
+            raise
+        if not isinstance(name, str) or (names is not None and name not in names):
+            raise ValueError("not a call of an offered function")
+        args_key = re.compile(r'\s*,\s*' + re.escape(json.dumps(self.args_key)) + r'\s*:\s*').match(text, end)
+        if args_key is None:
+            if _pieces_so_far(text[end:], [",", json.dumps(self.args_key), ":"]):
+                return ToolCall(name, "", new_call_id(self.short_ids))
+            raise ValueError("not a call")
+        arguments = text[args_key.end():]
+        if not _object_so_far(arguments):
+            raise ValueError("arguments are not an object")
+        try:  # the arguments are whole and only the call's closing was cut: as a whole call's
+            parsed, _end = _DECODER.raw_decode(arguments)
+            arguments = json.dumps(parsed, ensure_ascii=False)
+        except ValueError:
+            pass
+        return ToolCall(name, arguments, new_call_id(self.short_ids))
 
     def _object_call(self, item, names: frozenset[str] | None = None) -> ToolCall:
         name, arguments = item[self.name_key], item.get(self.args_key, {})
@@ -277,13 +372,40 @@ def _parameters(function: dict, index: int) -> dict:
     return parameters if "$id" in parameters else {"$id": f"urn:edgefire:tool:{index}", **parameters}
 
 
-def _expect(text: str, pos: int, literal: str) -> int:
+class _Ended(Exception):
+    """The answer (cut short) ended inside the calls: `call` is the one it ended in, as far as it got, or None
+    when that call's name was not complete."""
+
+    def __init__(self, call: ToolCall | None = None) -> None:
+        super().__init__()
+        self.call = call
+
+
+def _expect(text: str, pos: int, literal: str, cut: bool = False) -> int:
     literal = literal.strip()
     if not literal:
         return pos
-    if not text.startswith(literal, pos):
-        raise ValueError(f"expected {literal!r}")
-    return pos + len(literal)
+    if text.startswith(literal, pos):
+        return pos + len(literal)
+    if cut and literal.startswith(text[pos:]):
+        raise _Ended()
+    raise ValueError(f"expected {literal!r}")
+
+
+def _pieces_so_far(text: str, pieces: list[str]) -> bool:
+    """Whether `text` is all of `pieces` so far, blanks between them allowed: it ends before they are whole."""
+    pos = 0
+    for piece in pieces:
+        pos = _skip_space(text, pos)
+        if not text.startswith(piece, pos):
+            return piece.startswith(text[pos:])
+        pos += len(piece)
+    return False
+
+
+def _object_so_far(text: str) -> bool:
+    """Arguments cut short: nothing yet, or what opens a JSON object."""
+    return not text.strip() or text.lstrip().startswith("{")
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -382,13 +504,18 @@ class ToolCallStream:
     offered functions, under `auto` with a response format) the answer is JSON unless it opens with calls
     of those functions: calls are looked for at its start only (a bare JSON call: an object of just a
     function's name and arguments), and the JSON streams as content once it is known to be no call.
+    With `names` (the offered functions) a bare JSON call (Llama 3) must name one of them and hold nothing
+    but its name and arguments: a model asked for a JSON document with a `name` field answers with one.
     """
 
     def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True,
-                 answer_names: frozenset[str] | None = None) -> None:
+                 answer_names: frozenset[str] | None = None, names: frozenset[str] | None = None) -> None:
         self.fmt = fmt
         self.parallel = parallel
         self.answer_names = answer_names
+        # Markers leave no doubt that a call is meant, so their calls are taken whatever they name.
+        self.names = answer_names if answer_names is not None or fmt.marker else names
+        self._forced = forced
         self._in_calls = forced
         self._decided = forced       # calls looked for at the start only: whether the answer opens with them is known
         self._pending = ""           # content held back
@@ -429,12 +556,15 @@ class ToolCallStream:
         self._pending = self._pending[upto:] if keep else ""
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet sent, the calls) at the end of the answer."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content not yet sent, the calls) at the end of the answer; `cut`: it was cut short by max_tokens
+        (ToolCallFormat.split: the call it ends in comes back as far as it got)."""
         if not self._in_calls:
             return self._take(len(self._pending)), []
-        parsed = self.fmt.split(self._calls_text, self.answer_names)
-        if parsed is None:
+        parsed = self.fmt.split(self._calls_text, self.names, cut)
+        # A bare JSON object cut before its name is whole may as well be an answer (only a required call is
+        # known to be a call), so it stays content; a marker's text is no answer.
+        if parsed is None or not (parsed[1] or self.fmt.marker or self._forced):
             return self._calls_text, []
         content, calls = parsed
         return content, calls if self.parallel else calls[:1]
