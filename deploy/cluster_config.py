@@ -63,8 +63,12 @@ MAX_PORT = 65535
 
 # Settings the launcher writes itself: a cluster file may not override them.
 LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
-                                   "advertise_address", "metrics_listen", "registry_url", "site_token", "peer_token"})
-LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "peer_token", "metrics_listen"})
+                                   "advertise_address", "metrics_listen", "registry_url", "site_token", "peer_token",
+                                   "agent_token_sha256"})
+LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "agent_token", "peer_token",
+                                    "metrics_listen"})
+# The cluster's tokens, each a credential of one role: two alike would let one role act as the other.
+TOKENS = ("admin_token", "router_token", "agent_token", "peer_token")
 
 
 # The cluster description is unusable; the message says what to change.
@@ -113,9 +117,10 @@ class ClusterConfig:
     router_port: int = DEFAULT_ROUTER_PORT
     registry_port: int = DEFAULT_REGISTRY_PORT
     router_metrics_port: int = 0         # the router's Prometheus port (0: a free one)
-    admin_token: str = ""                # generated when empty
-    router_token: str = ""
-    peer_token: str = ""
+    admin_token: str = ""                # generated when empty; the registry's admin token
+    router_token: str = ""               # routers -> registry
+    agent_token: str = ""                # routers -> agents (agents are given its SHA-256, agent_token_sha256)
+    peer_token: str = ""                 # agents -> agents (FetchKV, the KV data port)
     api_key: str = ""
     router: dict = field(default_factory=dict)  # extra RouterConfig fields
     agent: dict = field(default_factory=dict)   # extra AgentConfig fields for every site
@@ -135,6 +140,7 @@ class ClusterConfig:
         self.model_name = self.model_name or self.model_dir.resolve().name
         self.admin_token = self.admin_token or "efa-" + secrets.token_urlsafe(24)
         self.router_token = self.router_token or "efr-" + secrets.token_urlsafe(24)
+        self.agent_token = self.agent_token or "efag-" + secrets.token_urlsafe(24)
         self.peer_token = self.peer_token or "efp-" + secrets.token_urlsafe(24)
         self.api_key = self.api_key or "ef-" + secrets.token_urlsafe(32)
         self.router = {"lat": DEMO_ROUTER_LOCATION[0], "lon": DEMO_ROUTER_LOCATION[1], **self.router}
@@ -160,6 +166,11 @@ class ClusterConfig:
         self.planner_settings = _check_table("planner_settings", self.planner_settings, PlannerSettings, frozenset())
         # settings that make no sense are refused here, naming this table, not by the registry once started
         typed_config.build(PlannerSettings, self.planner_settings, "planner_settings")
+        for i, name in enumerate(TOKENS):
+            for other in TOKENS[i + 1:]:
+                if getattr(self, name) == getattr(self, other):
+                    raise ClusterConfigError(f"{name} and {other}: must differ (each is one role's credential); "
+                                             f"change one, or leave it out to have one generated")
         if len(self.api_key) < 16:
             raise ClusterConfigError("api_key: must be at least 16 characters")
         for name in ("routers", "registry_replicas"):

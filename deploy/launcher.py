@@ -38,6 +38,7 @@ import httpx
 from deploy.cluster_config import ClusterConfig, SiteSpec
 from deploy.processes import ManagedProcess, free_port, kill_stale, wait_ports_free
 from deploy.tls import LocalCA, local_hosts
+from node_agent.auth import token_digest
 from node_agent.tls import channel_credentials, client_context
 from registry.client import SyncRegistryClient
 
@@ -440,14 +441,15 @@ class Cluster:
                 "lon": site.lon, "role": site.role, "models": {self.model: str(c.model_dir.resolve())},
                 "grpc_listen": f"{c.host}:{site.grpc_port}", "metrics_listen": f"{c.host}:{site.metrics_port}",
                 "registry_url": self._registry_list(index), "site_token": self._site_tokens[site.name],
-                "peer_token": c.peer_token, **self._agent_tls(site.name)}
+                "peer_token": c.peer_token, "agent_token_sha256": token_digest(c.agent_token),
+                **self._agent_tls(site.name)}
 
     def router_settings(self, index: int = 0) -> dict:
         c = self.config
         return {**ROUTER_DEFAULTS, **c.router, "host": c.host, "port": self._router_ports[index],
                 "metrics_listen": f"{c.host}:{self._router_metrics_ports[index]}",
                 "name": self.router_names[index], "registry_url": self._registry_list(index),
-                "registry_token": c.router_token, "peer_token": c.peer_token, **self._router_tls(index)}
+                "registry_token": c.router_token, "agent_token": c.agent_token, **self._router_tls(index)}
 
     def _registry_list(self, index: int) -> str | list[str]:
         """Every replica's URL, starting at a different one for each router or agent (one URL: a string)."""

@@ -1,61 +1,152 @@
-"""Shared-token authentication for the agent's gRPC API, on both sides of a call.
+"""Token authentication for the agent's gRPC API, by caller role, on both sides of a call.
 
-Every call carries one `authorization: Bearer <peer token>` entry; the server interceptor compares
-the token in constant time and answers UNAUTHENTICATED before any handler runs. The header is read
-as the registry and the routers read theirs: the scheme in any case, the token with its surrounding
-spaces dropped. A call carrying the entry twice is refused, whichever of them holds the token: which
-one a hop in between added is not knowable here.
+Two credentials, one per kind of caller, so that a site (which must hold the peer token to pull KV
+from its peers) cannot use it to run work on, read the models of, or drain another site:
+
+    agent token  routers present it      Generate, Prefill, Decode, GetModelInfo, Drain
+    peer token   agents, to each other   FetchKV, and the KV data port (node_agent.kv_data: pulls and probes)
+    either                               Health (routers check sites; a puller learns its source's data
+                                         port) and ReleaseKV (routers end leases they no longer need; a
+                                         decode site ends its source's lease when it recomputes instead)
+
+An agent only checks the agent token, never presents it, so it holds the token's SHA-256
+(`agent_token_sha256`), not the token: a site whose files are read gives away the peer token, which
+opens only what every site may do anyway, and no way to act as a router.
+
+Drain is an operator's act; no router calls it. Operators drain through the registry (the agent learns
+it with its next heartbeat) or with SIGTERM; a tool calling the RPC presents the agent token, never the
+peer token, which every site holds.
+
+Every call carries one `authorization: Bearer <token>` entry; the server interceptor checks it (in
+constant time) before any handler runs. No entry, or a token that is neither: UNAUTHENTICATED. A valid
+token of the other role: PERMISSION_DENIED, naming the token the method takes. The header is read as the
+registry and the routers read theirs: the scheme in any case, the token with its surrounding spaces
+dropped. A call carrying the entry twice is refused, whichever of them holds the token: which one a hop
+in between added is not knowable here.
+
+An agent given no agent token digest (configurations from before the split) takes its peer token for
+every method, as it always did; the daemon says so in a warning at start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 import grpc
 from grpc import aio
+
+ROUTER, PEER = "router", "peer"
+CREDENTIALS = {ROUTER: "the agent token (routers present it: their agent_token)",
+               PEER: "the peer token (agents present it to each other: peer_token)"}
+SERVICE = "/edgefire.agent.v1.Agent/"
+# Method -> the roles whose token opens it. A method of the service not listed here opens to no one.
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    "Generate": frozenset({ROUTER}),
+    "Prefill": frozenset({ROUTER}),
+    "Decode": frozenset({ROUTER}),
+    "GetModelInfo": frozenset({ROUTER}),
+    "Drain": frozenset({ROUTER}),
+    "FetchKV": frozenset({PEER}),
+    "Health": frozenset({ROUTER, PEER}),
+    "ReleaseKV": frozenset({ROUTER, PEER}),
+}
+
+
+def token_digest(token: str) -> str:
+    """What an agent holds of the agent token: its SHA-256 as 64 lowercase hex digits
+    (`printf %s TOKEN | sha256sum`)."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only answers UNAUTHENTICATED."""
+def _rejecting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only answers `code`."""
     if handler.response_streaming:
         async def reject_stream(_request, context: aio.ServicerContext):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await context.abort(code, message)
             yield  # unreachable; makes this an async generator like the method it stands in for
 
         return grpc.unary_stream_rpc_method_handler(reject_stream, handler.request_deserializer,
                                                     handler.response_serializer)
 
     async def reject_unary(_request, context: aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     return grpc.unary_unary_rpc_method_handler(reject_unary, handler.request_deserializer,
                                                handler.response_serializer)
 
 
-def refusal(metadata, expected: bytes) -> str | None:
-    """Why a call's metadata does not carry the peer token (None: it does)."""
+class RoleTokens:
+    """Which roles a presented token holds. Without an agent token digest the peer token holds both."""
+
+    def __init__(self, peer_token: str, agent_token_sha256: str | None = None):
+        if not peer_token:
+            raise ValueError("peer_token must not be empty")
+        self._peer = peer_token.encode()
+        self._router_digest = bytes.fromhex(agent_token_sha256) if agent_token_sha256 else None
+        if self._router_digest is not None and hmac.compare_digest(hashlib.sha256(self._peer).digest(),
+                                                                   self._router_digest):
+            raise ValueError("the agent token and the peer token must differ: one token would open both roles")
+
+    @property
+    def split(self) -> bool:
+        return self._router_digest is not None
+
+    def roles_of(self, token: bytes) -> frozenset[str]:
+        """The roles `token` holds (empty: it is neither token). Both checks always run, so the time
+        taken does not tell which one came close."""
+        is_peer = hmac.compare_digest(token, self._peer)
+        is_router = hmac.compare_digest(hashlib.sha256(token).digest(), self._router_digest or bytes(32))
+        if not self.split:
+            return frozenset({ROUTER, PEER}) if is_peer else frozenset()
+        return frozenset(role for role, held in ((ROUTER, is_router), (PEER, is_peer)) if held)
+
+
+def _presented(metadata) -> tuple[bytes | None, str | None]:
+    """The bearer token of a call's metadata, or why there is none to read."""
     presented = [value for key, value in metadata or () if key == "authorization"]
     if not presented:
-        return "missing authorization metadata; send 'authorization: Bearer <peer token>'"
+        return None, "missing authorization metadata"
     if len(presented) > 1:
-        return "send one authorization metadata entry, not several"
+        return None, "send one authorization metadata entry, not several"
     scheme, _, token = str(presented[0]).partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-        return "the bearer token is not valid for this agent"
-    return None
+    if scheme.lower() != "bearer":
+        return None, "the authorization metadata must be 'Bearer <token>'"
+    return token.strip().encode(), None
+
+
+def check_call(tokens: RoleTokens, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+    """Why the call of `method` (its full gRPC name) is refused, as (status, message); None: allowed."""
+    name = method.removeprefix(SERVICE)
+    allowed = METHOD_ROLES.get(name, frozenset()) if method.startswith(SERVICE) else frozenset()
+    wanted = " or ".join(CREDENTIALS[role] for role in sorted(allowed, reverse=True)) or "no credential"
+    token, problem = _presented(metadata)
+    if token is None:
+        return grpc.StatusCode.UNAUTHENTICATED, f"{problem}; {name} takes 'authorization: Bearer <token>' with {wanted}"
+    roles = tokens.roles_of(token)
+    if not roles:
+        return grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid for this agent"
+    if roles & allowed:
+        return None
+    held = " and ".join(CREDENTIALS[role] for role in sorted(roles, reverse=True))
+    if not allowed:
+        return grpc.StatusCode.PERMISSION_DENIED, f"{name} opens to no credential of this agent"
+    return grpc.StatusCode.PERMISSION_DENIED, f"{name} takes {wanted}, not {held}"
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = token.encode()
+    def __init__(self, peer_token: str, agent_token_sha256: str | None = None):
+        self._tokens = RoleTokens(peer_token, agent_token_sha256)
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
-        message = refusal(handler_call_details.invocation_metadata, self._expected)
         handler = await continuation(handler_call_details)
-        if message is None or handler is None:
+        if handler is None:
+            return None
+        refused = check_call(self._tokens, handler_call_details.method, handler_call_details.invocation_metadata)
+        if refused is None:
             return handler
-        return _rejecting_handler(handler, message)
+        return _rejecting_handler(handler, *refused)

@@ -21,6 +21,7 @@ from engine.config import load_config as load_model_config
 from engine.errors import EngineError
 from engine.parallel.layout import ParallelLayout
 from engine.speculative_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig, check_draft_model
+from node_agent.auth import token_digest
 from node_agent.tls import check_bundle, check_identity
 from registry import validate as registry_rules
 from registry.client import registry_urls
@@ -51,7 +52,14 @@ class AgentConfig:
     # None: run without a registry. Several replicas: a list (or comma-separated), tried in order on failure.
     registry_url: str | list[str] | None = None
     site_token: str | None = None
+    # Agent gRPC credentials by caller role (node_agent.auth). peer_token: agents present it to each other
+    # (FetchKV, the KV data port); this agent sends it to its peers. agent_token_sha256: the SHA-256 (64 hex
+    # digits) of the agent token, which routers present (their agent_token) for Generate, Prefill, Decode,
+    # GetModelInfo and Drain; the agent only checks it, so it holds no more than its digest. Health and
+    # ReleaseKV take either. Empty agent_token_sha256: the peer token opens every method (one token for both
+    # roles, as before the split; a warning at start says how to split).
     peer_token: str = ""
+    agent_token_sha256: str = ""
     # TLS: with tls_cert/tls_key the gRPC port and the KV data port speak only TLS, and peers are called
     # over TLS too (presenting this certificate, for peers that demand client certificates).
     tls_cert: str | None = None
@@ -181,6 +189,18 @@ class AgentConfig:
             except InvalidInput as exc:
                 raise ConfigError(f"{name}: {exc.message}") from None
 
+    def _validate_agent_token(self) -> None:
+        digest = self.agent_token_sha256
+        if not digest:
+            return
+        if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+            raise ConfigError("agent_token_sha256: must be the SHA-256 of the routers' agent_token as 64 hex digits "
+                              "(printf %s TOKEN | sha256sum), not the token itself")
+        if digest.lower() == token_digest(self.peer_token):
+            raise ConfigError("agent_token_sha256: it is the digest of peer_token; the routers' agent_token must "
+                              "differ from the peer token (one token would open the router methods to every site "
+                              "again): give routers a token of their own, or leave agent_token_sha256 out")
+
     def validate(self) -> None:
         if not self.site:
             raise ConfigError("site: the site name must not be empty")
@@ -193,7 +213,8 @@ class AgentConfig:
             if not (Path(path) / "config.json").is_file():
                 raise ConfigError(f"models.{name}: {path!r} is not a checkpoint directory (no config.json)")
         if not self.peer_token:
-            raise ConfigError("peer_token: a shared token for agent and router calls is required")
+            raise ConfigError("peer_token: the token agents present to each other is required")
+        self._validate_agent_token()
         if self.registry_url and not self.site_token:
             raise ConfigError("site_token: required when registry_url is set")
         if self.registry_url:

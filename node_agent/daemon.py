@@ -72,7 +72,12 @@ class Agent:
         self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
         # Without SO_REUSEPORT (gRPC's default) a second agent given a port in use fails here instead
         # of sharing it and taking half of the first one's requests.
-        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token)],
+        if not cfg.agent_token_sha256:
+            log.warning("agent %s: agent_token_sha256 is not set, so the peer token also opens the router methods "
+                        "(Generate, Prefill, Decode, GetModelInfo, Drain) to every site that holds it; to split them, "
+                        "give the routers a token of their own as agent_token and this agent its SHA-256 as "
+                        "agent_token_sha256 (deploy/README.md, Tokens)", cfg.site)
+        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token, cfg.agent_token_sha256)],
                                   options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)])
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
         try:

@@ -13,7 +13,7 @@ per chunk:
 A request of kind FETCH carries a KV handle as its body. Kind PROBE carries a byte count (decimal
 text, at most MAX_PROBE_BYTES): the agent answers the header {"probe_bytes": n} and then n bytes,
 which is how a peer measures the path (node_agent.links) without any KV to move. Both kinds need
-the peer token.
+the peer token; the agent token routers hold (node_agent.auth) opens nothing here.
 
 Any failure on either side is one closed connection or an error header; the puller's checks
 (layout, sizes, coverage, every checksum) turn it into a KVTransferError and Decode recomputes.
@@ -122,14 +122,9 @@ class KVDataServer:
                     await _retry(conn, conn.do_handshake)
                 kind = bytearray(KIND.size)
                 await _recv_into(conn, memoryview(kind))
-                # A token of another length is wrong whatever it holds: refuse it before reading on, so a
-                # stranger's bytes (a wrong port, a scanner) get their answer now, not at the timeout.
-                if await _recv_length(conn) != len(self._peer_token):
-                    await _send_header(conn, {"error": "missing or wrong peer token"})
-                    return
-                token = await _recv_exactly(conn, len(self._peer_token))
-                if not hmac.compare_digest(token, self._peer_token):
-                    await _send_header(conn, {"error": "missing or wrong peer token"})
+                refused = await self._check_token(conn)
+                if refused is not None:
+                    await _send_header(conn, {"error": refused})
                     return
                 body = (await _recv_exactly(conn, await _recv_length(conn))).decode("utf-8", "replace")
             if KIND.unpack(kind)[0] == PROBE:
@@ -168,6 +163,16 @@ class KVDataServer:
             log.info("KV data stream ended early: %s", exc)
         finally:
             _close(conn)
+
+    async def _check_token(self, conn: socket.socket) -> str | None:
+        """Why the request's token does not open this port (None: it is the peer token)."""
+        refusal = "missing or wrong peer token (the KV data port takes the peer token only)"
+        # A token of another length is wrong whatever it holds: refuse it before reading on, so a
+        # stranger's bytes (a wrong port, a scanner) get their answer now, not at the timeout.
+        if await _recv_length(conn) != len(self._peer_token):
+            return refusal
+        token = await _recv_exactly(conn, len(self._peer_token))
+        return None if hmac.compare_digest(token, self._peer_token) else refusal
 
     async def _answer_probe(self, conn: socket.socket, body: str) -> None:
         if not (body.isascii() and body.isdigit()) or not 0 < int(body) <= MAX_PROBE_BYTES:

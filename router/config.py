@@ -33,7 +33,11 @@ class RouterConfig:
     # Usage and rate-limit charges go to the registry this often; the answer brings this router's share
     # of every key's limits (router/rate_limit.py). A router that dies loses at most one interval of usage.
     report_interval_s: float = 1.0
-    peer_token: str = ""              # bearer token sent to agents
+    # The token this router presents to agents (node_agent.auth); agents hold its SHA-256 as
+    # agent_token_sha256. Not the agents' peer_token: every site holds that one, and an agent split by
+    # role refuses it on Generate, Prefill, Decode, GetModelInfo and Drain.
+    agent_token: str = ""
+    peer_token: str = ""              # the old name of agent_token, from before the split: sent as it
     # TLS. tls_cert/tls_key: serve HTTPS. tls_ca: the CA bundle that verifies agents and an https
     # registry (None: the system roots). agent_tls: call agents over TLS; agent_client_cert/key answer
     # agents that demand client certificates (mutual TLS).
@@ -101,7 +105,15 @@ class RouterConfig:
     # are recognised from their chat template (see router/tool_calls.py).
     tool_call_parsers: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def agent_credential(self) -> str:
+        """The bearer token sent to agents: agent_token, or peer_token from a configuration of before the split."""
+        return self.agent_token or self.peer_token
+
     def validate(self) -> RouterConfig:
+        if self.agent_token and self.peer_token:
+            raise ConfigError("peer_token: a router sends agents one token, agent_token; peer_token is its old "
+                              "name: remove it")
         try:
             registry_urls(self.registry_url)
         except ValueError as exc:

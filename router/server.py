@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import socket
 
 import grpc
@@ -37,6 +38,8 @@ from router.sessions import SessionTable
 from router.site_checks import SiteChecks
 from router.snapshot_feed import SnapshotFeed
 
+log = logging.getLogger(__name__)
+
 
 class Router:
     def __init__(self, config: RouterConfig, registry: RegistryClient | None = None) -> None:
@@ -48,7 +51,10 @@ class Router:
         self._owns_registry = registry is None
         self.registry = registry or RegistryClient(config.registry_url, config.registry_token,
                                                    verify=client_context(config.tls_ca) if config.tls_ca else True)
-        self.agents = AgentPool(config.peer_token, agent_credentials(config))
+        if config.peer_token:
+            log.warning("router: peer_token is the old name of agent_token; rename it (agents split by role "
+                        "refuse their peer token from routers: deploy/README.md, Tokens)")
+        self.agents = AgentPool(config.agent_credential, agent_credentials(config))
         self.metrics = RouterMetrics()
         self.feed = SnapshotFeed(self.metrics.counting_errors("snapshot", self.registry.snapshot),
                                  config.snapshot_refresh_s, config.snapshot_max_age_s,

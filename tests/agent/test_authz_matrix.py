@@ -1,26 +1,35 @@
 """Who may call an agent: every gRPC method and the KV data port against every credential.
 
-Only the peer token opens them. Tokens of the other roles (the registry's admin, router and site
-tokens, a client's API key) are refused like a wrong one, before any handler runs; the header is
-read as the registry and routers read theirs, and an ambiguous call (two authorization entries) is
-refused whichever of them holds the token.
+Split by role (node_agent.auth): the agent token (routers) opens Generate, Prefill, Decode,
+GetModelInfo and Drain; the peer token (agents) opens FetchKV and the KV data port; Health and
+ReleaseKV take either. A valid token of the other role is PERMISSION_DENIED with the token the method
+takes named; a missing or unknown one is UNAUTHENTICATED. Tokens of other services (the registry's
+admin, router and site tokens, a client's API key) are refused like a wrong one, before any handler
+runs. An agent configured with the peer token alone (before the split) opens every method to it.
+The header is read as the registry and routers read theirs, and an ambiguous call (two authorization
+entries) is refused whichever of them holds the token.
 """
 
 from __future__ import annotations
+
+import logging
 
 import grpc
 import pytest
 from grpc import aio
 
 from engine.errors import EngineError
-from node_agent.auth import TokenAuthInterceptor
+from node_agent.auth import METHOD_ROLES, PEER, ROUTER, TokenAuthInterceptor, token_digest
 from node_agent.kv_data import KVDataServer, probe, receive_bulk
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 
-from .conftest import PEER_TOKEN
+from .conftest import MODEL, PEER_TOKEN, collect, prompt, sampling
 
-OTHER_ROLES = {"admin": "h17-admin-token", "router": "efr-router-token", "site": "efs-site-token",
-               "api_key": "ef-client-key", "near_miss": PEER_TOKEN + "x", "prefix": PEER_TOKEN[:-1]}
+AGENT_TOKEN = "efag-router-secret"
+OTHER_ROLES = {"admin": "h17-admin-token", "registry_router": "efr-router-token", "site": "efs-site-token",
+               "api_key": "ef-client-key", "near_miss": PEER_TOKEN + "x", "prefix": PEER_TOKEN[:-1],
+               "agent_near_miss": AGENT_TOKEN + "x", "agent_digest": token_digest(AGENT_TOKEN)}
+ROLE_TOKENS = {ROUTER: AGENT_TOKEN, PEER: PEER_TOKEN}
 # method -> (request, streams its answer)
 CALLS = {
     "Health": (agent_pb2.HealthRequest(), False),
@@ -32,6 +41,7 @@ CALLS = {
     "Decode": (agent_pb2.DecodeRequest(model="tiny", prompt_ids=[1, 2]), True),
     "Drain": (agent_pb2.DrainRequest(), False),
 }
+PASSED = (grpc.StatusCode.OK, grpc.StatusCode.UNIMPLEMENTED)  # UNIMPLEMENTED: the call got past auth
 
 
 class HealthOnly(agent_pb2_grpc.AgentServicer):
@@ -41,19 +51,33 @@ class HealthOnly(agent_pb2_grpc.AgentServicer):
         return agent_pb2.HealthResponse()
 
 
-@pytest.fixture
-async def stub():
-    server = aio.server(interceptors=[TokenAuthInterceptor(PEER_TOKEN)])
+async def serve_stub(*interceptor_args):
+    server = aio.server(interceptors=[TokenAuthInterceptor(*interceptor_args)])
     agent_pb2_grpc.add_AgentServicer_to_server(HealthOnly(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, aio.insecure_channel(f"127.0.0.1:{port}")
+
+
+@pytest.fixture
+async def stub():
+    """An agent split by role: it holds the peer token and the agent token's digest."""
+    server, channel = await serve_stub(PEER_TOKEN, token_digest(AGENT_TOKEN))
     yield agent_pb2_grpc.AgentStub(channel)
     await channel.close()
     await server.stop(None)
 
 
-async def status_of(stub, method: str, metadata) -> grpc.StatusCode:
+@pytest.fixture
+async def single_token_stub():
+    """An agent configured as before the split: the peer token alone."""
+    server, channel = await serve_stub(PEER_TOKEN)
+    yield agent_pb2_grpc.AgentStub(channel)
+    await channel.close()
+    await server.stop(None)
+
+
+async def refusal_of(stub, method: str, metadata) -> tuple[grpc.StatusCode, str]:
     request, streaming = CALLS[method]
     try:
         call = getattr(stub, method)(request, metadata=metadata, timeout=5)
@@ -63,36 +87,82 @@ async def status_of(stub, method: str, metadata) -> grpc.StatusCode:
         else:
             await call
     except aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def status_of(stub, method: str, metadata) -> grpc.StatusCode:
+    return (await refusal_of(stub, method, metadata))[0]
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-async def test_every_method_opens_to_the_peer_token_only(stub):
+def test_every_method_of_the_service_has_its_roles():
+    methods = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["Agent"].methods}
+    assert methods == set(METHOD_ROLES) == set(CALLS)
+
+
+async def test_each_method_opens_to_its_roles_token_only(stub):
     for method in CALLS:
-        assert await status_of(stub, method, bearer(PEER_TOKEN)) in (grpc.StatusCode.OK, grpc.StatusCode.UNIMPLEMENTED)
+        for role, token in ROLE_TOKENS.items():
+            code, details = await refusal_of(stub, method, bearer(token))
+            if role in METHOD_ROLES[method]:
+                assert code in PASSED, (method, role, details)
+            else:
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (method, role)
         assert await status_of(stub, method, ()) == grpc.StatusCode.UNAUTHENTICATED, method
         for role, token in OTHER_ROLES.items():
             assert await status_of(stub, method, bearer(token)) == grpc.StatusCode.UNAUTHENTICATED, (method, role)
 
 
+@pytest.mark.parametrize("method", ["Generate", "Prefill", "Decode", "GetModelInfo", "Drain"])
+async def test_the_peer_token_cannot_act_as_a_router(stub, method):
+    """What a compromised site could do to its peers with the token it holds to pull KV: nothing here."""
+    code, details = await refusal_of(stub, method, bearer(PEER_TOKEN))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert f"{method} takes the agent token" in details and "not the peer token" in details
+    assert PEER_TOKEN not in details and AGENT_TOKEN not in details
+
+
+async def test_the_agent_token_cannot_pull_kv(stub):
+    code, details = await refusal_of(stub, "FetchKV", bearer(AGENT_TOKEN))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "FetchKV takes the peer token" in details and "not the agent token" in details
+
+
+async def test_a_missing_token_is_told_which_token_the_method_takes(stub):
+    code, details = await refusal_of(stub, "FetchKV", ())
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "the peer token" in details and "agent token" not in details
+    code, details = await refusal_of(stub, "Drain", ())
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "the agent token" in details and "peer token" not in details
+
+
+async def test_a_single_token_agent_opens_every_method_to_its_peer_token(single_token_stub):
+    for method in CALLS:
+        assert await status_of(single_token_stub, method, bearer(PEER_TOKEN)) in PASSED, method
+        assert await status_of(single_token_stub, method, ()) == grpc.StatusCode.UNAUTHENTICATED, method
+        for role, token in {**OTHER_ROLES, "agent": AGENT_TOKEN}.items():
+            status = await status_of(single_token_stub, method, bearer(token))
+            assert status == grpc.StatusCode.UNAUTHENTICATED, (method, role)
+
+
 @pytest.mark.parametrize("authorization", [PEER_TOKEN, f"Basic {PEER_TOKEN}", "Bearer", f"Bearer{PEER_TOKEN}",
-                                           f"Token {PEER_TOKEN}"])
+                                           f"Token {PEER_TOKEN}", f"Bearer{AGENT_TOKEN}", AGENT_TOKEN])
 async def test_malformed_headers_are_refused(stub, authorization):
     assert await status_of(stub, "Health", (("authorization", authorization),)) == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_the_scheme_is_case_insensitive_as_on_the_registry_and_routers(stub):
-    for authorization in (f"bearer {PEER_TOKEN}", f"BEARER {PEER_TOKEN}", f"Bearer  {PEER_TOKEN}"):
-        assert await status_of(stub, "Health", (("authorization", authorization),)) == grpc.StatusCode.OK
+    for token in (PEER_TOKEN, AGENT_TOKEN):
+        for authorization in (f"bearer {token}", f"BEARER {token}", f"Bearer  {token}"):
+            assert await status_of(stub, "Health", (("authorization", authorization),)) == grpc.StatusCode.OK
 
 
 async def test_two_authorization_entries_are_refused_in_either_order(stub):
     for entries in ((f"Bearer {PEER_TOKEN}", "Bearer wrong"), ("Bearer wrong", f"Bearer {PEER_TOKEN}"),
-                    (f"Bearer {PEER_TOKEN}", f"Bearer {PEER_TOKEN}")):
+                    (f"Bearer {PEER_TOKEN}", f"Bearer {PEER_TOKEN}"), (f"Bearer {AGENT_TOKEN}", f"Bearer {PEER_TOKEN}")):
         metadata = tuple(("authorization", value) for value in entries)
         try:
             await stub.Health(agent_pb2.HealthRequest(), metadata=metadata, timeout=5)
@@ -102,12 +172,16 @@ async def test_two_authorization_entries_are_refused_in_either_order(stub):
             pytest.fail(f"a call with two authorization entries was served: {entries}")
 
 
-async def test_refusals_never_echo_the_token(stub):
-    for token in (PEER_TOKEN + "x", OTHER_ROLES["admin"]):
-        try:
-            await stub.Health(agent_pb2.HealthRequest(), metadata=bearer(token), timeout=5)
-        except aio.AioRpcError as exc:
-            assert token not in exc.details() and PEER_TOKEN not in exc.details()
+async def test_refusals_never_echo_a_token(stub):
+    for method in CALLS:
+        for token in (PEER_TOKEN + "x", OTHER_ROLES["admin"], PEER_TOKEN, AGENT_TOKEN):
+            _code, details = await refusal_of(stub, method, bearer(token))
+            assert token not in details and PEER_TOKEN not in details and AGENT_TOKEN not in details
+
+
+def test_an_agent_token_equal_to_the_peer_token_is_refused():
+    with pytest.raises(ValueError, match="must differ"):
+        TokenAuthInterceptor(PEER_TOKEN, token_digest(PEER_TOKEN))
 
 
 @pytest.fixture
@@ -125,9 +199,85 @@ async def test_the_kv_data_port_opens_to_the_peer_token_only(data_port):
     assert (await probe(data_port, PEER_TOKEN, 64, timeout=5)).num_bytes == 64
     with pytest.raises(EngineError, match="unknown, released or expired"):
         await receive_bulk(data_port, PEER_TOKEN, "no-such-handle", None, [], timeout=5)
-    for role, token in {**OTHER_ROLES, "empty": "", "bearer": f"Bearer {PEER_TOKEN}"}.items():
-        with pytest.raises(EngineError, match="missing or wrong peer token"):
+    refused = {**OTHER_ROLES, "agent": AGENT_TOKEN, "empty": "", "bearer": f"Bearer {PEER_TOKEN}"}
+    for role, token in refused.items():
+        with pytest.raises(EngineError, match="missing or wrong peer token") as probed:
             await probe(data_port, token, 64, timeout=5)
-        with pytest.raises(EngineError, match="missing or wrong peer token") as refused:
+        assert "takes the peer token only" in str(probed.value), role
+        with pytest.raises(EngineError, match="missing or wrong peer token") as pulled:
             await receive_bulk(data_port, token, "no-such-handle", None, [], timeout=5)
-        assert PEER_TOKEN not in str(refused.value), role
+        assert PEER_TOKEN not in str(pulled.value) and AGENT_TOKEN not in str(pulled.value), role
+
+
+# -- real agents -----------------------------------------------------------------------------------
+
+async def test_split_agents_serve_a_split_request_with_each_token_in_its_place(start_agent, connect, caplog):
+    """The router's calls carry the agent token, the decode site pulls the KV with the peer token (over
+    the data port, nothing recomputed), and the tokens equal a colocated run's; the peer token a site
+    holds opens none of the router's methods on its peer."""
+    digest = token_digest(AGENT_TOKEN)
+    with caplog.at_level(logging.WARNING, logger="node_agent.daemon"):
+        a = await start_agent("site-a", agent_token_sha256=digest)
+        b = await start_agent("site-b", agent_token_sha256=digest)
+    assert "agent_token_sha256 is not set" not in caplog.text
+    router_a, router_b = connect(a, AGENT_TOKEN), connect(b, AGENT_TOKEN)
+    params, prompt_ids = sampling(), prompt(40)
+    colocated = await collect(router_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                          sampling=params)))
+    result = await router_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
+    decoded = await collect(router_b.decode(agent_pb2.DecodeRequest(
+        model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
+        kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+    assert [result.first_token.token_id, *decoded] == colocated
+    assert b.metrics.kv_bytes_received._value.get() == result.kv_bytes > 0
+    assert b.metrics.kv_fallbacks._value.get() == 0
+
+    peer = connect(a, PEER_TOKEN)
+    for call in (peer.drain(deadline_s=1.0),
+                 collect(peer.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                 sampling=params))),
+                 peer.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))):
+        with pytest.raises(aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (await peer.health()).status == agent_pb2.HealthResponse.SERVING  # not drained
+    with pytest.raises(aio.AioRpcError) as refused:
+        await collect(router_a.fetch_kv("any-handle"))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_a_single_token_agent_serves_as_before_and_warns_once(start_agent, connect, caplog):
+    with caplog.at_level(logging.WARNING, logger="node_agent.daemon"):
+        a = await start_agent("site-a")
+        b = await start_agent("site-b")
+    warnings = [r for r in caplog.records if "agent_token_sha256 is not set" in r.getMessage()]
+    assert [r.levelno for r in warnings] == [logging.WARNING] * 2
+    assert "peer token also opens the router methods" in warnings[0].getMessage()
+    client_a, client_b = connect(a, PEER_TOKEN), connect(b, PEER_TOKEN)
+    params, prompt_ids = sampling(), prompt(40, start=3)
+    colocated = await collect(client_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                          sampling=params)))
+    result = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
+    decoded = await collect(client_b.decode(agent_pb2.DecodeRequest(
+        model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
+        kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+    assert [result.first_token.token_id, *decoded] == colocated
+    assert b.metrics.kv_fallbacks._value.get() == 0
+
+
+async def test_an_agent_split_before_its_peer_still_serves_the_split_request_by_recomputing(start_agent, connect):
+    """Mid-rollout: the decode site's peer token is not its source's. The pull is refused, the decode
+    site recomputes (same tokens), and it says why in its fallback count rather than failing the request."""
+    a = await start_agent("site-a", agent_token_sha256=token_digest(AGENT_TOKEN))
+    b = await start_agent("site-b", peer_token="another-peer-token", agent_token_sha256=token_digest(AGENT_TOKEN))
+    router_a, router_b = connect(a, AGENT_TOKEN), connect(b, AGENT_TOKEN)
+    params, prompt_ids = sampling(), prompt(30, start=5)
+    colocated = await collect(router_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
+                                                                          sampling=params)))
+    result = await router_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
+    decoded = await collect(router_b.decode(agent_pb2.DecodeRequest(
+        model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
+        kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
+    assert [result.first_token.token_id, *decoded] == colocated
+    assert b.metrics.kv_fallbacks._value.get() == 1
+

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deploy.cli import build_parser
+from node_agent.auth import token_digest
 from node_agent.cli import overrides_from_args
 from node_agent.config import ConfigError, load_config
 
@@ -135,3 +138,25 @@ def test_speculative_settings_reach_the_engine(tmp_path, tiny_model_dir):
     spec = engine_config(load_config(write(tmp_path, site_toml(tiny_model_dir, extra)), environ={})).speculative
     assert (spec.method, spec.num_speculative_tokens, spec.draft_model) == ("draft", 5, str(tiny_model_dir))
     assert engine_config(load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={})).speculative is None
+
+
+def test_the_agent_token_digest_comes_from_file_or_environment(tmp_path, tiny_model_dir):
+    digest = token_digest("efag-router")
+    config = load_config(write(tmp_path, site_toml(tiny_model_dir, f'agent_token_sha256 = "{digest}"')), environ={})
+    assert config.agent_token_sha256 == digest
+    config = load_config(write(tmp_path, site_toml(tiny_model_dir)),
+                         environ={"EDGEFIRE_AGENT_AGENT_TOKEN_SHA256": digest.upper()})
+    assert config.agent_token_sha256 == digest.upper()
+    assert load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={}).agent_token_sha256 == ""
+
+
+@pytest.mark.parametrize("value, words", [
+    # the peer token's own digest: one token would open both roles again
+    (token_digest("s3cret"), "agent_token_sha256: it is the digest of peer_token"),
+    (token_digest("s3cret").upper(), "agent_token_sha256: it is the digest of peer_token"),
+    ("efag-router", "agent_token_sha256: must be the SHA-256 of the routers' agent_token as 64 hex digits"),
+    ("z" * 64, "not the token itself"),
+])
+def test_a_bad_agent_token_digest_is_refused_at_start(tmp_path, tiny_model_dir, value, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(write(tmp_path, site_toml(tiny_model_dir, f'agent_token_sha256 = "{value}"')), environ={})

@@ -110,7 +110,7 @@ def test_the_example_router_config_loads(tmp_path):
     geoip = tmp_path / "GeoLite2-City.mmdb"  # the router only checks the file is there at load
     geoip.write_bytes(b"")
     config = load_router_config(DEPLOY / "config" / "router.toml", {"geoip_db": str(geoip)})
-    assert config.registry_token and config.peer_token and config.metrics_listen
+    assert config.registry_token and config.agent_token and config.metrics_listen
 
 
 def test_the_agent_statefulset_starts_with_its_configmap_and_environment(tmp_path):
@@ -137,7 +137,7 @@ def test_the_router_deployment_config_loads_as_its_shell_assembles_it(tmp_path):
     tokens = find("Secret", "edgefire-router")["stringData"]["tokens.toml"]
     (tmp_path / "router.toml").write_text(find("ConfigMap", "edgefire-router")["data"]["router.toml"] + tokens)
     config = load_router_config(tmp_path / "router.toml")
-    assert config.registry_token and config.peer_token
+    assert config.registry_token and config.agent_token
 
 
 # -- environment variables --------------------------------------------------------------------------
