@@ -43,6 +43,8 @@ class TokenEvent:
     # accepted tokens, or a reader that fell behind): the next read returns at once, so a reader may
     # hold this one back and pass both on together.
     more: bool = False
+    num_accepted_prediction_tokens: int = 0  # running totals of the request's predicted-output proposals
+    num_rejected_prediction_tokens: int = 0
 
 
 class EngineDeadError(EngineError):
@@ -130,7 +132,9 @@ class AsyncEngine:
                 self._streams.pop(out.request_id, None)
             loop, queue = target
             event = TokenEvent(out.token.token_id, out.token.logprob, out.token.top_logprobs, out.finish_reason,
-                               out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle)
+                               out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle,
+                               num_accepted_prediction_tokens=out.num_accepted_prediction_tokens,
+                               num_rejected_prediction_tokens=out.num_rejected_prediction_tokens)
             batches.setdefault(loop, []).append((queue, (event, out.finished)))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)

@@ -115,6 +115,9 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_handle: str | None = None         # set when a prefill-only request finishes
+    # Proposals from the request's predicted output verified so far: kept, and not kept (running totals)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -258,7 +261,9 @@ class LLMEngine:
         self.step_totals = StepTotals()
         self.step_phases = StepPhases()
         self.num_kv_blocks_from_compression = self.executor.num_kv_blocks_from_compression
-        self.speculator = self._speculator(num_blocks) if config.speculative is not None else None
+        # Built without speculation configured too (pipeline parallelism aside): a request's predicted output
+        # proposes tokens on any engine.
+        self.speculator = self._speculator(num_blocks) if self.pipeline_depth == 1 else None
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB per rank, %s), max_model_len %d%s", num_blocks,
                  config.block_size, num_blocks * self.executor.bytes_per_block / 2**20, self.layout, self.max_model_len,
                  f"; {self.num_kv_blocks_from_compression} of them from the memory compressed_in_memory saves"
@@ -308,6 +313,8 @@ class LLMEngine:
 
     def _speculator(self, num_blocks: int) -> Speculator:
         spec = self.config.speculative
+        if spec is None:  # no proposer of the site's own: only predicted outputs propose, with the default k
+            return Speculator(SpeculativeConfig(), None, self.block_manager, self.config.max_num_batched_tokens)
         if spec.method == "draft":
             from engine.draft import DraftProposer
             proposer = DraftProposer(spec.draft_model, self.model_dir, self.config, self.device, self.dtype, num_blocks)
@@ -349,6 +356,9 @@ class LLMEngine:
                                       f"including at least one generated token")
         if len(generated_ids) >= params.max_tokens:
             raise InvalidRequestError(f"{len(generated_ids)} tokens already generated reach max_tokens {params.max_tokens}")
+        if len(params.prediction_ids) > self.max_model_len:
+            raise InvalidRequestError(f"the predicted output has {len(params.prediction_ids)} tokens; this model's "
+                                      f"context holds {self.max_model_len}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         seq = Sequence(request_id, prompt_ids, params, seed, max_total, prefill_only)
@@ -565,6 +575,9 @@ class LLMEngine:
         seq.token_ids.append(token.token_id)
         out = StepOutput(seq.request_id, token, num_prompt_tokens=seq.num_prompt_tokens,
                          num_cached_tokens=seq.num_cached_tokens)
+        if seq.prediction is not None:
+            out.num_accepted_prediction_tokens = seq.prediction.num_accepted
+            out.num_rejected_prediction_tokens = seq.prediction.num_rejected
         stops = set(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
             stops |= self.eos_token_ids

@@ -48,6 +48,9 @@ class SamplingParams:
     min_p: float = 0.0               # 0 means off; drops tokens below min_p x the top token's probability
     grammar: GrammarSpec | None = None  # the output must follow it (engine.grammar)
     no_speculation: bool = False     # never verify proposed tokens for this request (engine.speculative)
+    # The client's predicted output: proposals (engine.ngram.PredictionLookup), verified like any other,
+    # so the output is what it would be without them
+    prediction_ids: list[int] = field(default_factory=list)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -96,6 +99,12 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop token ids must be integers, got {token_id!r}")
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(f"stop token id {token_id!r} is outside the vocabulary (size {vocab_size})")
+        if not isinstance(self.prediction_ids, (list, tuple)):
+            raise InvalidRequestError(f"prediction_ids must be a list of token ids, got {self.prediction_ids!r}")
+        bad = next((t for t in self.prediction_ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prediction token id {bad!r} is not a token id of this vocabulary (size "
+                                      f"{vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,11 @@ for them goes back to the pool (the prefix cache only ever hashes blocks of kept
 Proposers: `ngram` (engine.ngram) looks the sequence's last n tokens up in its own prompt and
 output and proposes what followed their latest earlier occurrence; `draft` (engine.draft) runs a
 smaller model with the same tokenizer, with its own paged KV, k single-token steps per step.
+A request may also bring a predicted output (`SamplingParams.prediction_ids`): where the output's
+last tokens occur in it, what follows them there is the step's proposal, ahead of the site's proposer
+(engine.ngram.PredictionLookup), and on a site configured without speculation too (then with the
+default k). Its proposals are verified as n-gram proposals are, so they change no token either; how
+they fared is counted per request (reported to the client) and left out of the site's acceptance.
 
 What the model "would have produced" at a row is decided exactly as without speculation:
 
@@ -55,6 +60,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_manager import BlockManager
+from engine.ngram import PredictionLookup
 from engine.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SampledToken, draw_tokens, draw_uniform,
                              probabilities, process_logits, sample, sampled_tokens)
 from engine.scheduler import ScheduledSeq
@@ -143,7 +149,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer, block_manager: BlockManager,
                  max_num_batched_tokens: int) -> None:
         self.config = config
-        self.proposer = proposer            # engine.ngram.NgramProposer or engine.draft.DraftProposer
+        # engine.ngram.NgramProposer or engine.draft.DraftProposer; None: only predicted outputs propose
+        self.proposer = proposer
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_draft_tokens = 0           # proposed tokens verified by the model
@@ -151,14 +158,19 @@ class Speculator:
         self.num_verifications = 0          # sequence-steps that verified at least one proposal
         self.pooled = PooledRecord()
         self._explore_in = 0                # steps until a new sequence may probe while the pool fails
+        self._predicted: set[Sequence] = set()  # sequences verifying their prediction's proposals this step
 
     # -- before the forward --------------------------------------------------------------------
 
     def plan(self, scheduled: list[ScheduledSeq]) -> int:
         """Give the scheduled decode sequences that should speculate their proposals (`draft_ids`), with
         blocks for them; returns the number of proposed tokens in the step."""
+        self._predicted.clear()
+        if self.proposer is None and not any(item.seq.params.prediction_ids for item in scheduled):
+            return 0  # a site without speculation, and no request brought a prediction: the common step
         budget = self.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
         wanted: list[tuple[ScheduledSeq, int]] = []
+        predicted: list[tuple[ScheduledSeq, list[int]]] = []
         threshold = self.config.accept_threshold
         self._explore_in = max(0, self._explore_in - 1)
         for item in scheduled:
@@ -173,6 +185,14 @@ class Speculator:
                         seq.max_total_tokens - seq.num_tokens - 1)
             if limit < 1:
                 continue
+            if seq.params.prediction_ids:
+                drafts = _prediction(seq).propose(seq.token_ids, seq.num_prompt_tokens, limit)
+                if drafts:
+                    predicted.append((item, drafts))
+                    budget -= len(drafts)
+                    continue
+            if self.proposer is None:
+                continue
             prior = self._prior(seq)
             if seq.spec is None:
                 seq.spec = SpecState()
@@ -186,21 +206,25 @@ class Speculator:
                 continue
             wanted.append((item, depth))
             budget -= depth
-        if not wanted:
-            return 0
-        proposals = self.proposer.propose([(item.seq, depth) for item, depth in wanted])
+        candidates = [(item, drafts, True) for item, drafts in predicted]
+        if wanted:
+            proposals = self.proposer.propose([(item.seq, depth) for item, depth in wanted])
+            candidates += [(item, drafts, False) for (item, _), drafts in zip(wanted, proposals)]
         num_drafts = 0
         bm = self.block_manager
-        for (item, _), drafts in zip(wanted, proposals):
+        for item, drafts, from_prediction in candidates:
             seq, count = item.seq, len(drafts)
             while count and not bm.can_grow(seq, seq.num_tokens + count):  # never preempt for a proposal
                 count -= 1
             if not count:
-                self.proposer.settle(seq, 0)
+                if not from_prediction:
+                    self.proposer.settle(seq, 0)
                 continue
             bm.grow(seq, seq.num_tokens + count)
             item.draft_ids = tuple(drafts[:count])
             num_drafts += count
+            if from_prediction:
+                self._predicted.add(seq)
         return num_drafts
 
     # -- after the forward ---------------------------------------------------------------------
@@ -222,8 +246,8 @@ class Speculator:
                     prompt_lens.append(seq.num_prompt_tokens)
         plain = sample(logits, params, seeds, indices, histories or None, prompt_lens or None, allowed)
         # a draft model's sampled proposals: q from the draft, p for all their rows at once
-        draft_q = [None if not item.draft_ids or item.seq.params.greedy else self.proposer.draft_probs(item.seq)
-                   for item in items]
+        draft_q = [None if not item.draft_ids or item.seq.params.greedy or item.seq in self._predicted
+                   else self.proposer.draft_probs(item.seq) for item in items]
         p_rows = self._target_probs(items, draft_q, logits, params, histories, prompt_lens)
         emitted, row, p_row = [], 0, 0
         for item, q in zip(items, draft_q):
@@ -290,6 +314,10 @@ class Speculator:
         return sampled_tokens(torch.tensor(chosen), [seq.params] * rows, torch.log_softmax(logits[:rows], dim=-1))
 
     def _settle(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        if seq in self._predicted:  # the request's own proposals: they say nothing of the site's proposer
+            self._predicted.discard(seq)
+            seq.prediction.record(num_proposed, num_accepted)
+            return
         self.pooled.record(num_proposed, num_accepted)
         seq.spec.record(num_proposed, num_accepted, self.config.accept_threshold, self._prior(seq))
         self.proposer.settle(seq, num_accepted)
@@ -306,7 +334,16 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         """The sequence left the engine (finished, aborted): whatever the proposer holds for it goes."""
-        self.proposer.release(seq)
+        self._predicted.discard(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+
+
+def _prediction(seq: Sequence) -> PredictionLookup:
+    """The sequence's predicted output, indexed on its first lookup (on this engine: a resume indexes it again)."""
+    if seq.prediction is None:
+        seq.prediction = PredictionLookup(seq.params.prediction_ids)
+    return seq.prediction
 
 
 def _penalized(params) -> bool:

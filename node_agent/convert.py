@@ -28,6 +28,7 @@ def sampling_from_proto(msg: agent_pb2.SamplingParams) -> SamplingParams:
         min_p=msg.min_p,
         grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
         no_speculation=msg.no_speculation,
+        prediction_ids=list(msg.prediction_ids),
     )
 
 
@@ -46,7 +47,8 @@ def sampling_to_proto(params: SamplingParams) -> agent_pb2.SamplingParams:
                                    ignore_eos=params.ignore_eos, repetition_penalty=params.repetition_penalty,
                                    presence_penalty=params.presence_penalty,
                                    frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias,
-                                   min_p=params.min_p, no_speculation=params.no_speculation)
+                                   min_p=params.min_p, no_speculation=params.no_speculation,
+                                   prediction_ids=params.prediction_ids)
     if params.grammar is not None:
         msg.grammar.CopyFrom(grammar_to_proto(params.grammar))
     if params.seed is not None:
@@ -76,5 +78,7 @@ async def token_chunks(events: AsyncIterator[TokenEvent]) -> AsyncIterator[agent
             continue
         yield agent_pb2.TokenChunk(tokens=[token_to_proto(e) for e in held], finish_reason=event.finish_reason or "",
                                    num_prompt_tokens=event.num_prompt_tokens,
-                                   num_cached_tokens=event.num_cached_tokens)
+                                   num_cached_tokens=event.num_cached_tokens,
+                                   num_accepted_prediction_tokens=event.num_accepted_prediction_tokens,
+                                   num_rejected_prediction_tokens=event.num_rejected_prediction_tokens)
         held = []

@@ -80,6 +80,8 @@ class CompletionService:
         prompts = [await self._tokenize(request, assets, i) for i in range(request.num_prompts)]
         max_tokens = [self._check_lengths(request, ids, assets, self._prompt_param(request, i))
                       for i, ids in enumerate(prompts)]
+        if request.prediction:
+            request.prediction_ids = await self._tokenize_prediction(request, assets)
         # A tool-call grammar is built off the event loop: the first one of a model reads its vocabulary as
         # the grammar library does (about a second for 128k tokens, then cached).
         grammar = (await asyncio.to_thread(request_grammar, request, assets) if _tool_grammar(request)
@@ -221,6 +223,19 @@ class CompletionService:
         except TemplateError as exc:
             raise bad_request(f"The model's chat template rejected these messages: {exc}", "messages") from exc
 
+    async def _tokenize_prediction(self, request: CompletionRequest, assets: ModelAssets) -> list[int]:
+        """The predicted output's token ids, as the model would write them (no special tokens added)."""
+        text = request.prediction
+        if len(text) > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
+            ids = await asyncio.to_thread(assets.tokenizer.encode, text, False)
+        else:
+            ids = assets.tokenizer.encode(text, False)
+        context = assets.context_length or (self.limits.max_prompt_tokens + self.limits.default_max_tokens)
+        if len(ids) > context:
+            raise bad_request(f"`prediction.content` is {len(ids)} tokens, more than the model's whole context "
+                              f"({context}); predict the answer only.", "prediction.content")
+        return ids
+
     def _check_lengths(self, request: CompletionRequest, prompt_ids: list[int], assets: ModelAssets,
                        param: str) -> int:
         """The max_tokens of one prompt (`param` names it), or a 4xx when the prompt does not fit."""
@@ -314,7 +329,8 @@ def sampling_params(request: CompletionRequest, assets: ModelAssets, max_tokens:
         repetition_penalty=_wire_penalty(_first(request.repetition_penalty, defaults.repetition_penalty, 1.0)),
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         logit_bias=request.logit_bias, min_p=request.min_p or 0.0,
-        stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs, no_speculation=request.no_speculation)
+        stop_token_ids=assets.eos_token_ids, logprobs=request.logprobs, no_speculation=request.no_speculation,
+        prediction_ids=request.prediction_ids)
     if grammar is not None:
         setattr(sampling.grammar, grammar.kind, grammar.source)  # Grammar's oneof is named by the kinds
     if request.seed is not None:
@@ -400,8 +416,11 @@ class CompletionRun:
 
     def usage(self) -> dict:
         num_reasoning = self.reasoning.num_reasoning_tokens if self.reasoning is not None else None
-        return responses.usage(self.num_prompt_tokens, self.num_completion_tokens,
-                               self.generation.num_cached_tokens, num_reasoning)
+        g = self.generation
+        prediction = ((g.num_accepted_prediction_tokens, g.num_rejected_prediction_tokens)
+                      if self.request.prediction is not None else None)
+        return responses.usage(self.num_prompt_tokens, self.num_completion_tokens, g.num_cached_tokens,
+                               num_reasoning, prediction)
 
     async def _deltas(self) -> AsyncIterator[tuple[str, str, list, str | None]]:
         """(answer text, reasoning text, tokens, finish_reason) per step; stops the generation at a stop
@@ -653,9 +672,13 @@ class Choices:
         body["prompt_tokens"], body["prompt_tokens_details"]["cached_tokens"] = prompts_usage(self.runs)
         body["completion_tokens"] = self.num_completion_tokens
         body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
-        if "completion_tokens_details" in body:
-            body["completion_tokens_details"]["reasoning_tokens"] = sum(
+        details = body.get("completion_tokens_details", {})
+        if "reasoning_tokens" in details:
+            details["reasoning_tokens"] = sum(
                 run.reasoning.num_reasoning_tokens for run in self.runs if run.reasoning is not None)
+        if "accepted_prediction_tokens" in details:
+            details["accepted_prediction_tokens"] = sum(r.generation.num_accepted_prediction_tokens for r in self.runs)
+            details["rejected_prediction_tokens"] = sum(r.generation.num_rejected_prediction_tokens for r in self.runs)
         return body
 
     async def response(self) -> dict:

@@ -134,6 +134,9 @@ class Generation:
     num_attempts: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # The predicted output's proposals the sites kept and rejected, over every attempt (a resumed one's too)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     _failed: set[str] = field(default_factory=set)
     # (site, "prefill" | "decode") an agent refused for its role: the pool planner moved it and this
     # router's snapshot is behind. The site is fine for its other role, so it is not a failure.
@@ -335,6 +338,7 @@ class Generation:
     async def _read(self, call, site: str) -> AsyncIterator[TokenStep]:
         timeout, timer = self.policy.first_token_timeout_s, _ReadTimer(self._lost_check(site))
         first = True
+        counted = (0, 0)  # this call's prediction counts already added (its chunks carry running totals)
         try:
             while True:
                 chunk = await timer.read(call, timeout)
@@ -344,6 +348,11 @@ class Generation:
                     self.num_prompt_tokens = chunk.num_prompt_tokens or len(self.prompt_ids)
                     self.num_cached_tokens = chunk.num_cached_tokens
                 first, timeout = False, self.policy.token_idle_timeout_s
+                totals = (chunk.num_accepted_prediction_tokens, chunk.num_rejected_prediction_tokens)
+                if totals != counted:
+                    self.num_accepted_prediction_tokens += totals[0] - counted[0]
+                    self.num_rejected_prediction_tokens += totals[1] - counted[1]
+                    counted = totals
                 step = TokenStep(list(chunk.tokens), chunk.finish_reason)
                 self._accept(step)
                 yield step

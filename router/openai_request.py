@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.grammar import GrammarSpec, check_grammar, json_schema_spec
 from router.errors import bad_request
+from router.tool_calls import has_strict_tool
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS_CHAT = 20
@@ -34,26 +35,28 @@ MAX_CHOICES = 16
 TOOL_CHOICES = ("none", "auto", "required")
 RESPONSE_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 # Every field a request may carry. Each is implemented, except ACCEPTED_WITHOUT_EFFECT.
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream",
     "stream_options", "logprobs", "top_logprobs", "user", "prompt_cache_key", "tools", "tool_choice",
     "parallel_tool_calls",
-    "response_format", "documents", "chat_template_kwargs", "reasoning_effort", "speculative"})
+    "response_format", "documents", "chat_template_kwargs", "reasoning_effort", "speculative", "prediction"})
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n", "stream", "stream_options",
     "logprobs", "user", "prompt_cache_key", "echo", "best_of", "suffix", "speculative"})
 # Fields clients send that change nothing a model returns here, accepted as OpenAI accepts them:
 # `metadata` (tags for OpenAI's stored completions; nothing is stored), `store` (false only: nothing is
-# stored), `service_tier` ("auto" and "default": every request has the one tier), `modalities`
+# stored), `service_tier` (any of OpenAI's tiers: every request is served at the one tier there is, and the
+# response says "default", the tier used), `modalities`
 # (["text"] only), `safety_identifier` (an end-user id for abuse reports; no moderation runs here).
 # Completions' `best_of: 1` and `suffix: null` are the defaults. (`user` and
 # `prompt_cache_key` do take effect: they name the session whose sites hold its prefix cache.)
 ACCEPTED_WITHOUT_EFFECT = {
     "metadata": lambda v: isinstance(v, dict), "store": lambda v: v is False,
-    "service_tier": lambda v: v in ("auto", "default"), "modalities": lambda v: v == ["text"],
+    "service_tier": lambda v: v in SERVICE_TIERS, "modalities": lambda v: v == ["text"],
     "safety_identifier": lambda v: isinstance(v, str),
 }
 
@@ -91,6 +94,8 @@ class CompletionRequest:
     user: str | None = None
     prompt_cache_key: str | None = None      # names the session, as `user` does (prefix-cache affinity)
     no_speculation: bool = False             # `speculative: false`: the site verifies no proposed tokens for it
+    prediction: str | None = None            # chat: the predicted output's text (`prediction`)
+    prediction_ids: list[int] = field(default_factory=list)  # ... tokenized (router.completions)
 
     @property
     def num_prompts(self) -> int:
@@ -234,7 +239,9 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request.prompt_cache_key = _string(document, "prompt_cache_key")
     speculative = document.get("speculative")
     request.no_speculation = speculative is not None and not _bool(speculative, "speculative")
-    if not chat:
+    if chat:
+        request.prediction = _prediction(document.get("prediction"), request)
+    else:
         _refuse_completion_options(document)
         request.echo = _bool(document.get("echo"), "echo")
         if request.echo and request.logprobs is not None:
@@ -242,6 +249,36 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
                               "returned (a site computes logits only where it samples). Send one or the other.",
                               "logprobs", "unsupported_value")
     return request
+
+
+def _prediction(value, request: CompletionRequest) -> str | None:
+    """The text of OpenAI's predicted output, `{"type": "content", "content": text or [text parts]}`. Sites
+    use it as speculative proposals, so it needs speculation, and output free of a grammar (constrained
+    output is never speculated: the prediction would go unused)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise bad_request("`prediction` must be {\"type\": \"content\", \"content\": the predicted answer as a "
+                          "string or an array of text parts}.", "prediction.type" if isinstance(value, dict)
+                          else "prediction")
+    content = value.get("content")
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise bad_request("`prediction.content` must be a string or an array of text parts "
+                          "({\"type\": \"text\", \"text\": ...}).", "prediction.content")
+    if request.no_speculation:
+        raise bad_request("`prediction` is served by speculative decoding, which `speculative: false` turns off; "
+                          "send one or the other.", "prediction", "invalid_parameter_combination")
+    constrained = (request.grammar is not None or request.tool_choice == "required" or request.named_tool
+                   or (request.tool_choice == "auto" and has_strict_tool(request.tools)))
+    if constrained:
+        raise bad_request("`prediction` cannot be combined with output that follows a grammar (`response_format` "
+                          "json_object or json_schema, a required or named tool call, `strict` tools): constrained "
+                          "output is never speculated, so the prediction would go unused. Send one or the other.",
+                          "prediction", "invalid_parameter_combination")
+    return content
 
 
 def _max_tokens(document: dict, chat: bool) -> tuple[int | None, str]:
@@ -329,13 +366,16 @@ def _refuse_completion_options(document: dict) -> None:
 
 
 _WITHOUT_EFFECT_HINTS = {"metadata": "an object", "store": "false; nothing is stored",
-                         "service_tier": "\"auto\" or \"default\"", "modalities": "[\"text\"]",
+                         "service_tier": f"{', '.join(map(json.dumps, SERVICE_TIERS[:-1]))} or "
+                                         f"{json.dumps(SERVICE_TIERS[-1])}; every request is served at the one "
+                                         f"tier there is, answered as \"default\"",
+                         "modalities": "[\"text\"]",
                          "safety_identifier": "a string"}
 _UNIMPLEMENTED_HINTS = {
     "functions": "send `tools` instead (the deprecated `functions` form is not accepted)",
     "function_call": "send `tool_choice` instead (the deprecated `function_call` form is not accepted)",
     "audio": "this endpoint returns text only",
-    "prediction": "predicted outputs are not supported; remove it",
+    "prediction": "predicted outputs are taken by /v1/chat/completions only",
     "web_search_options": "this endpoint has no web search",
 }
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from router.openai_request import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS_COMPLETIONS,
                                    MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED,
-                                   MAX_TOP_LOGPROBS_CHAT, MAX_UINT32, REASONING_EFFORTS, ROLES, TOOL_CHOICES)
+                                   MAX_TOP_LOGPROBS_CHAT, MAX_UINT32, REASONING_EFFORTS, ROLES, SERVICE_TIERS,
+                                   TOOL_CHOICES)
 
 
 def _nullable(schema: dict) -> dict:
@@ -75,7 +76,9 @@ _SAMPLING = {
     # Accepted without effect (router.openai_request.ACCEPTED_WITHOUT_EFFECT):
     "metadata": _nullable({"type": "object", "description": "accepted; nothing is stored"}),
     "store": _nullable({"const": False, "description": "false only; nothing is stored"}),
-    "service_tier": _nullable({"enum": ["auto", "default"]}),
+    "service_tier": _nullable({"enum": list(SERVICE_TIERS),
+                               "description": "accepted; every request is served at the one tier there is, and the "
+                                              "answer says \"default\""}),
     "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
     "safety_identifier": _nullable({"type": "string", "description": "accepted; no moderation runs here"}),
 }
@@ -123,6 +126,18 @@ CHAT_COMPLETION_REQUEST = {
         "response_format": _RESPONSE_FORMAT,
         "tool_choice": _TOOL_CHOICE,
         "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "prediction": _nullable({
+            "type": "object", "required": ["type", "content"],
+            "properties": {"type": {"const": "content"},
+                           "content": {"anyOf": [{"type": "string"},
+                                                 {"type": "array", "minItems": 1, "items": {
+                                                     "type": "object", "required": ["type", "text"],
+                                                     "properties": {"type": {"const": "text"},
+                                                                    "text": {"type": "string"}}}}]}},
+            "description": "predicted output: its tokens are proposed for speculative decoding and verified, so "
+                           "the answer is the one without it; usage.completion_tokens_details counts accepted and "
+                           "rejected prediction tokens. Not with a grammar (response_format json, a required or "
+                           "named tool call, strict tools) or speculative: false"}),
     },
     "additionalProperties": False,
 }

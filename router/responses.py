@@ -36,19 +36,30 @@ class ChunkEncoder:
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
-          num_reasoning_tokens: int | None = None) -> dict:
-    """`num_reasoning_tokens` is None for models that do not reason (no completion_tokens_details)."""
+          num_reasoning_tokens: int | None = None, prediction: tuple[int, int] | None = None) -> dict:
+    """`num_reasoning_tokens` is None for models that do not reason, `prediction` (the predicted output's
+    proposed tokens kept, and rejected) for requests without one; with neither, no completion_tokens_details."""
     body = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    details = {}
     if num_reasoning_tokens is not None:
-        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+        details["reasoning_tokens"] = num_reasoning_tokens
+    if prediction is not None:
+        details["accepted_prediction_tokens"], details["rejected_prediction_tokens"] = prediction
+    if details:
+        body["completion_tokens_details"] = details
     return body
+
+
+# The tier a chat request was served at, as OpenAI reports it: whatever `service_tier` asked for, there is one.
+SERVICE_TIER = "default"
 
 
 def chat_chunk(response_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
                logprobs: list[dict] | None, index: int = 0) -> dict:
     return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "service_tier": SERVICE_TIER,
             "choices": [{"index": index, "delta": delta,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}]}
@@ -61,8 +72,10 @@ def completion_chunk(response_id: str, created: int, model: str, text: str, fini
 
 
 def usage_chunk(response_id: str, created: int, model: str, chat: bool, usage_body: dict) -> dict:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": [],
+    if chat:
+        return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "service_tier": SERVICE_TIER, "choices": [], "usage": usage_body}
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": [],
             "usage": usage_body}
 
 
@@ -78,6 +91,7 @@ def chat_response(response_id: str, created: int, model: str, text: str, finish_
     if reasons:
         message["reasoning_content"] = reasoning
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "service_tier": SERVICE_TIER,
             "choices": [{"index": index, "message": message,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}],

@@ -128,9 +128,9 @@ async def test_an_answer_whose_characters_span_tokens_keeps_every_byte(cluster, 
 # Every parameter of the SDK's create() that the router does not implement, with a value a client sends.
 UNIMPLEMENTED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f", "parameters": {}}],
-    "function_call": "auto", "moderation": {"model": "x"}, "prediction": {"type": "content", "content": "x"},
+    "function_call": "auto", "moderation": {"model": "x"},
     "prompt_cache_options": {"mode": "x"}, "prompt_cache_retention": "24h", "verbosity": "low",
-    "web_search_options": {}, "store": True, "service_tier": "flex", "modalities": ["text", "audio"],
+    "web_search_options": {}, "store": True, "service_tier": "turbo", "modalities": ["text", "audio"],
 }
 UNIMPLEMENTED_COMPLETIONS = {"best_of": 2, "suffix": "tail"}
 
