@@ -15,6 +15,8 @@ A snapshot that comes deflated (`Content-Encoding: deflate`, as the registry sen
 accepts it) is read raw by the async client and inflated together with its JSON parse on a worker
 thread: inflating a large fleet's snapshot costs about 12 ms of CPU per poll, which on the event loop
 would hold up every stream a router relays. A body that does not inflate raises RegistryError.
+`snapshot()` asks for the packed format (registry.wire.PACKED_SNAPSHOT_MEDIA_TYPE), which a registry older
+than it answers with the JSON one; the router reads either (registry.wire.SnapshotCacheSummary).
 
 Replicas. The base URL may be several (a list, or one string of comma-separated URLs): registry
 replicas over one database, interchangeable for every call. A call goes to the replica that answered
@@ -41,6 +43,7 @@ from typing import Any
 import httpx
 
 from registry.retry import Backoff
+from registry.wire import PACKED_SNAPSHOT_MEDIA_TYPE
 
 DEFAULT_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0   # a replica that does not accept within this is passed over for the next
@@ -233,9 +236,12 @@ class RegistryOperations:
         return self._call("DELETE", "/v1/agent/registration")
 
     # Router (router token).
-    def snapshot(self, etag: str | None = None):
-        """(snapshot, etag), or (None, etag) when `etag` is still current."""
-        headers = {"If-None-Match": etag} if etag else None
+    def snapshot(self, etag: str | None = None, packed: bool = True):
+        """(snapshot, etag), or (None, etag) when `etag` is still current. `packed`: prefix-cache hashes in
+        the packed format where the registry offers it; False: the JSON format only (hex strings)."""
+        headers = {"Accept": f"{PACKED_SNAPSHOT_MEDIA_TYPE}, application/json;q=0.5" if packed else "application/json"}
+        if etag:
+            headers["If-None-Match"] = etag
         return self._call("GET", "/v1/router/snapshot", headers=headers, decode=_snapshot(etag),
                           decode_deflated=_deflated_snapshot)
 

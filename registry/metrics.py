@@ -47,7 +47,9 @@ class RegistryMetrics:
                                                "group commit", buckets=ROWS_BUCKETS, registry=r)
         self.snapshot_builds = Counter("edgefire_registry_snapshot_builds", "Snapshot work by step: read (rows from "
                                        "the database), apply (this process's heartbeat commits), render (the JSON "
-                                       "body), render_deflate (the body compressed, for routers that accept it)", ["step"], registry=r)
+                                       "body), render_deflate (the body compressed, for routers that accept it), "
+                                       "render_packed and render_packed_deflate (the same with packed prefix hashes, "
+                                       "for routers that ask)", ["step"], registry=r)
         self.snapshot_build_seconds = Histogram("edgefire_registry_snapshot_build_seconds", "Time per snapshot "
                                                 "step", ["step"], buckets=SNAPSHOT_BUCKETS, registry=r)
         self.snapshot_requests = Counter("edgefire_registry_snapshot_requests", "Router snapshot requests, by "

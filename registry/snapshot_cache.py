@@ -5,7 +5,14 @@ replica or another, is read from the database: the version counter there is the 
 body is re-rendered at most every `max_body_age_s` (or when liveness flips), and a router whose
 ETag is current gets a 304 without any rendering. A router that accepts `deflate` gets the body as a
 zlib stream spliced from fragments compressed once each (registry/snapshot.py), cached the same way;
-both encodings of one version carry the same ETag (the answer varies by Accept-Encoding).
+one that asks for the packed format gets its hashes packed (`PackedTails`), either way.
+
+Four representations of one version, then: JSON or packed, each plain or deflated. Each has its own
+strong ETag, the version with a suffix naming the format and coding (`"12.3"`, `"12.3-deflate"`,
+`"12.3-packed"`, `"12.3-packed-deflate"`): with one ETag for all, a cache revalidating a deflated body
+could be told it is current for a client that reads only plain JSON. If-None-Match is compared with
+the ETag of the representation the request selects, so a router polling as it did last time gets its
+304 and one that changed what it asks for gets the new representation.
 
 The first read after start, and the first after the database was lost, marks the registry's return
 (`RegistryReturn`, see registry/snapshot.py): sites alive when it went away get one liveness window.
@@ -22,16 +29,38 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from registry.snapshot import DeflatedFragments, RegistryReturn, SnapshotData, SnapshotReader, read_db_version
+from registry.snapshot import (DeflatedFragments, PackedTails, RegistryReturn, SnapshotData, SnapshotReader,
+                               read_db_version)
 
 MAX_PENDING_COMMITS = 1000  # beyond this many unapplied commits, a re-read is cheaper anyway
+
+
+@dataclass(slots=True, frozen=True)
+class Representation:
+    """One of the ways a snapshot version is sent: its format (hashes packed or not) and content coding."""
+
+    packed: bool = False
+    deflate: bool = False
+
+    @property
+    def encoding(self) -> str | None:
+        return "deflate" if self.deflate else None
+
+    def etag(self, version: str) -> str:
+        return f'"{version}{"-packed" if self.packed else ""}{"-deflate" if self.deflate else ""}"'
+
+    @property
+    def render_step(self) -> str:
+        """Its label in the registry's snapshot metrics."""
+        return "render" + ("_packed" if self.packed else "") + ("_deflate" if self.deflate else "")
 
 
 @dataclass(slots=True)
 class RenderedSnapshot:
     etag: str
     body: bytes | None  # None: the caller's ETag is current
-    encoding: str | None = None  # "deflate": `body` is a zlib stream of the JSON; None: the JSON itself
+    encoding: str | None = None  # "deflate": `body` is a zlib stream of the document; None: the document itself
+    packed: bool = False  # the document is in the packed format (registry.wire.PACKED_SNAPSHOT_MEDIA_TYPE)
 
 
 @dataclass(slots=True)
@@ -51,8 +80,11 @@ class SnapshotCache:
         self._lock = threading.Lock()  # one rebuild at a time; concurrent callers reuse its result
         self._reader = SnapshotReader()
         self._data: SnapshotData | None = None
-        self._bodies: dict[str | None, _Body] = {}  # by encoding (None: plain JSON)
-        self._fragments = DeflatedFragments()
+        self._bodies: dict[Representation, _Body] = {}
+        self._packed = PackedTails()
+        # One per format: a render forgets the compressed fragments it did not use, and the two formats'
+        # capacity fragments differ.
+        self._fragments = {False: DeflatedFragments(), True: DeflatedFragments()}
         self._commits_lock = threading.Lock()
         self._commits: dict[int, list[dict]] = {}  # registry version -> capacity rows that commit wrote
         self._returned: RegistryReturn | None = None  # None until the first read (and after losing the database)
@@ -65,8 +97,9 @@ class SnapshotCache:
                 self._commits.clear()
             self._commits[db_version] = rows
 
-    def get(self, if_none_match: str | None = None, deflate: bool = False) -> RenderedSnapshot:
-        """The current snapshot (`deflate`: as a zlib stream), or no body when `if_none_match` holds its ETag."""
+    def get(self, if_none_match: str | None = None, deflate: bool = False, packed: bool = False) -> RenderedSnapshot:
+        """The current snapshot (`packed`: in the packed format; `deflate`: as a zlib stream), or no body when
+        `if_none_match` holds the ETag of that representation."""
         num_catch_ups = self._num_catch_ups
         try:
             db_version = read_db_version(self._engine)
@@ -80,19 +113,23 @@ class SnapshotCache:
                 self._bodies.clear()
             now = self._clock()
             version = self._data.version_at(now)
-            etag = f'"{version}"'
+            representation = Representation(packed, deflate)
+            etag = representation.etag(version)
             if if_none_match is not None and etag in _etags(if_none_match):
-                return RenderedSnapshot(etag, None)
-            encoding = "deflate" if deflate else None
-            return RenderedSnapshot(etag, self._body(encoding, version, now), encoding)
+                return RenderedSnapshot(etag, None, representation.encoding, packed)
+            return RenderedSnapshot(etag, self._body(representation, version, now), representation.encoding, packed)
 
-    def _body(self, encoding: str | None, version: str, now: float) -> bytes:
-        body = self._bodies.get(encoding)
+    def _body(self, representation: Representation, version: str, now: float) -> bytes:
+        body = self._bodies.get(representation)
         if body is None or body.version != version or now - body.rendered_at > self._max_body_age_s:
             started = time.perf_counter()
-            rendered = self._data.render_deflated(now, self._fragments) if encoding else self._data.render(now)
-            body = self._bodies[encoding] = _Body(version, now, rendered)
-            self._observe(f"render_{encoding}" if encoding else "render", started)
+            packed = self._packed if representation.packed else None
+            if representation.deflate:
+                rendered = self._data.render_deflated(now, self._fragments[representation.packed], packed)
+            else:
+                rendered = self._data.render(now, packed)
+            body = self._bodies[representation] = _Body(version, now, rendered)
+            self._observe(representation.render_step, started)
         return body.body
 
     def _stale(self, db_version: int, num_catch_ups: int) -> bool:

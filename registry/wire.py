@@ -33,11 +33,19 @@ as the site's `role_offer` in the routers' snapshot and the admin API; the plann
 the dashboard and the routers read that field instead of re-deriving it. A snapshot from a registry
 older than the field is read by the same rule (`read_role_offer`).
 
+Packed hashes. Prefix-cache hashes are most of a large fleet's snapshot, and as JSON strings each
+takes 19 bytes for 8 of information. A router that asks for `PACKED_SNAPSHOT_MEDIA_TYPE` (HTTP
+`Accept`) gets every summary of the snapshot with `packed_hashes` instead of `hashes`: the same
+hashes in the same order, as base64 of 8-byte big-endian words (`pack_cache_hashes`);
+`SnapshotCacheSummary` reads either shape, so a router reads a registry older than the format too.
+
 Standard library and pydantic only: the router and the agent import this without the engine.
 """
 
 from __future__ import annotations
 
+import binascii
+import math
 import struct
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -45,7 +53,7 @@ from functools import cached_property
 from itertools import chain, zip_longest
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
 
 from registry.records import SITE_ROLES
 from registry.validate import MAX_MODEL_ID
@@ -57,6 +65,10 @@ MAX_TOKENS_PER_S = 1e12
 MAX_CACHE_HASHES = 16_384  # ~300 KB of JSON per heartbeat at most, over the site's and every model's summary
 MAX_MODELS_PER_SITE = 256
 CACHE_HASH_HEX_DIGITS = 16  # engine.prefix_hash hashes are 64-bit
+CACHE_HASH_BYTES = CACHE_HASH_HEX_DIGITS // 2
+MAX_PACKED_HASH_CHARS = 4 * math.ceil(MAX_CACHE_HASHES * CACHE_HASH_BYTES / 3)  # base64 of the cap's worth
+# The routers' snapshot with every prefix-cache summary's hashes packed (see "Packed hashes" above).
+PACKED_SNAPSHOT_MEDIA_TYPE = "application/vnd.edgefire.snapshot-packed+json"
 
 Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 LargeCount = Annotated[int, Field(ge=0, le=MAX_JSON_INT)]
@@ -83,9 +95,54 @@ class PrefixCacheSummary(WireModel):
         # summary on each snapshot refresh).
         return frozenset(struct.unpack(f">{len(self.hashes)}Q", bytes.fromhex("".join(self.hashes))))
 
+    @property
+    def num_hashes(self) -> int:
+        return len(self.hashes)
+
 
 def _num_hashes(summary: PrefixCacheSummary | None) -> int:
-    return 0 if summary is None else len(summary.hashes)
+    return 0 if summary is None else summary.num_hashes
+
+
+def pack_cache_hashes(hashes: list[str]) -> str:
+    """Hex cache hashes (as `PrefixCacheSummary` holds them) as the packed format's `packed_hashes`."""
+    return binascii.b2a_base64(bytes.fromhex("".join(hashes)), newline=False).decode("ascii")
+
+
+class SnapshotCacheSummary(PrefixCacheSummary):
+    """A prefix-cache summary as the routers' snapshot carries it: `hashes`, or in the packed format
+    `packed_hashes`, which a router turns into integers with no string per hash."""
+
+    model_config = ConfigDict(extra="ignore")  # fields a newer registry adds
+
+    packed_hashes: str | None = Field(None, max_length=MAX_PACKED_HASH_CHARS,
+                                      description="the hashes as base64 of 8-byte big-endian words, in order")
+    _packed: bytes | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _unpacked(self) -> SnapshotCacheSummary:
+        if self.packed_hashes is None:
+            return self
+        if self.hashes:
+            raise ValueError("a prefix-cache summary carries either hashes or packed_hashes, not both")
+        try:
+            packed = binascii.a2b_base64(self.packed_hashes, strict_mode=True)
+        except ValueError as exc:  # binascii.Error, or a character that is not ASCII
+            raise ValueError(f"packed_hashes is not valid base64 ({exc})") from None
+        if len(packed) % CACHE_HASH_BYTES:
+            raise ValueError(f"packed_hashes decodes to {len(packed)} bytes, not a whole number of "
+                             f"{CACHE_HASH_BYTES}-byte hashes")
+        self._packed = packed
+        return self
+
+    @property
+    def num_hashes(self) -> int:
+        return len(self.hashes) if self._packed is None else len(self._packed) // CACHE_HASH_BYTES
+
+    def hash_values(self) -> frozenset[int]:
+        if self._packed is None:
+            return super().hash_values()
+        return frozenset(struct.unpack(f">{self.num_hashes}Q", self._packed))
 
 
 class ModelCapacity(WireModel):
@@ -178,7 +235,7 @@ class _CacheLookup:
     def cache_block_size(self) -> int:
         """Block size of the prefix-cache summary; 0 when it holds no cached blocks."""
         summary = self.prefix_cache_summary
-        return summary.block_size if summary is not None and summary.hashes else 0
+        return summary.block_size if summary is not None and summary.num_hashes else 0
 
     @cached_property
     def cached_hashes(self) -> frozenset[int]:
@@ -191,6 +248,8 @@ class SnapshotModelCapacity(_CacheLookup, ModelCapacity):
 
     model_config = ConfigDict(extra="ignore")  # fields a newer registry adds
 
+    prefix_cache_summary: SnapshotCacheSummary | None = None
+
 
 class SnapshotCapacity(_CacheLookup, CapacityReport):
     """A site's capacity as the routers' snapshot carries it: the heartbeat plus when it arrived."""
@@ -200,6 +259,7 @@ class SnapshotCapacity(_CacheLookup, CapacityReport):
 
     reported_at: float | None = Field(None, allow_inf_nan=False,
                                       description="when the registry stored it (its clock, seconds since the epoch)")
+    prefix_cache_summary: SnapshotCacheSummary | None = None
     models: dict[ModelId, SnapshotModelCapacity] | None = Field(None, max_length=MAX_MODELS_PER_SITE)
 
     def own(self, model: str) -> SnapshotCapacity | SnapshotModelCapacity:

@@ -3,7 +3,9 @@
 The registry sends {"version", "generated_at", "sites": [...], "links": [...]} (see
 registry/snapshot.py); each site's capacity is the wire contract's `SnapshotCapacity`
 (registry.wire), the same definition the agent builds and the registry validates. Placement reads
-only these classes, so a renamed field is a fix here.
+only these classes, so a renamed field is a fix here. Prefix-cache hashes come as hex strings or, where
+the registry offers the packed format the router asks for, packed (`SnapshotCacheSummary` reads both,
+and placement sees the same integers either way).
 
 Parsing is per site and per link: one the router cannot parse is left out of its snapshot and
 logged (one line per site and minute), and every other site is served. Only a document that is

@@ -23,11 +23,18 @@ a router is unhealthy (503, with the reason) only for what is its own:
   document it cannot take in, a bug), or its refresh task is not running.
 While the registry is unreachable or warming up, the router is healthy and says so: `registry`
 names the state, `view` the view it places with, `live_sites` how many sites that view offers.
+
+A registry that answers with a body that does not decode (deflate data that does not inflate, a body
+that is not JSON) is `bad_encoding`, not `unreachable`: the registry is up, and what it or a proxy in
+front of it sends is broken, which an operator looks for elsewhere than a down registry. Every router
+gets the same body, so like an outage it leaves the router healthy, placing with its last good view;
+it is logged as an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -52,6 +59,7 @@ LOG_EVERY_S = 60.0  # while failures go on, one log line per this many seconds
 REGISTRY_OK = "ok"
 REGISTRY_UNREACHABLE = "unreachable"
 REGISTRY_WARMING_UP = "warming_up"   # answers, but with no live site yet: heartbeats are resuming
+REGISTRY_BAD_ENCODING = "bad_encoding"  # answers, but with a body that does not decode
 FEED_ERROR = "feed_error"            # answers, but this router cannot take its snapshot in
 
 
@@ -137,7 +145,16 @@ class SnapshotFeed:
         async with self._refreshing:
             try:
                 document, etag = await self._fetch(self._etag)
-            except (httpx.HTTPError, RegistryError) as exc:
+            except (httpx.DecodingError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                self._failed(REGISTRY_BAD_ENCODING, f"registry snapshot does not decode: {type(exc).__name__}: {exc}")
+                return False
+            except RegistryError as exc:
+                if exc.code == REGISTRY_BAD_ENCODING:  # the client's own check of a deflated body
+                    self._failed(REGISTRY_BAD_ENCODING, f"registry snapshot does not decode: {exc}")
+                else:
+                    self._failed(REGISTRY_UNREACHABLE, f"registry unreachable: {exc}")
+                return False
+            except httpx.HTTPError as exc:
                 self._failed(REGISTRY_UNREACHABLE, f"registry unreachable: {exc}")
                 return False
             except Exception as exc:
@@ -187,7 +204,7 @@ class SnapshotFeed:
         now = self._clock()
         if self._streak == 1 or state != self._registry or now - self._last_logged >= LOG_EVERY_S:
             self._last_logged = now
-            log.log(logging.ERROR if state == FEED_ERROR else logging.WARNING,
+            log.log(logging.ERROR if state in (FEED_ERROR, REGISTRY_BAD_ENCODING) else logging.WARNING,
                     "%s (%d failed refresh(es) in a row, %d in all); placing with the last good snapshot",
                     message, self._streak, self._num_errors, exc_info=exc if self._streak == 1 else None)
         self._registry, self._last_error = state, message

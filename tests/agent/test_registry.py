@@ -11,7 +11,7 @@ from tests.agent.conftest import MODEL, collect, prompt, sampling
 
 async def site_in_snapshot(url: str, name: str) -> dict:
     async with RegistryClient(url, "router-secret") as router:
-        snapshot, _ = await router.snapshot()
+        snapshot, _ = await router.snapshot(packed=False)  # the hashes as hex strings
     return next(site for site in snapshot["sites"] if site["name"] == name)
 
 

@@ -66,7 +66,7 @@ async def test_an_old_format_heartbeat_reads_as_it_always_did(admin, connect, ro
     summary = {"block_size": 16, "hashes": hashes_of(PROMPT)}
     await fra.heartbeat({"kv_blocks_total": 1000, "kv_blocks_free": 900, "block_size": 16,
                          "prefix_cache_summary": summary})
-    site = (await router_client.snapshot())[0]["sites"][0]
+    site = (await router_client.snapshot(packed=False))[0]["sites"][0]
     assert "models" not in site["capacity"] and site["capacity"]["prefix_cache_summary"] == summary
     chosen = (await placed(router_client, "a"))[0]
     assert (chosen.site_names, chosen.num_cached_tokens) == (("fra-1", "fra-1"), 1999)

@@ -68,7 +68,7 @@ async def test_register_validates(admin, connect):
 async def test_heartbeat_reaches_the_snapshot_and_returns_intent(admin, connect, router_client):
     agent = await new_site(admin, connect)
     assert await agent.heartbeat(CAPACITY) == {"state": "active", "drain_deadline": None, "active_role": None}
-    site = site_in((await router_client.snapshot())[0], "fra-1")
+    site = site_in((await router_client.snapshot(packed=False))[0], "fra-1")
     assert site["alive"] is True
     assert {k: site["capacity"][k] for k in CAPACITY} == CAPACITY
     await admin.drain("fra-1", 30)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from registry.wire import PACKED_SNAPSHOT_MEDIA_TYPE
+
 from .conftest import new_site
 
 CAPACITY = {"kv_blocks_total": 100, "kv_blocks_free": 50, "block_size": 16}
@@ -10,9 +12,10 @@ CAPACITY = {"kv_blocks_total": 100, "kv_blocks_free": 50, "block_size": 16}
 async def test_snapshot_etag_roundtrip(admin, connect, router_client, raw):
     agent = await new_site(admin, connect)
     snapshot, etag = await router_client.snapshot()
-    assert snapshot["version"] == etag.strip('"')
+    assert etag == f'"{snapshot["version"]}-packed-deflate"'  # the router's representation: packed, compressed
     assert await router_client.snapshot(etag) == (None, etag)
     response = await raw.get("/v1/router/snapshot", headers={"Authorization": "Bearer router-secret",
+                                                             "Accept": PACKED_SNAPSHOT_MEDIA_TYPE,
                                                              "If-None-Match": etag})
     assert response.status_code == 304 and response.content == b""
     await agent.heartbeat(CAPACITY)

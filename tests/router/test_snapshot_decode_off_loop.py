@@ -1,6 +1,7 @@
 """The router's snapshot feed over the registry client when the body comes deflated: a plain, a zlib and
 a bare-deflate body give the same snapshot; a corrupt or cut-off deflated body is a clear RegistryError,
-and the router goes on placing with its last good snapshot."""
+reported as a bad encoding (not an unreachable registry), and the router goes on placing with its last good
+snapshot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from registry.client import RegistryClient, RegistryError
-from router.snapshot_feed import REGISTRY_OK, SnapshotFeed
+from router.snapshot_feed import REGISTRY_BAD_ENCODING, REGISTRY_OK, SnapshotFeed
 
 from test_router_placement import PARIS, site
 from test_router_snapshot import document
@@ -72,6 +73,7 @@ async def test_a_bad_deflated_snapshot_is_refused_and_the_last_good_one_kept(dam
         feed = SnapshotFeed(client.snapshot, refresh_s=60.0)
         assert await feed.refresh() and feed.status().registry == REGISTRY_OK
         assert not await feed.refresh()
+        assert feed.status().registry == REGISTRY_BAD_ENCODING
         assert sorted(s.name for s in feed.current().sites) == ["ber", "par"]
         assert "/v1/router/snapshot is not valid deflate data" in feed.status().last_error
         with pytest.raises(RegistryError) as err:
