@@ -76,6 +76,12 @@ class CapacityRow(Base):
     # Each model's own KV pool and prefix cache (registry.wire.ModelCapacity) as opaque JSON text, from an
     # agent hosting several models; NULL for one model or an older agent.
     models: Mapped[str | None] = mapped_column(Text)
+    # The reported_at of the heartbeat that wrote `models`. A registry older than `models` (still serving
+    # during a rolling upgrade) overwrites every other column of the row and leaves `models` as it was:
+    # per-model figures older than the site's. Such a write moves reported_at and not this, so `models`
+    # is read only where the two are equal (registry.telemetry.CAPACITY_COLUMNS); else the site's own
+    # figures stand for every model, as for a single-model site.
+    models_reported_at: Mapped[float | None] = mapped_column(Float)
 
 
 class LinkRow(Base):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter
-from sqlalchemy import Connection, Engine, delete, select, text
+from sqlalchemy import Connection, Engine, case, delete, select, text
 
 from registry import validate
 from registry.db import writer
@@ -25,14 +25,22 @@ from registry.wire import CapacityReport, ModelCapacity
 
 CAPACITY = CapacityRow.__table__
 LINKS = LinkRow.__table__
-CAPACITY_FIELDS = [c.name for c in CAPACITY.columns if c.name != "site_id"]
+MODELS_SOURCE = "models_reported_at"  # which heartbeat `models` came from (tables.CapacityRow)
+CAPACITY_FIELDS = [c.name for c in CAPACITY.columns if c.name not in ("site_id", MODELS_SOURCE)]  # what readers see
+_WRITTEN_FIELDS = [*CAPACITY_FIELDS, MODELS_SOURCE]
+# `models` as readers take it: only where the row's last capacity write stored it too. A registry older than
+# `models` moves reported_at and leaves `models` (and its source) behind, figures older than the site's own;
+# NULL instead makes the site's figures stand for every model, which they do (a site reports its pools' sums).
+FRESH_MODELS = case((CAPACITY.c[MODELS_SOURCE] == CAPACITY.c.reported_at, CAPACITY.c.models)).label("models")
+# The capacity columns as readers select them: site_id, then CAPACITY_FIELDS.
+CAPACITY_COLUMNS = [CAPACITY.c.site_id, *(FRESH_MODELS if n == "models" else CAPACITY.c[n] for n in CAPACITY_FIELDS)]
 _MODELS_JSON = TypeAdapter(dict[str, ModelCapacity])
 _PG_ARRAY_TYPES = {"site_id": "integer", "block_size": "integer", "num_running": "integer", "num_waiting": "integer",
                    "prefix_cache_summary": "text", "draining": "boolean", "kv_blocks_total": "bigint",
                    "kv_blocks_free": "bigint", "inflight_prefill_tokens": "bigint", "inflight_decode_tokens": "bigint",
                    "num_gpus": "integer", "tensor_parallel_size": "integer", "pipeline_parallel_size": "integer",
                    "expert_parallel_size": "integer"}
-_PG_COLUMNS = ["site_id", *CAPACITY_FIELDS]
+_PG_COLUMNS = ["site_id", *_WRITTEN_FIELDS]
 JSON_TEXT_COLUMNS = ("prefix_cache_summary", "models")  # JSON text, NULL where the heartbeat had none
 _PG_ARRAY_COLUMNS = [c for c in _PG_COLUMNS if c not in JSON_TEXT_COLUMNS]
 # One array parameter per column; the JSON text columns (many quotes, which psycopg would escape one
@@ -45,7 +53,7 @@ PG_UPSERT_CAPACITY = text(
     + "".join(f" JOIN json_array_elements_text(CAST(:{c} AS json)) WITH ORDINALITY AS {c}(v, ord) USING (ord)"
               for c in JSON_TEXT_COLUMNS)
     + " ON CONFLICT (site_id) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in CAPACITY_FIELDS)
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _WRITTEN_FIELDS)
 )
 
 
@@ -65,7 +73,7 @@ class TelemetryStore:
         self.capacity_listeners: list[Callable[[int, list[dict]], None]] = []
         insert = upsert(engine, CAPACITY)
         self._upsert_capacity = insert.on_conflict_do_update(
-            index_elements=[CAPACITY.c.site_id], set_={name: insert.excluded[name] for name in CAPACITY_FIELDS},
+            index_elements=[CAPACITY.c.site_id], set_={name: insert.excluded[name] for name in _WRITTEN_FIELDS},
         )
         insert = upsert(engine, LINKS)
         self._upsert_link = insert.on_conflict_do_update(
@@ -152,11 +160,11 @@ class TelemetryStore:
 
 def capacity_row(write: HeartbeatWrite) -> dict:
     """The row to upsert for a heartbeat; the prefix-cache summary and the models' own figures are stored
-    as their JSON text."""
+    as their JSON text, the latter marked as this heartbeat's (CAPACITY_COLUMNS)."""
     cap = write.capacity
     row = cap.model_dump(exclude=set(JSON_TEXT_COLUMNS))
     summary = cap.prefix_cache_summary
-    row.update(site_id=write.site_id, reported_at=write.reported_at,
+    row.update(site_id=write.site_id, reported_at=write.reported_at, models_reported_at=write.reported_at,
                prefix_cache_summary=None if summary is None else summary.model_dump_json(),
                models=None if cap.models is None else _MODELS_JSON.dump_json(cap.models).decode())
     return row
