@@ -20,7 +20,6 @@ from deploy.cluster_config import ClusterConfig, ClusterConfigError, SiteSpec, l
 from deploy.launcher import Cluster
 from node_agent.auth import token_digest
 from node_agent.client import AgentClient
-from node_agent.proto import agent_pb2
 
 PREFILL_ONLY, DECODE_ONLY = "lisbon", "frankfurt"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
