@@ -64,7 +64,7 @@ MAX_PORT = 65535
 # Settings the launcher writes itself: a cluster file may not override them.
 LAUNCHER_AGENT_FIELDS = frozenset({"site", "region", "country", "lat", "lon", "role", "models", "grpc_listen",
                                    "advertise_address", "metrics_listen", "registry_url", "site_token", "peer_token",
-                                   "agent_token_sha256"})
+                                   "agent_token_sha256", "accept_peer_tokens"})
 LAUNCHER_ROUTER_FIELDS = frozenset({"host", "port", "registry_url", "registry_token", "agent_token", "peer_token",
                                     "metrics_listen"})
 # The cluster's tokens, each a credential of one role: two alike would let one role act as the other.

@@ -26,12 +26,21 @@ in between added is not knowable here.
 
 An agent given no agent token digest (configurations from before the split) takes its peer token for
 every method, as it always did; the daemon says so in a warning at start.
+
+Rotation: an agent accepts several agent token digests (routers switch to a new agent token one at a
+time, after every agent accepts it) and, beside the peer token it sends, the peer tokens of
+`accept_peer_tokens` (its peers switch one at a time: first every agent accepts the new one, then each
+sends it, then the old one goes). Every accepted token is held as its SHA-256 and the presented token's
+digest is compared with all of them, each comparison in constant time and none skipped once one
+matches, so neither the time taken nor anything else tells which token, or which role, came close.
+No accepted agent token may be an accepted peer token: one token would open both roles again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 import grpc
 from grpc import aio
@@ -81,29 +90,55 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, me
 
 
 class RoleTokens:
-    """Which roles a presented token holds. Without an agent token digest the peer token holds both."""
+    """Which roles a presented token holds. Without an agent token digest every peer token holds both.
 
-    def __init__(self, peer_token: str, agent_token_sha256: str | None = None):
-        if not peer_token:
-            raise ValueError("peer_token must not be empty")
-        self._peer = peer_token.encode()
-        self._router_digest = bytes.fromhex(agent_token_sha256) if agent_token_sha256 else None
-        if self._router_digest is not None and hmac.compare_digest(hashlib.sha256(self._peer).digest(),
-                                                                   self._router_digest):
+    peer_token is the one this agent sends its peers; accept_peer_tokens are accepted beside it, never
+    sent. agent_token_sha256 is one digest or several (64 hex digits each)."""
+
+    def __init__(self, peer_token: str, agent_token_sha256: str | Sequence[str] | None = None,
+                 accept_peer_tokens: Sequence[str] = ()):
+        peer_tokens = [peer_token, *accept_peer_tokens]
+        if not all(peer_tokens):
+            raise ValueError("a peer token must not be empty")
+        self._peer_digests = _distinct(hashlib.sha256(token.encode()).digest() for token in peer_tokens)
+        self._router_digests = _distinct(bytes.fromhex(digest) for digest in _as_list(agent_token_sha256))
+        # The data port reads exactly a peer token's length, then compares (node_agent.kv_data).
+        self.peer_token_lengths = frozenset(len(token.encode()) for token in peer_tokens)
+        if any(_matches_any(digest, self._router_digests) for digest in self._peer_digests):
             raise ValueError("the agent token and the peer token must differ: one token would open both roles")
 
     @property
     def split(self) -> bool:
-        return self._router_digest is not None
+        return bool(self._router_digests)
 
     def roles_of(self, token: bytes) -> frozenset[str]:
-        """The roles `token` holds (empty: it is neither token). Both checks always run, so the time
-        taken does not tell which one came close."""
-        is_peer = hmac.compare_digest(token, self._peer)
-        is_router = hmac.compare_digest(hashlib.sha256(token).digest(), self._router_digest or bytes(32))
+        """The roles `token` holds (empty: it is no accepted token). Its digest is compared with every
+        accepted one, so the time taken does not tell which one, or which role, came close."""
+        digest = hashlib.sha256(token).digest()
+        is_peer = _matches_any(digest, self._peer_digests)
+        is_router = _matches_any(digest, self._router_digests)
         if not self.split:
             return frozenset({ROUTER, PEER}) if is_peer else frozenset()
         return frozenset(role for role, held in ((ROUTER, is_router), (PEER, is_peer)) if held)
+
+
+def _as_list(digests: str | Sequence[str] | None) -> list[str]:
+    if not digests:
+        return []
+    return [digests] if isinstance(digests, str) else list(digests)
+
+
+def _distinct(digests) -> tuple[bytes, ...]:
+    return tuple(dict.fromkeys(digests))
+
+
+def _matches_any(digest: bytes, candidates: Sequence[bytes]) -> bool:
+    """Whether `digest` is one of `candidates`. Every candidate is compared, in constant time, with no
+    early exit once one matches (`|` on bools evaluates both sides)."""
+    matched = False
+    for candidate in candidates:
+        matched = matched | hmac.compare_digest(digest, candidate)
+    return matched
 
 
 def _presented(metadata) -> tuple[bytes | None, str | None]:
@@ -139,8 +174,10 @@ def check_call(tokens: RoleTokens, method: str, metadata) -> tuple[grpc.StatusCo
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    def __init__(self, peer_token: str, agent_token_sha256: str | None = None):
-        self._tokens = RoleTokens(peer_token, agent_token_sha256)
+    """Checks every call against `tokens`, the same RoleTokens the agent's KV data port checks with."""
+
+    def __init__(self, tokens: RoleTokens):
+        self._tokens = tokens
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)

@@ -58,8 +58,12 @@ class AgentConfig:
     # GetModelInfo and Drain; the agent only checks it, so it holds no more than its digest. Health and
     # ReleaseKV take either. Empty agent_token_sha256: the peer token opens every method (one token for both
     # roles, as before the split; a warning at start says how to split).
+    # Rotation (deploy/README.md, Tokens): agent_token_sha256 may list several digests (comma-separated in
+    # the environment), each accepted, while routers switch tokens; accept_peer_tokens are peer tokens
+    # accepted beside peer_token and never sent, while peers switch. Both are logged at start.
     peer_token: str = ""
-    agent_token_sha256: str = ""
+    agent_token_sha256: str | list[str] = ""
+    accept_peer_tokens: list[str] = field(default_factory=list)
     # TLS: with tls_cert/tls_key the gRPC port and the KV data port speak only TLS, and peers are called
     # over TLS too (presenting this certificate, for peers that demand client certificates).
     tls_cert: str | None = None
@@ -189,17 +193,40 @@ class AgentConfig:
             except InvalidInput as exc:
                 raise ConfigError(f"{name}: {exc.message}") from None
 
-    def _validate_agent_token(self) -> None:
-        digest = self.agent_token_sha256
-        if not digest:
-            return
-        if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
-            raise ConfigError("agent_token_sha256: must be the SHA-256 of the routers' agent_token as 64 hex digits "
-                              "(printf %s TOKEN | sha256sum), not the token itself")
-        if digest.lower() == token_digest(self.peer_token):
-            raise ConfigError("agent_token_sha256: it is the digest of peer_token; the routers' agent_token must "
-                              "differ from the peer token (one token would open the router methods to every site "
-                              "again): give routers a token of their own, or leave agent_token_sha256 out")
+    @property
+    def agent_token_digests(self) -> list[str]:
+        """The accepted agent token digests, lowercase, each once (empty: not split)."""
+        digests = [self.agent_token_sha256] if isinstance(self.agent_token_sha256, str) else self.agent_token_sha256
+        return list(dict.fromkeys(digest.lower() for digest in digests if digest))
+
+    def _digest_settings(self) -> list[tuple[str, str]]:
+        """(the setting's name for messages, digest) for each agent token digest given."""
+        if isinstance(self.agent_token_sha256, str):
+            return [("agent_token_sha256", self.agent_token_sha256)] if self.agent_token_sha256 else []
+        return [(f"agent_token_sha256[{i}]", digest) for i, digest in enumerate(self.agent_token_sha256)]
+
+    def _peer_token_settings(self) -> list[tuple[str, str]]:
+        """(the setting's name for messages, token) for each peer token accepted."""
+        return [("peer_token", self.peer_token),
+                *((f"accept_peer_tokens[{i}]", token) for i, token in enumerate(self.accept_peer_tokens))]
+
+    def _validate_tokens(self) -> None:
+        if not self.peer_token:
+            raise ConfigError("peer_token: the token agents present to each other is required")
+        for name, token in self._peer_token_settings()[1:]:
+            if not token or token != token.strip():
+                raise ConfigError(f"{name}: a peer token must be non-empty, without spaces around it (a caller's "
+                                  f"token is read with its surrounding spaces dropped), got {len(token)} characters")
+        peer_digests = {token_digest(token): name for name, token in self._peer_token_settings()}
+        for name, digest in self._digest_settings():
+            if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+                raise ConfigError(f"{name}: must be the SHA-256 of the routers' agent_token as 64 hex digits "
+                                  "(printf %s TOKEN | sha256sum), not the token itself")
+            if digest.lower() in peer_digests:
+                raise ConfigError(f"{name}: it is the digest of {peer_digests[digest.lower()]}; the routers' "
+                                  "agent_token must differ from every peer token this agent accepts (one token "
+                                  "would open the router methods to every site again): give routers a token of "
+                                  "their own, or leave agent_token_sha256 out")
 
     def validate(self) -> None:
         if not self.site:
@@ -212,9 +239,7 @@ class AgentConfig:
         for name, path in self.models.items():
             if not (Path(path) / "config.json").is_file():
                 raise ConfigError(f"models.{name}: {path!r} is not a checkpoint directory (no config.json)")
-        if not self.peer_token:
-            raise ConfigError("peer_token: the token agents present to each other is required")
-        self._validate_agent_token()
+        self._validate_tokens()
         if self.registry_url and not self.site_token:
             raise ConfigError("site_token: required when registry_url is set")
         if self.registry_url:

@@ -22,7 +22,7 @@ import time
 
 from grpc import aio
 
-from node_agent.auth import TokenAuthInterceptor
+from node_agent.auth import RoleTokens, TokenAuthInterceptor
 from node_agent.client import MESSAGE_OPTIONS
 from node_agent.config import AgentConfig
 from node_agent.core import AgentCore
@@ -70,14 +70,11 @@ class Agent:
         self.models = await self._load_models()
         self.core = AgentCore(cfg, self.models, self.metrics)
         self.servicer = AgentServicer(self.core, on_drain=self.request_drain)
+        tokens = RoleTokens(cfg.peer_token, cfg.agent_token_digests, cfg.accept_peer_tokens)
+        self._warn_about_tokens()
         # Without SO_REUSEPORT (gRPC's default) a second agent given a port in use fails here instead
         # of sharing it and taking half of the first one's requests.
-        if not cfg.agent_token_sha256:
-            log.warning("agent %s: agent_token_sha256 is not set, so the peer token also opens the router methods "
-                        "(Generate, Prefill, Decode, GetModelInfo, Drain) to every site that holds it; to split them, "
-                        "give the routers a token of their own as agent_token and this agent its SHA-256 as "
-                        "agent_token_sha256 (deploy/README.md, Tokens)", cfg.site)
-        self._server = aio.server(interceptors=[TokenAuthInterceptor(cfg.peer_token, cfg.agent_token_sha256)],
+        self._server = aio.server(interceptors=[TokenAuthInterceptor(tokens)],
                                   options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)])
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
         try:
@@ -88,7 +85,7 @@ class Agent:
         self.address = f"{cfg.grpc_listen.rpartition(':')[0]}:{port}"
         await self._server.start()
         if cfg.kv_data_port is not None:
-            await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port)
+            await self._start_kv_data(cfg.grpc_listen.rpartition(":")[0].strip("[]"), cfg.kv_data_port, tokens)
         if cfg.metrics_listen:
             self._metrics_server = MetricsServer(self.metrics.registry, self.refresh_metrics)
             try:
@@ -117,11 +114,29 @@ class Agent:
             await asyncio.to_thread(model.engine.shutdown)
         raise failure
 
-    async def _start_kv_data(self, host: str, port: int) -> None:
+    def _warn_about_tokens(self) -> None:
+        """What the agent accepts beyond one token per role: a fleet from before the split, or a rotation
+        under way, which should not outlast it (deploy/README.md, Tokens)."""
+        cfg = self.config
+        if not cfg.agent_token_digests:
+            log.warning("agent %s: agent_token_sha256 is not set, so the peer token also opens the router methods "
+                        "(Generate, Prefill, Decode, GetModelInfo, Drain) to every site that holds it; to split them, "
+                        "give the routers a token of their own as agent_token and this agent its SHA-256 as "
+                        "agent_token_sha256 (deploy/README.md, Tokens)", cfg.site)
+        if len(cfg.agent_token_digests) > 1:
+            log.warning("agent %s: agent_token_sha256 lists %d agent token digests, all accepted (a rotation of the "
+                        "routers' agent_token); once every router presents the new token, keep its digest alone",
+                        cfg.site, len(cfg.agent_token_digests))
+        if cfg.accept_peer_tokens:
+            log.warning("agent %s: accept_peer_tokens: %d peer token(s) accepted beside peer_token (a rotation of the "
+                        "peer token); once every peer sends the same peer_token, remove accept_peer_tokens",
+                        cfg.site, len(cfg.accept_peer_tokens))
+
+    async def _start_kv_data(self, host: str, port: int, tokens: RoleTokens) -> None:
         core = self.core
         cfg = self.config
         ssl_context = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
-        server = KVDataServer(cfg.peer_token, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc,
+        server = KVDataServer(tokens, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc,
                               ssl_context)
         try:
             await server.start(host or "0.0.0.0", port)

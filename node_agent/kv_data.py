@@ -13,7 +13,9 @@ per chunk:
 A request of kind FETCH carries a KV handle as its body. Kind PROBE carries a byte count (decimal
 text, at most MAX_PROBE_BYTES): the agent answers the header {"probe_bytes": n} and then n bytes,
 which is how a peer measures the path (node_agent.links) without any KV to move. Both kinds need
-the peer token; the agent token routers hold (node_agent.auth) opens nothing here.
+a peer token, checked against the same node_agent.auth.RoleTokens as FetchKV (so during a rotation
+the previous or next peer token opens this port exactly when it opens FetchKV); the agent token
+routers hold opens nothing here.
 
 Any failure on either side is one closed connection or an error header; the puller's checks
 (layout, sizes, coverage, every checksum) turn it into a KVTransferError and Decode recomputes.
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import json
 import logging
 import socket
@@ -51,6 +52,7 @@ from engine.async_engine import kv_chunks
 from engine.errors import EngineError, KVTransferError
 from engine.kv_export import KVExport
 from engine.kv_transfer import CHUNK_HEADER, KVChunk, KVLayout, KVPayload
+from node_agent.auth import PEER, RoleTokens
 from node_agent.config import MAX_PROBE_BYTES
 from node_agent.proto import agent_pb2
 from node_agent.transfer import PayloadAssembler, chunk_message
@@ -75,10 +77,10 @@ class KVSourceUnreachable(KVTransferError):
 class KVDataServer:
     """Serves KV exports on a TCP port. open_export/end_export come from AgentCore."""
 
-    def __init__(self, peer_token: str, open_export: Callable[[str], Awaitable[KVExport]],
+    def __init__(self, tokens: RoleTokens, open_export: Callable[[str], Awaitable[KVExport]],
                  end_export: Callable[[str, KVExport], None], on_bytes_sent: Callable[[int], None],
                  ssl_context: ssl.SSLContext | None = None):
-        self._peer_token = peer_token.encode()
+        self._tokens = tokens
         self._ssl = ssl_context
         self._open_export = open_export
         self._end_export = end_export
@@ -165,14 +167,15 @@ class KVDataServer:
             _close(conn)
 
     async def _check_token(self, conn: socket.socket) -> str | None:
-        """Why the request's token does not open this port (None: it is the peer token)."""
+        """Why the request's token does not open this port (None: it is an accepted peer token)."""
         refusal = "missing or wrong peer token (the KV data port takes the peer token only)"
-        # A token of another length is wrong whatever it holds: refuse it before reading on, so a
+        # A token of no accepted length is wrong whatever it holds: refuse it before reading on, so a
         # stranger's bytes (a wrong port, a scanner) get their answer now, not at the timeout.
-        if await _recv_length(conn) != len(self._peer_token):
+        length = await _recv_length(conn)
+        if length not in self._tokens.peer_token_lengths:
             return refusal
-        token = await _recv_exactly(conn, len(self._peer_token))
-        return None if hmac.compare_digest(token, self._peer_token) else refusal
+        token = await _recv_exactly(conn, length)
+        return None if PEER in self._tokens.roles_of(token) else refusal
 
     async def _answer_probe(self, conn: socket.socket, body: str) -> None:
         if not (body.isascii() and body.isdigit()) or not 0 < int(body) <= MAX_PROBE_BYTES:

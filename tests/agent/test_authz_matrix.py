@@ -19,7 +19,7 @@ import pytest
 from grpc import aio
 
 from engine.errors import EngineError
-from node_agent.auth import METHOD_ROLES, PEER, ROUTER, TokenAuthInterceptor, token_digest
+from node_agent.auth import METHOD_ROLES, PEER, ROUTER, RoleTokens, TokenAuthInterceptor, token_digest
 from node_agent.kv_data import KVDataServer, probe, receive_bulk
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 
@@ -51,8 +51,8 @@ class HealthOnly(agent_pb2_grpc.AgentServicer):
         return agent_pb2.HealthResponse()
 
 
-async def serve_stub(*interceptor_args):
-    server = aio.server(interceptors=[TokenAuthInterceptor(*interceptor_args)])
+async def serve_stub(*role_tokens_args, **role_tokens_kwargs):
+    server = aio.server(interceptors=[TokenAuthInterceptor(RoleTokens(*role_tokens_args, **role_tokens_kwargs))])
     agent_pb2_grpc.add_AgentServicer_to_server(HealthOnly(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -181,7 +181,7 @@ async def test_refusals_never_echo_a_token(stub):
 
 def test_an_agent_token_equal_to_the_peer_token_is_refused():
     with pytest.raises(ValueError, match="must differ"):
-        TokenAuthInterceptor(PEER_TOKEN, token_digest(PEER_TOKEN))
+        RoleTokens(PEER_TOKEN, token_digest(PEER_TOKEN))
 
 
 @pytest.fixture
@@ -189,7 +189,8 @@ async def data_port():
     async def no_such_lease(kv_handle: str):
         raise EngineError(f"KV handle {kv_handle!r} is unknown, released or expired")
 
-    server = KVDataServer(PEER_TOKEN, no_such_lease, lambda *_: None, lambda _n: None)
+    server = KVDataServer(RoleTokens(PEER_TOKEN, token_digest(AGENT_TOKEN)), no_such_lease, lambda *_: None,
+                          lambda _n: None)
     port = await server.start("127.0.0.1")
     yield f"127.0.0.1:{port}"
     await server.stop()
@@ -207,6 +208,118 @@ async def test_the_kv_data_port_opens_to_the_peer_token_only(data_port):
         with pytest.raises(EngineError, match="missing or wrong peer token") as pulled:
             await receive_bulk(data_port, token, "no-such-handle", None, [], timeout=5)
         assert PEER_TOKEN not in str(pulled.value) and AGENT_TOKEN not in str(pulled.value), role
+
+
+# -- rotation: several tokens of a role at once ----------------------------------------------------
+
+OLD_AGENT_TOKEN, OLD_PEER_TOKEN = "efag-old-router-secret", "old-peer-secret"
+ROTATING = {ROUTER: (OLD_AGENT_TOKEN, AGENT_TOKEN), PEER: (PEER_TOKEN, OLD_PEER_TOKEN)}
+
+
+def rotating_tokens() -> RoleTokens:
+    """Mid-rotation of both tokens: two agent token digests, and a peer token accepted beside the one sent."""
+    return RoleTokens(PEER_TOKEN, [token_digest(OLD_AGENT_TOKEN), token_digest(AGENT_TOKEN)],
+                      accept_peer_tokens=[OLD_PEER_TOKEN])
+
+
+@pytest.fixture
+async def rotating_stub():
+    server, channel = await serve_stub(PEER_TOKEN, [token_digest(OLD_AGENT_TOKEN), token_digest(AGENT_TOKEN)],
+                                       accept_peer_tokens=[OLD_PEER_TOKEN])
+    yield agent_pb2_grpc.AgentStub(channel)
+    await channel.close()
+    await server.stop(None)
+
+
+async def test_every_accepted_token_opens_its_roles_methods_only(rotating_stub):
+    strangers = {**OTHER_ROLES, "old_agent_digest": token_digest(OLD_AGENT_TOKEN),
+                 "old_peer_prefix": OLD_PEER_TOKEN[:-1], "old_agent_near_miss": OLD_AGENT_TOKEN + "x"}
+    for method in CALLS:
+        for role, tokens in ROTATING.items():
+            for token in tokens:
+                code, details = await refusal_of(rotating_stub, method, bearer(token))
+                if role in METHOD_ROLES[method]:
+                    assert code in PASSED, (method, token, details)
+                else:
+                    assert code == grpc.StatusCode.PERMISSION_DENIED, (method, token)
+                    assert token not in details
+        for name, token in strangers.items():
+            code = await status_of(rotating_stub, method, bearer(token))
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (method, name)
+
+
+async def test_a_single_token_agent_opens_every_method_to_each_peer_token_it_accepts():
+    """Before the split every peer token is the key to everything, as the one token was: a fleet can move
+    to a new peer token before it splits (deploy/README.md, Tokens)."""
+    server, channel = await serve_stub(PEER_TOKEN, accept_peer_tokens=[OLD_PEER_TOKEN])
+    stub = agent_pb2_grpc.AgentStub(channel)
+    try:
+        for method in CALLS:
+            for token in (PEER_TOKEN, OLD_PEER_TOKEN):
+                assert await status_of(stub, method, bearer(token)) in PASSED, (method, token)
+            assert await status_of(stub, method, bearer(AGENT_TOKEN)) == grpc.StatusCode.UNAUTHENTICATED, method
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("peer_token, digests, accepted", [
+    (PEER_TOKEN, [token_digest(AGENT_TOKEN), token_digest(PEER_TOKEN)], []),
+    (PEER_TOKEN, [token_digest(AGENT_TOKEN), token_digest(OLD_PEER_TOKEN)], [OLD_PEER_TOKEN]),
+    (PEER_TOKEN, token_digest(OLD_PEER_TOKEN), [OLD_PEER_TOKEN]),
+])
+def test_no_accepted_agent_token_may_be_an_accepted_peer_token(peer_token, digests, accepted):
+    with pytest.raises(ValueError, match="must differ"):
+        RoleTokens(peer_token, digests, accept_peer_tokens=accepted)
+
+
+def test_an_empty_peer_token_is_never_accepted():
+    with pytest.raises(ValueError, match="must not be empty"):
+        RoleTokens(PEER_TOKEN, accept_peer_tokens=[""])
+
+
+def test_every_candidate_is_compared_whichever_matches(monkeypatch):
+    """No early exit: the first accepted token, the last one and a stranger cost the same comparisons, so
+    the time taken does not tell which token (or role) a guess came close to."""
+    import node_agent.auth as auth
+
+    tokens = rotating_tokens()
+    compared: list[int] = []
+    real = auth.hmac.compare_digest
+
+    def counting(a, b):
+        compared.append(len(a))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
+    counts = {}
+    for token in (PEER_TOKEN, OLD_PEER_TOKEN, OLD_AGENT_TOKEN, AGENT_TOKEN, "stranger"):
+        compared.clear()
+        tokens.roles_of(token.encode())
+        counts[token] = list(compared)
+    assert set(map(tuple, counts.values())) == {(32, 32, 32, 32)}  # two peer and two agent digests, always
+
+
+@pytest.fixture
+async def rotating_data_port():
+    async def no_such_lease(kv_handle: str):
+        raise EngineError(f"KV handle {kv_handle!r} is unknown, released or expired")
+
+    server = KVDataServer(rotating_tokens(), no_such_lease, lambda *_: None, lambda _n: None)
+    port = await server.start("127.0.0.1")
+    yield f"127.0.0.1:{port}"
+    await server.stop()
+
+
+async def test_the_kv_data_port_accepts_the_peer_tokens_fetchkv_accepts(rotating_data_port, rotating_stub):
+    for token in ROTATING[PEER]:
+        assert (await probe(rotating_data_port, token, 64, timeout=5)).num_bytes == 64
+        assert await status_of(rotating_stub, "FetchKV", bearer(token)) in PASSED
+    same_length = OLD_PEER_TOKEN[:-1] + chr(ord(OLD_PEER_TOKEN[-1]) + 1)
+    for token in (*ROTATING[ROUTER], same_length, PEER_TOKEN + OLD_PEER_TOKEN, ""):
+        with pytest.raises(EngineError, match="missing or wrong peer token"):
+            await probe(rotating_data_port, token, 64, timeout=5)
+        assert await status_of(rotating_stub, "FetchKV", bearer(token)) not in PASSED
 
 
 # -- real agents -----------------------------------------------------------------------------------
@@ -281,3 +394,19 @@ async def test_an_agent_split_before_its_peer_still_serves_the_split_request_by_
     assert [result.first_token.token_id, *decoded] == colocated
     assert b.metrics.kv_fallbacks._value.get() == 1
 
+
+
+async def test_an_agent_mid_rotation_says_so_at_start_without_naming_a_token(start_agent, caplog):
+    """Extra accepted tokens widen who gets in; the warning is there so that they do not outlast the rotation."""
+    with caplog.at_level(logging.WARNING, logger="node_agent.daemon"):
+        await start_agent("site-a", agent_token_sha256=[token_digest(OLD_AGENT_TOKEN), token_digest(AGENT_TOKEN)],
+                          accept_peer_tokens=[OLD_PEER_TOKEN])
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("agent_token_sha256 lists 2 agent token digests" in m for m in messages), messages
+    assert any("accept_peer_tokens: 1 peer token(s) accepted beside peer_token" in m for m in messages), messages
+    for secret in (OLD_AGENT_TOKEN, AGENT_TOKEN, OLD_PEER_TOKEN, PEER_TOKEN, token_digest(AGENT_TOKEN)):
+        assert secret not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="node_agent.daemon"):
+        await start_agent("site-b", agent_token_sha256=token_digest(AGENT_TOKEN))
+    assert "agent_token_sha256" not in caplog.text and "accept_peer_tokens" not in caplog.text

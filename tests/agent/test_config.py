@@ -160,3 +160,35 @@ def test_the_agent_token_digest_comes_from_file_or_environment(tmp_path, tiny_mo
 def test_a_bad_agent_token_digest_is_refused_at_start(tmp_path, tiny_model_dir, value, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         load_config(write(tmp_path, site_toml(tiny_model_dir, f'agent_token_sha256 = "{value}"')), environ={})
+
+
+def test_several_agent_token_digests_and_peer_tokens_from_file_or_environment(tmp_path, tiny_model_dir):
+    """A rotation's settings: a list in TOML, comma-separated in the environment; one string stays valid."""
+    old, new = token_digest("efag-old"), token_digest("efag-new")
+    extra = f'agent_token_sha256 = ["{old}", "{new.upper()}"]\naccept_peer_tokens = ["old-peer"]'
+    config = load_config(write(tmp_path, site_toml(tiny_model_dir, extra)), environ={})
+    assert config.agent_token_digests == [old, new] and config.accept_peer_tokens == ["old-peer"]
+    env = {"EDGEFIRE_AGENT_AGENT_TOKEN_SHA256": f"{old},{new}", "EDGEFIRE_AGENT_ACCEPT_PEER_TOKENS": "p1,p2"}
+    config = load_config(write(tmp_path, site_toml(tiny_model_dir)), environ=env)
+    assert config.agent_token_digests == [old, new] and config.accept_peer_tokens == ["p1", "p2"]
+    config = load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={"EDGEFIRE_AGENT_AGENT_TOKEN_SHA256": old})
+    assert config.agent_token_digests == [old] and config.accept_peer_tokens == []
+    assert load_config(write(tmp_path, site_toml(tiny_model_dir)), environ={}).agent_token_digests == []
+
+
+@pytest.mark.parametrize("extra, words", [
+    (f'agent_token_sha256 = ["{token_digest("a")}", "efag-router"]',
+     "agent_token_sha256[1]: must be the SHA-256 of the routers' agent_token as 64 hex digits"),
+    (f'agent_token_sha256 = ["{token_digest("a")}", ""]', "agent_token_sha256[1]: must be the SHA-256"),
+    (f'agent_token_sha256 = ["{token_digest("a")}", "{token_digest("s3cret")}"]',
+     "agent_token_sha256[1]: it is the digest of peer_token"),
+    # a peer token accepted from peers must no more be an agent token than the one sent
+    (f'agent_token_sha256 = "{token_digest("old-peer")}"\naccept_peer_tokens = ["old-peer"]',
+     "agent_token_sha256: it is the digest of accept_peer_tokens[0]"),
+    ('accept_peer_tokens = ["ok", ""]', "accept_peer_tokens[1]: a peer token must be non-empty"),
+    ('accept_peer_tokens = [" old-peer"]', "accept_peer_tokens[0]: a peer token must be non-empty, without spaces"),
+    ('accept_peer_tokens = "old-peer"', "accept_peer_tokens: must be a list of str"),
+])
+def test_bad_rotation_settings_are_refused_at_start(tmp_path, tiny_model_dir, extra, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(write(tmp_path, site_toml(tiny_model_dir, extra)), environ={})

@@ -55,7 +55,8 @@ def test_generated_tokens_are_distinct_and_given_ones_must_be(tmp_path, tiny_mod
 
 
 @pytest.mark.parametrize("table, name", [("router", "agent_token"), ("router", "peer_token"),
-                                         ("agent", "agent_token_sha256"), ("agent", "peer_token")])
+                                         ("agent", "agent_token_sha256"), ("agent", "peer_token"),
+                                         ("agent", "accept_peer_tokens")])
 def test_a_cluster_file_cannot_set_the_tokens_the_launcher_writes(tmp_path, table, name):
     path = tmp_path / "cluster.toml"
     path.write_text(f'[{table}]\n{name} = "x"\n[[sites]]\nname = "a"\nregion = "r"\ncountry = "PT"\n'
