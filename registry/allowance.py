@@ -30,8 +30,9 @@ a give-back returns to the budget only for a charge made since that report was s
 computed before it existed); any other give-back is reported and lowers `used` at the next report.
 So what a router charged and has not reported yet is always within its hold.
 
-The bound, while the registry answers: in any 60 s window a key is admitted at most L. The registry
-keeps, for every key and limit, at every moment,
+The bound, while the registry answers: in any 60 s window a key is admitted at most L, plus the
+routers' provisional admissions (the third way over, below). The registry keeps, for every key and
+limit, at every moment,
 
     used + Σ holds ≤ L,  and each router's unreported charges ≤ its hold.                     (I)
 
@@ -57,6 +58,17 @@ Where it can go over, and by how much:
    L / n, n the live routers the registry last counted (router/rate_limit.py). A window that lies
    wholly in such a stretch admits at most L · (routers really live) / n; a window that straddles the
    switch less than 2L (routers may have spent whole grants just before).
+3. Provisional admissions: a router admits a key it holds no grant for (its first request there, or
+   the first after the key was given back idle) without waiting for the registry, up to
+   P = `provisional_allowance(L, n)` = ⌊L / (PROVISIONAL_SPLIT · n)⌋ of its own charges of the key in
+   any window, n the live routers at that router's last answer (router/rate_limit.py; none before its
+   first answer, and none for a window after an answer that found the key's window more than half
+   used). Those charges are reported like any other, but nothing held them: the registry learns of
+   them after they were admitted. So a window holds at most L + Σ_r P_r ≤ L + L / PROVISIONAL_SPLIT
+   (9L / 8) when each router's n is at least the routers live. Only a provisional admission that
+   meets a window already full goes over, which the half-used rule makes rare: it takes a key busy
+   at other routers that this router has heard nothing about for a window. Meanwhile the grant
+   request goes out in the router's next report, and its answer replaces the allowance.
 
 What it costs. Above its floor, a grant is at most twice what its router was asked for over its last
 interval: what it can use until its next report, not the whole window, so the routers that ask next
@@ -90,6 +102,7 @@ HOLD_S = GRANT_TTL_S + WINDOW_SLOTS   # how long a hold counts when its router r
 MAX_FUTURE_SLOTS = 5     # slots a router stamps further ahead than this are taken as now
 DEMAND_HEADROOM = 2.0    # a grant covers up to this many times the router's demand of its last interval
 FLOOR_SPLIT = 2          # the floor: the unheld room split over this many times the live routers
+PROVISIONAL_SPLIT = 8    # a router's provisional allowance: a key's limit split over this many times the live routers
 
 
 @dataclass(slots=True)
@@ -114,6 +127,14 @@ def grant_floor(unheld: int, live_routers: int) -> int:
     if live_routers < 1 or unheld <= 0:
         return 0
     return unheld // (FLOOR_SPLIT * live_routers)
+
+
+def provisional_allowance(limit: int, live_routers: int) -> int:
+    """What a router may admit of a key it holds no grant for, in any window, before the registry
+    answers (the module docstring's third way over the limit says what it costs)."""
+    if live_routers < 1:
+        return 0
+    return limit // (PROVISIONAL_SPLIT * live_routers)
 
 
 def window_start(now: float) -> int:

@@ -288,7 +288,7 @@ class Generation:
         if not self.generated_ids:
             return self.ledger.record(candidate, len(self.prompt_ids), self.sampling.max_tokens)
         return self.ledger.record_resume(candidate.decode_site, len(self.prompt_ids) + len(self.generated_ids),
-                                         self.sampling.max_tokens - len(self.generated_ids))
+                                         self.sampling.max_tokens - len(self.generated_ids), self.model)
 
     def _prefilled(self, attempt: Attempt | None, candidate: Candidate) -> None:
         if self.placed is None:

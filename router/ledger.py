@@ -10,6 +10,14 @@ rest when it ends, so requests that came and went between two heartbeats leave n
 request placed in the moment between an agent taking its heartbeat and the registry publishing it
 is forgotten one heartbeat early: the error is one request for one interval, never a count that grows.
 
+Per model. A site hosting several models reports each model's own KV pool apart
+(registry.wire.SnapshotCapacity.own) while its load (prefill queue, running sequences, decode tokens)
+stays the site's sum: its models share its devices. So the ledger keeps each attempt's KV per (site,
+model), and placement takes a model's own share where the site reports that model's pool apart and
+the site's total where it does not (one model, or an older agent: one pool for all). A burst on one
+model then fills that model's pool alone; its load still counts against the site, as the site's next
+heartbeat will count it. One heartbeat covers every model of a site, so all of them are dropped together.
+
 Per router, in memory, never shared: each router corrects only for its own placements, which is
 the part of the burst no snapshot can show it yet.
 """
@@ -60,18 +68,20 @@ class InflightLedger:
         """A fresh start on the candidate: its prefill site prefills, its decode site decodes."""
         attempt = Attempt()
         num_uncached = num_prompt_tokens - candidate.num_cached_tokens
+        model = candidate.model
         if candidate.colocated:
-            self._add(attempt, candidate.prefill_site, PendingLoad(num_uncached, 1, max_tokens, num_prompt_tokens))
+            self._add(attempt, candidate.prefill_site, _load(model, num_uncached, 1, max_tokens, num_prompt_tokens))
             return attempt
         # The prefill site holds the prompt's KV under a lease until the decode site has pulled it.
-        self._add(attempt, candidate.prefill_site, PendingLoad(num_uncached, 0, 0, num_prompt_tokens))
-        self._add(attempt, candidate.decode_site, PendingLoad(0, 1, max_tokens, num_prompt_tokens))
+        self._add(attempt, candidate.prefill_site, _load(model, num_uncached, 0, 0, num_prompt_tokens))
+        self._add(attempt, candidate.decode_site, _load(model, 0, 1, max_tokens, num_prompt_tokens))
         return attempt
 
-    def record_resume(self, site: Site, num_context_tokens: int, max_tokens: int) -> Attempt:
-        """A resume on a new decode site: it re-prefills everything so far, then decodes the rest."""
+    def record_resume(self, site: Site, num_context_tokens: int, max_tokens: int, model: str = "") -> Attempt:
+        """A resume on a new decode site: it re-prefills everything so far, then decodes the rest.
+        Without `model` its KV counts against the site's total only (not against a model's own pool)."""
         attempt = Attempt()
-        self._add(attempt, site, PendingLoad(num_context_tokens, 1, max_tokens, num_context_tokens))
+        self._add(attempt, site, _load(model, num_context_tokens, 1, max_tokens, num_context_tokens))
         return attempt
 
     def prefilled(self, attempt: Attempt) -> None:
@@ -105,11 +115,22 @@ class InflightLedger:
             _change(entry.load, load, -1)
 
 
+def _load(model: str, prefill_tokens: int, num_seqs: int, decode_tokens: int, kv_tokens: int) -> PendingLoad:
+    """One attempt's load on one site; its KV is the model's own as well as part of the site's total."""
+    return PendingLoad(prefill_tokens, num_seqs, decode_tokens, kv_tokens, {model: kv_tokens} if model else {})
+
+
 def _change(total: PendingLoad, load: PendingLoad, sign: int) -> None:
     total.prefill_tokens += sign * load.prefill_tokens
     total.num_seqs += sign * load.num_seqs
     total.decode_tokens += sign * load.decode_tokens
     total.kv_tokens += sign * load.kv_tokens
+    for model, kv_tokens in load.model_kv_tokens.items():
+        left = total.model_kv_tokens.get(model, 0) + sign * kv_tokens
+        if left:
+            total.model_kv_tokens[model] = left
+        else:
+            total.model_kv_tokens.pop(model, None)
 
 
 def _reported_at(site: Site) -> float | None:

@@ -12,6 +12,8 @@ older agent). Load and rates stay the site's: its models share its devices. The 
 
 Inputs. Each site's figures are its latest heartbeat plus `pending`: what this router placed there
 since that heartbeat (router/ledger.py), so a burst does not see the same idle site twenty times.
+The KV placed there counts against the model's own pool where the site reports it apart (only this
+model's placements), against the site's pool otherwise (every model's); the load counts site-wide.
 KV bytes per token are each site's own (its agent registers them per model, in its engine's KV
 dtype), so a model served in bf16 at one site and fp32 at another is priced by each; for a site
 that did not report them, the model's figure from an agent's `GetModelInfo`, and only when that is
@@ -140,7 +142,13 @@ class PendingLoad:
     prefill_tokens: int = 0   # uncached prompt tokens to prefill
     num_seqs: int = 0         # sequences that will decode there
     decode_tokens: int = 0    # their output budgets (max_tokens), like the agents' in-flight decode tokens
-    kv_tokens: int = 0        # KV they hold once admitted (their prompts)
+    kv_tokens: int = 0        # KV they hold once admitted (their prompts), every model's
+    model_kv_tokens: dict[str, int] = field(default_factory=dict)  # the same by model, for per-model pools
+
+    def kv_tokens_for(self, model: str, own_pool: bool) -> int:
+        """The KV that meets `model`'s pool: its own placements where the site reports that pool
+        apart, every model's where the site has one pool."""
+        return self.model_kv_tokens.get(model, 0) if own_pool else self.kv_tokens
 
 
 @dataclass(slots=True)
@@ -152,6 +160,7 @@ class Candidate:
     transfer_ms: float
     score_ms: float
     num_cached_tokens: int
+    model: str = ""   # what the request asked for (the in-flight ledger keeps KV per site and model)
 
     @property
     def colocated(self) -> bool:
@@ -308,6 +317,7 @@ class _ModelSites:
     can_prefill: np.ndarray
     can_decode: np.ndarray
     kv_blocks_free: np.ndarray    # in the model's own KV pool where the site reports it apart
+    own_pool: np.ndarray          # the site reports the model's KV pool apart (else one pool for all)
     block_size: np.ndarray
     inflight_prefill_tokens: np.ndarray
     prefill_rate: np.ndarray      # measured, else the default
@@ -354,7 +364,8 @@ def _build_model_sites(snapshot: Snapshot, model: str, cost: CostModel) -> _Mode
         located=column((s.lat is not None and s.lon is not None for s in sites), bool),
         can_prefill=column((s.serves(model, "prefill") for s in sites), bool),
         can_decode=column((s.serves(model, "decode") for s in sites), bool),
-        kv_blocks_free=column(o.kv_blocks_free for o in own), block_size=column(c.block_size for c in caps),
+        kv_blocks_free=column(o.kv_blocks_free for o in own),
+        own_pool=column((o is not c for o, c in zip(own, caps)), bool), block_size=column(c.block_size for c in caps),
         inflight_prefill_tokens=column(c.inflight_prefill_tokens for c in caps),
         prefill_rate=column(c.prefill_tokens_per_s or cost.default_prefill_tokens_per_s for c in caps),
         num_running=column(c.num_running for c in caps),
@@ -458,12 +469,12 @@ def rank(snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
     if request.session_key and not pair_cooling[first]:
         first = _session_choice(sites, pairs, pair_cooling, first, request, cost)
     chosen = [first] + [i for i in order[:cost.max_candidates].tolist() if i != first][:cost.max_candidates - 1]
-    return [_candidate(sites, costs, pairs, i) for i in chosen]
+    return [_candidate(sites, costs, pairs, i, request.model) for i in chosen]
 
 
 def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, pending: Mapping[str, PendingLoad],
                 horizon: int, model_kv_bytes: int, kv_bytes_per_token: np.ndarray) -> _SiteCosts:
-    prefill_tokens, num_seqs, decode_tokens, kv_tokens = _pending_arrays(sites, pending)
+    prefill_tokens, num_seqs, decode_tokens, kv_tokens = _pending_arrays(sites, request.model, pending)
     num_prompt = len(request.prompt_ids)
     client_rtt = _client_rtt_ms(sites, request)
     num_cached = _cached_tokens(sites, request.prompt_ids)
@@ -482,14 +493,16 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
     return _SiteCosts(client_rtt, ttft, tpot, num_cached, prefill_ok, decode_ok)
 
 
-def _pending_arrays(sites: _ModelSites, pending: Mapping[str, PendingLoad]):
-    """(prefill tokens, sequences, decode tokens, KV tokens) this router added per site; zeros when none."""
+def _pending_arrays(sites: _ModelSites, model: str, pending: Mapping[str, PendingLoad]):
+    """(prefill tokens, sequences, decode tokens, KV tokens) this router added per site; zeros when none.
+    The KV is what meets `model`'s pool there (PendingLoad.kv_tokens_for)."""
     rows = [(sites.index[name], load) for name, load in pending.items() if name in sites.index]
     if not rows:
         return 0, 0, 0, 0
     arrays = np.zeros((4, len(sites.sites)))
     for i, load in rows:
-        arrays[:, i] = (load.prefill_tokens, load.num_seqs, load.decode_tokens, load.kv_tokens)
+        arrays[:, i] = (load.prefill_tokens, load.num_seqs, load.decode_tokens,
+                        load.kv_tokens_for(model, bool(sites.own_pool[i])))
     return arrays[0], arrays[1], arrays[2], arrays[3]
 
 
@@ -614,10 +627,10 @@ def _link_arrays(sites: _ModelSites, src: np.ndarray, dst: np.ndarray, cost: Cos
             np.where(measured, measured_bandwidth_mbps, cost.default_bandwidth_mbps))
 
 
-def _candidate(sites: _ModelSites, costs: _SiteCosts, pairs: _Pairs, i: int) -> Candidate:
+def _candidate(sites: _ModelSites, costs: _SiteCosts, pairs: _Pairs, i: int, model: str) -> Candidate:
     p, d = int(pairs.prefill[i]), int(pairs.decode[i])
     return Candidate(sites.sites[p], sites.sites[d], float(costs.ttft_ms[p]), float(costs.tpot_ms[d]),
-                     float(pairs.transfer_ms[i]), float(pairs.score_ms[i]), int(costs.num_cached_tokens[p]))
+                     float(pairs.transfer_ms[i]), float(pairs.score_ms[i]), int(costs.num_cached_tokens[p]), model)
 
 
 def _session_choice(sites: _ModelSites, pairs: _Pairs, pair_cooling: np.ndarray, best: int,

@@ -12,13 +12,24 @@ a *budget*: the grant of the registry's last answer less what it charged since i
     #          `never`: the request is over the whole limit, a client error (400) rather than a wait
     limiter.give_back(charge, unused_tokens)     # when the request ends
 
-A request that does not fit a budget is refused unless the key has no grant here yet, or the
-registry said part of its window was unallocated at its last answer: then the caller has the
-reporter send a report at once, with this demand in it, and tries again with the answer (and asks
-again while the answer leaves it short yet still says so, until the caller's deadline). Every
-charge is also kept per slot (second of this router's clock): `pending` until it goes out in a
-report, and for the last 61 s in `history`, this router's own window, which is what it admits from
-when the registry cannot be reached.
+Provisional allowance. A key this router holds no grant for (its first request here, or the first
+after IDLE_RELEASE_S idle) is admitted at once, with no round trip to the registry, while this
+router's own charges of the key in the window stay within `provisional_allowance` (limit ÷ (8 n),
+n the live routers at the last answer): a slow registry no longer holds up a key's first request
+when its limit clearly has room. The charges and the demand go out in the next report, whose answer
+brings the grant that replaces the allowance: a key the answer finds over its limit is refused from
+then on. A key whose window an answer found more than half used gets no allowance for a window
+after it (`_short`), even once given back idle, and none is given before this router's first answer
+(it does not know n yet) or while it admits from the local share. What the allowance costs the
+bound is in registry/allowance.py (the third way over).
+
+A request that does not fit a budget (or the provisional allowance) is refused unless the key has no
+grant here yet, or the registry said part of its window was unallocated at its last answer: then the
+caller has the reporter send a report at once, with this demand in it, and tries again with the
+answer (and asks again while the answer leaves it short yet still says so, until the caller's
+deadline). Every charge is also kept per slot (second of this router's clock): `pending` until it
+goes out in a report, and for the last 61 s in `history`, this router's own window, which is what
+it admits from when the registry cannot be reached (and what bounds the provisional allowance).
 
 Local share. When no report has been answered for GRANT_TTL_S and the last attempt failed, budgets
 lapse and each limited key is admitted from this router's own window up to limit ÷ n, n the live
@@ -38,10 +49,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from registry.allowance import GRANT_TTL_S, MAX_FUTURE_SLOTS, WINDOW_S, WINDOW_SLOTS
+from registry.allowance import GRANT_TTL_S, MAX_FUTURE_SLOTS, WINDOW_S, WINDOW_SLOTS, provisional_allowance
 from registry.fleet import KeyDemand, RateCharge
 
 IDLE_RELEASE_S = 10.0     # a key not asked for this long gives its grants back at the next report
+# A key whose window an answer found fuller than this gets no provisional allowance for a window after.
+PROVISIONAL_MAX_USED = 0.5
 # A report carries at most this many (key, second) charges, the newest first; the rest wait for the next
 # one. The registry refuses a report with more than 10,000 in a list or over 1 MiB, and a refused report
 # is dropped whole, usage and all: after minutes without the registry, charges of many keys pile up.
@@ -110,7 +123,11 @@ class RateLimiter:
         self._valid_until = -math.inf   # budgets may be spent until then (GRANT_TTL_S after the send)
         self._failing = False           # the last report attempt got no answer
         self.live_routers = 1           # as the registry last counted them, this one included
+        self._answered = False          # some report was answered: live_routers is the registry's count
+        # key -> (clock) until when it gets no provisional allowance: an answer found its window over half used
+        self._short: dict[int, float] = {}
         self.num_local_admissions = 0   # admitted from the local share (the registry unreachable)
+        self.num_provisional_admissions = 0   # admitted before the key's first grant here
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -136,7 +153,8 @@ class RateLimiter:
                 return Refusal(name, WINDOW_S, never=True)
         state.last_asked_at = now
         local = self.local_share
-        refusal = self._check_local(state, amounts, needed) if local else \
+        provisional = not local and self._provisional(state, amounts, needed, now)
+        refusal = None if provisional else self._check_local(state, amounts, needed) if local else \
             self._check_budgets(state, amounts, needed, now)
         if not retry or refusal is not None:   # refused again, it asks again: demand of the next report too
             state.asked["requests"] += 1
@@ -145,10 +163,22 @@ class RateLimiter:
             return refusal
         if local:
             self.num_local_admissions += 1
+        elif provisional:
+            self.num_provisional_admissions += 1
         else:
             for name in needed:
                 state.budgets[name].left -= amounts[name]
         return self._charge(key_id, num_tokens)
+
+    def _provisional(self, state: KeyState, amounts: dict, needed: list[str], now: float) -> bool:
+        """Admitted on the provisional allowance: no grant for the key here yet, and this router's own
+        charges of it in the window leave room for the request within the allowance."""
+        if state.granted or not self._answered or self._short.get(state.key_id, -math.inf) > now:
+            return False
+        slots = self._window(state.key_id)
+        return all(sum(counts[i] for counts in slots.values()) + amounts[name]
+                   <= provisional_allowance(state.limits[name], self.live_routers)
+                   for i, name in enumerate(LIMITS) if name in needed)
 
     def _check_budgets(self, state: KeyState, amounts: dict, needed: list[str], now: float) -> Refusal | None:
         if not state.granted or now >= self._valid_until:
@@ -236,6 +266,7 @@ class RateLimiter:
             demand.append(KeyDemand(state.key_id, state.asked["requests"], state.asked["tokens"],
                                     remaining["requests"], remaining["tokens"]))
             state.asked = dict.fromkeys(LIMITS, 0.0)
+        self._short = {key_id: until for key_id, until in self._short.items() if until > now}
         self._prune_history()
         return ReportPart(seq, charges, demand)
 
@@ -256,6 +287,7 @@ class RateLimiter:
         self._failing = False
         self._valid_until = sent_at + min(float(answer.get("grant_ttl_s", GRANT_TTL_S)), GRANT_TTL_S)
         self.live_routers = max(1, int(answer.get("live_routers", 1)))
+        self._answered = True
         for grant in answer.get("grants", []):
             state = self._keys.get(grant["key_id"])
             if state is None:
@@ -264,6 +296,21 @@ class RateLimiter:
             spent = self._spent.get(state.key_id, [0, 0])   # since this report was taken
             for i, name in enumerate(LIMITS):
                 self._set_budget(state.budgets[name], grant.get(name), grant.get("known", True), spent[i], now)
+            self._note_room(state, grant, now)
+
+    def _note_room(self, state: KeyState, grant: dict, now: float) -> None:
+        """Remembers for a window a key whose window the answer found more than half used (or that
+        is revoked): its room is not clear, so given back idle it waits for a grant again rather than
+        be admitted on an allowance the window may not have. A key in demand near its limit stays
+        so for as long as its window does."""
+        short = not grant.get("known", True) or any(
+            grant.get(name) is not None and state.limits[name] is not None
+            and int(grant[name].get("free", 0)) < state.limits[name] * (1 - PROVISIONAL_MAX_USED)
+            for name in LIMITS)
+        if short:
+            self._short[state.key_id] = now + WINDOW_S
+        else:
+            self._short.pop(state.key_id, None)
 
     @staticmethod
     def _set_budget(budget: Budget, limit: dict | None, known: bool, spent: int, now: float) -> None:
@@ -294,4 +341,5 @@ class RateLimiter:
 
     def status(self) -> dict:
         return {"mode": "local_share" if self.local_share else "global", "live_routers": self.live_routers,
-                "limited_keys": len(self._keys), "num_local_admissions": self.num_local_admissions}
+                "limited_keys": len(self._keys), "num_local_admissions": self.num_local_admissions,
+                "num_provisional_admissions": self.num_provisional_admissions}
