@@ -35,7 +35,7 @@ from router.reasoning import ReasoningStream, with_reasoning
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
-from router.tool_calls import ToolCall, ToolCallStream, has_strict_tool, tool_call_deltas
+from router.tool_calls import ToolCall, ToolCallStream, has_strict_tool
 
 PROMPT_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a thread
 
@@ -361,8 +361,8 @@ class CompletionRun:
         answer_names = (frozenset(t["function"]["name"] for t in request.tools)
                         if request.tool_choice == "auto" and request.grammar is not None else None)
         names = frozenset(t["function"]["name"] for t in request.tools or ())
-        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names, names)
-                           if parse_tools else None)
+        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names, names,
+                                          deltas=request.stream) if parse_tools else None)
         # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
         # tokens are then left out by id instead.
         self.text = TextStream(assets.tokenizer, request.stop, skip_special_tokens=self.tool_calls is None)
@@ -527,7 +527,9 @@ class CompletionRun:
     def _step_chunks(self, encoder: responses.ChunkEncoder, delta: str, tokens: list, finish: str | None,
                      out: list[bytes]) -> None:
         r, tokenizer, encode = self.request, self.assets.tokenizer, encoder.encode
-        if r.logprobs is None and finish is None:  # the chunk of nearly every token
+        # Tool calls stream as they are written (ToolCallStream), after the step's content.
+        call_deltas = self.tool_calls.take_deltas() if self.tool_calls is not None else ()
+        if r.logprobs is None and finish is None and not call_deltas:  # the chunk of nearly every token
             if delta:
                 out.append(encoder.text(delta))
             return
@@ -536,7 +538,7 @@ class CompletionRun:
                         else None)
             if delta or logprobs:
                 out.append(encode(self._chat_chunk({"content": delta}, None, logprobs)))
-            for call_delta in tool_call_deltas(self.calls) if finish is not None else ():
+            for call_delta in call_deltas:
                 out.append(encode(self._chat_chunk(call_delta, None, None)))
             if finish is not None:
                 out.append(encode(self._chat_chunk({}, finish, None)))

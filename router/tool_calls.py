@@ -30,6 +30,9 @@ whole output as content. Llama 3's bare JSON has no marker, so an object is a ca
 offered function and holds nothing but its name and parameters; any other object is an answer. An answer
 cut by max_tokens keeps the calls it completed and the one it ends in, with the arguments written so far,
 and its finish reason "length", as OpenAI's; none of a call's markup becomes content.
+A call's arguments are its JSON text as the model wrote it (OpenAI's are the model's text too), never decoded
+and written again: a stream sends them as they are written (ToolCallStream), and its pieces join into exactly
+the arguments the whole answer returns.
 With `auto` and a `strict` function (OpenAI's promise that its calls follow its schema) the output is
 constrained too, but loosely: free text, in which the marker's text cannot appear, or from the marker on
 calls of the offered functions (strict ones' arguments follow their schema, the others' are any JSON
@@ -53,7 +56,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llguidance
 
@@ -185,9 +188,7 @@ class ToolCallFormat:
     def _named_call_at(self, body: str, pos: int, names: frozenset[str] | None,
                        cut: bool) -> tuple[ToolCall, int]:
         """`NAME name_sep ARGUMENTS` at `pos`."""
-        pattern = re.compile(re.escape(self.name_prefix) + r"([^\s\"'<>\[\]{}]+?)" + self.name_suffix_regex
-                             + re.escape(self.name_sep))
-        match = pattern.match(body, pos)
+        match = self._name_pattern.match(body, pos)
         if match is None:
             if cut and self._name_so_far(body[pos:]):
                 raise _Ended()
@@ -204,7 +205,7 @@ class ToolCallFormat:
             raise
         if not isinstance(arguments, dict):
             raise ValueError("arguments are not an object")
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids)), pos
+        return ToolCall(name, body[start:pos], new_call_id(self.short_ids)), pos
 
     def _name_so_far(self, text: str) -> bool:
         """Whether `text` could still grow into a call's name and its separator (the answer ended inside them)."""
@@ -225,7 +226,7 @@ class ToolCallFormat:
             if not cut:
                 raise
             raise _Ended(self._cut_object_call(body[pos:], names)) from None
-        return self._object_call(item, names), end
+        return self._object_call(item, names, _member_text(body, pos, self.args_key)), end
 
     def _cut_object_call(self, text: str, names: frozenset[str] | None) -> ToolCall | None:
         """The call object the answer ended inside: its name and the arguments written so far, None while its
@@ -252,19 +253,81 @@ class ToolCallFormat:
         if not _object_so_far(arguments):
             raise ValueError("arguments are not an object")
         try:  # the arguments are whole and only the call's closing was cut: as a whole call's
-            parsed, _end = _DECODER.raw_decode(arguments)
-            arguments = json.dumps(parsed, ensure_ascii=False)
+            _parsed, end = _DECODER.raw_decode(arguments)
+            arguments = arguments[:end]
         except ValueError:
             pass
         return ToolCall(name, arguments, new_call_id(self.short_ids))
 
-    def _object_call(self, item, names: frozenset[str] | None = None) -> ToolCall:
+    def _object_call(self, item, names: frozenset[str] | None, arguments_text: str | None) -> ToolCall:
         name, arguments = item[self.name_key], item.get(self.args_key, {})
         if not isinstance(name, str) or not isinstance(arguments, dict):
             raise ValueError("a call needs a string name and object arguments")
         if names is not None and (name not in names or item.keys() - {self.name_key, self.args_key}):
             raise ValueError("not a call of an offered function")
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.short_ids))
+        return ToolCall(name, "{}" if arguments_text is None else arguments_text, new_call_id(self.short_ids))
+
+    # -- streaming: a call's opening and closing, read as they are written -------------------------
+
+    def call_head(self, text: str, pos: int, first: bool) -> tuple[str, int] | None:
+        """(name, where its arguments begin) of the call that opens at `pos` (where the calls begin when `first`,
+        else where the call before ended), once the text holds its name and the "{" of its arguments; None while
+        the text may still grow into them. A ValueError where no call opens there in the shape the format writes
+        (its name before its arguments; other members may come first, as Command R7B's `tool_call_id`): whatever
+        is there is left to `split` at the end of the answer."""
+        if first:
+            pieces = [self.section_begin, "[" if self.array else self.call_begin]
+        elif self.array:
+            pieces = [","]
+        elif self.call_begin.strip():
+            pieces = [self.call_begin]
+        else:
+            raise ValueError("one call only")
+        pos = _through(text, pos, [piece.strip() for piece in pieces if piece.strip()])
+        if pos is None:
+            return None
+        pos = _skip_space(text, pos)
+        if self.name_key:
+            pos = _through(text, pos, ["{"])
+            pos = None if pos is None else _value_of(text, pos, self.name_key, self.args_key)
+            if pos is None:
+                return None
+            match = _JSON_STRING.match(text, pos)
+            if match is None:
+                if text[pos:pos + 1] not in ("", '"'):
+                    raise ValueError("the name is no string")
+                return None
+            name = json.loads(match.group())
+            pos = _through(text, match.end(), [","])
+            pos = None if pos is None else _value_of(text, pos, self.args_key, self.name_key)
+        else:
+            match = self._name_pattern.match(text, pos)
+            if match is None:
+                if self._name_so_far(text[pos:]):
+                    return None
+                raise ValueError("no function name")
+            name, pos = match.group(1), match.end()
+        if pos is None or _skip_space(text, pos) == len(text):
+            return None
+        pos = _skip_space(text, pos)
+        if text[pos] != "{":
+            raise ValueError("arguments are not an object")
+        return name, pos
+
+    def call_tail(self, text: str, pos: int) -> int | None:
+        """The end of the call whose arguments end at `pos` (the rest of its object, the format's call end); None
+        while the text may still grow into it, a ValueError where something else follows."""
+        if self.name_key:
+            pos = _object_end(text, pos)
+        if pos is None or self.array or not self.call_end.strip():
+            return pos
+        return _through(text, pos, [self.call_end.strip()])
+
+    @property
+    def _name_pattern(self) -> re.Pattern:
+        """`NAME name_sep` (re's cache keeps it compiled)."""
+        return re.compile(re.escape(self.name_prefix) + r"([^\s\"'<>\[\]{}]+?)" + self.name_suffix_regex
+                          + re.escape(self.name_sep))
 
     # -- grammars: a required call, and `auto` with strict tools ----------------------------------
 
@@ -403,6 +466,90 @@ def _pieces_so_far(text: str, pieces: list[str]) -> bool:
     return False
 
 
+def _through(text: str, pos: int, pieces: list[str]) -> int | None:
+    """The end of `pieces` written from `pos` on, blanks before each allowed; None while the text ends inside them,
+    a ValueError where it holds something else."""
+    for piece in pieces:
+        pos = _skip_space(text, pos)
+        if text.startswith(piece, pos):
+            pos += len(piece)
+        elif piece.startswith(text[pos:]):
+            return None
+        else:
+            raise ValueError(f"expected {piece!r}")
+    return pos
+
+
+def _value_of(text: str, pos: int, key: str, before: str) -> int | None:
+    """Where member `key`'s value begins in a JSON object being written, its members read from `pos` (just past
+    its "{" or a ","); None while the text ends first, a ValueError where member `before` comes first or the
+    text is no object's members."""
+    while True:
+        pos = _skip_space(text, pos)
+        match = _JSON_STRING.match(text, pos)
+        if match is None:
+            if text[pos:pos + 1] not in ("", '"'):
+                raise ValueError("no member's name")
+            return None
+        name = json.loads(match.group())
+        start = _through(text, match.end(), [":"])
+        if start is None:
+            return None
+        start = _skip_space(text, start)
+        if name == key:
+            return start
+        if name == before:
+            raise ValueError(f"{before!r} before {key!r}")
+        pos = _value_end(text, start)
+        pos = None if pos is None else _through(text, pos, [","])
+        if pos is None:
+            return None
+
+
+def _object_end(text: str, pos: int) -> int | None:
+    """The end of a JSON object being written whose members are read to `pos`; None while the text ends first."""
+    while True:
+        pos = _skip_space(text, pos)
+        if pos == len(text):
+            return None
+        if text[pos] == "}":
+            return pos + 1
+        if text[pos] != ",":
+            raise ValueError("expected ',' or '}'")
+        pos = _skip_space(text, pos + 1)
+        match = _JSON_STRING.match(text, pos)
+        if match is None and text[pos:pos + 1] not in ("", '"'):
+            raise ValueError("no member's name")
+        start = None if match is None else _through(text, match.end(), [":"])
+        pos = None if start is None else _value_end(text, _skip_space(text, start))
+        if pos is None:
+            return None  # a value that never ends is left to `split`
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    try:
+        return _DECODER.raw_decode(text, pos)[1]
+    except ValueError:
+        return None
+
+
+def _member_text(text: str, pos: int, key: str) -> str | None:
+    """The text of member `key`'s value (the last one of that name, as a decoded object keeps) in the JSON object
+    at `pos`, which is whole; None when it has none."""
+    found = None
+    pos = _skip_space(text, pos + 1)
+    while text[pos] != "}":
+        name, pos = _DECODER.raw_decode(text, pos)
+        start = _skip_space(text, _skip_space(text, pos) + 1)  # past the ":"
+        _value, pos = _DECODER.raw_decode(text, start)
+        if name == key:
+            found = text[start:pos]
+        pos = _skip_space(text, pos)
+        if text[pos] == ",":
+            pos = _skip_space(text, pos + 1)
+    return found
+
+
 def _object_so_far(text: str) -> bool:
     """Arguments cut short: nothing yet, or what opens a JSON object."""
     return not text.strip() or text.lstrip().startswith("{")
@@ -506,10 +653,24 @@ class ToolCallStream:
     function's name and arguments), and the JSON streams as content once it is known to be no call.
     With `names` (the offered functions) a bare JSON call (Llama 3) must name one of them and hold nothing
     but its name and arguments: a model asked for a JSON document with a `name` field answers with one.
+
+    Calls stream as they are written, as OpenAI streams them (`take_deltas`): a call opens (index, id, name)
+    once its name and the "{" of its arguments are written, and its arguments follow as they grow, as far
+    as they are a prefix of valid JSON. A call opens early only when it is sure to be one: under a required
+    call (the grammar shapes it), or after a marker when it names an offered function (`names`); Llama 3's
+    bare JSON under `auto` is a call only once its object is whole, so it comes at the end. What is sent is
+    never taken back: a call that opened stays a call. An answer that ends inside its calls once one was sent
+    (an end of sequence, a stop string) reads as one cut there by max_tokens: its calls as far as they got, no
+    markup as content. One whose markup breaks (a model left free) keeps the calls sent, each with the
+    arguments sent, as far as they were JSON; text after the last call that closed is content, and the rest
+    of a call broken off is dropped (it is markup, no words for the user). Otherwise `finish` sends what each
+    call still lacks, so the streamed calls always join into the calls `finish` returns (ids included): the
+    streamed answer and the whole one are the same.
     """
 
     def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True,
-                 answer_names: frozenset[str] | None = None, names: frozenset[str] | None = None) -> None:
+                 answer_names: frozenset[str] | None = None, names: frozenset[str] | None = None,
+                 deltas: bool = True) -> None:
         self.fmt = fmt
         self.parallel = parallel
         self.answer_names = answer_names
@@ -520,11 +681,30 @@ class ToolCallStream:
         self._decided = forced       # calls looked for at the start only: whether the answer opens with them is known
         self._pending = ""           # content held back
         self._calls_text = ""
+        # Streaming the calls as written: which may open early, and how far the text has been read.
+        offered = names if names is not None else answer_names
+        self._early = forced or (bool(fmt.marker) and offered is not None)
+        self._offered = None if forced else offered
+        self._record = deltas        # a whole response reads the calls from `finish` alone
+        self._phase = "head"         # what comes next at `_pos`: a call's head, its arguments, its tail; "off"
+        self._pos = 0
+        self._arguments: _JsonPrefix | None = None
+        self._sent: list[ToolCall] = []   # the calls opened (their arguments sent: `_sent_calls`)
+        self._num_closed = 0
+        self._closed_at = 0          # the end of the last call that closed
+        self._deltas: list[dict] = []
 
     def add(self, text: str) -> str:
         if self._in_calls:
             self._calls_text += text
+            self._read_calls()
             return ""
+        content = self._add_content(text)
+        if self._in_calls:
+            self._read_calls()
+        return content
+
+    def _add_content(self, text: str) -> str:
         self._pending += text
         if self._decided:
             return self._take(len(self._pending))
@@ -556,11 +736,112 @@ class ToolCallStream:
         self._pending = self._pending[upto:] if keep else ""
         return out
 
+    def _read_calls(self) -> None:
+        """Opens the calls whose heads are written and sends their arguments as they grow; stops for good at
+        the first text it cannot read as the next piece of a call (that is left to `finish`)."""
+        text = self._calls_text
+        while self._early and self._phase != "off":
+            try:
+                if self._phase == "head":
+                    if self._sent and not self.parallel:
+                        raise ValueError("one call only")
+                    head = self.fmt.call_head(text, self._pos, not self._sent)
+                    if head is None:
+                        return
+                    if self._offered is not None and head[0] not in self._offered:
+                        raise ValueError("not an offered function: no call sure to be one")
+                    self._open(*head)
+                elif self._phase == "arguments":
+                    if not self._read_arguments(text):
+                        return
+                else:
+                    end = self.fmt.call_tail(text, self._pos)
+                    if end is None:
+                        return
+                    self._phase, self._pos, self._closed_at = "head", end, end
+                    self._num_closed += 1
+            except ValueError:
+                self._phase = "off"
+
+    def _open(self, name: str, arguments_at: int) -> None:
+        call = ToolCall(name, "", new_call_id(self.fmt.short_ids))
+        if self._arguments is not None:  # the call before is closed: its arguments are whole
+            self._sent[-1] = self._sent_calls()[-1]
+        self._sent.append(call)
+        self._arguments = _JsonPrefix(arguments_at)
+        self._phase = "arguments"
+        if self._record:
+            self._deltas.append(_opening_delta(len(self._sent) - 1, call))
+
+    def _read_arguments(self, text: str) -> bool:
+        """Sends what the arguments add; True once they are whole (the call's tail comes next)."""
+        scan = self._arguments
+        before = scan.end
+        scan.read(text)
+        if scan.end > before and self._record:
+            self._deltas.append(_arguments_delta(len(self._sent) - 1, text[before:scan.end]))
+        if scan.broken:
+            raise ValueError("the arguments are no JSON")
+        if not scan.whole:
+            return False
+        self._phase, self._pos = "tail", scan.end
+        return True
+
+    def take_deltas(self) -> list[dict]:
+        """The stream deltas of the calls since the last take, a call's adjacent argument pieces joined (a call
+        still opens with empty arguments, as OpenAI's do)."""
+        out: list[dict] = []
+        for delta in self._deltas:
+            call, previous = delta["tool_calls"][0], out[-1]["tool_calls"][0] if out else {"id": None}
+            if "id" not in call and "id" not in previous and previous["index"] == call["index"]:
+                previous["function"]["arguments"] += call["function"]["arguments"]
+            else:
+                out.append(delta)
+        self._deltas = []
+        return out
+
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, the calls) at the end of the answer; `cut`: it was cut short by max_tokens
-        (ToolCallFormat.split: the call it ends in comes back as far as it got)."""
+        (ToolCallFormat.split: the call it ends in comes back as far as it got). The deltas that complete the
+        streamed calls are then ready to take."""
         if not self._in_calls:
             return self._take(len(self._pending)), []
+        content, calls = self._parsed(cut)
+        self._sent = self._sent_calls()
+        if self._sent and not _extends(calls, self._sent):
+            # An answer that ended inside calls already sent (all it wrote reads as their beginning) reads as one
+            # cut there; one that breaks them keeps what was sent (the class docstring).
+            if self._phase != "off":
+                content, calls = self._parsed(True)
+            if self._phase == "off" or not _extends(calls, self._sent):
+                content, calls = self._rest_after_sent(), list(self._sent)
+        calls = [replace(call, id=sent.id) for call, sent in zip(calls, self._sent)] + calls[len(self._sent):]
+        if self._record:
+            for index, call in enumerate(calls):
+                if index >= len(self._sent):
+                    self._deltas.append(_opening_delta(index, call))
+                sent = self._sent[index].arguments if index < len(self._sent) else ""
+                if len(call.arguments) > len(sent):
+                    self._deltas.append(_arguments_delta(index, call.arguments[len(sent):]))
+        self._sent = calls
+        return content, calls
+
+    def _sent_calls(self) -> list[ToolCall]:
+        """The calls opened, each with the arguments sent (the last one's read from the text only now: a long
+        call's arguments are not copied at every step)."""
+        if not self._sent:
+            return []
+        scan = self._arguments
+        return [*self._sent[:-1], replace(self._sent[-1], arguments=self._calls_text[scan.begin:scan.end])]
+
+    def _rest_after_sent(self) -> str:
+        """The content of an answer whose calls broke after some were sent: the text after the last call, when
+        that call closed and the model was free to write words; a broken call's own markup is none."""
+        if self._forced or self._num_closed < len(self._sent):
+            return ""
+        return self._calls_text[self._closed_at:].lstrip()
+
+    def _parsed(self, cut: bool) -> tuple[str, list[ToolCall]]:
         parsed = self.fmt.split(self._calls_text, self.names, cut)
         # A bare JSON object cut before its name is whole may as well be an answer (only a required call is
         # known to be a call), so it stays content; a marker's text is no answer.
@@ -570,12 +851,160 @@ class ToolCallStream:
         return content, calls if self.parallel else calls[:1]
 
 
-def tool_call_deltas(calls: list[ToolCall]) -> list[dict]:
-    """Stream deltas of finished calls, shaped as OpenAI streams them: each call opens with its index, id,
-    type and name (empty arguments), then its arguments follow."""
-    deltas = []
-    for index, call in enumerate(calls):
-        deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
-    return deltas
+def _extends(calls: list[ToolCall], sent: list[ToolCall]) -> bool:
+    """Whether `calls` are the calls sent so far, grown: the same names, arguments that go on from those sent."""
+    return len(calls) >= len(sent) and all(call.name == early.name and call.arguments.startswith(early.arguments)
+                                           for call, early in zip(calls, sent))
+
+
+def _opening_delta(index: int, call: ToolCall) -> dict:
+    """A call's first delta, as OpenAI streams it: its index, id, type and name, with no arguments yet."""
+    return {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}}]}
+
+
+def _arguments_delta(index: int, arguments: str) -> dict:
+    return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"')
+_STRING_RUN = re.compile(r'[^"\\\x00-\x1f]+')
+_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+_DIGITS = "0123456789"
+# A number's states (after "-", "0", more digits, ".", fraction digits, "e", its sign, exponent digits), and the
+# ones it may end in; as the JSON grammar, and Python's decoder, read numbers.
+_NUMBER_STEPS = {
+    ("", "-"): "-", ("", "0"): "0", ("", "1"): "int", ("-", "0"): "0", ("-", "1"): "int",
+    ("0", "."): ".", ("0", "e"): "e",
+    ("int", "1"): "int", ("int", "0"): "int", ("int", "."): ".", ("int", "e"): "e",
+    (".", "0"): "frac", (".", "1"): "frac", ("frac", "0"): "frac", ("frac", "1"): "frac", ("frac", "e"): "e",
+    ("e", "-"): "e-", ("e", "0"): "exp", ("e", "1"): "exp", ("e-", "0"): "exp", ("e-", "1"): "exp",
+    ("exp", "0"): "exp", ("exp", "1"): "exp",
+}
+_NUMBER_ENDS = frozenset({"0", "int", "frac", "exp"})
+
+
+def _number_class(char: str) -> str:
+    if char == "0":
+        return "0"
+    if char in _DIGITS:
+        return "1"
+    return {"-": "-", "+": "-", ".": ".", "e": "e", "E": "e"}.get(char, "")
+
+
+class _JsonPrefix:
+    """A JSON value read as it is written, from `begin`: `end` is how far the text is a prefix of valid JSON,
+    `whole` once the value is complete (then `end` is its end), `broken` at the first character no JSON value
+    could hold there. Each character is read once, so a long call costs no more than its length."""
+
+    def __init__(self, begin: int) -> None:
+        self.begin = self.end = begin
+        self.whole = self.broken = False
+        self._containers: list[str] = []
+        self._expect = "value"     # value, value_or_close, key, key_or_close, colon, after_value
+        self._string: str | None = None   # inside a string: "key" or "value"
+        self._escape = -1          # in a string: -1 none, 0 after a backslash, k > 0 hex digits still due
+        self._literal = ""         # what a true/false/null still needs
+        self._number: str | None = None
+
+    def read(self, text: str) -> None:
+        pos = self.end
+        while pos < len(text) and not (self.whole or self.broken):
+            if self._step(text, pos):
+                pos = self.end
+            else:
+                self.broken = True
+
+    def _step(self, text: str, pos: int) -> bool:
+        """Reads the character at `pos` (or a run of plain string characters), moving `end` past it."""
+        char = text[pos]
+        if self._string is not None:
+            return self._string_step(text, pos, char)
+        if self._literal:
+            if char != self._literal[0]:
+                return False
+            self._literal = self._literal[1:]
+            if not self._literal:
+                self._expect = "after_value"
+            self.end = pos + 1
+            return True
+        if self._number is not None:
+            step = _NUMBER_STEPS.get((self._number, _number_class(char)))
+            if step is not None and not (char == "+" and self._number != "e"):
+                self._number, self.end = step, pos + 1
+                return True
+            if self._number not in _NUMBER_ENDS:
+                return False
+            self._number, self._expect = None, "after_value"
+        if char in " \t\n\r":
+            self.end = pos + 1
+            return True
+        if not self._token(char):
+            return False
+        self.end = pos + 1
+        return True
+
+    def _string_step(self, text: str, pos: int, char: str) -> bool:
+        if self._escape == 0:
+            if char not in '"\\/bfnrtu':
+                return False
+            self._escape = 4 if char == "u" else -1
+        elif self._escape > 0:
+            if char not in "0123456789abcdefABCDEF":
+                return False
+            self._escape = self._escape - 1 if self._escape > 1 else -1
+        elif char == '"':
+            self._expect = "colon" if self._string == "key" else "after_value"
+            self._string = None
+        elif char == "\\":
+            self._escape = 0
+        elif char < " ":
+            return False
+        else:
+            self.end = _STRING_RUN.match(text, pos).end()
+            return True
+        self.end = pos + 1
+        return True
+
+    def _token(self, char: str) -> bool:
+        expect = self._expect
+        if expect in ("value", "value_or_close"):
+            if char == "]" and expect == "value_or_close":
+                return self._close()
+            if char in "{[":
+                self._containers.append(char)
+                self._expect = "key_or_close" if char == "{" else "value_or_close"
+            elif char == '"':
+                self._string = "value"
+            elif char in _LITERALS:
+                self._literal = _LITERALS[char]
+            elif char == "-" or char in _DIGITS:
+                self._number = _NUMBER_STEPS[("", _number_class(char))]
+            else:
+                return False
+            return True
+        if expect in ("key", "key_or_close"):
+            if char == "}" and expect == "key_or_close":
+                return self._close()
+            if char != '"':
+                return False
+            self._string = "key"
+            return True
+        if expect == "colon":
+            if char != ":":
+                return False
+            self._expect = "value"
+            return True
+        if char == ",":
+            self._expect = "key" if self._containers[-1] == "{" else "value"
+            return True
+        if char == ("}" if self._containers[-1] == "{" else "]"):
+            return self._close()
+        return False
+
+    def _close(self) -> bool:
+        self._containers.pop()
+        self._expect = "after_value"
+        if not self._containers:
+            self.whole = True
+        return True
