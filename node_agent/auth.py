@@ -34,6 +34,14 @@ sends it, then the old one goes). Every accepted token is held as its SHA-256 an
 digest is compared with all of them, each comparison in constant time and none skipped once one
 matches, so neither the time taken nor anything else tells which token, or which role, came close.
 No accepted agent token may be an accepted peer token: one token would open both roles again.
+
+Counting, for rotations: every accepted call is counted by the role of the token that opened it and by
+that token's `credential` label, the first 8 hex digits of its SHA-256 (what `printf %s TOKEN | sha256sum`
+prints, and how agent_token_sha256 already names an agent token). A position in the configured lists
+would name a different token once a rotation step reorders or shortens them, and differ between agents
+mid-rotation; the digest prefix names the same token on every agent and at every step, and gives away no
+more than the digest an agent holds anyway. Which candidate matched is recorded inside the comparison
+loop by arithmetic on each comparison's result, so finding it adds no branch and no early exit.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc import aio
@@ -49,6 +59,9 @@ ROUTER, PEER = "router", "peer"
 CREDENTIALS = {ROUTER: "the agent token (routers present it: their agent_token)",
                PEER: "the peer token (agents present it to each other: peer_token)"}
 SERVICE = "/edgefire.agent.v1.Agent/"
+GRPC, KV_DATA = "grpc", "kv_data"                 # the ports a credential is checked on
+UNAUTHENTICATED, PERMISSION_DENIED = "unauthenticated", "permission_denied"   # why a call was refused
+CREDENTIAL_HEX_DIGITS = 8
 # Method -> the roles whose token opens it. A method of the service not listed here opens to no one.
 METHOD_ROLES: dict[str, frozenset[str]] = {
     "Generate": frozenset({ROUTER}),
@@ -66,6 +79,35 @@ def token_digest(token: str) -> str:
     """What an agent holds of the agent token: its SHA-256 as 64 lowercase hex digits
     (`printf %s TOKEN | sha256sum`)."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def credential_label(digest: bytes) -> str:
+    """How the metrics name an accepted token: the first hex digits of its SHA-256, enough to tell the
+    tokens of a rotation apart, never the token."""
+    return digest.hex()[:CREDENTIAL_HEX_DIGITS]
+
+
+class AuthObserver(Protocol):
+    """Counts checked credentials (node_agent.metrics.AgentMetrics)."""
+
+    def observe_accepted(self, port: str, role: str, credential: str) -> None: ...
+
+    def observe_refused(self, port: str, reason: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMatch:
+    """What a presented token is to this agent. roles is empty for a token it does not accept; role is the
+    role the matching token is configured for (ROUTER: an agent token digest; PEER: peer_token or one of
+    accept_peer_tokens, also on an agent with no agent token, where it opens every method) and credential
+    its label (credential_label)."""
+
+    roles: frozenset[str]
+    role: str | None = None
+    credential: str | None = None
+
+
+NO_MATCH = TokenMatch(frozenset())
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -102,6 +144,8 @@ class RoleTokens:
             raise ValueError("a peer token must not be empty")
         self._peer_digests = _distinct(hashlib.sha256(token.encode()).digest() for token in peer_tokens)
         self._router_digests = _distinct(bytes.fromhex(digest) for digest in _as_list(agent_token_sha256))
+        self._peer_labels = tuple(map(credential_label, self._peer_digests))
+        self._router_labels = tuple(map(credential_label, self._router_digests))
         # The data port reads exactly a peer token's length, then compares (node_agent.kv_data).
         self.peer_token_lengths = frozenset(len(token.encode()) for token in peer_tokens)
         if any(_matches_any(digest, self._router_digests) for digest in self._peer_digests):
@@ -112,14 +156,22 @@ class RoleTokens:
         return bool(self._router_digests)
 
     def roles_of(self, token: bytes) -> frozenset[str]:
-        """The roles `token` holds (empty: it is no accepted token). Its digest is compared with every
-        accepted one, so the time taken does not tell which one, or which role, came close."""
+        """The roles `token` holds (empty: it is no accepted token)."""
+        return self.match(token).roles
+
+    def match(self, token: bytes) -> TokenMatch:
+        """The roles `token` holds and which accepted token it is. Its digest is compared with every
+        accepted one, so the time taken does not tell which one, or which role, came close; only once all
+        are compared does the result choose a label."""
         digest = hashlib.sha256(token).digest()
-        is_peer = _matches_any(digest, self._peer_digests)
-        is_router = _matches_any(digest, self._router_digests)
-        if not self.split:
-            return frozenset({ROUTER, PEER}) if is_peer else frozenset()
-        return frozenset(role for role, held in ((ROUTER, is_router), (PEER, is_peer)) if held)
+        peer_index = _match_index(digest, self._peer_digests)
+        router_index = _match_index(digest, self._router_digests)
+        if peer_index >= 0:
+            return TokenMatch(frozenset({ROUTER, PEER}) if not self.split else frozenset({PEER}), PEER,
+                              self._peer_labels[peer_index])
+        if router_index >= 0:
+            return TokenMatch(frozenset({ROUTER}), ROUTER, self._router_labels[router_index])
+        return NO_MATCH
 
 
 def _as_list(digests: str | Sequence[str] | None) -> list[str]:
@@ -133,12 +185,17 @@ def _distinct(digests) -> tuple[bytes, ...]:
 
 
 def _matches_any(digest: bytes, candidates: Sequence[bytes]) -> bool:
-    """Whether `digest` is one of `candidates`. Every candidate is compared, in constant time, with no
-    early exit once one matches (`|` on bools evaluates both sides)."""
-    matched = False
-    for candidate in candidates:
-        matched = matched | hmac.compare_digest(digest, candidate)
-    return matched
+    return _match_index(digest, candidates) >= 0
+
+
+def _match_index(digest: bytes, candidates: Sequence[bytes]) -> int:
+    """The position of `digest` among `candidates` (distinct), -1 when it is none of them. Every candidate
+    is compared, in constant time, with no early exit once one matches; the position is summed from each
+    comparison's 0 or 1 rather than chosen by a branch on it."""
+    position_plus_one = 0
+    for position, candidate in enumerate(candidates, start=1):
+        position_plus_one += position * hmac.compare_digest(digest, candidate)
+    return position_plus_one - 1
 
 
 def _presented(metadata) -> tuple[bytes | None, str | None]:
@@ -156,34 +213,50 @@ def _presented(metadata) -> tuple[bytes | None, str | None]:
 
 def check_call(tokens: RoleTokens, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
     """Why the call of `method` (its full gRPC name) is refused, as (status, message); None: allowed."""
+    return authorize(tokens, method, metadata)[0]
+
+
+def authorize(tokens: RoleTokens, method: str, metadata) -> tuple[tuple[grpc.StatusCode, str] | None, TokenMatch]:
+    """check_call's answer, with what the presented token is to this agent."""
     name = method.removeprefix(SERVICE)
     allowed = METHOD_ROLES.get(name, frozenset()) if method.startswith(SERVICE) else frozenset()
     wanted = " or ".join(CREDENTIALS[role] for role in sorted(allowed, reverse=True)) or "no credential"
     token, problem = _presented(metadata)
     if token is None:
-        return grpc.StatusCode.UNAUTHENTICATED, f"{problem}; {name} takes 'authorization: Bearer <token>' with {wanted}"
-    roles = tokens.roles_of(token)
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                f"{problem}; {name} takes 'authorization: Bearer <token>' with {wanted}"), NO_MATCH
+    match = tokens.match(token)
+    roles = match.roles
     if not roles:
-        return grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid for this agent"
+        return (grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid for this agent"), match
     if roles & allowed:
-        return None
+        return None, match
     held = " and ".join(CREDENTIALS[role] for role in sorted(roles, reverse=True))
     if not allowed:
-        return grpc.StatusCode.PERMISSION_DENIED, f"{name} opens to no credential of this agent"
-    return grpc.StatusCode.PERMISSION_DENIED, f"{name} takes {wanted}, not {held}"
+        return (grpc.StatusCode.PERMISSION_DENIED, f"{name} opens to no credential of this agent"), match
+    return (grpc.StatusCode.PERMISSION_DENIED, f"{name} takes {wanted}, not {held}"), match
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    """Checks every call against `tokens`, the same RoleTokens the agent's KV data port checks with."""
+    """Checks every call against `tokens`, the same RoleTokens the agent's KV data port checks with, and
+    counts it with `observer` (accepted by credential, refused by reason)."""
 
-    def __init__(self, tokens: RoleTokens):
+    def __init__(self, tokens: RoleTokens, observer: AuthObserver | None = None):
         self._tokens = tokens
+        self._observer = observer
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        refused = check_call(self._tokens, handler_call_details.method, handler_call_details.invocation_metadata)
+        refused, match = authorize(self._tokens, handler_call_details.method,
+                                   handler_call_details.invocation_metadata)
+        if self._observer is not None:
+            if refused is None:
+                self._observer.observe_accepted(GRPC, match.role, match.credential)
+            else:
+                reason = UNAUTHENTICATED if refused[0] == grpc.StatusCode.UNAUTHENTICATED else PERMISSION_DENIED
+                self._observer.observe_refused(GRPC, reason)
         if refused is None:
             return handler
         return _rejecting_handler(handler, *refused)

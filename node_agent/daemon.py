@@ -74,7 +74,7 @@ class Agent:
         self._warn_about_tokens()
         # Without SO_REUSEPORT (gRPC's default) a second agent given a port in use fails here instead
         # of sharing it and taking half of the first one's requests.
-        self._server = aio.server(interceptors=[TokenAuthInterceptor(tokens)],
+        self._server = aio.server(interceptors=[TokenAuthInterceptor(tokens, self.metrics)],
                                   options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)])
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
         try:
@@ -137,7 +137,7 @@ class Agent:
         cfg = self.config
         ssl_context = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
         server = KVDataServer(tokens, core.open_export, core.end_export, core.metrics.kv_bytes_sent.inc,
-                              ssl_context)
+                              ssl_context, observer=core.metrics)
         try:
             await server.start(host or "0.0.0.0", port)
         except OSError as exc:

@@ -52,7 +52,7 @@ from engine.async_engine import kv_chunks
 from engine.errors import EngineError, KVTransferError
 from engine.kv_export import KVExport
 from engine.kv_transfer import CHUNK_HEADER, KVChunk, KVLayout, KVPayload
-from node_agent.auth import PEER, RoleTokens
+from node_agent.auth import KV_DATA, PEER, UNAUTHENTICATED, AuthObserver, RoleTokens
 from node_agent.config import MAX_PROBE_BYTES
 from node_agent.proto import agent_pb2
 from node_agent.transfer import PayloadAssembler, chunk_message
@@ -79,8 +79,9 @@ class KVDataServer:
 
     def __init__(self, tokens: RoleTokens, open_export: Callable[[str], Awaitable[KVExport]],
                  end_export: Callable[[str, KVExport], None], on_bytes_sent: Callable[[int], None],
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, observer: AuthObserver | None = None):
         self._tokens = tokens
+        self._observer = observer  # counts the tokens checked here, as the gRPC interceptor does
         self._ssl = ssl_context
         self._open_export = open_export
         self._end_export = end_export
@@ -173,9 +174,21 @@ class KVDataServer:
         # stranger's bytes (a wrong port, a scanner) get their answer now, not at the timeout.
         length = await _recv_length(conn)
         if length not in self._tokens.peer_token_lengths:
+            self._count_refused()
             return refusal
-        token = await _recv_exactly(conn, length)
-        return None if PEER in self._tokens.roles_of(token) else refusal
+        match = self._tokens.match(await _recv_exactly(conn, length))
+        if PEER not in match.roles:
+            self._count_refused()
+            return refusal
+        if self._observer is not None:
+            self._observer.observe_accepted(KV_DATA, match.role, match.credential)
+        return None
+
+    def _count_refused(self) -> None:
+        # Always unauthenticated, never permission_denied: a token of no peer token's length is not read,
+        # so an agent token and a stranger cannot be told apart here, and the port takes no other role.
+        if self._observer is not None:
+            self._observer.observe_refused(KV_DATA, UNAUTHENTICATED)
 
     async def _answer_probe(self, conn: socket.socket, body: str) -> None:
         if not (body.isascii() and body.isdigit()) or not 0 < int(body) <= MAX_PROBE_BYTES:

@@ -66,6 +66,15 @@ class AgentMetrics:
         self.link_bandwidth = Gauge("edgefire_agent_link_bandwidth_mbps", "Measured throughput from a peer site",
                                     ["peer"], registry=r)
         self._link_peers: set[str] = set()  # the peers whose link series are exported
+        self.accepted_calls = Counter("edgefire_agent_accepted_calls", "Calls (gRPC) and connections (the KV data "
+                                      "port) whose token was accepted, by port, the token's role (router: an agent "
+                                      "token digest; peer: a peer token) and credential, the first 8 hex digits of "
+                                      "the token's SHA-256: an old token unused during a rotation stops growing",
+                                      ["port", "role", "credential"], registry=r)
+        self.refused_calls = Counter("edgefire_agent_refused_calls", "Calls and KV data connections refused for "
+                                     "their token, by port and reason (unauthenticated: no token or one not "
+                                     "accepted; permission_denied: a token of the other role)", ["port", "reason"],
+                                     registry=r)
         self.active_role = Gauge("edgefire_agent_active_role", "1 for each role this site takes new work for",
                                  ["role"], registry=r)
         self._prompt_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]: the hit ratio
@@ -120,6 +129,13 @@ class AgentMetrics:
                 self.link_rtt.labels(peer).set(link.rtt_ms)
             if link.bandwidth_mbps is not None:
                 self.link_bandwidth.labels(peer).set(link.bandwidth_mbps)
+
+    def observe_accepted(self, port: str, role: str, credential: str) -> None:
+        """A call or KV data connection opened by an accepted token (node_agent.auth)."""
+        self.accepted_calls.labels(port, role, credential).inc()
+
+    def observe_refused(self, port: str, reason: str) -> None:
+        self.refused_calls.labels(port, reason).inc()
 
     def observe_role(self, role: str) -> None:
         for name in ("prefill", "decode"):

@@ -19,6 +19,13 @@ has unallocated room (other requests took what was granted meanwhile), all withi
 That deadline is GRANT_TTL_S: the answer that brings a grant may come behind the report already in
 flight, two round trips on a loaded registry, and a 429 for a key the registry has room for is what
 the limit must not do; a grant answered later than that would have lapsed on arrival anyway.
+
+A key admitted provisionally (router/rate_limit.py) before any report carried its demand has the next
+report go out soon too (`report_soon`), without waiting for its answer: the grant that replaces the
+allowance then comes a round trip after the key's first request, not up to `interval_s` after. Such
+wake-ups coalesce: reports go out one at a time, so however many keys arrive, at most one report
+follows the one in flight, and never within MIN_GAP_S of the previous start. While reports fail,
+the backoff alone paces them.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ class FleetReporter:
         self._last_start = -math.inf
         self.num_reports = 0
         self.num_failures = 0
+        limiter.on_provisional = self.report_soon
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -223,6 +231,12 @@ class FleetReporter:
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+    def report_soon(self) -> None:
+        """Has the next report go out now (after the one in flight, if any) rather than at the interval;
+        nobody waits for it."""
+        if not self._failing:
+            self._wake.set()
 
     def status(self) -> dict:
         return {**self.limiter.status(), "router_id": self.router_id, "num_reports": self.num_reports,

@@ -12,7 +12,9 @@ What is counted where:
   another decode site after tokens were sent), and site failures, by reason;
 - latencies as the client sees them: time to first token from the request's arrival, the gap
   between streamed chunks, and the whole request; tokens in, out and served from prefix caches;
-- rate-limit rejections, registry errors by operation, the snapshot's age and its live sites.
+- rate-limit rejections, registry errors by operation, the snapshot's age and its live sites, and
+  failed snapshot refreshes by reason (router.snapshot_feed: unreachable, unauthorized, error_status,
+  bad_encoding, feed_error), read from the feed at each scrape.
 
 The hot path stays cheap: each label set's child is looked up once per request (`ModelMetrics`),
 every label set is bounded (models the snapshot lists, sites, gRPC status names), and the only
@@ -27,9 +29,11 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from registry.client import RegistryError
 from router.errors import ApiError
+from router.snapshot_feed import FAILURE_REASONS
 
 UNKNOWN_MODEL = "unknown"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
@@ -99,6 +103,7 @@ class RouterMetrics:
                                         "as the registry last counted them", registry=r)
         self._models: dict[str, ModelMetrics] = {}
         self._feed = None
+        r.register(SnapshotFailuresCollector(self))
         # (prefill site, decode site) -> requests placed since the last report to the registry (the
         # dashboard's arcs, router.placement_report); one dict increment per request
         self.unreported: dict[tuple[str, str], int] = {}
@@ -171,6 +176,25 @@ class RouterMetrics:
                 counter.inc()
                 raise
         return counted
+
+
+class SnapshotFailuresCollector:
+    """The followed feed's failed refreshes by reason, every reason present (0 before any, or with no
+    feed), so a dashboard shows a flat series rather than none."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        feed = self._metrics._feed
+        counts = feed.failures_by_reason if feed is not None else {}
+        family = CounterMetricFamily("edgefire_router_snapshot_failures", "Registry snapshot refreshes that "
+                                     "failed, by reason: unreachable (no answer), unauthorized (401/403: the "
+                                     "router's registry_token), error_status (another error answer), "
+                                     "bad_encoding (a body that does not decode), feed_error", labels=["reason"])
+        for reason in FAILURE_REASONS:
+            family.add_metric([reason], counts.get(reason, 0))
+        yield family
 
 
 def elapsed_s(started: float) -> float:

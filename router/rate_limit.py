@@ -18,9 +18,12 @@ router's own charges of the key in the window stay within `provisional_allowance
 n the live routers at the last answer): a slow registry no longer holds up a key's first request
 when its limit clearly has room. The charges and the demand go out in the next report, whose answer
 brings the grant that replaces the allowance: a key the answer finds over its limit is refused from
-then on. A key whose window an answer found more than half used gets no allowance for a window
-after it (`_short`), even once given back idle, and none is given before this router's first answer
-(it does not know n yet) or while it admits from the local share. What the allowance costs the
+then on. That report need not wait for the reporter's interval: a key's first provisional admission
+calls `on_provisional` (the reporter sends its next report soon, router/fleet_reporter.py), so the
+grant, and the key's true room, arrive a round trip later rather than up to an interval later. A key
+whose window an answer found more than half used gets no allowance for a window after it (`_short`),
+even once given back idle, and none is given before this router's first answer (it does not know n
+yet) or while it admits from the local share. What the allowance costs the
 bound is in registry/allowance.py (the third way over).
 
 A request that does not fit a budget (or the provisional allowance) is refused unless the key has no
@@ -80,6 +83,7 @@ class KeyState:
     grant_seq: int = 0         # the report whose answer set the budgets
     asked: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LIMITS, 0.0))  # since the last report
     last_asked_at: float = -math.inf
+    reported: bool = False     # its demand went out in a report (whose answer brings its grant)
 
 
 @dataclass(slots=True)
@@ -128,6 +132,9 @@ class RateLimiter:
         self._short: dict[int, float] = {}
         self.num_local_admissions = 0   # admitted from the local share (the registry unreachable)
         self.num_provisional_admissions = 0   # admitted before the key's first grant here
+        # Called when a key is admitted provisionally before any report carried its demand: the reporter
+        # sends the next report soon instead of at its interval.
+        self.on_provisional: Callable[[], None] | None = None
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -165,6 +172,8 @@ class RateLimiter:
             self.num_local_admissions += 1
         elif provisional:
             self.num_provisional_admissions += 1
+            if not state.reported and self.on_provisional is not None:
+                self.on_provisional()
         else:
             for name in needed:
                 state.budgets[name].left -= amounts[name]
@@ -265,6 +274,7 @@ class RateLimiter:
                          for name in LIMITS}
             demand.append(KeyDemand(state.key_id, state.asked["requests"], state.asked["tokens"],
                                     remaining["requests"], remaining["tokens"]))
+            state.reported = True
             state.asked = dict.fromkeys(LIMITS, 0.0)
         self._short = {key_id: until for key_id, until in self._short.items() if until > now}
         self._prune_history()

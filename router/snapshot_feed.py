@@ -29,6 +29,14 @@ that is not JSON) is `bad_encoding`, not `unreachable`: the registry is up, and 
 front of it sends is broken, which an operator looks for elsewhere than a down registry. Every router
 gets the same body, so like an outage it leaves the router healthy, placing with its last good view;
 it is logged as an error.
+
+A registry that answers the poll with an error is named by that answer, not `unreachable` either:
+`unauthorized` for 401 and 403 (the registry does not take this router's `registry_token`: a
+configuration to fix, logged as an error, which no waiting cures) and `error_status` for any other
+error status (a 5xx of the registry or of a proxy in front of it; the status and message are in
+`last_error`). `unreachable` stays for no answer at all: a refused connection, a timeout, a name that
+does not resolve. Each failed refresh is counted by that reason (`failures_by_reason`, exported as
+`edgefire_router_snapshot_failures_total{reason}` by router.metrics).
 """
 
 from __future__ import annotations
@@ -60,7 +68,13 @@ REGISTRY_OK = "ok"
 REGISTRY_UNREACHABLE = "unreachable"
 REGISTRY_WARMING_UP = "warming_up"   # answers, but with no live site yet: heartbeats are resuming
 REGISTRY_BAD_ENCODING = "bad_encoding"  # answers, but with a body that does not decode
+REGISTRY_UNAUTHORIZED = "unauthorized"  # answers 401 or 403: it does not take this router's registry_token
+REGISTRY_ERROR_STATUS = "error_status"  # answers with another error status (a 5xx, a proxy's 404)
 FEED_ERROR = "feed_error"            # answers, but this router cannot take its snapshot in
+# Why a refresh failed: the states above that are failures, each counted from the router's start.
+FAILURE_REASONS = (REGISTRY_UNREACHABLE, REGISTRY_UNAUTHORIZED, REGISTRY_ERROR_STATUS, REGISTRY_BAD_ENCODING,
+                   FEED_ERROR)
+UNAUTHORIZED_STATUSES = (401, 403)
 
 
 @dataclass(slots=True)
@@ -101,6 +115,7 @@ class SnapshotFeed:
         self._registry = REGISTRY_OK
         self._last_error: str | None = None
         self._num_errors = 0
+        self.failures_by_reason = dict.fromkeys(FAILURE_REASONS, 0)
         self._streak = 0                        # failed refreshes in a row
         self._backoff = Backoff(initial_s=2 * refresh_s, max_s=max(refresh_s, MAX_BACKOFF_S))
         self._last_logged = -math.inf
@@ -151,8 +166,10 @@ class SnapshotFeed:
             except RegistryError as exc:
                 if exc.code == REGISTRY_BAD_ENCODING:  # the client's own check of a deflated body
                     self._failed(REGISTRY_BAD_ENCODING, f"registry snapshot does not decode: {exc}")
+                elif exc.status in UNAUTHORIZED_STATUSES:
+                    self._failed(REGISTRY_UNAUTHORIZED, f"registry refused this router's registry_token: {exc}")
                 else:
-                    self._failed(REGISTRY_UNREACHABLE, f"registry unreachable: {exc}")
+                    self._failed(REGISTRY_ERROR_STATUS, f"registry snapshot poll failed: {exc}")
                 return False
             except httpx.HTTPError as exc:
                 self._failed(REGISTRY_UNREACHABLE, f"registry unreachable: {exc}")
@@ -200,11 +217,13 @@ class SnapshotFeed:
 
     def _failed(self, state: str, message: str, exc: Exception | None = None) -> None:
         self._num_errors += 1
+        self.failures_by_reason[state] += 1
         self._streak += 1
         now = self._clock()
         if self._streak == 1 or state != self._registry or now - self._last_logged >= LOG_EVERY_S:
             self._last_logged = now
-            log.log(logging.ERROR if state in (FEED_ERROR, REGISTRY_BAD_ENCODING) else logging.WARNING,
+            log.log(logging.ERROR if state in (FEED_ERROR, REGISTRY_BAD_ENCODING, REGISTRY_UNAUTHORIZED)
+                    else logging.WARNING,
                     "%s (%d failed refresh(es) in a row, %d in all); placing with the last good snapshot",
                     message, self._streak, self._num_errors, exc_info=exc if self._streak == 1 else None)
         self._registry, self._last_error = state, message
