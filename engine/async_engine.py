@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -51,12 +52,40 @@ class EngineDeadError(EngineError):
     """The engine thread stopped (shut down or crashed); no request can be served."""
 
 
+class _Inbox:
+    """One stream's undelivered items and its reader's wake-up: a deque and at most one future, made only
+    when the reader finds the deque empty. Lighter than an asyncio.Queue, which makes and queues a
+    future per get and looks up its loop per call, for a relay that runs once per token of every stream."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        """On the event loop."""
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until an item is in (call with none in). A reader cancelled here leaves a cancelled waiter,
+        which the next put passes over."""
+        self.waiter = self.loop.create_future()
+        await self.waiter
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: list[Callable[[], None]] = []
         self._cond = threading.Condition()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Inbox] = {}
         # request id -> the KV handle of its prefill, sent to its stream and not read yet: if the stream is
         # left first (a cancelled Prefill), no one else knows the handle, so the engine thread releases it
         self._unread_leases: dict[str, str] = {}
@@ -101,8 +130,8 @@ class AsyncEngine:
         except BaseException as exc:  # the thread must report any crash to every waiter
             log.exception("engine step loop crashed")
             self._error = exc
-            for loop, queue in list(self._streams.values()):
-                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"engine crashed: {exc!r}"))
+            for inbox in list(self._streams.values()):
+                inbox.loop.call_soon_threadsafe(inbox.put, EngineDeadError(f"engine crashed: {exc!r}"))
         finally:
             self._fail_calls()
 
@@ -121,8 +150,8 @@ class AsyncEngine:
         many system calls and loop callbacks)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is None:
+            inbox = self._streams.get(out.request_id)
+            if inbox is None:
                 if out.kv_handle:  # its caller left while the prefill ran: no one will fetch or release it
                     self._release_abandoned(out.request_id, out.kv_handle)
                 continue
@@ -130,12 +159,11 @@ class AsyncEngine:
                 self._unread_leases[out.request_id] = out.kv_handle
             if out.finished:
                 self._streams.pop(out.request_id, None)
-            loop, queue = target
             event = TokenEvent(out.token.token_id, out.token.logprob, out.token.top_logprobs, out.finish_reason,
                                out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle,
                                num_accepted_prediction_tokens=out.num_accepted_prediction_tokens,
                                num_rejected_prediction_tokens=out.num_rejected_prediction_tokens)
-            batches.setdefault(loop, []).append((queue, (event, out.finished)))
+            batches.setdefault(inbox.loop, []).append((inbox, (event, out.finished)))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
 
@@ -194,25 +222,19 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
         request_id = request_id or uuid.uuid4().hex
-        queue = await self._start(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids,
-                                                                      prefill_only),
-                                  len(prompt_ids) + len(generated_ids or ()))
-        async with aclosing(self._stream(request_id, queue)) as events:
-            async for event in events:
-                yield event
+        return self._stream(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids,
+                                                                prefill_only),
+                            len(prompt_ids) + len(generated_ids or ()))
 
-    async def generate_from_kv(self, payload: KVPayload, params: SamplingParams, generated_ids: list[int],
-                               request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+    def generate_from_kv(self, payload: KVPayload, params: SamplingParams, generated_ids: list[int],
+                         request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """Decode a request whose prompt was prefilled elsewhere (payload from export_kv)."""
         request_id = request_id or uuid.uuid4().hex
-        queue = await self._start(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids),
-                                  len(payload.token_ids) + len(generated_ids))
-        async with aclosing(self._stream(request_id, queue)) as events:
-            async for event in events:
-                yield event
+        return self._stream(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids),
+                            len(payload.token_ids) + len(generated_ids))
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> TokenEvent:
         """Prefill only: the first token, with kv_handle naming the pinned KV (release or let it expire)."""
@@ -222,11 +244,11 @@ class AsyncEngine:
                 pass
         return event
 
-    async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int) -> asyncio.Queue:
+    async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int) -> _Inbox:
         # The stream is registered before the request exists, so no token can miss it; a
         # request that finishes in its first step unregisters itself before we read it back.
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        inbox = _Inbox(asyncio.get_running_loop())
+        self._streams[request_id] = inbox
         with self._pending_lock:
             self._pending[request_id] = -(-(num_tokens + 1) // self.engine.config.block_size)
 
@@ -247,19 +269,26 @@ class AsyncEngine:
                 # the engine thread adds the request all the same; this abort, queued behind it, ends it
                 self._submit(lambda: self.engine.abort(request_id))
             raise
-        return queue
+        return inbox
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
+    async def _stream(self, request_id: str, add: Callable[[LLMEngine], None],
+                      num_tokens: int) -> AsyncIterator[TokenEvent]:
+        """The request's events, added and read in this one generator: each layer of generators between
+        the engine and a gRPC stream costs every token of every stream a resumption."""
+        inbox = await self._start(request_id, add, num_tokens)
+        items = inbox.items
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                while not items:
+                    await inbox.wait()
+                item = items.popleft()
                 if isinstance(item, BaseException):
                     raise item
                 event, finished = item
                 if event.kv_handle:
                     self._unread_leases.pop(request_id, None)  # the caller holds the lease now
-                event.more = not queue.empty()
+                event.more = bool(items)
                 yield event
         finally:
             if not finished:
@@ -360,8 +389,8 @@ async def kv_chunks(export: KVExport) -> AsyncIterator[KVChunk]:
 
 
 def _deliver(items: list) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+    for inbox, item in items:
+        inbox.put(item)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from engine.async_engine import TokenEvent
 from engine.grammar import GrammarSpec
 from engine.sampling import SamplingParams
@@ -67,18 +65,24 @@ def token_to_proto(event: TokenEvent) -> agent_pb2.Token:
     return token
 
 
-async def token_chunks(events: AsyncIterator[TokenEvent]) -> AsyncIterator[agent_pb2.TokenChunk]:
-    """The events as stream messages: the tokens one step made for a request (a speculative step's
-    accepted tokens), or that queued while the reader was behind, travel in one message; an event
-    is never held for one not yet made."""
-    held: list[TokenEvent] = []
-    async for event in events:
-        held.append(event)
-        if event.more and not event.finish_reason:
-            continue
-        yield agent_pb2.TokenChunk(tokens=[token_to_proto(e) for e in held], finish_reason=event.finish_reason or "",
-                                   num_prompt_tokens=event.num_prompt_tokens,
-                                   num_cached_tokens=event.num_cached_tokens,
-                                   num_accepted_prediction_tokens=event.num_accepted_prediction_tokens,
-                                   num_rejected_prediction_tokens=event.num_rejected_prediction_tokens)
-        held = []
+def token_chunk(events: list[TokenEvent]) -> agent_pb2.TokenChunk:
+    """One stream message: the tokens one step made for a request (a speculative step's accepted tokens),
+    or that queued while the reader was behind; the counts are the last event's. Only fields that differ
+    from proto3's defaults are set (a keyword per field costs the relay of every token)."""
+    last = events[-1]
+    chunk = agent_pb2.TokenChunk(num_prompt_tokens=last.num_prompt_tokens)
+    if last.finish_reason:
+        chunk.finish_reason = last.finish_reason
+    if last.num_cached_tokens:
+        chunk.num_cached_tokens = last.num_cached_tokens
+    if last.num_accepted_prediction_tokens:
+        chunk.num_accepted_prediction_tokens = last.num_accepted_prediction_tokens
+    if last.num_rejected_prediction_tokens:
+        chunk.num_rejected_prediction_tokens = last.num_rejected_prediction_tokens
+    tokens = chunk.tokens
+    for event in events:
+        if event.logprob is None and not event.top_logprobs:
+            tokens.add(token_id=event.token_id)
+        else:
+            tokens.append(token_to_proto(event))
+    return chunk

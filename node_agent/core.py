@@ -245,8 +245,11 @@ class AgentCore:
             log.info("generate %s: %d prompt + %d generated tokens, up to %d in all", model.name, len(prompt_ids),
                      len(generated_ids), params.max_tokens)
             events = model.engine.generate(prompt_ids, params, request_id, generated_ids)
-            async for event in self._observed(model.name, "generate", events, prefills=True):
-                yield event
+            with _Observed(self.metrics, model.name, "generate", prefills=True) as observed:
+                async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
+                    async for event in events:
+                        observed.token(event)
+                        yield event
 
     async def prefill(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, lease_id: str = "") -> PrefillOutcome:
@@ -296,18 +299,25 @@ class AgentCore:
                     payload = await self._pull(model, source, prompt_ids, request_id, time_left)
                 if source is not None and payload is None:
                     self._release_unread(source, request_id)
-                events, imported = await self._start_decode(model, payload, prompt_ids, generated_ids, params,
-                                                             request_id)
+                events, first = await self._start_decode(model, payload, prompt_ids, generated_ids, params,
+                                                          request_id)
             finally:
                 self._end_reservation(model)  # the engine holds the sequence now (or it failed to start)
-            async for event in self._observed(model.name, "decode", events, prefills=not imported, started=started):
-                yield event
+            # `first` was read already when the stream runs on imported KV (this site prefilled nothing)
+            with _Observed(self.metrics, model.name, "decode", prefills=first is None, started=started) as observed:
+                async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
+                    if first is not None:
+                        observed.token(first)
+                        yield first
+                    async for event in events:
+                        observed.token(event)
+                        yield event
 
     async def _start_decode(self, model: HostedModel, payload: KVPayload | None, prompt_ids: list[int],
                             generated_ids: list[int], params: SamplingParams,
-                            request_id: str | None) -> tuple[AsyncIterator[TokenEvent], bool]:
-        """The event stream, primed, and whether it runs on the imported KV: an import the engine
-        refuses falls back to recompute here."""
+                            request_id: str | None) -> tuple[AsyncIterator[TokenEvent], TokenEvent | None]:
+        """The event stream and, when it runs on the imported KV, its first event (read to learn whether
+        the engine took the import: one it refuses falls back to recompute here)."""
         if payload is not None:
             events = model.engine.generate_from_kv(payload, params, generated_ids, request_id)
             try:
@@ -316,8 +326,8 @@ class AgentCore:
                 log.warning("request %s: engine refused the imported KV (%s); recomputing", request_id, exc)
                 self.metrics.kv_fallbacks.inc()
             else:
-                return _prepend(first, events), True
-        return model.engine.generate(prompt_ids, params, request_id, generated_ids), False
+                return events, first
+        return model.engine.generate(prompt_ids, params, request_id, generated_ids), None
 
     def _release_unread(self, source: KVSource, request_id: str | None) -> None:
         """The source's lease, which this site recomputes instead of reading: a pull that failed before
@@ -406,32 +416,6 @@ class AgentCore:
         except (KVTransferError, aio.AioRpcError) as exc:
             log.info("link probe of %s (%s) failed: %s", site, address, exc)
             self._peer_info.pop(address, None)
-
-    async def _observed(self, model: str, rpc: str, events: AsyncIterator[TokenEvent], prefills: bool,
-                        started: float | None = None) -> AsyncIterator[TokenEvent]:
-        """The events, timed from `started` (default: now); `prefills`: this site computed the prompt (not
-        imported), so it counts toward the prefix-cache hit ratio."""
-        started = last = started if started is not None else time.perf_counter()
-        first = True
-        num_tokens, finish = 0, None
-        try:
-            async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
-                async for event in events:
-                    now = time.perf_counter()
-                    if first:
-                        self.metrics.ttft.labels(model, rpc).observe(now - started)
-                        if prefills:
-                            self.metrics.observe_prompt(model, event.num_prompt_tokens, event.num_cached_tokens)
-                        first = False
-                    else:
-                        self.metrics.inter_token.labels(model).observe(now - last)
-                    last = now
-                    num_tokens += 1
-                    finish = event.finish_reason or finish
-                    yield event
-        finally:
-            log.info("%s %s done: %d token(s) in %.3f s, %s", rpc, model, num_tokens, time.perf_counter() - started,
-                     f"finished ({finish})" if finish else "ended before its finish (cancelled or failed)")
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -524,10 +508,45 @@ def _check_lease_id(lease_id: str) -> None:
         raise InvalidRequestError(f"lease_id has {len(lease_id)} characters; send at most {MAX_LEASE_ID_CHARS}")
 
 
-async def _prepend(first: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
-    try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()
+class _Observed:
+    """One stream's latency metrics and its closing log line. A plain object the stream calls per token
+    rather than a generator around it (a resumption per token per layer), holding its histograms'
+    children (a labels() lookup per token otherwise).
+
+    Times run from `started` (default: now); `prefills`: this site computed the prompt (not imported),
+    so it counts toward the prefix-cache hit ratio."""
+
+    __slots__ = ("_metrics", "_model", "_rpc", "_prefills", "_ttft", "_inter_token", "_started", "_last",
+                 "num_tokens", "finish")
+
+    def __init__(self, metrics: AgentMetrics, model: str, rpc: str, prefills: bool, started: float | None = None):
+        self._metrics = metrics
+        self._model = model
+        self._rpc = rpc
+        self._prefills = prefills
+        self._ttft = metrics.ttft.labels(model, rpc)
+        self._inter_token = metrics.inter_token.labels(model)
+        self._started = self._last = started if started is not None else time.perf_counter()
+        self.num_tokens = 0
+        self.finish: str | None = None
+
+    def token(self, event: TokenEvent) -> None:
+        now = time.perf_counter()
+        if self.num_tokens:
+            self._inter_token.observe(now - self._last)
+        else:
+            self._ttft.observe(now - self._started)
+            if self._prefills:
+                self._metrics.observe_prompt(self._model, event.num_prompt_tokens, event.num_cached_tokens)
+        self._last = now
+        self.num_tokens += 1
+        if event.finish_reason:
+            self.finish = event.finish_reason
+
+    def __enter__(self) -> _Observed:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        log.info("%s %s done: %d token(s) in %.3f s, %s", self._rpc, self._model, self.num_tokens,
+                 time.perf_counter() - self._started,
+                 f"finished ({self.finish})" if self.finish else "ended before its finish (cancelled or failed)")

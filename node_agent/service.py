@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 
 import grpc
 from grpc import aio
 
-from engine.async_engine import EngineDeadError, kv_chunks
+from engine.async_engine import EngineDeadError, TokenEvent, kv_chunks
 from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
-from node_agent.convert import sampling_from_proto, token_chunks, token_to_proto
+from node_agent.convert import sampling_from_proto, token_chunk, token_to_proto
 from node_agent.core import AgentCore, KVSource
 from node_agent.errors import (AgentError, DrainingError, LeaseReleasedError, OverloadedError, UnknownModelError,
                                WrongRoleError)
@@ -69,19 +69,34 @@ def _request_id(request_id: str, context: aio.ServicerContext) -> str:
     return f"{base}:{secrets.token_hex(4)}"
 
 
+async def send_tokens(events: AsyncIterator[TokenEvent], context: aio.ServicerContext) -> None:
+    """Writes the events as stream messages. An event that says another is already waiting (`more`) is
+    held and sent with it, unless it is the last; an event is never held for one not yet made.
+
+    Written with context.write from a coroutine handler rather than yielded from a generator one: the
+    stream's tokens then pass through no generator of the servicer's, one resumption less per token."""
+    held: list[TokenEvent] = []
+    async with aclosing(events):  # a write that fails (the client left) must reach the engine's abort now
+        async for event in events:
+            held.append(event)
+            if event.more and not event.finish_reason:
+                continue
+            await context.write(token_chunk(held))
+            held = []
+
+
 class AgentServicer(agent_pb2_grpc.AgentServicer):
     def __init__(self, core: AgentCore, on_drain: Callable[[float], None]):
         self.core = core
         self._on_drain = on_drain
         self.fetch_kv_hook: FetchKVHook | None = None
 
-    async def Generate(self, request: agent_pb2.GenerateRequest, context: aio.ServicerContext):
+    async def Generate(self, request: agent_pb2.GenerateRequest, context: aio.ServicerContext) -> None:
         request_id = _request_id(request.request_id, context)
         async with grpc_errors(context, request_id):
             events = self.core.generate(request.model, list(request.prompt_ids), list(request.generated_ids),
                                         sampling_from_proto(request.sampling), request_id)
-            async for chunk in token_chunks(events):
-                yield chunk
+            await send_tokens(events, context)
 
     async def Prefill(self, request: agent_pb2.PrefillRequest, context: aio.ServicerContext):
         request_id = _request_id(request.request_id, context)
@@ -140,8 +155,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             events = self.core.decode(request.model, list(request.prompt_ids), list(request.generated_ids),
                                       sampling_from_proto(request.sampling), source, request_id,
                                       context.time_remaining())
-            async for chunk in token_chunks(events):
-                yield chunk
+            await send_tokens(events, context)
 
     async def GetModelInfo(self, request: agent_pb2.ModelInfoRequest, context: aio.ServicerContext):
         async with grpc_errors(context, "model-info"):
