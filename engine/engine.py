@@ -38,6 +38,7 @@ from engine.fingerprint import model_fingerprint
 from engine.grammar import GrammarCompiler
 from engine.loader import load_model, resolve_dtype, stores_lm_head
 from engine.memory import check_fits
+from engine.ngram import MAX_PREDICTION_TOKENS
 from engine.parallel.layout import ParallelLayout
 from engine.runner import StepInputs, prepare_step
 from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
@@ -314,14 +315,15 @@ class LLMEngine:
     def _speculator(self, num_blocks: int) -> Speculator:
         spec = self.config.speculative
         if spec is None:  # no proposer of the site's own: only predicted outputs propose, with the default k
-            return Speculator(SpeculativeConfig(), None, self.block_manager, self.config.max_num_batched_tokens)
+            return Speculator(SpeculativeConfig(), None, self.block_manager, self.config.max_num_batched_tokens,
+                              self.eos_token_ids)
         if spec.method == "draft":
             from engine.draft import DraftProposer
             proposer = DraftProposer(spec.draft_model, self.model_dir, self.config, self.device, self.dtype, num_blocks)
         else:
             from engine.ngram import NgramProposer
             proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-        return Speculator(spec, proposer, self.block_manager, self.config.max_num_batched_tokens)
+        return Speculator(spec, proposer, self.block_manager, self.config.max_num_batched_tokens, self.eos_token_ids)
 
     def shutdown(self) -> None:
         """Stop the other ranks (tensor/pipeline parallelism); a single-process engine holds nothing to stop."""
@@ -341,6 +343,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty; send at least one token")
+        # refused before validate(), which reads every token id of the prediction
+        max_prediction = min(MAX_PREDICTION_TOKENS, self.max_model_len)
+        if isinstance(params.prediction_ids, (list, tuple)) and len(params.prediction_ids) > max_prediction:
+            raise InvalidRequestError(f"the predicted output has {len(params.prediction_ids)} tokens; at most "
+                                      f"{max_prediction} are taken (this model's context holds {self.max_model_len})")
         params.validate(self.model_config.vocab_size)
         vocab = self.model_config.vocab_size
         ids = [*prompt_ids, *generated_ids]
@@ -356,9 +363,6 @@ class LLMEngine:
                                       f"including at least one generated token")
         if len(generated_ids) >= params.max_tokens:
             raise InvalidRequestError(f"{len(generated_ids)} tokens already generated reach max_tokens {params.max_tokens}")
-        if len(params.prediction_ids) > self.max_model_len:
-            raise InvalidRequestError(f"the predicted output has {len(params.prediction_ids)} tokens; this model's "
-                                      f"context holds {self.max_model_len}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         seq = Sequence(request_id, prompt_ids, params, seed, max_total, prefill_only)
@@ -395,6 +399,8 @@ class LLMEngine:
         seq = self._new_sequence(request_id, list(prompt_ids), params, list(generated_ids or []), prefill_only)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+        if self.speculator is not None:
+            self.speculator.add(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.sequences.pop(request_id, None)
@@ -718,6 +724,8 @@ class LLMEngine:
         if not self.scheduler.has_free_slot() or not self.block_manager.can_allocate(seq, reserve=1):
             log.info("request %s: no room to import KV now; it will recompute its prefill", request_id)
             self.scheduler.add(seq)
+            if self.speculator is not None:
+                self.speculator.add(seq)
             return
         self.block_manager.allocate(seq)
         seq.num_cached_tokens = seq.num_computed_tokens
@@ -728,6 +736,8 @@ class LLMEngine:
         seq.num_computed_tokens = max(seq.num_computed_tokens, payload.layout.num_tokens)
         self.block_manager.register_full_blocks(seq)
         self.scheduler.add_running(seq)
+        if self.speculator is not None:
+            self.speculator.add(seq)
 
     def _write_payload(self, seq: Sequence, payload: KVPayload) -> None:
         """Each chunk's heads go straight into the pool (of whichever rank) that holds them."""

@@ -16,6 +16,10 @@ last tokens occur in it, what follows them there is the step's proposal, ahead o
 (engine.ngram.PredictionLookup), and on a site configured without speculation too (then with the
 default k). Its proposals are verified as n-gram proposals are, so they change no token either; how
 they fared is counted per request (reported to the client) and left out of the site's acceptance.
+The engine tells the speculator which of its requests brought one (`add`, `release`): on a site without
+a proposer of its own, a step of requests without predictions returns at once, looking at none of them.
+A proposal kept through a stop token counts as kept up to that token: the output ends there, and what
+the model would have kept after it is neither output nor accepted.
 
 What the model "would have produced" at a row is decided exactly as without speculation:
 
@@ -61,7 +65,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.ngram import PredictionLookup
-from engine.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SampledToken, draw_tokens, draw_uniform,
+from engine.sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SampledToken, SamplingParams, draw_tokens, draw_uniform,
                              probabilities, process_logits, sample, sampled_tokens)
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -147,18 +151,25 @@ class Speculator:
     """An engine's speculation: which sequences propose, the proposals, their verification, the counts."""
 
     def __init__(self, config: SpeculativeConfig, proposer, block_manager: BlockManager,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, eos_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
         self.config = config
         # engine.ngram.NgramProposer or engine.draft.DraftProposer; None: only predicted outputs propose
         self.proposer = proposer
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids  # end a request's output, as its stop_token_ids do (unless ignore_eos)
         self.num_draft_tokens = 0           # proposed tokens verified by the model
         self.num_accepted_tokens = 0        # of those, kept
         self.num_verifications = 0          # sequence-steps that verified at least one proposal
         self.pooled = PooledRecord()
         self._explore_in = 0                # steps until a new sequence may probe while the pool fails
         self._predicted: set[Sequence] = set()  # sequences verifying their prediction's proposals this step
+        self._with_prediction: set[Sequence] = set()  # the engine's sequences that brought a predicted output
+
+    def add(self, seq: Sequence) -> None:
+        """The engine took the sequence (queued, or imported to decode): note it when it brought a prediction."""
+        if seq.params.prediction_ids and not seq.prefill_only:
+            self._with_prediction.add(seq)
 
     # -- before the forward --------------------------------------------------------------------
 
@@ -166,7 +177,7 @@ class Speculator:
         """Give the scheduled decode sequences that should speculate their proposals (`draft_ids`), with
         blocks for them; returns the number of proposed tokens in the step."""
         self._predicted.clear()
-        if self.proposer is None and not any(item.seq.params.prediction_ids for item in scheduled):
+        if self.proposer is None and not self._with_prediction:
             return 0  # a site without speculation, and no request brought a prediction: the common step
         budget = self.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
         wanted: list[tuple[ScheduledSeq, int]] = []
@@ -267,7 +278,7 @@ class Speculator:
                 p_row += len(drafts) + 1
                 tokens = self._speculative_sample(seq, drafts, logits[rows], p, q, plain[rows.stop - 1])
                 accepted = len(tokens) - 1
-            self._settle(seq, len(drafts), accepted)
+            self._settle(seq, len(drafts), self._num_kept(seq.params, drafts, accepted))
             emitted.append(tokens)
         return emitted
 
@@ -313,6 +324,14 @@ class Speculator:
         rows = len(chosen)
         return sampled_tokens(torch.tensor(chosen), [seq.params] * rows, torch.log_softmax(logits[:rows], dim=-1))
 
+    def _num_kept(self, params: SamplingParams, drafts: tuple[int, ...], num_accepted: int) -> int:
+        """Of the first num_accepted proposals, those the output holds: up to the first that ends it."""
+        for i in range(num_accepted):
+            token_id = drafts[i]
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                return i + 1
+        return num_accepted
+
     def _settle(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         if seq in self._predicted:  # the request's own proposals: they say nothing of the site's proposer
             self._predicted.discard(seq)
@@ -335,6 +354,7 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         """The sequence left the engine (finished, aborted): whatever the proposer holds for it goes."""
         self._predicted.discard(seq)
+        self._with_prediction.discard(seq)
         if self.proposer is not None:
             self.proposer.release(seq)
 

@@ -27,7 +27,7 @@ from router.health import PassiveHealth
 from router.ledger import InflightLedger
 from router.metrics import RouterMetrics, elapsed_s
 from router.model_assets import ModelAssets, ModelAssetsCache
-from router.openai_request import MAX_SEED, CompletionRequest
+from router.openai_request import MAX_PREDICTION_TOKENS, MAX_SEED, CompletionRequest
 from router.placement import CostModel, PlacementRequest, model_availability, rank
 from router.fleet_reporter import FleetReporter
 from router.rate_limit import Charge, Refusal
@@ -234,6 +234,10 @@ class CompletionService:
         if len(ids) > context:
             raise bad_request(f"`prediction.content` is {len(ids)} tokens, more than the model's whole context "
                               f"({context}); predict the answer only.", "prediction.content")
+        if len(ids) > MAX_PREDICTION_TOKENS:
+            raise bad_request(f"`prediction.content` is {len(ids)} tokens; a prediction may have at most "
+                              f"{MAX_PREDICTION_TOKENS}. Predict the part of the answer you expect to change least, "
+                              f"or send the request without `prediction`.", "prediction.content")
         return ids
 
     def _check_lengths(self, request: CompletionRequest, prompt_ids: list[int], assets: ModelAssets,

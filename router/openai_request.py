@@ -36,6 +36,9 @@ TOOL_CHOICES = ("none", "auto", "required")
 RESPONSE_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+# The longest predicted output a site takes (engine.ngram.MAX_PREDICTION_TOKENS, which this module cannot import):
+# refused here first, with a 400 saying so.
+MAX_PREDICTION_TOKENS = 32768
 # Every field a request may carry. Each is implemented, except ACCEPTED_WITHOUT_EFFECT.
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",

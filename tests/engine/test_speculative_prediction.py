@@ -164,3 +164,101 @@ def test_a_lookup_in_a_repeating_run_proposes_from_the_outputs_own_place():
     lookup.record(2, 2)                                                # kept both, then drew 2
     assert lookup.propose([0, 5, 1, 2, 1, 2, 1, 2], 1, 2) == [9]       # "1 2 1 2" ends twice: the later is here
     assert (lookup.num_accepted, lookup.num_rejected) == (4, 0)
+
+
+def test_proposals_kept_past_a_stop_token_are_not_counted_as_accepted(ckpt, reference):
+    engine = make_engine(ckpt)
+    answer = reference["a"]
+    engine.add_request("a", PROMPTS["a"], greedy(answer))
+    steps = []  # per step: (its tokens, the request's accepted count after it)
+    while engine.has_work():
+        outs = engine.step()
+        steps.append(([out.token.token_id for out in outs], outs[-1].num_accepted_prediction_tokens))
+    # a verifying step that kept 2+ proposals, the first a token new to the answer: the stop token of the run below
+    starts = [sum(len(tokens) for tokens, _ in steps[:j]) for j in range(len(steps))]
+    j = next(j for j in range(2, len(steps)) if len(steps[j][0]) > 2 and answer[starts[j]] not in answer[:starts[j]])
+    stop_at = starts[j]
+    tokens, counts, _steps = run(engine, {"a": (PROMPTS["a"], greedy(answer, stop_token_ids=[answer[stop_at]]))})
+    assert tokens["a"] == answer[:stop_at + 1]
+    # the step kept its first proposal (the stop) and the model would have kept the rest: only the first is output
+    num_after_stop = len(steps[j][0]) - 2
+    assert counts["a"] == (steps[j - 1][1] + 1, num_after_stop)
+    assert_no_leak(engine)
+
+
+def test_a_site_without_speculation_looks_at_no_sequence_in_a_step_without_predictions(ckpt, reference):
+    engine = make_engine(ckpt)
+    reads = []  # per step: how often the speculator went through the step's sequences
+
+    class WatchedBatch(list):
+        num_reads = 0
+
+        def __iter__(self):
+            self.num_reads += 1
+            return super().__iter__()
+
+    plan = engine.speculator.plan
+
+    def watched_plan(scheduled):
+        batch = WatchedBatch(scheduled)
+        num_drafts = plan(batch)
+        reads.append(batch.num_reads)
+        return num_drafts
+
+    engine.speculator.plan = watched_plan
+    plain = {rid: (PROMPTS[rid], greedy([])) for rid in PROMPTS}
+    tokens, _counts, _steps = run(engine, plain)
+    assert tokens == reference and reads and not any(reads)
+    # a request with a prediction among them: the steps look (and it is exact) while it runs ...
+    reads.clear()
+    tokens, counts, _steps = run(engine, {**plain, "a": (PROMPTS["a"], greedy(reference["a"]))})
+    assert tokens == reference and counts["a"][0] > 0 and reads[0] and reads[-1] == 0
+    # ... and not once it is gone: finished (the last steps above), or aborted mid-answer
+    engine.add_request("gone", PROMPTS["b"], greedy(reference["b"]))
+    engine.step()
+    engine.step()
+    assert engine.abort("gone")
+    reads.clear()
+    tokens, _counts, _steps = run(engine, plain)
+    assert tokens == reference and not any(reads)
+    assert_no_leak(engine)
+
+
+def test_a_decode_site_importing_the_prompts_kv_keeps_the_prediction(ckpt, reference):
+    prefill, decode = make_engine(ckpt), make_engine(ckpt)
+    params = greedy(reference["c"])
+    prefill.add_request("c", PROMPTS["c"], dataclasses.replace(params), prefill_only=True)
+    (first,) = prefill.step()
+    payload = prefill.export_kv(first.kv_handle)
+    prefill.release_kv(first.kv_handle)
+    decode.import_kv("c", payload, params, [first.token.token_id])
+    rest, last = [], None
+    while decode.has_work():
+        for last in decode.step():
+            rest.append(last.token.token_id)
+    assert [first.token.token_id, *rest] == reference["c"]
+    assert last.num_accepted_prediction_tokens >= MAX_TOKENS // 2 and last.num_rejected_prediction_tokens == 0
+    assert_no_leak(prefill)
+    assert_no_leak(decode)
+
+
+def test_a_long_prediction_is_indexed_compactly_and_one_past_the_limit_is_refused(ckpt):
+    import tracemalloc
+
+    from engine.ngram import MAX_PREDICTION_TOKENS
+
+    # every n-gram distinct: the largest index a prediction of the longest allowed length can have
+    ids = torch.randint(0, 1 << 17, (MAX_PREDICTION_TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
+    tracemalloc.start()
+    try:
+        lookup = PredictionLookup(ids)
+        num_bytes = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert num_bytes < 96 * MAX_PREDICTION_TOKENS  # a dictionary of n-gram tuples took about 700 a token
+    assert lookup.propose([0, *ids[1000:1006]], 1, 5) == ids[1006:1011]
+    assert lookup.propose([0, *ids[-3:]], 1, 5) == []
+    engine = make_engine(ckpt)
+    with pytest.raises(InvalidRequestError, match=f"at most {min(MAX_PREDICTION_TOKENS, engine.max_model_len)}"):
+        engine.add_request("x", [5, 6], greedy([7] * (engine.max_model_len + 1)))
+    assert not engine.has_work()

@@ -17,8 +17,12 @@ import httpx
 import openai
 import pytest
 
+from engine.ngram import MAX_PREDICTION_TOKENS as SITE_MAX_PREDICTION_TOKENS
+from engine.tokenizer import ChatTokenizer
 from node_agent.config import AgentConfig
 from node_agent.daemon import Agent
+from node_agent.proto import agent_pb2
+from router.openai_request import MAX_PREDICTION_TOKENS
 from tests.router.router_fake_agent import MODEL as FAKE
 from tests.router.test_resume_stateful_streams import read_stream, sites
 from tests.router.test_router_structured import DEMO, PEER_TOKEN, QUESTION
@@ -154,3 +158,34 @@ async def test_bad_predictions_and_service_tiers_are_400s_naming_the_field(clust
         events = [json.loads(line.removeprefix("data: ")) for line in response.text.split("\n\n")
                   if line.startswith("data: {")]
         assert len(events) > 2 and all(event["service_tier"] == "default" for event in events)
+
+
+async def test_a_prediction_longer_than_a_site_takes_is_a_400_and_a_long_one_within_it_reaches_the_site(cluster,
+                                                                                                      make_router):
+    assert MAX_PREDICTION_TOKENS == SITE_MAX_PREDICTION_TOKENS  # the router refuses what a site would
+    agent = await cluster.add_site("fra", 50.1, 8.7)
+    info = agent_pb2.ModelInfo()
+    info.CopyFrom(agent.info)
+    info.context_length = 4 * MAX_PREDICTION_TOKENS  # the context is not what limits the prediction
+    agent.info = info
+    tokenizer = ChatTokenizer(info.tokenizer_json, json.loads(info.tokenizer_config_json))
+    word = tokenizer.decode([cluster.words[0]])
+    _router, url = await make_router()
+    key = await cluster.create_key()
+    messages = [{"role": "user", "content": "x"}]
+    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {key}"}) as http:
+        too_long = word * (MAX_PREDICTION_TOKENS + 1)
+        assert len(tokenizer.encode(too_long, False)) > MAX_PREDICTION_TOKENS
+        response = await http.post(f"{url}/v1/chat/completions", json={
+            "model": FAKE, "max_tokens": 2, "messages": messages,
+            "prediction": {"type": "content", "content": too_long}})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "prediction.content" and f"at most {MAX_PREDICTION_TOKENS}" in error["message"]
+        assert not [call for call, _request in agent.calls if call == "Generate"]
+        long = word * (MAX_PREDICTION_TOKENS - 10)
+        response = await http.post(f"{url}/v1/chat/completions", json={
+            "model": FAKE, "max_tokens": 2, "messages": messages, "prediction": {"type": "content", "content": long}})
+        assert response.status_code == 200, response.text
+        (generate,) = [request for call, request in agent.calls if call == "Generate"]
+        assert list(generate.sampling.prediction_ids) == tokenizer.encode(long, False)
