@@ -21,7 +21,10 @@ from deploy.processes import free_port, is_ours
 from node_agent.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-EDGEFIRE = [sys.executable, "-m", "deploy.cli"]
+# Ctrl-C reaches these commands as from a terminal: a test run started in the background by a shell
+# (`./.ci/run &`) hands its children SIGINT ignored, which Python then leaves ignored.
+EDGEFIRE = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                                  "from deploy.cli import main; sys.exit(main())"]
 
 
 def test_demo_sites_mix_roles_in_real_cities():
