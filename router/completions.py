@@ -367,9 +367,12 @@ class CompletionRun:
         names = frozenset(t["function"]["name"] for t in request.tools or ())
         self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names, names,
                                           deltas=request.stream) if parse_tools else None)
+        # A required call's answer is the calls alone, which a stop string could only break (arguments cut into
+        # JSON that does not parse): stop strings apply to words, and such an answer has none.
+        stop = [] if forced and self.tool_calls is not None else request.stop
         # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
         # tokens are then left out by id instead.
-        self.text = TextStream(assets.tokenizer, request.stop, skip_special_tokens=self.tool_calls is None)
+        self.text = TextStream(assets.tokenizer, stop, skip_special_tokens=self.tool_calls is None)
         self._hidden_ids = frozenset(assets.eos_token_ids) if self.tool_calls is not None else frozenset()
         self.reasoning = (ReasoningStream(assets.reasoning, assets.reasoning.starts_open(generation.prompt_ids,
                                                                                        assets.tokenizer),

@@ -25,11 +25,13 @@ output is plain content.
 With `tool_choice: required` or a named function the output is constrained (engine.grammar) to
 exactly the format wrapping arguments that match the function's JSON schema, so it always parses.
 With `auto` the output is parsed: text before the format's opening marker, and any the model writes
-after its calls, is content (OpenAI carries content beside calls), and calls that do not parse leave the
-whole output as content. Llama 3's bare JSON has no marker, so an object is a call only when it names an
-offered function and holds nothing but its name and parameters; any other object is an answer. An answer
-cut by max_tokens keeps the calls it completed and the one it ends in, with the arguments written so far,
-and its finish reason "length", as OpenAI's; none of a call's markup becomes content.
+after its calls, is content (OpenAI carries content beside calls), and calls that do not parse, or name no
+offered function (an empty name included), leave the whole output as content. Llama 3's bare JSON has no
+marker, so an object is a call only when it names an offered function and holds nothing but its name and
+parameters; any other object is an answer. An answer cut by max_tokens keeps the calls it completed and the
+one it ends in, with the arguments written so far, and its finish reason "length", as OpenAI's; none of a
+call's markup becomes content, nor does markup any answer ends in (the next call's opening or the section's
+closing, begun before an end of sequence). A required call's answer is calls alone: nothing of it is content.
 A call's arguments are its JSON text as the model wrote it (OpenAI's are the model's text too), never decoded
 and written again: a stream sends them as they are written (ToolCallStream), and its pieces join into exactly
 the arguments the whole answer returns.
@@ -115,8 +117,9 @@ class ToolCallFormat:
         """(content, calls) when the text holds calls that parse, else None (the whole text is then content).
         Content is the text before the calls and any the model wrote between or after them, as written: OpenAI
         carries content beside calls, and dropping it would lose words the model meant for the user. `names`:
-        the functions a call may name, where text that is no call of theirs is content (a JSON object with a
-        `name`): a call must then name one and, as a JSON object, hold nothing but its name and arguments.
+        the functions a call may name: text that names none of them (or an empty name) is no call, and a bare
+        JSON call (no marker: a JSON answer with a `name` field may look like one) holds nothing but its name and
+        arguments.
 
         `cut`: the answer was cut short (max_tokens). The calls it completed come back as calls, and the one it
         ends inside comes back with the arguments written so far (what a client streaming the call has been
@@ -130,7 +133,7 @@ class ToolCallFormat:
         content, calls, rest = "", [], text
         while True:
             start = rest.find(self.marker) if self.marker else (-1 if calls else 0)
-            if start < 0 and cut and rest.strip() and self.marker.startswith(rest.lstrip()):
+            if start < 0 and rest.strip() and self.marker.startswith(rest.lstrip()):
                 return content, calls  # ended inside the next marker (a required call's, or after calls)
             if start < 0:
                 break
@@ -149,9 +152,9 @@ class ToolCallFormat:
 
     def _parse_calls(self, body: str, names: frozenset[str] | None, cut: bool, calls: list[ToolCall]) -> int:
         """Appends the calls that open `body` to `calls`; the end of the last one (of its section)."""
-        pos = _expect(body, 0, self.section_begin, cut)
+        pos = _expect(body, 0, self.section_begin)
         if self.array:
-            pos = _expect(body, _skip_space(body, pos), "[", cut)
+            pos = _expect(body, _skip_space(body, pos), "[")
             while True:
                 call, pos = self._object_call_at(body, _skip_space(body, pos), names, cut)
                 calls.append(call)
@@ -159,7 +162,7 @@ class ToolCallFormat:
                 if not body.startswith(",", pos):
                     break
                 pos += 1
-            pos = _expect(body, pos, "]", cut)
+            pos = _expect(body, pos, "]")
         else:
             begin, separator = self.call_begin.strip(), self.separator.strip()
             while True:
@@ -167,21 +170,21 @@ class ToolCallFormat:
                 calls.append(call)
                 pos = _skip_space(body, pos)
                 following = _skip_space(body, pos + len(separator)) if separator and body.startswith(separator, pos) else pos
-                if cut and begin and following < len(body) and begin.startswith(body[following:]):
+                if begin and following < len(body) and begin.startswith(body[following:]):
                     raise _Ended()  # ended inside the next call's opening
                 if not begin or not body.startswith(begin, following):
                     break
                 pos = following
-        return _expect(body, _skip_space(body, pos), self.section_end, cut)
+        return _expect(body, _skip_space(body, pos), self.section_end)
 
     def _one_call(self, body: str, pos: int, names: frozenset[str] | None, cut: bool) -> tuple[ToolCall, int]:
-        pos = _skip_space(body, _expect(body, _skip_space(body, pos), self.call_begin, cut))
+        pos = _skip_space(body, _expect(body, _skip_space(body, pos), self.call_begin))
         if self.name_key:
             call, pos = self._object_call_at(body, pos, names, cut)
         else:
             call, pos = self._named_call_at(body, pos, names, cut)
         try:
-            return call, _expect(body, _skip_space(body, pos), self.call_end, cut)
+            return call, _expect(body, _skip_space(body, pos), self.call_end)
         except _Ended:
             raise _Ended(call) from None  # its arguments are whole: only the closing was cut
 
@@ -194,7 +197,7 @@ class ToolCallFormat:
                 raise _Ended()
             raise ValueError("no function name")
         name = match.group(1)
-        if names is not None and name not in names:
+        if not _is_call_name(name, names):
             raise ValueError("not an offered function")
         start = _skip_space(body, match.end())
         try:
@@ -242,7 +245,7 @@ class ToolCallFormat:
             if opening.end() == len(text) or text.startswith('"', opening.end()):
                 return None  # ended before the name was whole
             raise
-        if not isinstance(name, str) or (names is not None and name not in names):
+        if not _is_call_name(name, names):
             raise ValueError("not a call of an offered function")
         args_key = re.compile(r'\s*,\s*' + re.escape(json.dumps(self.args_key)) + r'\s*:\s*').match(text, end)
         if args_key is None:
@@ -261,10 +264,10 @@ class ToolCallFormat:
 
     def _object_call(self, item, names: frozenset[str] | None, arguments_text: str | None) -> ToolCall:
         name, arguments = item[self.name_key], item.get(self.args_key, {})
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            raise ValueError("a call needs a string name and object arguments")
-        if names is not None and (name not in names or item.keys() - {self.name_key, self.args_key}):
-            raise ValueError("not a call of an offered function")
+        if not _is_call_name(name, names) or not isinstance(arguments, dict):
+            raise ValueError("a call needs an offered function's name and object arguments")
+        if not self.marker and names is not None and item.keys() - {self.name_key, self.args_key}:
+            raise ValueError("a bare JSON call holds only its name and arguments")
         return ToolCall(name, "{}" if arguments_text is None else arguments_text, new_call_id(self.short_ids))
 
     # -- streaming: a call's opening and closing, read as they are written -------------------------
@@ -444,13 +447,22 @@ class _Ended(Exception):
         self.call = call
 
 
-def _expect(text: str, pos: int, literal: str, cut: bool = False) -> int:
+def _is_call_name(name, names: frozenset[str] | None) -> bool:
+    """A call names a function: a name that is no string, or empty, makes it no call, and so does one that is not
+    an offered function's (`names`)."""
+    return isinstance(name, str) and bool(name) and (names is None or name in names)
+
+
+def _expect(text: str, pos: int, literal: str) -> int:
+    """The end of the format's `literal` markup at `pos`; _Ended where the text ends inside it: the answer ended
+    in markup, cut short or not (a stop string, an end of sequence where a grammar shapes no calls), and what it
+    wrote of it is no words for the user."""
     literal = literal.strip()
     if not literal:
         return pos
     if text.startswith(literal, pos):
         return pos + len(literal)
-    if cut and literal.startswith(text[pos:]):
+    if literal.startswith(text[pos:]):
         raise _Ended()
     raise ValueError(f"expected {literal!r}")
 
@@ -651,8 +663,10 @@ class ToolCallStream:
     offered functions, under `auto` with a response format) the answer is JSON unless it opens with calls
     of those functions: calls are looked for at its start only (a bare JSON call: an object of just a
     function's name and arguments), and the JSON streams as content once it is known to be no call.
-    With `names` (the offered functions) a bare JSON call (Llama 3) must name one of them and hold nothing
-    but its name and arguments: a model asked for a JSON document with a `name` field answers with one.
+    With `names` (the offered functions) a call must name one of them: a marker followed by an empty name, or a
+    function the request did not offer, is no call (a client could not run it), and a bare JSON call (Llama 3)
+    must also hold nothing but its name and arguments: a model asked for a JSON document with a `name` field
+    answers with one.
 
     Calls stream as they are written, as OpenAI streams them (`take_deltas`): a call opens (index, id, name)
     once its name and the "{" of its arguments are written, and its arguments follow as they grow, as far
@@ -674,8 +688,7 @@ class ToolCallStream:
         self.fmt = fmt
         self.parallel = parallel
         self.answer_names = answer_names
-        # Markers leave no doubt that a call is meant, so their calls are taken whatever they name.
-        self.names = answer_names if answer_names is not None or fmt.marker else names
+        self.names = answer_names if answer_names is not None else names
         self._forced = forced
         self._in_calls = forced
         self._decided = forced       # calls looked for at the start only: whether the answer opens with them is known
@@ -842,6 +855,12 @@ class ToolCallStream:
         return self._calls_text[self._closed_at:].lstrip()
 
     def _parsed(self, cut: bool) -> tuple[str, list[ToolCall]]:
+        if self._forced:
+            # The grammar writes calls and nothing else: an answer that ends early (a stop string) ends inside
+            # them, as one cut there, and no piece of their markup is words.
+            parsed = self.fmt.split(self._calls_text, self.names, cut=True)
+            calls = parsed[1] if parsed is not None else []
+            return "", calls if self.parallel else calls[:1]
         parsed = self.fmt.split(self._calls_text, self.names, cut)
         # A bare JSON object cut before its name is whole may as well be an answer (only a required call is
         # known to be a call), so it stays content; a marker's text is no answer.

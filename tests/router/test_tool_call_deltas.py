@@ -149,17 +149,14 @@ def test_members_around_the_name_and_arguments_do_not_stop_the_streaming():
     assert not last and join([d for ds in during for d in ds]) == as_dicts(calls)
 
 
-def test_a_call_of_no_offered_function_is_not_streamed_before_it_parses():
-    """Under auto only a call of an offered function is sure to be one: another streams once the answer parses,
-    and when it does not, it stays content as before."""
+def test_a_call_of_no_offered_function_is_no_call():
+    """Under auto a call must name an offered function (a client cannot run another): the answer that names
+    another is content, as it was written, and nothing of it streams as a call."""
     fmt = FORMATS["hermes"]
     text = 'Hm. <tool_call>\n{"name": "delete_all", "arguments": {"really": true}}\n</tool_call>'
-    content, during, last, calls = stream_through(ToolCallStream(fmt, names=NAMES), text, 4)
-    assert not any(during) and [(c.name, c.arguments) for c in calls] == [("delete_all", '{"really": true}')]
-    assert content == "Hm. " and join(last) == as_dicts(calls)
-    broken = text[:-5]
-    content, during, last, calls = stream_through(ToolCallStream(fmt, names=NAMES), broken, 4)
-    assert not any(during) and not last and not calls and content == broken
+    for answer in (text, text[:-5]):
+        content, during, last, calls = stream_through(ToolCallStream(fmt, names=NAMES), answer, 4)
+        assert not any(during) and not last and not calls and content == answer
 
 
 # -- through the router ----------------------------------------------------------------------------------
