@@ -1,7 +1,10 @@
 """Token ids to client text: incremental detokenization with stop strings cut exactly.
 
 Text that could still be the start of a stop string is held back until the next tokens show it
-is not; a stop string found ends the text right before it, even when it spans several tokens.
+is not; a stop string found ends the text right before it, even when it spans several tokens. Stop
+strings end words: given the marker that opens an answer's tool calls (`calls_marker`), they are looked
+for only before it, so a stop string that the calls' arguments happen to hold does not cut a call into
+JSON that does not parse.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ class WindowDetokenizer:
 
 
 class TextStream:
-    def __init__(self, tokenizer: ChatTokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 calls_marker: str = "") -> None:
         self._detokenizer = WindowDetokenizer(tokenizer, skip_special_tokens)
         self._stop = [s for s in stop if s]
+        self._calls_marker = calls_marker if self._stop else ""
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self.stopped = False
@@ -82,7 +87,12 @@ class TextStream:
         """The pending text before a stop string (setting `stopped`), else its first `upto` characters."""
         if not self._stop:
             return self._emit(len(self._pending))
-        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        calls = self._calls_start()
+        searched = self._pending if calls is None else self._pending[:calls]
+        cut = min((i for i in (searched.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut < 0 and calls is not None:  # the calls begin: no stop string from here on
+            self._stop = []
+            return self._emit(len(self._pending))
         if cut >= 0:
             self.stopped = True
             delta = self._pending[:cut]
@@ -90,6 +100,16 @@ class TextStream:
             self.text += delta
             return delta
         return self._emit(upto)
+
+    def _calls_start(self) -> int | None:
+        """Where the tool calls' marker begins in the pending text (0 when it began in text already sent),
+        None while it has not been written."""
+        marker = self._calls_marker
+        if not marker:
+            return None
+        sent = self.text[-(len(marker) - 1):] if len(marker) > 1 else ""
+        found = (sent + self._pending).find(marker)
+        return None if found < 0 else max(0, found - len(sent))
 
     def _emit(self, upto: int) -> str:
         delta, self._pending = self._pending[:upto], self._pending[upto:]

@@ -136,3 +136,16 @@ async def test_a_call_written_inside_the_reasoning_is_no_call(cluster, make_rout
         assert kinds == sorted(kinds, key=lambda kind: kind == "call")
         assert [c.function.name for c in calls if c.id] == ["add"]
         assert "".join(c.function.arguments or "" for c in calls) == ARGS
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CALL_TEXT if FORMATS[n].marker))
+async def test_a_stop_string_ends_the_words_not_a_call_under_auto(cluster, make_router, name):
+    """Under auto, a stop string in the words before the calls ends the answer there; one that the calls'
+    arguments hold (here `"b"` and `}`) does not cut a call into JSON that does not parse."""
+    async with scripted(cluster, make_router, name) as (client, script, _tokenizer):
+        script("Let me add. " + _calls_text(name))
+        whole, streamed = await answer(client, stop=['"b"', "}"])
+        calls = [("add", ARGS)] * (2 if FORMATS[name].parallel else 1)
+        assert whole == streamed == {"content": "Let me add. ", "calls": calls, "finish": "tool_calls"}
+        whole, streamed = await answer(client, stop=["add."])
+        assert whole == streamed == {"content": "Let me ", "calls": [], "finish": "stop"}
