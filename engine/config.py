@@ -13,20 +13,25 @@ from engine.errors import CheckpointError, UnsupportedModelError
 # and o when `attention_bias` is true), "qkv" (q, k, v always, o never: Qwen2), "none" (the key is ignored);
 # DeepSeek-V3's latent attention refuses attention_bias (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
-                         "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none"}
+                         "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "phi3": "none",
+                         "granite": "config"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}
-# Only Llama's MLP has `mlp_bias`; the others' MLPs never carry a bias, whatever the key says
-MLP_BIAS_MODEL_TYPES = {"llama"}
+# Only Llama's and Granite's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
+MLP_BIAS_MODEL_TYPES = {"llama", "granite"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
 DEFAULT_ROPE_THETA = {"mixtral": 1000000.0}
-DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5}
-# Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES), as transformers computes them.
-# "dynamic" (NTK) changes the frequencies only past max_position_embeddings, which no sequence here
-# reaches (the context is capped there), so it computes as "default" does. "longrope" switches every
-# position's frequencies once a sequence passes the original context: keys already cached were rotated
-# with the others, so it is refused.
+DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5}
+# Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
+# transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
+# which no sequence here reaches (the context is capped there), so it computes as "default" does.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 MLA_ROPE_TYPES = ("default", "yarn")
+# Phi-3's long context (Phi-3/3.5/4-mini 128k): "longrope", which transformers also reads from the older
+# names "su" and "yarn" on this model type
+PHI3_ROPE_TYPES = ("default", "longrope")
+PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
+# transformers' Phi-3 reads original_max_position_embeddings from the top level only, defaulting it to this
+PHI3_ORIGINAL_CONTEXT = 4096
 
 
 @dataclass(slots=True)
@@ -42,8 +47,17 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
-    attention_factor: float = 1.0
+    attention_factor: float = 1.0   # yarn and longrope: cos and sin are multiplied by it
     mscale_all_dim: float = 0.0   # DeepSeek: also scales the attention softmax by mscale(factor, this) squared
+    # longrope: each rotary frequency is divided by its factor. transformers picks short_factor or long_factor
+    # per forward pass by the sequence's length (long past original_max_position_embeddings), re-rotating
+    # nothing already cached. A paged engine serves many sequences at once, reuses cached prefixes between
+    # them and prefills in chunks, so a per-length switch would make a sequence's keys depend on how it was
+    # batched. The choice is made once, from the context the checkpoint declares: long_factor when
+    # max_position_embeddings exceeds original_max_position_embeddings (Phi-3.5-mini, Phi-4-mini: every
+    # sequence, short ones too, rotates as transformers rotates a long one), short_factor otherwise (as
+    # transformers does for every sequence such a model can hold).
+    longrope_factors: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -123,6 +137,17 @@ class ModelConfig:
     # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's (model.layers.{num_layers}...);
     # the engine does not run them, so the loader knows their tensors are meant to go unread
     num_nextn_layers: int = 0
+    # Phi-3's partial_rotary_factor (Phi-4-mini: 0.75): rotary on each head's first rotary_dim dims only
+    rotary_dim: int | None = None
+    # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (the loader splits them per rank)
+    fused_projections: bool = False
+    # Granite's scalars: embeddings times embedding_multiplier; attention_multiplier as the softmax scale
+    # (None: 1/sqrt(head_dim)); each block's attention and MLP output times residual_multiplier before the
+    # residual add; logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -194,13 +219,15 @@ def _mapping(raw: dict, key: str, path: Path) -> dict:
     return value
 
 
-def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ROPE_TYPES) -> RopeConfig:
+def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ROPE_TYPES, rotary_dim: int = 0) -> RopeConfig:
     # Newer checkpoints nest everything under rope_parameters; older ones use rope_theta + rope_scaling.
     parameters = _mapping(raw, "rope_parameters", path)
     merged = {**_mapping(raw, "rope_scaling", path), **parameters}
     default_theta = DEFAULT_ROPE_THETA.get(raw.get("model_type"), 10000.0)
     theta = _positive_float(merged, "rope_theta", _positive_float(raw, "rope_theta", default_theta, path), path)
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if supported is PHI3_ROPE_TYPES:
+        rope_type = PHI3_ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in supported:
         key = "rope_parameters" if {"rope_type", "type"} & parameters.keys() else "rope_scaling"
         raise UnsupportedModelError(f"{path}: {key}: rope type {rope_type!r} is not supported for "
@@ -211,6 +238,8 @@ def _parse_rope(raw: dict, path: Path, supported: tuple[str, ...] = ROPE_TYPES) 
     rope = RopeConfig(theta=theta, rope_type=rope_type)
     if rope_type == "yarn":
         return _parse_yarn(rope, merged, raw, path)
+    if rope_type == "longrope":
+        return _parse_longrope(rope, merged, raw, path, rotary_dim)
     if rope_type == "linear":
         if merged.get("factor") is None:
             raise CheckpointError(f"{path}: linear rope scaling lacks 'factor'")
@@ -257,13 +286,65 @@ def _parse_yarn(rope: RopeConfig, merged: dict, raw: dict, path: Path) -> RopeCo
     return rope
 
 
+def _parse_longrope(rope: RopeConfig, merged: dict, raw: dict, path: Path, rotary_dim: int) -> RopeConfig:
+    """longrope's fields as transformers' Phi-3 reads them (RopeConfig.longrope_factors says which list is used)."""
+    original = PHI3_ORIGINAL_CONTEXT
+    if raw.get("original_max_position_embeddings") is not None:
+        original = _positive_int(raw, ("original_max_position_embeddings",), path)
+    max_positions = _optional_int(raw, "max_position_embeddings", 4096, path)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = merged.get(key)
+        if (not isinstance(value, list) or len(value) != rotary_dim // 2
+                or not all(_is_number(f) and f > 0 for f in value)):
+            got = f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+            raise CheckpointError(f"{path}: longrope {key} must list {rotary_dim // 2} positive numbers (one per "
+                                  f"rotary frequency), got {got}")
+        factors[key] = [float(f) for f in value]
+    rope.original_max_position_embeddings = original
+    # transformers scales by the context the model reaches over the one it was trained at, unless given
+    rope.factor = _positive_float(merged, "factor", max_positions / original, path)
+    if merged.get("attention_factor") is not None:
+        rope.attention_factor = _positive_float(merged, "attention_factor", 1.0, path)
+    elif rope.factor > 1:
+        rope.attention_factor = math.sqrt(1 + math.log(rope.factor) / math.log(original))
+    rope.longrope_factors = factors["long_factor" if max_positions > original else "short_factor"]
+    return rope
+
+
+def _rotary_dim(raw: dict, head_dim: int, path: Path) -> int | None:
+    """Phi-3's rotary dims per head: int(head_dim * partial_rotary_factor), read from the top level or the
+    rope's parameters as transformers reads it; None when every dim rotates."""
+    merged = {**_mapping(raw, "rope_scaling", path), **_mapping(raw, "rope_parameters", path)}
+    factor = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None:
+        return None
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise CheckpointError(f"{path}: partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+    if factor == 1:
+        return None
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise UnsupportedModelError(f"{path}: partial_rotary_factor {factor} leaves {rotary_dim} of the {head_dim} "
+                                    f"head dims to rotate; the rotary dims must be an even number")
+    return rotary_dim
+
+
+def _granite_scalars(raw: dict, path: Path) -> dict:
+    """Granite's multipliers, defaulted as transformers defaults them (attention_multiplier too: 1.0)."""
+    if raw.get("model_type") != "granite":
+        return {}
+    return {key: _positive_float(raw, key, 1.0, path)
+            for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int, path: Path) -> list[int | None]:
     window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         return [window] * num_layers
     # Qwen: sliding_window applies only with use_sliding_window (transformers drops it otherwise), to the
     # layers layer_types marks, or else to those from max_window_layers (default 28) on
@@ -408,9 +489,12 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     attention_bias = SUPPORTED_MODEL_TYPES[model_type]
     if attention_bias == "config":
         attention_bias = "config" if _flag(raw, "attention_bias", False, path) else "none"
+    rotary_dim = None
     if model_type == "deepseek_v3":
         mla, rope_types = _parse_mla(raw, num_heads, path), MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
+    if model_type == "phi3":
+        rope_types, rotary_dim = PHI3_ROPE_TYPES, _rotary_dim(raw, head_dim, path)
     return ModelConfig(
         model_type=model_type,
         vocab_size=_positive_int(raw, ("vocab_size",), path),
@@ -422,7 +506,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         head_dim=head_dim,
         max_position_embeddings=_optional_int(raw, "max_position_embeddings", 4096, path),
         rms_norm_eps=_positive_float(raw, "rms_norm_eps", DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6), path),
-        rope=_parse_rope(raw, path, rope_types),
+        rope=_parse_rope(raw, path, rope_types, rotary_dim or head_dim),
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", False, path),
         qkv_bias=attention_bias != "none",
         o_bias=attention_bias == "config",
@@ -435,6 +519,9 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         moe=_parse_moe(raw, model_type, num_layers, path),
         mla=mla,
         num_nextn_layers=_nextn_layers(raw, model_type, path),
+        rotary_dim=rotary_dim,
+        fused_projections=model_type == "phi3",
+        **_granite_scalars(raw, path),
     )
 
 

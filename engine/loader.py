@@ -115,19 +115,22 @@ class _TensorReader:
     def has(self, name: str) -> bool:
         return self.compressed.has(name) if self.compressed else name in self.files
 
-    def read(self, name: str, shape: tuple[int, ...], rows: range | None = None,
+    def read(self, name: str, shape: tuple[int, ...], rows: range | list[range] | None = None,
              cols: range | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor, or only its `rows` (first dimension) / `cols` (second), in `dtype` (default: the model's)."""
+        """The tensor, or only its `rows` (first dimension; a list: those row ranges, concatenated, as a
+        rank takes its part of each projection of a fused one) / `cols` (second), in `dtype` (default: the
+        model's)."""
         if not self.has(name):
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
-        rows = None if rows is None or len(rows) == shape[0] else rows
+        parts = _joined(rows if isinstance(rows, list) else [rows], shape[0])
         cols = None if cols is None or len(cols) == shape[1] else cols
         if self.compressed is not None:
             tensor = self.compressed.read(name, self.device)
             _check_shape(name, tuple(tensor.shape), shape)
-            tensor = _part(tensor, rows, cols)
+            pieces = [_part(tensor, part, cols) for part in parts]
         else:
-            tensor = self._read_plain(name, shape, rows, cols)
+            pieces = self._read_plain(name, shape, parts, cols)
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if tensor.dtype not in WEIGHT_DTYPES:
             raise CheckpointError(f"tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; the "
                                   f"engine loads float32, float16 or bfloat16 weights (quantized checkpoints are "
@@ -136,17 +139,18 @@ class _TensorReader:
         self.progress.update(1)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
-    def _read_plain(self, name: str, shape: tuple[int, ...], rows: range | None, cols: range | None) -> torch.Tensor:
+    def _read_plain(self, name: str, shape: tuple[int, ...], parts: list[range | None],
+                    cols: range | None) -> list[torch.Tensor]:
         path = self.files[name]
         handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
         try:
             part = handle.get_slice(name)
             _check_shape(name, tuple(part.get_shape()), shape)
-            if rows is None and cols is None:
-                return handle.get_tensor(name)
+            if parts == [None] and cols is None:
+                return [handle.get_tensor(name)]
             if cols is None:
-                return part[rows.start:rows.stop]  # only these rows are read from the file
-            return part[:, cols.start:cols.stop]
+                return [part[rows.start:rows.stop] for rows in parts]  # only these rows are read from the file
+            return [part[:, cols.start:cols.stop]]
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
@@ -172,6 +176,23 @@ class _TensorReader:
         if key not in self.pair_tables:
             self.pair_tables[key] = pair_table(t.palette, t.code_lengths).to(self.device)
         return self.pair_tables[key]
+
+
+def _joined(parts: list[range | None], num_rows: int) -> list[range | None]:
+    """Row ranges with adjacent ones merged; [None] when they cover every row in order (read whole)."""
+    merged: list[range] = []
+    for rows in parts:
+        if rows is None:
+            return [None]
+        if merged and merged[-1].stop == rows.start:
+            merged[-1] = range(merged[-1].start, rows.stop)
+        else:
+            merged.append(rows)
+    return [None] if merged == [range(num_rows)] else merged
+
+
+def _shifted(rows: range, offset: int) -> range:
+    return range(rows.start + offset, rows.stop + offset)
 
 
 def _part(tensor: torch.Tensor, rows: range | None, cols: range | None) -> torch.Tensor:
@@ -228,11 +249,15 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
     q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     q_part = range(shard.heads.start * head_dim, shard.heads.stop * head_dim)
     kv_part = range(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
-    qkv = torch.cat([
-        reader.read(p + "self_attn.q_proj.weight", (q_rows, hidden), rows=q_part),
-        reader.read(p + "self_attn.k_proj.weight", (kv_rows, hidden), rows=kv_part),
-        reader.read(p + "self_attn.v_proj.weight", (kv_rows, hidden), rows=kv_part),
-    ])
+    if cfg.fused_projections:   # Phi-3's qkv_proj: q, k, v rows one after the other; this rank's of each
+        qkv = reader.read(p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden),
+                          rows=[q_part, _shifted(kv_part, q_rows), _shifted(kv_part, q_rows + kv_rows)])
+    else:
+        qkv = torch.cat([
+            reader.read(p + "self_attn.q_proj.weight", (q_rows, hidden), rows=q_part),
+            reader.read(p + "self_attn.k_proj.weight", (kv_rows, hidden), rows=kv_part),
+            reader.read(p + "self_attn.v_proj.weight", (kv_rows, hidden), rows=kv_part),
+        ])
     qkv_bias = None
     if cfg.qkv_bias:
         qkv_bias = torch.cat([
@@ -264,8 +289,12 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
     else:
         inter = cfg.intermediate_size
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-        mlp = reader.read_compressed_mlp(p, shapes) if keep_mlp_compressed else None
-        if mlp is None:   # otherwise StreamedLayers points gate_up and down at its decode buffers
+        mlp = reader.read_compressed_mlp(p, shapes) if keep_mlp_compressed and not cfg.fused_projections else None
+        if cfg.fused_projections:   # Phi-3's gate_up_proj: gate rows, then up rows; this rank's of each
+            layer.gate_up = reader.read(p + "mlp.gate_up_proj.weight", (2 * inter, hidden),
+                                        rows=[shard.mlp, _shifted(shard.mlp, inter)])
+            layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"], cols=shard.mlp)
+        elif mlp is None:   # otherwise StreamedLayers points gate_up and down at its decode buffers
             layer.gate_up = torch.cat([
                 reader.read(p + "mlp.gate_proj.weight", shapes["gate"], rows=shard.mlp),
                 reader.read(p + "mlp.up_proj.weight", shapes["up"], rows=shard.mlp),

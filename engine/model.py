@@ -1,10 +1,13 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the MoE Mixtral, Qwen3-MoE and DeepSeek-V3)
-over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, and the MoE Mixtral, Qwen3-MoE and
+DeepSeek-V3) over a flat batch of tokens and a paged KV cache.
 
-Weights are plain tensors; q/k/v and gate/up projections are fused at load time so a dense layer is
-four matmuls. A mixture-of-experts layer replaces the MLP with engine.moe's block; DeepSeek-V3's
-multi-head latent attention replaces the attention with engine.mla's, whose cache holds one latent
-per token. Every op goes through engine.ops so kernels can replace them.
+Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
+store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
+engine.moe's block; DeepSeek-V3's multi-head latent attention replaces the attention with engine.mla's,
+whose cache holds one latent per token. Phi-3 may rotate only each head's first dims (partial rotary:
+the rope tables are that narrow) and scale its rope by longrope (engine.config.RopeConfig says which
+factors). Granite scales the embeddings, the softmax, each block's output before its residual add
+and the logits by scalars of its config. Every op goes through engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -73,8 +76,8 @@ class CausalLM:
             self.experts = ExpertGroup(expert_group, shard.ep_rank, shard.ep_size, config.moe.num_experts)
         self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
         self.sliding_windows = config.sliding_windows[shard.layers.start:shard.layers.stop]
-        self.scale = config.head_dim ** -0.5
-        rotary_dim = config.head_dim
+        self.scale = config.attention_multiplier or config.head_dim ** -0.5
+        rotary_dim = config.rotary_dim or config.head_dim
         if config.mla is not None:
             rotary_dim, self.scale = config.mla.qk_rope_head_dim, mla_softmax_scale(config)
         max_positions = config.max_position_embeddings
@@ -105,6 +108,8 @@ class CausalLM:
                     all_reduce(self.tp_group, attn)
             else:
                 attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
+            if cfg.residual_multiplier != 1:
+                attn = attn * cfg.residual_multiplier
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is None:
                 hidden = self._mlp(layer, normed)
@@ -112,21 +117,25 @@ class CausalLM:
                 hidden = moe_forward_parallel(layer.moe, normed, self.experts, self.ops)
             else:
                 hidden = moe_forward(layer.moe, normed, self.ops)
+            if cfg.residual_multiplier != 1:
+                hidden = hidden * cfg.residual_multiplier
         if self.weights.norm is None:
             return residual + hidden  # what add_rms_norm's sum would be: the next stage's input
         normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
         return normed
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        multiplier = self.config.embedding_multiplier
         if self.tp_group is None:
-            return self.weights.embed_tokens[input_ids]
+            hidden = self.weights.embed_tokens[input_ids]
+            return hidden if multiplier == 1 else hidden * multiplier
         # vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is exact
         vocab = self.shard.vocab
         local = input_ids - vocab.start
         outside = (local < 0) | (local >= len(vocab))
         hidden = self.weights.embed_tokens[local.clamp(0, len(vocab) - 1)].masked_fill_(outside[:, None], 0)
         all_reduce(self.tp_group, hidden)
-        return hidden
+        return hidden if multiplier == 1 else hidden * multiplier
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, layer.gate_up)
@@ -164,8 +173,11 @@ class CausalLM:
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head output in the model's dtype (under TP: this rank's vocab columns)."""
-        return self.ops.linear(hidden, self.weights.lm_head)
+        """LM-head output in the model's dtype (under TP: this rank's vocab columns), divided by Granite's
+        logits_scaling."""
+        logits = self.ops.linear(hidden, self.weights.lm_head)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1 else logits / scaling
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies of the rotary dims (head_dim: those that rotate, all of a head's or its first part)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.rope_type == "longrope":   # the factors divide the frequencies, as transformers computes them
+        return 1.0 / (torch.tensor(rope.longrope_factors, dtype=torch.float32) * rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, rope)
     if rope.rope_type == "linear":   # positions divided by factor, which is every frequency divided by it
@@ -97,26 +101,29 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> t
 
 def rope_cos_sin(head_dim: int, rope: RopeConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, head_dim] in float32 (halves duplicated, rotate-half layout;
-    times yarn's attention factor)."""
+    times yarn's or longrope's attention factor). head_dim: the rotary dims of a head."""
     inv_freq = rope_inv_freq(head_dim, rope)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    scale = rope.attention_factor if rope.rope_type == "yarn" else 1.0
+    scale = rope.attention_factor if rope.rope_type in ("yarn", "longrope") else 1.0
     return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                  sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, H, D] and k [T, Hkv, D] by their token positions [T]."""
+    """Rotate q [T, H, D] and k [T, Hkv, D] by their token positions [T]. Tables narrower than D (partial
+    rotary: [max_positions, R]) rotate each head's first R dims and pass the others through."""
     cos = cos_table[positions].unsqueeze(1)
     sin = sin_table[positions].unsqueeze(1)
+    rotary_dim = cos_table.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        half = x32.shape[-1] // 2
+        x32 = x[..., :rotary_dim].float()
+        half = rotary_dim // 2
         rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+        out = (x32 * cos + rotated * sin).to(x.dtype)
+        return out if rotary_dim == x.shape[-1] else torch.cat((out, x[..., rotary_dim:]), dim=-1)
 
     return rotate(q), rotate(k)
 

@@ -53,7 +53,12 @@ CASES = {
                                             residual_out_ptr=BF16, eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK=4096)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(gate_up_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024)),
     "rotary": (_rotary_kernel, dict(q_ptr=BF16, k_ptr=BF16, q_out_ptr=BF16, k_out_ptr=BF16, positions_ptr="*i64",
-                                    cos_ptr="*fp32", sin_ptr="*fp32"), dict(BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64)),
+                                    cos_ptr="*fp32", sin_ptr="*fp32"),
+               dict(BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, BLOCK_PASS=0)),
+    # Phi-4-mini's partial rotary: 96 of 128 head dims rotate, 32 pass through
+    "rotary_partial": (_rotary_kernel, dict(q_ptr=BF16, k_ptr=BF16, q_out_ptr=BF16, k_out_ptr=BF16,
+                                            positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"),
+                       dict(BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, BLOCK_PASS=32)),
     # Mixtral-8x7B's expert widths (hidden 4096, inter 14336), 64-row prefill blocks.
     "moe_gate_up": (_gate_up_kernel, dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, sorted_pairs_ptr="*i32",
                                           block_expert_ptr="*i32"),
