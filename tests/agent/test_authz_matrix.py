@@ -359,15 +359,9 @@ async def test_split_agents_serve_a_split_request_with_each_token_in_its_place(s
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
-async def test_a_single_token_agent_serves_as_before_and_warns_once(start_agent, connect, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.daemon"):
-        a = await start_agent("site-a")
-        b = await start_agent("site-b")
-    warnings = [r for r in caplog.records if "agent_token_sha256 is not set" in r.getMessage()]
-    assert [r.levelno for r in warnings] == [logging.WARNING] * 2
-    assert "peer token also opens the router methods" in warnings[0].getMessage()
-    client_a, client_b = connect(a, PEER_TOKEN), connect(b, PEER_TOKEN)
-    params, prompt_ids = sampling(), prompt(40, start=3)
+async def split_equals_colocated(client_a, client_b, a, prompt_ids: list[int]) -> None:
+    """A prefill on `a` decoded on the other site gives the tokens a colocated run on `a` gives."""
+    params = sampling()
     colocated = await collect(client_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
                                                                           sampling=params)))
     result = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
@@ -375,6 +369,16 @@ async def test_a_single_token_agent_serves_as_before_and_warns_once(start_agent,
         model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
         kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
     assert [result.first_token.token_id, *decoded] == colocated
+
+
+async def test_a_single_token_agent_serves_as_before_and_warns_once(start_agent, connect, caplog):
+    with caplog.at_level(logging.WARNING, logger="node_agent.daemon"):
+        a = await start_agent("site-a")
+        b = await start_agent("site-b")
+    warnings = [r for r in caplog.records if "agent_token_sha256 is not set" in r.getMessage()]
+    assert [r.levelno for r in warnings] == [logging.WARNING] * 2
+    assert "peer token also opens the router methods" in warnings[0].getMessage()
+    await split_equals_colocated(connect(a, PEER_TOKEN), connect(b, PEER_TOKEN), a, prompt(40, start=3))
     assert b.metrics.kv_fallbacks._value.get() == 0
 
 
@@ -383,15 +387,7 @@ async def test_an_agent_split_before_its_peer_still_serves_the_split_request_by_
     site recomputes (same tokens), and it says why in its fallback count rather than failing the request."""
     a = await start_agent("site-a", agent_token_sha256=token_digest(AGENT_TOKEN))
     b = await start_agent("site-b", peer_token="another-peer-token", agent_token_sha256=token_digest(AGENT_TOKEN))
-    router_a, router_b = connect(a, AGENT_TOKEN), connect(b, AGENT_TOKEN)
-    params, prompt_ids = sampling(), prompt(30, start=5)
-    colocated = await collect(router_a.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt_ids,
-                                                                          sampling=params)))
-    result = await router_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt_ids, sampling=params))
-    decoded = await collect(router_b.decode(agent_pb2.DecodeRequest(
-        model=MODEL, prompt_ids=prompt_ids, generated_ids=[result.first_token.token_id], sampling=params,
-        kv_source=agent_pb2.KVSource(address=a.address, kv_handle=result.kv_handle))))
-    assert [result.first_token.token_id, *decoded] == colocated
+    await split_equals_colocated(connect(a, AGENT_TOKEN), connect(b, AGENT_TOKEN), a, prompt(30, start=5))
     assert b.metrics.kv_fallbacks._value.get() == 1
 
 

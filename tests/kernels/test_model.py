@@ -26,17 +26,22 @@ ARCHITECTURES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def checkpoint(request, tmp_path_factory):
+def save_checkpoint(name: str, make_model, tmp_path_factory):
+    """A random-weight checkpoint of `make_model()`, its norms away from 1 so that they matter."""
     torch.manual_seed(7)
-    model = ARCHITECTURES[request.param]()
+    model = make_model()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
-    directory = tmp_path_factory.mktemp(request.param)
+    directory = tmp_path_factory.mktemp(name)
     model.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    return save_checkpoint(request.param, ARCHITECTURES[request.param], tmp_path_factory)
 
 
 def greedy(directory, use_kernels: bool) -> dict[str, list[int]]:

@@ -13,7 +13,7 @@ from engine import ops  # noqa: E402
 from engine.config import RopeConfig  # noqa: E402
 from engine.kernels import ops as kernel_ops  # noqa: E402
 from kernel_cases import DEVICE, assert_close  # noqa: E402
-from test_model import greedy  # noqa: E402
+from test_model import greedy, save_checkpoint  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=320, max_position_embeddings=256, initializer_range=0.1)
@@ -46,15 +46,7 @@ def test_apply_rotary_on_part_of_each_head(rotary_dim, rope, dtype):
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def checkpoint(request, tmp_path_factory):
-    torch.manual_seed(7)
-    model = ARCHITECTURES[request.param]()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-    directory = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(directory)
-    return directory
+    return save_checkpoint(request.param, ARCHITECTURES[request.param], tmp_path_factory)
 
 
 def test_kernel_engine_matches_torch_engine(checkpoint):
