@@ -74,7 +74,9 @@ def cpu_for_sites(num_sites: int) -> list[list[int]]:
 _PROBE = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nfor _ in range(50): a @ a\n"
           "started = time.perf_counter()\nfor _ in range(4000): a @ a\nprint(time.perf_counter() - started)")
 # Spins until killed, or until its parent is gone (a benchmark stopped by SIGTERM runs no `finally`).
-_SPIN = ("import os, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nparent = os.getppid()\n"
+# The parent's pid comes as an argument: read with os.getppid() after the slow torch import, it would be
+# init's for a spinner whose parent died meanwhile, and the loop would never end.
+_SPIN = ("import os, sys, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nparent = int(sys.argv[1])\n"
          "while os.getppid() == parent:\n    for _ in range(100): a @ a")
 
 
@@ -91,7 +93,7 @@ def core_interference(cpus: list[list[int]]) -> float | None:
         return float(out.stdout)
 
     alone = min(timed() for _ in range(2))
-    spinner = subprocess.Popen(["taskset", "-c", str(cpus[1][0]), sys.executable, "-c", _SPIN])
+    spinner = subprocess.Popen(["taskset", "-c", str(cpus[1][0]), sys.executable, "-c", _SPIN, str(os.getpid())])
     try:
         time.sleep(1.0)  # past the spinner's import
         busy = min(timed() for _ in range(2))
