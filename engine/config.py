@@ -53,11 +53,17 @@ class RopeConfig:
     # per forward pass by the sequence's length (long past original_max_position_embeddings), re-rotating
     # nothing already cached. A paged engine serves many sequences at once, reuses cached prefixes between
     # them and prefills in chunks, so a per-length switch would make a sequence's keys depend on how it was
-    # batched. The choice is made once, from the context the checkpoint declares: long_factor when
-    # max_position_embeddings exceeds original_max_position_embeddings (Phi-3.5-mini, Phi-4-mini: every
-    # sequence, short ones too, rotates as transformers rotates a long one), short_factor otherwise (as
-    # transformers does for every sequence such a model can hold).
-    longrope_factors: list[float] = field(default_factory=list)
+    # batched. The choice is made once, from the context the engine serves (uses_long_factor): short_factor
+    # when max_model_len is at most the original context, where every sequence rotates as transformers
+    # rotates it; long_factor when longer (Phi-3.5-mini, Phi-4-mini served at their full context), where a
+    # sequence within the original context rotates as transformers rotates a long one, not as it rotates
+    # that sequence.
+    short_factor: list[float] = field(default_factory=list)
+    long_factor: list[float] = field(default_factory=list)
+
+    def uses_long_factor(self, max_model_len: int) -> bool:
+        """longrope: whether an engine serving sequences of up to max_model_len tokens rotates by long_factor."""
+        return max_model_len > self.original_max_position_embeddings
 
 
 @dataclass(slots=True)
@@ -287,7 +293,7 @@ def _parse_yarn(rope: RopeConfig, merged: dict, raw: dict, path: Path) -> RopeCo
 
 
 def _parse_longrope(rope: RopeConfig, merged: dict, raw: dict, path: Path, rotary_dim: int) -> RopeConfig:
-    """longrope's fields as transformers' Phi-3 reads them (RopeConfig.longrope_factors says which list is used)."""
+    """longrope's fields as transformers' Phi-3 reads them (RopeConfig.uses_long_factor says which list is used)."""
     original = PHI3_ORIGINAL_CONTEXT
     if raw.get("original_max_position_embeddings") is not None:
         original = _positive_int(raw, ("original_max_position_embeddings",), path)
@@ -308,7 +314,7 @@ def _parse_longrope(rope: RopeConfig, merged: dict, raw: dict, path: Path, rotar
         rope.attention_factor = _positive_float(merged, "attention_factor", 1.0, path)
     elif rope.factor > 1:
         rope.attention_factor = math.sqrt(1 + math.log(rope.factor) / math.log(original))
-    rope.longrope_factors = factors["long_factor" if max_positions > original else "short_factor"]
+    rope.short_factor, rope.long_factor = factors["short_factor"], factors["long_factor"]
     return rope
 
 

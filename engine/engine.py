@@ -269,6 +269,7 @@ class LLMEngine:
                  config.block_size, num_blocks * self.executor.bytes_per_block / 2**20, self.layout, self.max_model_len,
                  f"; {self.num_kv_blocks_from_compression} of them from the memory compressed_in_memory saves"
                  if self.num_kv_blocks_from_compression else "")
+        self._log_longrope_choice()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -302,6 +303,20 @@ class LLMEngine:
             raise CheckpointError(f"{path} has token ids up to {num_tokens - 1}, but config.json's vocab_size is "
                                   f"{vocab}: the tokenizer does not belong to these weights")
 
+    def _log_longrope_choice(self) -> None:
+        """Which longrope factors every rank rotates by (CausalLM.serve_context chose them from max_model_len)."""
+        rope = self.model_config.rope
+        if rope.rope_type != "longrope":
+            return
+        original = rope.original_max_position_embeddings
+        if rope.uses_long_factor(self.max_model_len):
+            log.info("longrope: long_factor, as max_model_len %d exceeds the original context %d; sequences within "
+                     "%d tokens rotate as transformers rotates a longer one (serve with max_model_len <= %d for "
+                     "short_factor)", self.max_model_len, original, original, original)
+        else:
+            log.info("longrope: short_factor, as max_model_len %d is within the original context %d (every sequence "
+                     "rotates as in transformers)", self.max_model_len, original)
+
     def _local_executor(self) -> ModelShard:
         cfg = self.config
         model = load_model(self.model_dir, self.model_config, self.device, self.dtype, cfg.show_progress,
@@ -309,6 +324,7 @@ class LLMEngine:
         shard = ModelShard(model, cfg)
         shard.allocate(shard.blocks_fit())
         shard.max_model_len = max_model_len(cfg, self.model_config.max_position_embeddings, shard.num_blocks)
+        model.serve_context(shard.max_model_len)
         shard.capture_graphs(shard.max_model_len)
         return shard
 

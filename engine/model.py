@@ -77,12 +77,25 @@ class CausalLM:
         self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
         self.sliding_windows = config.sliding_windows[shard.layers.start:shard.layers.stop]
         self.scale = config.attention_multiplier or config.head_dim ** -0.5
-        rotary_dim = config.rotary_dim or config.head_dim
+        self.rotary_dim = config.rotary_dim or config.head_dim
         if config.mla is not None:
-            rotary_dim, self.scale = config.mla.qk_rope_head_dim, mla_softmax_scale(config)
+            self.rotary_dim, self.scale = config.mla.qk_rope_head_dim, mla_softmax_scale(config)
         max_positions = config.max_position_embeddings
-        self.cos_table, self.sin_table = ops.rope_cos_sin(rotary_dim, config.rope, max_positions, device)
+        self.cos_table, self.sin_table = ops.rope_cos_sin(self.rotary_dim, config.rope, max_positions, device)
         self.ops = ops.for_device(device)  # Triton kernels on CUDA, engine.ops elsewhere
+
+    def serve_context(self, max_model_len: int) -> None:
+        """Rotate by the rope of an engine whose sequences hold at most max_model_len tokens: longrope's
+        factors depend on it (RopeConfig.uses_long_factor), and that length is known only once the KV pool
+        is sized, after the weights are loaded. Written into the tables in place, so it holds for graphs
+        captured from them too."""
+        cfg = self.config
+        if cfg.rope.rope_type != "longrope":   # the only rope whose tables depend on the context served
+            return
+        cos, sin = ops.rope_cos_sin(self.rotary_dim, cfg.rope, cfg.max_position_embeddings, self.device,
+                                    max_model_len)
+        self.cos_table.copy_(cos)
+        self.sin_table.copy_(sin)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ops.AttentionBatch,

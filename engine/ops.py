@@ -58,11 +58,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, slabs.transpose(1, 2)).transpose(0, 1).reshape(rows, weight.shape[0])
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies of the rotary dims (head_dim: those that rotate, all of a head's or its first part)."""
+def rope_inv_freq(head_dim: int, rope: RopeConfig, max_model_len: int) -> torch.Tensor:
+    """Inverse frequencies of the rotary dims (head_dim: those that rotate, all of a head's or its first part)
+    for an engine serving sequences of up to max_model_len tokens (only longrope's depend on it)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     if rope.rope_type == "longrope":   # the factors divide the frequencies, as transformers computes them
-        return 1.0 / (torch.tensor(rope.longrope_factors, dtype=torch.float32) * rope.theta ** exponents)
+        factors = rope.long_factor if rope.uses_long_factor(max_model_len) else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, rope)
@@ -99,10 +101,12 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> t
     return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
-def rope_cos_sin(head_dim: int, rope: RopeConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(head_dim: int, rope: RopeConfig, max_positions: int, device,
+                 max_model_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, head_dim] in float32 (halves duplicated, rotate-half layout;
-    times yarn's or longrope's attention factor). head_dim: the rotary dims of a head."""
-    inv_freq = rope_inv_freq(head_dim, rope)
+    times yarn's or longrope's attention factor). head_dim: the rotary dims of a head; max_model_len: the
+    longest sequence the engine serves (default max_positions), which picks longrope's factors."""
+    inv_freq = rope_inv_freq(head_dim, rope, max_model_len or max_positions)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -36,5 +36,7 @@ def start_rank(store: dist.Store, layout: ParallelLayout, rank: int, model_dir: 
 def finish_rank(shard: ModelShard, num_blocks: int, pool: torch.Tensor | None, model_config: ModelConfig,
                 config: EngineConfig) -> None:
     shard.allocate(num_blocks, pool)
+    # from the agreed block count, so every rank rotates by the same longrope factors
     shard.max_model_len = max_model_len(config, model_config.max_position_embeddings, num_blocks)
+    shard.model.serve_context(shard.max_model_len)
     shard.capture_graphs(shard.max_model_len)

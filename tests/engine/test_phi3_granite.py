@@ -6,7 +6,9 @@ Phi-3 stores q/k/v and gate/up fused (qkv_proj, gate_up_proj), may rotate only p
 each block's output and the logits. Each variant runs a batch of prompts of different lengths through
 the paged engine (chunked prefill beside decode rows), on the C decode loop and on the torch path,
 and its logits and greedy tokens are compared with transformers'. One checkpoint also runs at tp=2,
-where each rank takes its heads' rows of the fused qkv_proj and its share of gate_up_proj.
+where each rank takes its heads' rows of the fused qkv_proj and its share of gate_up_proj. A longrope
+model rotates by the factors of the context it is served with: short_factor within the original context
+(as transformers, for every sequence), long_factor past it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 
 from engine import cpu_attention
 from engine.config import parse_config
+from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, _randomize
-from tests.engine.test_moe import check_against_transformers, random_prompts
+from tests.engine.test_moe import check_against_transformers, greedy_with_logits, random_prompts
 from tests.engine.test_parallel import Engines, assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -116,16 +119,43 @@ def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monke
     check_against_transformers(directory, reference, prompts, max_tokens=5)
 
 
-def test_a_long_context_model_rotates_a_short_sequence_as_transformers_rotates_a_long_one(tmp_path):
-    # transformers switches to long_factor once a sequence passes the original context; the engine, whose
-    # cached keys must not depend on how a sequence was batched or chunked, uses it from the first token
+def test_a_long_context_model_rotates_a_short_sequence_as_transformers_rotates_a_long_one(tmp_path, caplog):
+    # Served at its full context (4x the original): transformers switches to long_factor once a sequence
+    # passes the original context; the engine, whose cached keys must not depend on how a sequence was
+    # batched or chunked, uses it from the first token
     reference = _save(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
     rotary = reference.model.rotary_emb
     long_inv_freq, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"](
         reference.config, seq_len=ORIGINAL + 1)
     assert not torch.equal(long_inv_freq, rotary.original_inv_freq)
     rotary.original_inv_freq.copy_(long_inv_freq)
-    check_against_transformers(tmp_path, reference, random_prompts([5, 11], seed=3), max_tokens=4)
+    with caplog.at_level("INFO", logger="engine.engine"):
+        check_against_transformers(tmp_path, reference, random_prompts([5, 11], seed=3), max_tokens=4)
+    assert [r.message.split(",")[0] for r in caplog.records if "longrope" in r.message] == ["longrope: long_factor"]
+
+
+def _engine(directory: Path, **config) -> LLMEngine:
+    return LLMEngine(directory, EngineConfig(kv_cache_bytes=8 << 20, show_progress=False, max_num_batched_tokens=24,
+                                             block_size=8, **config))
+
+
+def test_a_long_context_model_served_within_its_original_context_matches_transformers(tmp_path, caplog):
+    # With max_model_len at most the original context no sequence can pass it, so short_factor is what
+    # transformers rotates every one of them by; the chunked prompt and the decode rows see it too
+    reference = _save(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
+    prompts = random_prompts([5, 11], seed=3)
+    with caplog.at_level("INFO", logger="engine.engine"):
+        engine = _engine(tmp_path, max_model_len=ORIGINAL)
+    assert [r.message.split(",")[0] for r in caplog.records if "longrope" in r.message] == ["longrope: short_factor"]
+    ours, logits = greedy_with_logits(engine, prompts, max_tokens=5)
+    assert [len(tokens) for tokens in ours] == [5, 5]
+    for i, (prompt, tokens) in enumerate(zip(prompts, ours)):
+        full = prompt + tokens[:-1]
+        with torch.no_grad():
+            theirs = reference(torch.tensor([full])).logits[0].float()
+        torch.testing.assert_close(torch.stack([logits[(str(i), pos)] for pos in range(len(full))]), theirs,
+                                   rtol=1e-4, atol=1e-4)
+        assert theirs[len(prompt) - 1:].argmax(-1).tolist() == tokens
 
 
 TP_CHECKPOINTS = {"phi3-longrope-long": VARIANTS["phi3-longrope-long"][0]}
@@ -144,6 +174,21 @@ def test_tensor_parallel_logits_match_transformers(parallel_engines, name):
     # 4 heads and 2 KV heads over 2 ranks: each takes 2 query heads' and 1 KV head's rows of qkv_proj,
     # and half of the gate rows and half of the up rows of gate_up_proj
     assert_prompt_logits(parallel_engines, name, (2, 1), (1, 1))
+
+
+@pytest.mark.parallel
+def test_every_rank_rotates_by_the_factors_of_the_context_served(tmp_path):
+    # The worker rank's heads rotate by short_factor as rank 0's do: a rank left on long_factor would move
+    # the all-reduced logits off transformers'
+    reference = _save(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
+    engine = _engine(tmp_path, max_model_len=ORIGINAL, tensor_parallel_size=2)
+    try:
+        prompt = random_prompts([ORIGINAL - 1], seed=5)[0]
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0].float()
+        torch.testing.assert_close(engine.prompt_logits(prompt), theirs, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.shutdown()
 
 
 def _raw(**changes) -> dict:

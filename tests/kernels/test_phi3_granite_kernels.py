@@ -17,11 +17,13 @@ from test_model import greedy, save_checkpoint  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=320, max_position_embeddings=256, initializer_range=0.1)
-LONGROPE = RopeConfig(rope_type="longrope", attention_factor=1.2, longrope_factors=[1.0, 1.5, 2.0, 3.0, 4.0, 5.0])
+FACTORS = [1.0, 1.5, 2.0, 3.0, 4.0, 5.0]
+# tables of 256 positions, within the default original context: the short factors rotate them
+LONGROPE = RopeConfig(rope_type="longrope", attention_factor=1.2, short_factor=FACTORS)
 ARCHITECTURES = {
     "phi3-partial-longrope": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
         **SMALL, pad_token_id=0, eos_token_id=2, partial_rotary_factor=0.75, original_max_position_embeddings=64,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": LONGROPE.longrope_factors})),
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": FACTORS})),
     "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
         **SMALL, embedding_multiplier=12.0, attention_multiplier=0.09, residual_multiplier=0.22, logits_scaling=8.0)),
 }
