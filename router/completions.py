@@ -361,12 +361,12 @@ class CompletionRun:
         self.created = int(time.time())
         parse_tools = (request.chat and request.tool_choice not in (None, "none") and assets.tool_calls is not None)
         forced = request.tool_choice == "required" or request.named_tool is not None
-        # Under auto with a response format the answer is JSON unless it opens with calls (answer_or_calls_grammar).
-        answer_names = (frozenset(t["function"]["name"] for t in request.tools)
-                        if request.tool_choice == "auto" and request.grammar is not None else None)
         names = frozenset(t["function"]["name"] for t in request.tools or ())
-        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, answer_names, names,
-                                          deltas=request.stream) if parse_tools else None)
+        # Under auto with a response format the answer is JSON unless it opens with calls (answer_or_calls_grammar).
+        answer_or_calls = request.tool_choice == "auto" and request.grammar is not None
+        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, names,
+                                          deltas=request.stream, answer_or_calls=answer_or_calls)
+                           if parse_tools else None)
         # A required call's answer is the calls alone, which a stop string could only break (arguments cut into
         # JSON that does not parse): stop strings apply to words, and such an answer has none.
         stop = [] if forced and self.tool_calls is not None else request.stop

@@ -355,7 +355,7 @@ class ToolCallFormat:
         """Lark for `tool_choice: auto` with a response format (the Agents SDK's agent with an output type and
         tools): the final answer, JSON following `answer`'s schema, or calls of these tools from the first
         token on (strict tools' arguments following their schema, the others' any JSON object). Nothing comes
-        before the calls, so the parser looks for them at the start only (ToolCallStream's `answer_names`):
+        before the calls, so the parser looks for them at the start only (ToolCallStream's `answer_or_calls`):
         the JSON may hold the marker's text in a string. The answer cannot begin with a marker: compact JSON
         opens with `{`, `[`, `"`, a digit, `-` or a literal, and no marker of text does (`<...>`, `[TOOL_CALLS]`,
         where `[T` is no JSON); a bare JSON call (Llama 3) is told from an answer by its shape and name."""
@@ -659,9 +659,9 @@ class ToolCallStream:
     tail that could still be the start of the marker. From the marker on, text is kept until `finish`,
     which parses the calls; calls that do not parse come back as content. With `forced` (a required
     call) the whole answer is the calls. Without `parallel` (`parallel_tool_calls: false`) an answer holds
-    at most one call: the first, when a model left free (`auto`) writes several. With `answer_names` (the
-    offered functions, under `auto` with a response format) the answer is JSON unless it opens with calls
-    of those functions: calls are looked for at its start only (a bare JSON call: an object of just a
+    at most one call: the first, when a model left free (`auto`) writes several. With `answer_or_calls`
+    (under `auto` with a response format) the answer is JSON unless it opens with calls of the offered
+    functions (`names`): calls are looked for at its start only (a bare JSON call: an object of just a
     function's name and arguments), and the JSON streams as content once it is known to be no call.
     With `names` (the offered functions) a call must name one of them: a marker followed by an empty name, or a
     function the request did not offer, is no call (a client could not run it), and a bare JSON call (Llama 3)
@@ -683,21 +683,19 @@ class ToolCallStream:
     """
 
     def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True,
-                 answer_names: frozenset[str] | None = None, names: frozenset[str] | None = None,
-                 deltas: bool = True) -> None:
+                 names: frozenset[str] | None = None, deltas: bool = True, answer_or_calls: bool = False) -> None:
         self.fmt = fmt
         self.parallel = parallel
-        self.answer_names = answer_names
-        self.names = answer_names if answer_names is not None else names
+        self.answer_or_calls = answer_or_calls
+        self.names = names
         self._forced = forced
         self._in_calls = forced
         self._decided = forced       # calls looked for at the start only: whether the answer opens with them is known
         self._pending = ""           # content held back
         self._calls_text = ""
         # Streaming the calls as written: which may open early, and how far the text has been read.
-        offered = names if names is not None else answer_names
-        self._early = forced or (bool(fmt.marker) and offered is not None)
-        self._offered = None if forced else offered
+        self._early = forced or (bool(fmt.marker) and names is not None)
+        self._offered = None if forced else names
         self._record = deltas        # a whole response reads the calls from `finish` alone
         self._phase = "head"         # what comes next at `_pos`: a call's head, its arguments, its tail; "off"
         self._pos = 0
@@ -721,7 +719,7 @@ class ToolCallStream:
         self._pending += text
         if self._decided:
             return self._take(len(self._pending))
-        if not self.fmt.marker or self.answer_names is not None:
+        if not self.fmt.marker or self.answer_or_calls:
             return self._decide_at_start()
         marker = self.fmt.marker
         start = self._pending.find(marker)

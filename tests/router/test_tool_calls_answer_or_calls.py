@@ -76,7 +76,7 @@ def test_the_answer_follows_the_response_format_or_the_output_is_calls(name, tem
 
 def _split(fmt, text: str, names=frozenset({"add", "note"}), step: int = 3) -> tuple[str, list]:
     """(content, calls) of an answer streamed `step` characters at a time, as the router splits it."""
-    stream, content = ToolCallStream(fmt, answer_names=names), ""
+    stream, content = ToolCallStream(fmt, names=names, answer_or_calls=True), ""
     for i in range(0, len(text), step):
         content += stream.add(text[i:i + step])
     tail, calls = stream.finish()
