@@ -114,7 +114,6 @@ class SnapshotFeed:
         self._held_back = False                 # the last document fetched (etag) was not taken in
         self._registry = REGISTRY_OK
         self._last_error: str | None = None
-        self._num_errors = 0
         self.failures_by_reason = dict.fromkeys(FAILURE_REASONS, 0)
         self._streak = 0                        # failed refreshes in a row
         self._backoff = Backoff(initial_s=2 * refresh_s, max_s=max(refresh_s, MAX_BACKOFF_S))
@@ -215,8 +214,12 @@ class SnapshotFeed:
         self._registry, self._streak = state, 0
         self._backoff.reset()
 
+    @property
+    def num_errors(self) -> int:
+        """Failed refreshes since the router started, whatever their reason."""
+        return sum(self.failures_by_reason.values())
+
     def _failed(self, state: str, message: str, exc: Exception | None = None) -> None:
-        self._num_errors += 1
         self.failures_by_reason[state] += 1
         self._streak += 1
         now = self._clock()
@@ -225,7 +228,7 @@ class SnapshotFeed:
             log.log(logging.ERROR if state in (FEED_ERROR, REGISTRY_BAD_ENCODING, REGISTRY_UNAUTHORIZED)
                     else logging.WARNING,
                     "%s (%d failed refresh(es) in a row, %d in all); placing with the last good snapshot",
-                    message, self._streak, self._num_errors, exc_info=exc if self._streak == 1 else None)
+                    message, self._streak, self.num_errors, exc_info=exc if self._streak == 1 else None)
         self._registry, self._last_error = state, message
 
     def _next_delay_s(self) -> float:
@@ -284,5 +287,5 @@ class SnapshotFeed:
             "checked" if self.stale() and self._checked is not None else
             "registry" if self._registry == REGISTRY_OK else "last_good")
         live_sites = 0 if self._good is None else sum(1 for site in self.current().sites if site.alive)
-        return FeedStatus(reason is None, reason, self._registry, view, age, live_sites, self._num_errors,
+        return FeedStatus(reason is None, reason, self._registry, view, age, live_sites, self.num_errors,
                           self._last_error if self._registry != REGISTRY_OK else None)
