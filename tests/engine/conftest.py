@@ -111,6 +111,16 @@ def build_checkpoint(directory, arch: str, max_shard_size: str | None = None):
     return model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one torch thread is faster than a pool that waits on busy cores, and steadier under load.
+    A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory):
     """(directory, transformers model) of a small random Llama, for reference comparisons."""

@@ -36,13 +36,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name"],
                          "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one torch thread is faster than a pool that waits on busy cores, and steadier."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

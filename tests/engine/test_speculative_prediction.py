@@ -18,8 +18,10 @@ from engine.errors import InvalidRequestError
 from engine.ngram import PredictionLookup
 from engine.sampling import SamplingParams
 from engine.speculative_config import SpeculativeConfig
-from tests.engine.test_speculative import (SMALL_POOL, assert_no_leak, draft_ckpt, one_thread,  # noqa: F401 (fixtures)
+from tests.engine.test_speculative import (SMALL_POOL, assert_no_leak, draft_ckpt,  # noqa: F401 (a fixture)
                                            quoting_prompt, random_ids)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_TOKENS = 24
 PROMPTS = {"a": random_ids(19, 31), "b": quoting_prompt(32), "c": random_ids(40, 33)}

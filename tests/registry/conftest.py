@@ -132,6 +132,16 @@ def store(db_url, clock):
 
 
 @pytest.fixture
+def sqlite_store(tmp_path, sqlite_template, clock):
+    """A store on SQLite alone, for tests whose subject is not the database (a module takes it as `store`)."""
+    path = tmp_path / "registry.db"
+    shutil.copy(sqlite_template, path)
+    registry_store = RegistryStore(make_engine(f"sqlite:///{path}"), clock)
+    yield registry_store
+    registry_store.close()
+
+
+@pytest.fixture
 async def app(db_url, store):
     """The service in-process, lifespan running (heartbeat batcher started)."""
     application = create_app(db_url, ADMIN_TOKEN, ROUTER_TOKEN, store=store, max_body_bytes=64 * 1024)

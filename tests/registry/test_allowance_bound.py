@@ -9,7 +9,6 @@ PostgreSQL, where tests/registry/test_fleet_reports.py runs it.
 from __future__ import annotations
 
 import heapq
-import shutil
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -17,10 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from registry.allowance import GRANT_TTL_S, HOLD_S, PROVISIONAL_SPLIT, WINDOW_S, Held, allowance
-from registry.db import make_engine
 from registry.fleet import FleetReport
 from registry.records import ApiKeySpec
-from registry.store import RegistryStore
 from router.rate_limit import Charge, RateLimiter, Refusal
 
 REPORT_S = 1.0
@@ -185,12 +182,8 @@ class Simulation:
 
 
 @pytest.fixture
-def store(tmp_path, sqlite_template, clock):
-    path = tmp_path / "registry.db"
-    shutil.copy(sqlite_template, path)
-    registry_store = RegistryStore(make_engine(f"sqlite:///{path}"), clock)
-    yield registry_store
-    registry_store.close()
+def store(sqlite_store):
+    return sqlite_store
 
 
 @pytest.fixture

@@ -7,27 +7,20 @@ Real RateLimiters (router/rate_limit.py) report to the real registry store on on
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 
 from registry.allowance import Held, allowance
-from registry.db import make_engine
 from registry.fleet import FleetReport
 from registry.records import ApiKeySpec
-from registry.store import RegistryStore
 from router.rate_limit import Charge, RateLimiter, Refusal
 
 TEN_MILLION = 10_000_000
 
 
 @pytest.fixture
-def store(tmp_path, sqlite_template, clock):
-    path = tmp_path / "registry.db"
-    shutil.copy(sqlite_template, path)
-    registry_store = RegistryStore(make_engine(f"sqlite:///{path}"), clock)
-    yield registry_store
-    registry_store.close()
+def store(sqlite_store):
+    return sqlite_store
 
 
 class Router:

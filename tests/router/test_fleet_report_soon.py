@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import ROUTER_TOKEN
+from tests.router.conftest import ROUTER_TOKEN
 from router.fleet_reporter import FleetReporter, UsageMeter
 from router.rate_limit import Charge, RateLimiter
 

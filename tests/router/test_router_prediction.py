@@ -9,23 +9,19 @@ is accepted and answered as "default", the one tier there is.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 
 import httpx
-import openai
 import pytest
 
 from engine.ngram import MAX_PREDICTION_TOKENS as SITE_MAX_PREDICTION_TOKENS
 from engine.tokenizer import ChatTokenizer
-from node_agent.config import AgentConfig
-from node_agent.daemon import Agent
 from node_agent.proto import agent_pb2
 from router.openai_request import MAX_PREDICTION_TOKENS
 from tests.router.router_fake_agent import MODEL as FAKE
 from tests.router.test_resume_stateful_streams import read_stream, sites
-from tests.router.test_router_structured import DEMO, PEER_TOKEN, QUESTION
+from tests.router.test_router_structured import DEMO, QUESTION, serving
 
 MAX_TOKENS = 24
 
@@ -35,26 +31,6 @@ def plain_words(words) -> dict[str, float]:
     """A logit_bias that keeps the random model to whole words: an answer of them is text that encodes back
     to the tokens the model wrote (its own bytes are mostly not text, and a prediction is sent as text)."""
     return {str(token_id): 100.0 for token_id in words[:60]}
-
-
-@contextlib.asynccontextmanager
-async def serving(cluster, make_router, directory, **agent_settings):
-    """(openai client, the agent's engine) for a router in front of one real agent serving the demo model."""
-    agent = Agent(AgentConfig(site="oslo", models={DEMO: str(directory)}, grpc_listen="127.0.0.1:0",
-                              metrics_listen=None, peer_token=PEER_TOKEN, kv_cache_bytes=16 << 20, device="cpu",
-                              dtype="float32", **agent_settings))
-    await agent.start()
-    try:
-        await cluster.admin.create_site("oslo", region="eu", country="NO", lat=59.9, lon=10.7,
-                                        grpc_address=agent.address, models=[{"model": DEMO, "role": "both"}],
-                                        heartbeat_interval_s=60)
-        await cluster.heartbeat("oslo")
-        key = await cluster.create_key()
-        _router, url = await make_router(peer_token=PEER_TOKEN, first_token_timeout_s=60, token_idle_timeout_s=60)
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120) as client:
-            yield client, agent.models[DEMO].engine.engine
-    finally:
-        await agent.stop()
 
 
 async def answer(client, engine, bias: dict, **fields) -> tuple[str, object, int]:
@@ -69,7 +45,7 @@ async def answer(client, engine, bias: dict, **fields) -> tuple[str, object, int
 @pytest.mark.parametrize("speculation", [{}, {"speculative_method": "ngram"}], ids=["off", "ngram"])
 async def test_a_prediction_never_changes_the_answer_and_reports_how_it_fared(cluster, make_router, tiny_model_dir,
                                                                               plain_words, speculation):
-    async with serving(cluster, make_router, tiny_model_dir, **speculation) as (client, engine):
+    async with serving(cluster, make_router, tiny_model_dir, DEMO, **speculation) as (client, engine):
         plain, usage, plain_steps = await answer(client, engine, plain_words)
         assert usage.completion_tokens_details is None  # no prediction, no prediction counts
         text, usage, steps = await answer(client, engine, plain_words, prediction={"type": "content", "content": plain})

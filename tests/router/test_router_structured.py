@@ -93,11 +93,12 @@ def model_dir(tmp_path_factory):
 
 
 @contextlib.asynccontextmanager
-async def serving(cluster, make_router, directory, model: str):
-    """(openai client, the agent's engine) for a router in front of one real agent serving `directory`."""
+async def serving(cluster, make_router, directory, model: str, **agent_settings):
+    """(openai client, the agent's engine) for a router in front of one real agent serving `directory`
+    (`agent_settings`: more AgentConfig fields)."""
     agent = Agent(AgentConfig(site="oslo", models={model: str(directory)}, grpc_listen="127.0.0.1:0",
                               metrics_listen=None, peer_token=PEER_TOKEN, kv_cache_bytes=16 << 20, device="cpu",
-                              dtype="float32", max_num_seqs=128, max_waiting=256))
+                              dtype="float32", **{"max_num_seqs": 128, "max_waiting": 256, **agent_settings}))
     await agent.start()
     try:
         await cluster.admin.create_site("oslo", region="eu", country="NO", lat=59.9, lon=10.7,

@@ -17,7 +17,7 @@ from registry.client import RegistryClient
 from router.metrics import RouterMetrics
 from router.snapshot_feed import FAILURE_REASONS, SnapshotFeed
 
-from conftest import ROUTER_TOKEN
+from tests.router.conftest import ROUTER_TOKEN
 
 CLOSED_PORT = 48301  # nothing listens here: a refused connection
 
