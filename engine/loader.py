@@ -155,9 +155,10 @@ class _TensorReader:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
     def read_compressed_mlp(self, prefix: str, shapes: dict[str, tuple[int, ...]]) -> CompressedMLP | None:
-        """The layer's gate/up/down projections still compressed, on the device (each decoded once
-        here and checked), or None unless all three are compressed."""
-        names = {proj: f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")}
+        """The layer's MLP projections still compressed, on the device (each decoded once here and
+        checked), or None unless all of them are compressed. `shapes` names the projections as the
+        checkpoint stores them: gate, up and down, or gate_up and down (fused)."""
+        names = {proj: f"{prefix}mlp.{proj}_proj.weight" for proj in shapes}
         if self.compressed is None or not all(self.compressed.is_compressed(n) for n in names.values()):
             return None
         tensors = {}
@@ -168,8 +169,11 @@ class _TensorReader:
             self.compressed.check_decodes(tensors[proj], self.device)   # decoded once, checked, dropped
             self.names_read.add(name)
             self.progress.update(1)
-        tables = tuple(self._pair_table(t) for t in tensors.values()) if needs_pair_tables(self.device) else None
-        return CompressedMLP(tensors["gate"], tensors["up"], tensors["down"], tables)
+        gate_up = tuple(tensors[proj] for proj in shapes if proj != "down")
+        mlp = CompressedMLP(gate_up, tensors["down"], None)
+        if needs_pair_tables(self.device):
+            mlp.tables = tuple(self._pair_table(t) for t in mlp.parts)
+        return mlp
 
     def _pair_table(self, t) -> torch.Tensor:
         key = t.palette.cpu().numpy().tobytes() + t.code_lengths.cpu().numpy().tobytes()
@@ -289,12 +293,14 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
     else:
         inter = cfg.intermediate_size
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-        mlp = reader.read_compressed_mlp(p, shapes) if keep_mlp_compressed and not cfg.fused_projections else None
-        if cfg.fused_projections:   # Phi-3's gate_up_proj: gate rows, then up rows; this rank's of each
+        stored = {"gate_up": (2 * inter, hidden), "down": shapes["down"]} if cfg.fused_projections else shapes
+        # Kept compressed, StreamedLayers points gate_up and down at its decode buffers.
+        mlp = reader.read_compressed_mlp(p, stored) if keep_mlp_compressed else None
+        if mlp is None and cfg.fused_projections:   # Phi-3's gate_up_proj: gate rows, then up rows; this rank's of each
             layer.gate_up = reader.read(p + "mlp.gate_up_proj.weight", (2 * inter, hidden),
                                         rows=[shard.mlp, _shifted(shard.mlp, inter)])
             layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"], cols=shard.mlp)
-        elif mlp is None:   # otherwise StreamedLayers points gate_up and down at its decode buffers
+        elif mlp is None:
             layer.gate_up = torch.cat([
                 reader.read(p + "mlp.gate_proj.weight", shapes["gate"], rows=shard.mlp),
                 reader.read(p + "mlp.up_proj.weight", shapes["up"], rows=shard.mlp),

@@ -19,15 +19,20 @@ from engine.compression.format import CompressedTensor
 
 @dataclass(slots=True)
 class CompressedMLP:
-    gate: CompressedTensor     # parts on the model's device
-    up: CompressedTensor
+    # The rows of the fused gate/up weight, in order, on the model's device: (gate, up) as most families store
+    # them, or (gate_up,) where the checkpoint stores them fused (Phi-3's gate_up_proj).
+    gate_up: tuple[CompressedTensor, ...]
     down: CompressedTensor
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # pair tables (decode.needs_pair_tables)
+    tables: tuple[torch.Tensor, ...] | None   # pair tables (decode.needs_pair_tables): gate_up's, then down's
+
+    @property
+    def parts(self) -> tuple[CompressedTensor, ...]:
+        return (*self.gate_up, self.down)
 
     @property
     def nbytes(self) -> int:
         """The parts; tables are counted by StreamedLayers, since layers share them."""
-        return sum(t.nbytes for t in (self.gate, self.up, self.down))
+        return sum(t.nbytes for t in self.parts)
 
 
 class StreamedLayers:
@@ -39,12 +44,12 @@ class StreamedLayers:
         self.device = device
         self.dtype = dtype
         first = next(m for m in mlps if m is not None)
-        intermediate, hidden = first.gate.shape
+        intermediate, hidden = first.down.shape[1], first.down.shape[0]
         num_sets = 2 if device.type == "cuda" else 1
         self.buffers = [(torch.empty(2 * intermediate, hidden, dtype=dtype, device=device),
                          torch.empty(hidden, intermediate, dtype=dtype, device=device)) for _ in range(num_sets)]
         # Decoded bf16 bits land here first when the engine computes in another dtype.
-        largest = max(intermediate * hidden, hidden * intermediate) + 1
+        largest = max(t.numel for m in mlps if m is not None for t in m.parts) + 1
         self.scratch = None if dtype == torch.bfloat16 else torch.empty(largest, dtype=torch.int16, device=device)
         for index, (layer, mlp) in enumerate(zip(layers, mlps)):
             if mlp is not None:
@@ -65,7 +70,7 @@ class StreamedLayers:
     def plain_bytes(self) -> int:
         """What the compressed MLP weights would take as plain tensors in the engine's dtype."""
         element = torch.empty(0, dtype=self.dtype).element_size()
-        return sum((m.gate.numel + m.up.numel + m.down.numel) * element for m in self.mlps if m is not None)
+        return sum(sum(t.numel for t in m.parts) * element for m in self.mlps if m is not None)
 
     @property
     def bytes_saved(self) -> int:
@@ -119,11 +124,12 @@ class StreamedLayers:
     def _decode(self, index: int) -> None:
         mlp = self.mlps[index]
         gate_up, down = self.buffers[index % len(self.buffers)]
-        intermediate = mlp.gate.shape[0]
-        gate_table, up_table, down_table = mlp.tables or (None, None, None)
-        self._decode_one(mlp.gate, gate_table, gate_up[:intermediate])
-        self._decode_one(mlp.up, up_table, gate_up[intermediate:])
-        self._decode_one(mlp.down, down_table, down)
+        tables = mlp.tables or (None,) * len(mlp.parts)
+        row = 0
+        for part, table in zip(mlp.gate_up, tables):
+            self._decode_one(part, table, gate_up[row:row + part.shape[0]])
+            row += part.shape[0]
+        self._decode_one(mlp.down, tables[-1], down)
 
     def _decode_one(self, t: CompressedTensor, table: torch.Tensor | None, target: torch.Tensor) -> None:
         n = t.numel
