@@ -14,12 +14,12 @@ from engine.errors import CheckpointError, UnsupportedModelError
 # DeepSeek-V3's latent attention refuses attention_bias (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
                          "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "phi3": "none",
-                         "granite": "config"}
-QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}
+                         "granite": "config", "gemma3_text": "config"}
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
 # Only Llama's and Granite's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
 MLP_BIAS_MODEL_TYPES = {"llama", "granite"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
-DEFAULT_ROPE_THETA = {"mixtral": 1000000.0}
+DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0}
 DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5}
 # Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
 # transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
@@ -32,6 +32,12 @@ PHI3_ROPE_TYPES = ("default", "longrope")
 PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 # transformers' Phi-3 reads original_max_position_embeddings from the top level only, defaulting it to this
 PHI3_ORIGINAL_CONTEXT = 4096
+# Gemma 3: the MLP activations the engine computes (transformers' names), and the defaults transformers gives
+# the fields its configs may omit
+GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)
+GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "sliding_window": 4096,
+                   "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0}
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(slots=True)
@@ -154,6 +160,20 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Gemma 3: the embeddings' multiplier (sqrt(hidden_size)) is rounded to the model's dtype before it
+    # multiplies, as transformers rounds it (55.4256 becomes 55.5 in bfloat16)
+    embedding_multiplier_in_dtype: bool = False
+    # The MLP's activation: "silu", or Gemma 3's "gelu_pytorch_tanh" (GELU, tanh approximation)
+    hidden_act: str = "silu"
+    # Gemma 3's norms scale by 1 + weight in float32 and round after: the loader stores 1 + weight as
+    # float32, which engine.ops.rms_norm multiplies before rounding to the activations' dtype
+    norm_weight_offset: bool = False
+    # Gemma 3 also norms each attention and MLP output before its residual add: four norms a layer
+    sandwich_norms: bool = False
+    # Gemma 3: the sliding-attention layers (True here) rotate by local_rope (rope_local_base_freq, no
+    # scaling), the full-attention ones by rope
+    local_rope: RopeConfig | None = None
+    local_rope_layers: list[bool] = field(default_factory=list)
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -344,6 +364,61 @@ def _granite_scalars(raw: dict, path: Path) -> dict:
             for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
 
 
+def _gemma3_fields(raw: dict, num_layers: int, hidden: int, path: Path) -> dict:
+    """Gemma 3's fields, read and defaulted as transformers reads them; {} for another model type."""
+    if raw.get("model_type") != "gemma3_text":
+        return {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported (Gemma 3 checkpoints set it "
+                                        f"to null; tanh softcapping is Gemma 2's)")
+    if _flag(raw, "use_bidirectional_attention", False, path):
+        raise UnsupportedModelError(f"{path}: use_bidirectional_attention true is not supported (the engine "
+                                    f"decodes causally)")
+    activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in GEMMA3_ACTIVATIONS:
+        raise UnsupportedModelError(f"{path}: hidden_activation {activation!r} is not supported "
+                                    f"(supported: {', '.join(GEMMA3_ACTIVATIONS)})")
+    local_layers = _gemma3_layer_types(raw, num_layers, path)
+    window = raw.get("sliding_window", GEMMA3_DEFAULTS["sliding_window"])   # null: the sliding layers see all
+    window = None if window is None else _positive_int({"sliding_window": window}, ("sliding_window",), path)
+    scalar = _positive_float(raw, "query_pre_attn_scalar", GEMMA3_DEFAULTS["query_pre_attn_scalar"], path)
+    rope, local_rope = _gemma3_ropes(raw, path)
+    return {"hidden_act": activation, "norm_weight_offset": True, "sandwich_norms": True,
+            "embedding_multiplier": hidden ** 0.5, "embedding_multiplier_in_dtype": True,
+            "attention_multiplier": scalar ** -0.5,
+            "sliding_windows": [window if local else None for local in local_layers],
+            "rope": rope, "local_rope": local_rope, "local_rope_layers": local_layers}
+
+
+def _gemma3_layer_types(raw: dict, num_layers: int, path: Path) -> list[bool]:
+    """Per layer: sliding attention (True) or full, from layer_types, else every sliding_window_pattern-th
+    layer full (older configs)."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        pattern = _optional_int(raw, "sliding_window_pattern", GEMMA3_DEFAULTS["sliding_window_pattern"], path)
+        return [(i + 1) % pattern != 0 for i in range(num_layers)]
+    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+            or not all(kind in GEMMA3_LAYER_TYPES for kind in layer_types)):
+        raise CheckpointError(f"{path}: layer_types must list one of {', '.join(GEMMA3_LAYER_TYPES)} per layer "
+                              f"({num_layers}), got {layer_types!r}")
+    return [kind == "sliding_attention" for kind in layer_types]
+
+
+def _gemma3_ropes(raw: dict, path: Path) -> tuple[RopeConfig, RopeConfig]:
+    """The full-attention layers' rope and the sliding ones': rope_parameters by layer type (newer configs),
+    else rope_theta with rope_scaling and rope_local_base_freq unscaled (older ones)."""
+    local_theta = _positive_float(raw, "rope_local_base_freq", GEMMA3_DEFAULTS["rope_local_base_freq"], path)
+    by_type = _mapping(raw, "rope_parameters", path)
+    if not by_type.keys() & set(GEMMA3_LAYER_TYPES):
+        return _parse_rope(raw, path), RopeConfig(theta=local_theta)
+    full = _parse_rope({**raw, "rope_scaling": None,
+                        "rope_parameters": _mapping(by_type, "full_attention", path)}, path)
+    local = _parse_rope({**raw, "rope_scaling": None, "rope_theta": local_theta,
+                         "rope_parameters": _mapping(by_type, "sliding_attention", path)}, path)
+    return full, local
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -468,6 +543,10 @@ def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "gemma3":
+        raise UnsupportedModelError(f"{path}: model_type 'gemma3' is Gemma 3's image-and-text checkpoint, which is not "
+                                    f"supported; the engine serves Gemma 3's text-only checkpoints (model_type "
+                                    f"'gemma3_text', Gemma3ForCausalLM: gemma-3-1b and -270m)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = raw.get("architectures")
         raise UnsupportedModelError(
@@ -483,25 +562,26 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
     num_kv_heads = _optional_int(raw, "num_key_value_heads", num_heads, path)
-    head_dim = _optional_int(raw, "head_dim", hidden // num_heads, path)
+    head_dim = _optional_int(raw, "head_dim", GEMMA3_DEFAULTS["head_dim"] if model_type == "gemma3_text"
+                             else hidden // num_heads, path)
     if head_dim < 1:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} exceeds hidden_size {hidden} and no head_dim "
                               f"is given")
     if num_heads % num_kv_heads:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    if raw.get("hidden_act", "silu") != "silu":
+    if model_type != "gemma3_text" and raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
     mla, rope_types = None, ROPE_TYPES
     attention_bias = SUPPORTED_MODEL_TYPES[model_type]
     if attention_bias == "config":
         attention_bias = "config" if _flag(raw, "attention_bias", False, path) else "none"
-    rotary_dim = None
+    rotary_dim, gemma = None, model_type == "gemma3_text"
     if model_type == "deepseek_v3":
         mla, rope_types = _parse_mla(raw, num_heads, path), MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     if model_type == "phi3":
         rope_types, rotary_dim = PHI3_ROPE_TYPES, _rotary_dim(raw, head_dim, path)
-    return ModelConfig(
+    fields = dict(
         model_type=model_type,
         vocab_size=_positive_int(raw, ("vocab_size",), path),
         hidden_size=hidden,
@@ -510,10 +590,11 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=_optional_int(raw, "max_position_embeddings", 4096, path),
+        max_position_embeddings=_optional_int(raw, "max_position_embeddings",
+                                              GEMMA3_DEFAULTS["max_position_embeddings"] if gemma else 4096, path),
         rms_norm_eps=_positive_float(raw, "rms_norm_eps", DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6), path),
         rope=_parse_rope(raw, path, rope_types, rotary_dim or head_dim),
-        tie_word_embeddings=_flag(raw, "tie_word_embeddings", False, path),
+        tie_word_embeddings=_flag(raw, "tie_word_embeddings", gemma, path),   # Gemma's default: tied
         qkv_bias=attention_bias != "none",
         o_bias=attention_bias == "config",
         qk_norm=model_type in QK_NORM_MODEL_TYPES,
@@ -529,6 +610,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         fused_projections=model_type == "phi3",
         **_granite_scalars(raw, path),
     )
+    fields.update(_gemma3_fields(raw, num_layers, hidden, path))
+    return ModelConfig(**fields)
 
 
 def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:

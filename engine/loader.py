@@ -240,6 +240,14 @@ def _read_mla(reader: _TensorReader, cfg: ModelConfig, p: str, heads: range) -> 
     )
 
 
+def _read_norm(reader: _TensorReader, cfg: ModelConfig, name: str, size: int) -> torch.Tensor:
+    """A norm's weight; Gemma 3's (which scales by 1 + weight) as 1 + weight in float32, computed as transformers
+    computes it, so that engine.ops.rms_norm multiplies in float32 and rounds after, as transformers does."""
+    if not cfg.norm_weight_offset:
+        return reader.read(name, (size,))
+    return reader.read(name, (size,), dtype=torch.float32) + 1.0
+
+
 def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
                 keep_mlp_compressed: bool = False) -> tuple[LayerWeights, CompressedMLP | None]:
     p = f"model.layers.{i}."
@@ -270,17 +278,21 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
     layer = LayerWeights(
-        input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
+        input_norm=_read_norm(reader, cfg, p + "input_layernorm.weight", hidden),
         qkv=qkv,
         qkv_bias=qkv_bias,
-        q_norm=reader.read(p + "self_attn.q_norm.weight", (head_dim,)) if cfg.qk_norm else None,
-        k_norm=reader.read(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+        q_norm=_read_norm(reader, cfg, p + "self_attn.q_norm.weight", head_dim) if cfg.qk_norm else None,
+        k_norm=_read_norm(reader, cfg, p + "self_attn.k_norm.weight", head_dim) if cfg.qk_norm else None,
         o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows), cols=q_part),
-        post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
+        post_norm=_read_norm(reader, cfg, p + "post_attention_layernorm.weight", hidden),
         gate_up=None,
         down=None,
         o_bias=reader.read(p + "self_attn.o_proj.bias", (hidden,)) if cfg.o_bias else None,
     )
+    if cfg.sandwich_norms:   # Gemma 3: post_attention_layernorm norms the attention's output; the MLP's input
+        layer.attn_out_norm = layer.post_norm   # is pre_feedforward_layernorm's, its output post_feedforward's
+        layer.post_norm = _read_norm(reader, cfg, p + "pre_feedforward_layernorm.weight", hidden)
+        layer.mlp_out_norm = _read_norm(reader, cfg, p + "post_feedforward_layernorm.weight", hidden)
     return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
 
 
@@ -447,7 +459,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         read = [_read_layer(reader, cfg, i, shard, keep_compressed) for i in shard.layers]
         norm = lm_head = None
         if shard.is_last_stage:
-            norm = reader.read("model.norm.weight", (cfg.hidden_size,))
+            norm = _read_norm(reader, cfg, "model.norm.weight", cfg.hidden_size)
         if shard.computes_logits:
             lm_head = _read_lm_head(reader, cfg, shard, embed)
         _check_all_read(reader, cfg, shard, compressed.names() if compressed else files)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, and the MoE Mixtral, Qwen3-MoE and
-DeepSeek-V3) over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3, and the MoE Mixtral, Qwen3-MoE
+and DeepSeek-V3) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
@@ -7,7 +7,11 @@ engine.moe's block; DeepSeek-V3's multi-head latent attention replaces the atten
 whose cache holds one latent per token. Phi-3 may rotate only each head's first dims (partial rotary:
 the rope tables are that narrow) and scale its rope by longrope (engine.config.RopeConfig says which
 factors). Granite scales the embeddings, the softmax, each block's output before its residual add
-and the logits by scalars of its config. Every op goes through engine.ops so kernels can replace them.
+and the logits by scalars of its config. Gemma 3 norms each attention and MLP output too before its
+residual add (four norms a layer, each scaling by 1 + weight: engine.ops.rms_norm's float32 weights),
+scales the embeddings by sqrt(hidden_size), activates its MLP by GELU (tanh approximation), and alternates
+sliding-window layers, which rotate by a rope of their own (local_rope), with full-attention ones. Every op
+goes through engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -51,6 +55,10 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None   # [2 * intermediate]
     down_bias: torch.Tensor | None = None
+    # Gemma 3's norms of the attention and MLP outputs, before each residual add (post_norm is then the
+    # norm before the MLP: pre_feedforward_layernorm)
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -82,7 +90,16 @@ class CausalLM:
             self.rotary_dim, self.scale = config.mla.qk_rope_head_dim, mla_softmax_scale(config)
         max_positions = config.max_position_embeddings
         self.cos_table, self.sin_table = ops.rope_cos_sin(self.rotary_dim, config.rope, max_positions, device)
+        # each of this stage's layers' (cos, sin): Gemma 3's sliding-window layers rotate by local_rope
+        self.rope_tables = [(self.cos_table, self.sin_table)] * len(self.sliding_windows)
+        if config.local_rope is not None:
+            local = ops.rope_cos_sin(self.rotary_dim, config.local_rope, max_positions, device)
+            self.rope_tables = [local if config.local_rope_layers[i] else self.rope_tables[0] for i in shard.layers]
+        self.embedding_multiplier = config.embedding_multiplier
+        if config.embedding_multiplier_in_dtype:
+            self.embedding_multiplier = torch.tensor(config.embedding_multiplier, dtype=dtype).item()
         self.ops = ops.for_device(device)  # Triton kernels on CUDA, engine.ops elsewhere
+        self.act_and_mul = ops.ACT_AND_MUL[config.hidden_act]   # the op's name, looked up in self.ops per call
 
     def serve_context(self, max_model_len: int) -> None:
         """Rotate by the rope of an engine whose sequences hold at most max_model_len tokens: longrope's
@@ -123,6 +140,8 @@ class CausalLM:
                 attn = self._attention(index, layer, normed, positions, batch, kv_cache[index])
             if cfg.residual_multiplier != 1:
                 attn = attn * cfg.residual_multiplier
+            if layer.attn_out_norm is not None:
+                attn = self.ops.rms_norm(attn, layer.attn_out_norm, cfg.rms_norm_eps)
             normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is None:
                 hidden = self._mlp(layer, normed)
@@ -132,13 +151,15 @@ class CausalLM:
                 hidden = moe_forward(layer.moe, normed, self.ops)
             if cfg.residual_multiplier != 1:
                 hidden = hidden * cfg.residual_multiplier
+            if layer.mlp_out_norm is not None:
+                hidden = self.ops.rms_norm(hidden, layer.mlp_out_norm, cfg.rms_norm_eps)
         if self.weights.norm is None:
             return residual + hidden  # what add_rms_norm's sum would be: the next stage's input
         normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
         return normed
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        multiplier = self.config.embedding_multiplier
+        multiplier = self.embedding_multiplier
         if self.tp_group is None:
             hidden = self.weights.embed_tokens[input_ids]
             return hidden if multiplier == 1 else hidden * multiplier
@@ -154,7 +175,7 @@ class CausalLM:
         gate_up = self.ops.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up = gate_up + layer.gate_up_bias
-        out = self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down)
+        out = self.ops.linear(getattr(self.ops, self.act_and_mul)(gate_up), layer.down)
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)
         return out if layer.down_bias is None else out + layer.down_bias
@@ -175,7 +196,7 @@ class CausalLM:
         if layer.q_norm is not None:
             q = self.ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = self.ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = self.ops.apply_rotary(q, k, positions, self.cos_table, self.sin_table)
+        q, k = self.ops.apply_rotary(q, k, positions, *self.rope_tables[index])
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index])

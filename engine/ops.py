@@ -18,16 +18,32 @@ from engine.config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, returned in x's dtype (as the reference implementations do)."""
+    """RMSNorm computed in float32, returned in x's dtype (as the reference implementations do).
+
+    The weight's dtype says where the rounding falls: a weight in the model's dtype multiplies the row
+    already rounded to it (Llama and most families); a float32 weight (Gemma 3's 1 + weight, stored so
+    by the loader) multiplies the float32 row, rounded after."""
     orig_dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (x32 * weight).to(orig_dtype)
     return weight * x32.to(orig_dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of the gate times up: Gemma 3's MLP activation."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# hidden_act -> the name of the op applying it to a fused gate/up projection (here and in engine.kernels.ops)
+ACT_AND_MUL = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
 
 # A CPU matmul with this many rows or fewer runs on one thread whatever torch's thread count, so

@@ -1,4 +1,7 @@
-"""Fused RMSNorm and residual-add + RMSNorm: one read and one write of each row."""
+"""Fused RMSNorm and residual-add + RMSNorm: one read and one write of each row.
+
+As engine.ops.rms_norm, a float32 weight (Gemma 3's 1 + weight) multiplies the float32 row and the product
+is rounded to the activations' dtype; a weight in their dtype multiplies the row already rounded."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from engine.kernels.common import next_pow2
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -25,8 +28,10 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    # torch casts the normalized row to x's dtype before the weight multiply; so do we.
-    y = (x32 * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    y = x32 * rstd
+    if ROUND_FIRST:   # torch casts the normalized row to x's dtype before the weight multiply; so do we
+        y = y.to(x.dtype).to(tl.float32)
+    y = y * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -36,7 +41,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype if weight.dtype == torch.float32 else torch.promote_types(x.dtype, weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, rows.shape[1], eps,
                                            rows.stride(0), rows.stride(0), out.stride(0), out.stride(0),
-                                           HAS_RESIDUAL=False, BLOCK=next_pow2(rows.shape[1]))
+                                           HAS_RESIDUAL=False, ROUND_FIRST=weight.dtype != torch.float32,
+                                           BLOCK=next_pow2(rows.shape[1]))
     return out.view(x.shape)
 
 
@@ -57,5 +63,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, residual_out, rows.shape[1], eps,
                                            rows.stride(0), res_rows.stride(0), out.stride(0), residual_out.stride(0),
-                                           HAS_RESIDUAL=True, BLOCK=next_pow2(rows.shape[1]))
+                                           HAS_RESIDUAL=True, ROUND_FIRST=weight.dtype != torch.float32,
+                                           BLOCK=next_pow2(rows.shape[1]))
     return out.view(x.shape), residual_out.view(x.shape)

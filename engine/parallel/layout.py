@@ -232,7 +232,7 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
         mlp += moe.num_experts if moe.scoring == "sigmoid" else 0   # the routing correction bias
     else:
         mlp = 3 * hidden * num_mlp_rows + (2 * num_mlp_rows + hidden if cfg.mlp_bias else 0)
-    return attention + mlp + 2 * hidden   # and the layer's two norms
+    return attention + mlp + (4 if cfg.sandwich_norms else 2) * hidden   # and the layer's norms
 
 
 def layer_cost(cfg: ModelConfig, layer: int, expert_split: int = 1) -> int:
