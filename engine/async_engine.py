@@ -42,7 +42,10 @@ class TokenEvent:
     kv_handle: str | None = None  # prefill-only requests: the handle of the pinned KV
     # Another event of this request was already waiting when this one was read (a speculative step's
     # accepted tokens, or a reader that fell behind): the next read returns at once, so a reader may
-    # hold this one back and pass both on together.
+    # hold this one back and pass both on together. Never set before an event whose prediction counts
+    # differ: a message then holds at most one step whose proposals from the prediction were verified,
+    # its first, so the proposals it kept are the message's first tokens (a consumer that cuts the
+    # answer inside a message knows which of them it kept, router/generation.py).
     more: bool = False
     num_accepted_prediction_tokens: int = 0  # running totals of the request's predicted-output proposals
     num_rejected_prediction_tokens: int = 0
@@ -288,7 +291,7 @@ class AsyncEngine:
                 event, finished = item
                 if event.kv_handle:
                     self._unread_leases.pop(request_id, None)  # the caller holds the lease now
-                event.more = bool(items)
+                event.more = bool(items) and not _prediction_counted(event, items[0])
                 yield event
         finally:
             if not finished:
@@ -386,6 +389,13 @@ async def kv_chunks(export: KVExport) -> AsyncIterator[KVChunk]:
         if not pending.done():
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
+
+
+def _prediction_counted(event: TokenEvent, following) -> bool:
+    """Whether the step of the event that follows verified proposals from the request's prediction."""
+    return isinstance(following, tuple) and (
+        following[0].num_accepted_prediction_tokens != event.num_accepted_prediction_tokens
+        or following[0].num_rejected_prediction_tokens != event.num_rejected_prediction_tokens)
 
 
 def _deliver(items: list) -> None:

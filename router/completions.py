@@ -425,8 +425,7 @@ class CompletionRun:
     def usage(self) -> dict:
         num_reasoning = self.reasoning.num_reasoning_tokens if self.reasoning is not None else None
         g = self.generation
-        prediction = ((g.num_accepted_prediction_tokens, g.num_rejected_prediction_tokens)
-                      if self.request.prediction is not None else None)
+        prediction = g.prediction_counts(self.num_completion_tokens) if self.request.prediction is not None else None
         return responses.usage(self.num_prompt_tokens, self.num_completion_tokens, g.num_cached_tokens,
                                num_reasoning, prediction)
 
@@ -687,8 +686,9 @@ class Choices:
             details["reasoning_tokens"] = sum(
                 run.reasoning.num_reasoning_tokens for run in self.runs if run.reasoning is not None)
         if "accepted_prediction_tokens" in details:
-            details["accepted_prediction_tokens"] = sum(r.generation.num_accepted_prediction_tokens for r in self.runs)
-            details["rejected_prediction_tokens"] = sum(r.generation.num_rejected_prediction_tokens for r in self.runs)
+            counts = [r.generation.prediction_counts(r.num_completion_tokens) for r in self.runs]
+            details["accepted_prediction_tokens"] = sum(accepted for accepted, _ in counts)
+            details["rejected_prediction_tokens"] = sum(rejected for _, rejected in counts)
         return body
 
     async def response(self) -> dict:

@@ -6,8 +6,17 @@ One report is in flight at a time and a report keeps its number (`seq`) until an
 report whose answer was lost is sent again as it was, to whichever registry replica answers, and the
 registry applies it once. Meanwhile new usage and charges wait for the next report. So a router that
 crashes loses at most what it served since its last answered report (about a second while the
-registry answers), and a clean stop sends a last report. A report the registry refuses (4xx) cannot
-succeed by being sent again: it is logged with its figures and dropped, so later ones still go out.
+registry answers), and a clean stop sends a last report.
+
+A report the registry refuses (4xx) cannot succeed by being sent again as it was. A refusal of its
+content (a field the registry rejects, or a body over its size limit) goes out again at once, under
+the same number, without its usage rows, and if refused again without its rate-limit charges too: the
+keys' demand, which the router builds from its own counters, still reaches the registry, so a key
+waiting for its grant gets it a round trip later rather than a report later, and its askers their
+answer. The registry validates a report whole before applying any of it, so a refused report was not
+applied, and the number applies at most once whichever body carries it: nothing is counted twice.
+What is left out is logged with its figures and dropped. A refusal of the router itself (401, 403)
+drops the report at once; its askers are answered (no grant) rather than left to their deadline.
 
 An answer also names the reported keys the registry now holds revoked; `on_revoked` gets their ids
 (the router's key cache refuses them from then on, router/api_keys.py).
@@ -52,6 +61,10 @@ MIN_GAP_S = 0.05          # early reports are at least this far apart
 STOP_FLUSH_TIMEOUT_S = 3.0
 MAX_REPORT_USAGE = 2000   # usage rows per report; the rest wait for the next (router/rate_limit.py says why)
 USAGE_COUNTS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+# Refusals of a report's content (400: invalid input, 413: too large, 422: a field at fault): the parts
+# the router builds from its own counters may still be taken. In the order they are left out:
+CONTENT_REFUSALS = (400, 413, 422)
+NARROWED_PARTS = {"usage": "usage row(s)", "charges": "rate-limit charge(s)"}
 
 
 class UsageMeter:
@@ -108,6 +121,7 @@ class FleetReporter:
         self._last_start = -math.inf
         self.num_reports = 0
         self.num_failures = 0
+        self.num_refusals = 0   # attempts the registry refused (4xx)
         limiter.on_provisional = self.report_soon
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -154,18 +168,19 @@ class FleetReporter:
         if self._inflight is None:
             self._inflight = self._take()
         report = self._inflight
-        self._last_start = sent_at = self._clock()
-        try:
-            answer = await self._send(report.body)
-        except RegistryError as exc:
-            if exc.status >= 500:
+        while True:
+            self._last_start = sent_at = self._clock()
+            try:
+                answer = await self._send(report.body)
+                break
+            except RegistryError as exc:
+                if exc.status >= 500:
+                    return self._failed(report, exc)
+                self.num_refusals += 1
+                if not self._narrow(report, exc):
+                    return self._drop(report, exc)
+            except httpx.HTTPError as exc:
                 return self._failed(report, exc)
-            log.error("the registry refused fleet report %d (%s); dropping it with %d served request(s) in it",
-                      report.seq, exc, report.num_requests)
-            self._inflight = None
-            return False
-        except httpx.HTTPError as exc:
-            return self._failed(report, exc)
         self._inflight = None
         self._failing = False
         self._backoff.reset()
@@ -191,6 +206,30 @@ class FleetReporter:
                            for d in part.demand]}
         waiters, self._waiters = self._waiters, []
         return _Report(part.seq, body, sum(u.requests for u in usage), waiters)
+
+    def _narrow(self, report: _Report, refusal: RegistryError) -> bool:
+        """Leaves out of the refused report its next part that may be at fault; False when nothing is
+        left to leave out (or the refusal is not of its content)."""
+        if refusal.status not in CONTENT_REFUSALS:
+            return False
+        for part, rows in NARROWED_PARTS.items():
+            if report.body[part]:
+                served = f" ({report.num_requests} served request(s))" if part == "usage" else ""
+                log.error("the registry refused fleet report %d (%s); sending it again without its %d %s%s, "
+                          "which are dropped", report.seq, refusal, len(report.body[part]), rows, served)
+                report.body = {**report.body, part: []}
+                return True
+        return False
+
+    def _drop(self, report: _Report, refusal: RegistryError) -> bool:
+        log.error("the registry refused fleet report %d (%s); dropping it with %d rate-limit charge(s), %d served "
+                  "request(s) and the demand of %d key(s) in it", report.seq, refusal, len(report.body["charges"]),
+                  report.num_requests if report.body["usage"] else 0, len(report.body["demand"]))
+        self._inflight = None
+        for waiter in report.waiters:   # no grant comes: their requests are refused now, not at their deadline
+            if not waiter.done():
+                waiter.set_result(False)
+        return False
 
     def _failed(self, report: _Report, exc: Exception) -> bool:
         self.num_failures += 1
@@ -240,4 +279,5 @@ class FleetReporter:
 
     def status(self) -> dict:
         return {**self.limiter.status(), "router_id": self.router_id, "num_reports": self.num_reports,
-                "num_report_failures": self.num_failures, "reports_failing": self._failing}
+                "num_report_failures": self.num_failures, "num_report_refusals": self.num_refusals,
+                "reports_failing": self._failing}

@@ -28,6 +28,15 @@ Every KV lease a split attempt makes is ended by this request unless its decode 
 Prefill carries a fresh lease id, so a Prefill given up on (the client hung up, a timeout, a lost
 site) is released by that id even when the agent answered and the answer never arrived; a release
 that overtakes its Prefill still ends the lease (node_agent.core.LeaseIds).
+
+Predicted outputs. A site counts the proposals from the request's prediction it verified, as running
+totals on every message; a message holds at most one step that verified any, its first, whose kept
+proposals are the message's first tokens (engine.async_engine.TokenEvent.more). `prediction_counts`
+gives the counts of an answer the router cut inside a message (a stop string, the end of its tool calls):
+only proposals at positions before the cut count, kept ones as accepted, the others as rejected. A
+proposal past the cut counts as neither: the usage describes the answer the client got as a site that
+stopped at the cut would have counted it, as completion_tokens leaves out the tokens made past it. So
+accepted_prediction_tokens never exceeds completion_tokens.
 """
 
 from __future__ import annotations
@@ -134,9 +143,9 @@ class Generation:
     num_attempts: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    # The predicted output's proposals the sites kept and rejected, over every attempt (a resumed one's too)
-    num_accepted_prediction_tokens: int = 0
-    num_rejected_prediction_tokens: int = 0
+    # Per message whose site verified proposals from the predicted output, over every attempt (a resumed
+    # one's too): (its first token's position in generated_ids, proposals kept, proposals rejected)
+    prediction_steps: list[tuple[int, int, int]] = field(default_factory=list)
     _failed: set[str] = field(default_factory=set)
     # (site, "prefill" | "decode") an agent refused for its role: the pool planner moved it and this
     # router's snapshot is behind. The site is fine for its other role, so it is not a failure.
@@ -350,14 +359,28 @@ class Generation:
                 first, timeout = False, self.policy.token_idle_timeout_s
                 totals = (chunk.num_accepted_prediction_tokens, chunk.num_rejected_prediction_tokens)
                 if totals != counted:
-                    self.num_accepted_prediction_tokens += totals[0] - counted[0]
-                    self.num_rejected_prediction_tokens += totals[1] - counted[1]
+                    self.prediction_steps.append((len(self.generated_ids), totals[0] - counted[0],
+                                                  totals[1] - counted[1]))
                     counted = totals
                 step = TokenStep(list(chunk.tokens), chunk.finish_reason)
                 self._accept(step)
                 yield step
         finally:
             timer.close()
+
+    def prediction_counts(self, num_tokens: int) -> tuple[int, int]:
+        """(accepted, rejected) proposals from the predicted output at positions before `num_tokens`, the
+        answer's length (see the module docstring). A message's kept proposals are its first tokens, and
+        its rejected ones were proposed at the position after them: cut before that, they lie past the cut."""
+        accepted = rejected = 0
+        for start, num_accepted, num_rejected in self.prediction_steps:
+            kept = num_tokens - start
+            if kept <= 0:
+                break
+            accepted += min(num_accepted, kept)
+            if kept > num_accepted:
+                rejected += num_rejected
+        return accepted, rejected
 
     def _accept(self, step: TokenStep) -> None:
         self.generated_ids.extend(token.token_id for token in step.tokens)

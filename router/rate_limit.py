@@ -60,7 +60,7 @@ IDLE_RELEASE_S = 10.0     # a key not asked for this long gives its grants back 
 PROVISIONAL_MAX_USED = 0.5
 # A report carries at most this many (key, second) charges, the newest first; the rest wait for the next
 # one. The registry refuses a report with more than 10,000 in a list or over 1 MiB, and a refused report
-# is dropped whole, usage and all: after minutes without the registry, charges of many keys pile up.
+# loses its charges (router/fleet_reporter.py): after minutes without the registry, charges of many keys pile up.
 MAX_REPORT_CHARGES = 4000
 LIMITS = ("requests", "tokens")
 
