@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,8 @@ from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
 from router.tool_calls import ToolCall, ToolCallStream, has_strict_tool
+
+log = logging.getLogger(__name__)
 
 PROMPT_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a thread
 
@@ -377,7 +380,7 @@ class CompletionRun:
         self._hidden_ids = frozenset(assets.eos_token_ids) if self.tool_calls is not None else frozenset()
         self.reasoning = (ReasoningStream(assets.reasoning, assets.reasoning.starts_open(generation.prompt_ids,
                                                                                        assets.tokenizer),
-                                          assets.tokenizer)
+                                          assets.tokenizer, frozenset(assets.eos_token_ids))
                           if request.chat and assets.reasoning is not None else None)
         self.first_step: TokenStep | None = None
         self.num_completion_tokens = 0
@@ -388,6 +391,9 @@ class CompletionRun:
         self._settled = False
         self._last_step_at = 0.0
         self._text_offset = 0  # the legacy logprobs' text_offset of the next token
+        # Tool calls parsed: answer tokens whose text is held back, and those read as calls' markup (_content_tokens)
+        self._held_tokens: list = []
+        self._markup_tokens: list = []
 
     async def begin(self) -> None:
         """Waits for the first token, so placement failures are still plain HTTP errors."""
@@ -456,24 +462,53 @@ class CompletionRun:
         """One step's answer text, reasoning text, tokens and finish reason. A step of several tokens (a
         speculative step's) is read token by token, so an answer that ends inside it (a stop string, the
         end of a tool call) ends at that token: the ones after it are neither counted nor given logprobs."""
-        deltas, reasonings = [], []
+        deltas, reasonings, logprob_tokens = [], [], []
         for i, token in enumerate(step.tokens):
             last = i == len(step.tokens) - 1
-            delta, reasoning, finish = self._token_delta(token, step.finish_reason if last else None)
+            delta, reasoning, answered, finish = self._token_delta(token, step.finish_reason if last else None)
             deltas.append(delta)
             reasonings.append(reasoning)
+            logprob_tokens += self._content_tokens(token, delta, answered, finish)
             if finish is not None:
-                return "".join(deltas), "".join(reasonings), step.tokens[:i + 1], finish
-        return "".join(deltas), "".join(reasonings), step.tokens, None
+                return "".join(deltas), "".join(reasonings), logprob_tokens, finish
+        return "".join(deltas), "".join(reasonings), logprob_tokens, None
 
-    def _token_delta(self, token, finish_reason: str | None) -> tuple[str, str, str | None]:
-        """The answer text and reasoning text one token adds, and the finish reason it reaches (None while
-        the answer goes on)."""
+    def _content_tokens(self, token, delta: str, answered: bool, finish: str | None) -> list:
+        """The tokens whose logprobs go out with this token's text. Where tool calls are parsed, the tokens of
+        their markup carry none (OpenAI's `logprobs.content` covers content tokens only), and a token whose text
+        is held back (what may still open a call) waits for the content it turns out to be: logprobs come with
+        content alone, never in a chunk of their own or beside a call's arguments, so the stream's and the whole
+        answer's are the same. Reasoning tokens' go out as they come, as every reasoning model's do."""
+        if self.tool_calls is None or not answered:
+            return [token]
+        in_calls = self.tool_calls.in_calls
+        if finish is not None:
+            # Calls that are no calls come back whole as content, their tokens' logprobs with them; tokens whose
+            # text never reaches the answer (the end of sequence, a stop string, markup it ends in) carry none.
+            out = ([*self._markup_tokens] if not self.calls else []) + [*self._held_tokens, token] if delta else []
+            self._markup_tokens, self._held_tokens = [], []
+            return out
+        if delta:
+            out, self._held_tokens = [*self._held_tokens, token], []
+            if not in_calls:  # words after calls: the calls' markup is final
+                self._markup_tokens = []
+            return out
+        if in_calls:
+            self._markup_tokens += [*self._held_tokens, token]
+            self._held_tokens = []
+        else:
+            self._held_tokens.append(token)
+        return []
+
+    def _token_delta(self, token, finish_reason: str | None) -> tuple[str, str, bool, str | None]:
+        """The answer text and reasoning text one token adds, whether the token is the answer's (not the
+        reasoning's), and the finish reason it reaches (None while the answer goes on)."""
         self.num_completion_tokens += 1
         token_ids = [token.token_id]
         reasoning = ""
         if self.reasoning is not None:
             reasoning, token_ids = self.reasoning.add(token_ids)
+        answered = bool(token_ids)
         if self._hidden_ids:
             token_ids = [t for t in token_ids if t not in self._hidden_ids]
         delta = self.text.add(token_ids)
@@ -490,6 +525,8 @@ class CompletionRun:
                 # finish reason stays "length", as OpenAI's: the client knows the last call may be incomplete.
                 tail, self.calls = self.tool_calls.finish(cut=finish == "length")
                 delta += tail
+                if self.tool_calls.dropped:
+                    self._dropped_calls(self.tool_calls.dropped)
                 finish = "tool_calls" if self.calls and finish != "length" else finish
         if finish is not None:
             self.finish_reason = finish
@@ -497,7 +534,14 @@ class CompletionRun:
             delta = self.reasoning.answer_delta(delta)
         if self.echo:  # the first delta: stop strings and logprobs are the completion's alone
             delta, self.echo = self.echo + delta, ""
-        return delta, reasoning, finish
+        return delta, reasoning, answered, finish
+
+    def _dropped_calls(self, names: list[str]) -> None:
+        """Calls of functions the request did not offer, left out of an answer with other calls: the client
+        never sees them, the operator does."""
+        log.warning("request %s: the model called %s, not offered by the request; left out of its tool calls",
+                    self.ctx.request_id, ", ".join(repr(name) for name in names))
+        self.metrics.tool_calls_dropped.inc(len(names))
 
     def _observe_end(self) -> None:
         m, g = self.metrics, self.generation

@@ -56,6 +56,7 @@ class ModelMetrics:
     generation_tokens: Counter
     cached_tokens: Counter
     streams_interrupted: Counter
+    tool_calls_dropped: Counter
 
 
 class RouterMetrics:
@@ -89,6 +90,9 @@ class RouterMetrics:
                                          ["model"], registry=r)
         self.cached_tokens = Counter("edgefire_router_cached_prompt_tokens", "Prompt tokens served from a site's "
                                      "prefix cache", ["model"], registry=r)
+        self.tool_calls_dropped = Counter("edgefire_router_tool_calls_dropped", "Tool calls of functions the "
+                                          "request did not offer, left out of answers that hold other calls "
+                                          "(router/tool_calls.py)", ["model"], registry=r)
         self.rate_limited = Counter("edgefire_router_rate_limited_requests", "Requests refused with 429, by the "
                                     "limit reached", ["limit"], registry=r)
         self.registry_errors = Counter("edgefire_router_registry_errors", "Registry calls that failed, by "
@@ -144,7 +148,8 @@ class RouterMetrics:
             found = self._models[model] = ModelMetrics(
                 self.ttft.labels(model), self.inter_token.labels(model), self.e2e.labels(model),
                 self.prompt_tokens.labels(model), self.generation_tokens.labels(model),
-                self.cached_tokens.labels(model), self.streams_interrupted.labels(model))
+                self.cached_tokens.labels(model), self.streams_interrupted.labels(model),
+                self.tool_calls_dropped.labels(model))
         return found
 
     def answered(self, model: str | None, route: str, status: int) -> None:

@@ -3,7 +3,8 @@
 Reasoning models (DeepSeek-R1, Qwen3, Kimi-K2-Thinking, SmolLM3, Command R7B, ...) write their
 thinking between a start and an end tag before the answer. The router returns it as
 `message.reasoning_content` (`delta.reasoning_content` when streaming) and the answer as `content`,
-without the tags.
+without the tags. The reasoning is the text the model wrote in its block, special tokens included (a tool
+call's marker that the tokenizer flags special is part of its thoughts), streamed and whole alike.
 
 Which models reason is decided once per model, never guessed from the text a model writes: an
 operator setting (`reasoning_parsers` in the router config: model -> parser name, or "none"), else
@@ -194,11 +195,18 @@ class ReasoningSplit:
 
 
 class ReasoningStream:
-    """One chat stream's reasoning text and answer tokens: `add(ids)` -> (reasoning text delta, answer ids)."""
+    """One chat stream's reasoning text and answer tokens: `add(ids)` -> (reasoning text delta, answer ids).
 
-    def __init__(self, fmt: ReasoningFormat, starts_open: bool, tokenizer: ChatTokenizer) -> None:
+    The reasoning is the text the model wrote in its block, special tokens included: a marker the tokenizer
+    flags special (a tool call's opening, say) is words of the thoughts like any other, and skipping special
+    tokens would drop it. Only the block's own tags (ReasoningSplit) and the end-of-sequence tokens
+    (`hidden_ids`: an answer that ends inside its block) are left out."""
+
+    def __init__(self, fmt: ReasoningFormat, starts_open: bool, tokenizer: ChatTokenizer,
+                 hidden_ids: frozenset[int] = frozenset()) -> None:
         self.split = ReasoningSplit(fmt, starts_open)
-        self._detokenizer = WindowDetokenizer(tokenizer)
+        self._detokenizer = WindowDetokenizer(tokenizer, skip_special_tokens=False)
+        self._hidden_ids = hidden_ids
         self._answer_started = False
         self.text = ""
 
@@ -208,6 +216,7 @@ class ReasoningStream:
 
     def add(self, token_ids: list[int]) -> tuple[str, list[int]]:
         reasoning_ids, answer_ids = self.split.split(token_ids)
+        reasoning_ids = [t for t in reasoning_ids if t not in self._hidden_ids]
         delta = self._detokenizer.add(reasoning_ids) if reasoning_ids else ""
         if not self.text:
             delta = delta.lstrip()  # the newline templates put after the start tag

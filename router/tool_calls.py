@@ -25,8 +25,15 @@ output is plain content.
 With `tool_choice: required` or a named function the output is constrained (engine.grammar) to
 exactly the format wrapping arguments that match the function's JSON schema, so it always parses.
 With `auto` the output is parsed: text before the format's opening marker, and any the model writes
-after its calls, is content (OpenAI carries content beside calls), and calls that do not parse, or name no
-offered function (an empty name included), leave the whole output as content. Llama 3's bare JSON has no
+after its calls, is content (OpenAI carries content beside calls); a stream sends the words after the calls
+as they are written, holding back, as before them, only a tail that could still open more markup. A call
+names an offered function: an answer with a call of one leaves out its calls of functions the request did not
+offer (an empty name included; the router logs each and counts it in `edgefire_router_tool_calls_dropped`),
+and their markup is no content, streamed or whole; an answer with none, or whose calls do not parse, is
+content as the model wrote it. Once a call was sent, markup that breaks is dropped, never content
+(ToolCallStream). With `logprobs`, only content tokens carry logprobs (OpenAI's `logprobs.content`): the
+tokens of call markup carry none, and a chunk of a call's arguments no content (router.completions).
+Llama 3's bare JSON has no
 marker, so an object is a call only when it names an offered function and holds nothing but its name and
 parameters; any other object is an answer. An answer cut by max_tokens keeps the calls it completed and the
 one it ends in, with the arguments written so far, and its finish reason "length", as OpenAI's; none of a
@@ -114,18 +121,29 @@ class ToolCallFormat:
 
     def split(self, text: str, names: frozenset[str] | None = None,
               cut: bool = False) -> tuple[str, list[ToolCall]] | None:
-        """(content, calls) when the text holds calls that parse, else None (the whole text is then content).
-        Content is the text before the calls and any the model wrote between or after them, as written: OpenAI
-        carries content beside calls, and dropping it would lose words the model meant for the user. `names`:
-        the functions a call may name: text that names none of them (or an empty name) is no call, and a bare
-        JSON call (no marker: a JSON answer with a `name` field may look like one) holds nothing but its name and
-        arguments.
+        """(content, calls) when the text holds calls of offered functions that parse, else None (the whole text is
+        then content). Content is the text before the calls and any the model wrote between or after them, as
+        written: OpenAI carries content beside calls, and dropping it would lose words the model meant for the user.
+        `names`: the functions a call may name. A call that names none of them (or an empty name) is dropped when
+        the text holds a call of an offered function (its markup is no words either), and makes the text no calls
+        when it does not. A bare JSON call (no marker: a JSON answer with a `name` field may look like one) must
+        name an offered function and hold nothing but its name and arguments.
 
         `cut`: the answer was cut short (max_tokens). The calls it completed come back as calls, and the one it
         ends inside comes back with the arguments written so far (what a client streaming the call has been
         sent), as OpenAI returns a call cut by max_tokens. Cut before that call's name is complete, the call is
         left out, and so is its markup: it is the start of a call, no words for the user, and a client would
         show it as the answer; with no call complete that leaves (content, [])."""
+        parsed = self.split_all(text, names, cut)
+        if parsed is None:
+            return None
+        content, calls = parsed
+        offered = [call for call in calls if _is_call_name(call.name, names)]
+        return None if calls and not offered else (content, offered)
+
+    def split_all(self, text: str, names: frozenset[str] | None = None,
+                  cut: bool = False) -> tuple[str, list[ToolCall]] | None:
+        """`split`, keeping the calls of functions not offered (after a marker any call that parses is one)."""
         if not self.marker:  # a bare JSON call opens the answer, or there is none
             text = text.lstrip()
             if not text.startswith("{"):
@@ -138,7 +156,7 @@ class ToolCallFormat:
             if start < 0:
                 break
             if rest[:start].strip():
-                content += rest[:start]
+                content += rest[:start].lstrip() if calls else rest[:start]  # the blank after calls is layout
             try:
                 rest = rest[start:][self._parse_calls(rest[start:], names, cut, calls):]
             except _Ended as ended:
@@ -197,8 +215,6 @@ class ToolCallFormat:
                 raise _Ended()
             raise ValueError("no function name")
         name = match.group(1)
-        if not _is_call_name(name, names):
-            raise ValueError("not an offered function")
         start = _skip_space(body, match.end())
         try:
             arguments, pos = _DECODER.raw_decode(body, start)
@@ -245,7 +261,7 @@ class ToolCallFormat:
             if opening.end() == len(text) or text.startswith('"', opening.end()):
                 return None  # ended before the name was whole
             raise
-        if not _is_call_name(name, names):
+        if not self._readable_name(name, names):
             raise ValueError("not a call of an offered function")
         args_key = re.compile(r'\s*,\s*' + re.escape(json.dumps(self.args_key)) + r'\s*:\s*').match(text, end)
         if args_key is None:
@@ -264,11 +280,17 @@ class ToolCallFormat:
 
     def _object_call(self, item, names: frozenset[str] | None, arguments_text: str | None) -> ToolCall:
         name, arguments = item[self.name_key], item.get(self.args_key, {})
-        if not _is_call_name(name, names) or not isinstance(arguments, dict):
+        if not self._readable_name(name, names) or not isinstance(arguments, dict):
             raise ValueError("a call needs an offered function's name and object arguments")
         if not self.marker and names is not None and item.keys() - {self.name_key, self.args_key}:
             raise ValueError("a bare JSON call holds only its name and arguments")
         return ToolCall(name, "{}" if arguments_text is None else arguments_text, new_call_id(self.short_ids))
+
+    def _readable_name(self, name, names: frozenset[str] | None) -> bool:
+        """Whether a call read from the text may have this name: after a marker any string (`split` then drops the
+        calls of functions not offered: their markup is no words), a bare JSON call only an offered function's
+        (an object of another name is an answer)."""
+        return isinstance(name, str) if self.marker else _is_call_name(name, names)
 
     # -- streaming: a call's opening and closing, read as they are written -------------------------
 
@@ -325,6 +347,32 @@ class ToolCallFormat:
         if pos is None or self.array or not self.call_end.strip():
             return pos
         return _through(text, pos, [self.call_end.strip()])
+
+    def next_opening(self, text: str, pos: int) -> bool:
+        """Whether the text at `pos`, where a call closed, opens the next call of the same calls, or may still
+        grow into its opening."""
+        opening = "," if self.array else self.call_begin.strip()
+        if not opening:
+            return False
+        try:
+            _through(text, pos, [opening])
+        except ValueError:
+            return False
+        return True
+
+    def calls_end(self, text: str, pos: int) -> int | None:
+        """The end of the calls whose last call closed at `pos`: past the array's "]" and the section's closing
+        where the format writes them; None while the text may still grow into that closing. A format that writes
+        calls one by one (no array) ends them wherever anything but the next call's opening follows, its
+        section's closing or not (a model that leaves the closing out goes on in words); in an array anything
+        else is broken markup (a ValueError)."""
+        closing = [piece for piece in ("]" if self.array else "", self.section_end.strip()) if piece]
+        try:
+            return _through(text, pos, closing)
+        except ValueError:
+            if self.array:
+                raise
+            return pos
 
     @property
     def _name_pattern(self) -> re.Pattern:
@@ -676,10 +724,15 @@ class ToolCallStream:
     never taken back: a call that opened stays a call. An answer that ends inside its calls once one was sent
     (an end of sequence, a stop string) reads as one cut there by max_tokens: its calls as far as they got, no
     markup as content. One whose markup breaks (a model left free) keeps the calls sent, each with the
-    arguments sent, as far as they were JSON; text after the last call that closed is content, and the rest
-    of a call broken off is dropped (it is markup, no words for the user). Otherwise `finish` sends what each
-    call still lacks, so the streamed calls always join into the calls `finish` returns (ids included): the
-    streamed answer and the whole one are the same.
+    arguments sent, as far as they were JSON, and the rest of its calls' text is dropped (it is markup, no
+    words for the user). Otherwise `finish` sends what each call still lacks, so the streamed calls always join
+    into the calls `finish` returns (ids included): the streamed answer and the whole one are the same.
+
+    Once calls were sent and their markup ends (the format's closing, or words where the next call's opening
+    would be), they are final and the text after them is content again, sent as it is written: the blank
+    before it is layout, a tail that could open more markup is held back, and a marker opens more calls. A call
+    of a function not offered is read but not sent; in an answer with calls of offered functions it is left
+    out (`dropped` names it), and in one without, the whole text stays the answer, as written.
     """
 
     def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True,
@@ -688,11 +741,13 @@ class ToolCallStream:
         self.parallel = parallel
         self.answer_or_calls = answer_or_calls
         self.names = names
+        self.dropped: list[str] = []  # the functions not offered that calls named (those calls are left out)
         self._forced = forced
         self._in_calls = forced
         self._decided = forced       # calls looked for at the start only: whether the answer opens with them is known
         self._pending = ""           # content held back
-        self._calls_text = ""
+        self._calls_text = ""        # the text of the calls being read, from their marker on
+        self._after_calls = False    # calls were read and closed: the blank before the words that follow is layout
         # Streaming the calls as written: which may open early, and how far the text has been read.
         self._early = forced or (bool(fmt.marker) and names is not None)
         self._offered = None if forced else names
@@ -700,23 +755,34 @@ class ToolCallStream:
         self._phase = "head"         # what comes next at `_pos`: a call's head, its arguments, its tail; "off"
         self._pos = 0
         self._arguments: _JsonPrefix | None = None
+        # The call being read that is not sent: its name (None: a call past the first without `parallel`) and scan.
+        self._skipped: tuple[str | None, _JsonPrefix] | None = None
+        self._num_read = 0           # the calls read in `_calls_text` (sent or skipped)
+        self._first = 0              # the first call of `_sent` in `_calls_text` (the calls before it are whole)
         self._sent: list[ToolCall] = []   # the calls opened (their arguments sent: `_sent_calls`)
-        self._num_closed = 0
-        self._closed_at = 0          # the end of the last call that closed
+        self._skipped_names: list[str] = []  # the calls of `_calls_text` read but not sent
         self._deltas: list[dict] = []
+
+    @property
+    def in_calls(self) -> bool:
+        """Whether the text read last went to calls (or to what may still be their markup)."""
+        return self._in_calls
 
     def add(self, text: str) -> str:
         if self._in_calls:
             self._calls_text += text
-            self._read_calls()
-            return ""
+            return self._read_calls()
         content = self._add_content(text)
         if self._in_calls:
-            self._read_calls()
+            content += self._read_calls()
         return content
 
     def _add_content(self, text: str) -> str:
         self._pending += text
+        if self._after_calls:
+            if not self._pending.strip():
+                return ""
+            self._pending, self._after_calls = self._pending.lstrip(), False
         if self._decided:
             return self._take(len(self._pending))
         if not self.fmt.marker or self.answer_or_calls:
@@ -747,32 +813,60 @@ class ToolCallStream:
         self._pending = self._pending[upto:] if keep else ""
         return out
 
-    def _read_calls(self) -> None:
+    def _read_calls(self) -> str:
         """Opens the calls whose heads are written and sends their arguments as they grow; stops for good at
-        the first text it cannot read as the next piece of a call (that is left to `finish`)."""
+        the first text it cannot read as the next piece of a call (that is left to `finish`). Once the calls
+        end and words follow, the calls read are final and the words are content (returned, and read on as
+        an answer's text is: more calls may follow them)."""
         text = self._calls_text
         while self._early and self._phase != "off":
             try:
                 if self._phase == "head":
-                    if self._sent and not self.parallel:
-                        raise ValueError("one call only")
-                    head = self.fmt.call_head(text, self._pos, not self._sent)
+                    if self._num_read and not self.fmt.next_opening(text, self._pos):
+                        end = self.fmt.calls_end(text, self._pos)
+                        if end is None:
+                            return ""
+                        self._pos = end
+                        return self._end_calls()
+                    head = self.fmt.call_head(text, self._pos, not self._num_read)
                     if head is None:
-                        return
-                    if self._offered is not None and head[0] not in self._offered:
-                        raise ValueError("not an offered function: no call sure to be one")
-                    self._open(*head)
+                        return ""
+                    self._num_read += 1
+                    unoffered = self._offered is not None and head[0] not in self._offered
+                    if unoffered or self._sent and not self.parallel:  # a second call without parallel: not sent
+                        self._skipped = head[0] if unoffered else None, _JsonPrefix(head[1])
+                        self._phase = "arguments"
+                    else:
+                        self._open(*head)
                 elif self._phase == "arguments":
                     if not self._read_arguments(text):
-                        return
+                        return ""
                 else:
                     end = self.fmt.call_tail(text, self._pos)
                     if end is None:
-                        return
-                    self._phase, self._pos, self._closed_at = "head", end, end
-                    self._num_closed += 1
+                        return ""
+                    if self._skipped is not None:
+                        self._skipped_names += [self._skipped[0]] if self._skipped[0] is not None else []
+                        self._skipped = None
+                    self._phase, self._pos = "head", end
             except ValueError:
                 self._phase = "off"
+        return ""
+
+    def _end_calls(self) -> str:
+        """The calls read end at `_pos`: final when one was sent, and the text after them is content. Calls of no
+        offered function alone are no calls yet: they wait for `finish` (the whole text may be the answer)."""
+        if self._forced or not self._sent:
+            self._phase = "off"
+            return ""
+        self._sent = self._sent_calls()
+        self.dropped += self._skipped_names
+        rest = self._calls_text[self._pos:]
+        self._calls_text, self._pos, self._num_read, self._first = "", 0, 0, len(self._sent)
+        self._arguments, self._skipped_names, self._phase = None, [], "head"
+        self._in_calls, self._after_calls, self._pending = False, True, ""
+        content = self._add_content(rest)
+        return content + (self._read_calls() if self._in_calls else "")
 
     def _open(self, name: str, arguments_at: int) -> None:
         call = ToolCall(name, "", new_call_id(self.fmt.short_ids))
@@ -785,11 +879,12 @@ class ToolCallStream:
             self._deltas.append(_opening_delta(len(self._sent) - 1, call))
 
     def _read_arguments(self, text: str) -> bool:
-        """Sends what the arguments add; True once they are whole (the call's tail comes next)."""
-        scan = self._arguments
+        """Sends what the arguments add (a skipped call's are read, not sent); True once they are whole (the
+        call's tail comes next)."""
+        scan = self._skipped[1] if self._skipped is not None else self._arguments
         before = scan.end
         scan.read(text)
-        if scan.end > before and self._record:
+        if scan.end > before and self._record and self._skipped is None:
             self._deltas.append(_arguments_delta(len(self._sent) - 1, text[before:scan.end]))
         if scan.broken:
             raise ValueError("the arguments are no JSON")
@@ -814,58 +909,62 @@ class ToolCallStream:
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, the calls) at the end of the answer; `cut`: it was cut short by max_tokens
         (ToolCallFormat.split: the call it ends in comes back as far as it got). The deltas that complete the
-        streamed calls are then ready to take."""
+        streamed calls are then ready to take; `dropped` names the calls left out."""
         if not self._in_calls:
-            return self._take(len(self._pending)), []
-        content, calls = self._parsed(cut)
+            return ("" if self._after_calls else self._take(len(self._pending))), list(self._sent)
+        whole = self._sent[:self._first]
         self._sent = self._sent_calls()
-        if self._sent and not _extends(calls, self._sent):
+        sent = self._sent[self._first:]
+        content, calls, dropped = self._parsed(cut, bool(self._sent))
+        if sent and not _extends(calls, sent):
             # An answer that ended inside calls already sent (all it wrote reads as their beginning) reads as one
-            # cut there; one that breaks them keeps what was sent (the class docstring).
+            # cut there; one that breaks them keeps what was sent, and its markup is no content (the class
+            # docstring).
             if self._phase != "off":
-                content, calls = self._parsed(True)
-            if self._phase == "off" or not _extends(calls, self._sent):
-                content, calls = self._rest_after_sent(), list(self._sent)
-        calls = [replace(call, id=sent.id) for call, sent in zip(calls, self._sent)] + calls[len(self._sent):]
+                content, calls, dropped = self._parsed(True, True)
+            if self._phase == "off" or not _extends(calls, sent):
+                content, calls, dropped = "", list(sent), list(self._skipped_names)
+        calls = [replace(call, id=early.id) for call, early in zip(calls, sent)] + calls[len(sent):]
+        calls = (whole + calls)[:None if self.parallel else 1]
+        self.dropped += dropped
         if self._record:
-            for index, call in enumerate(calls):
+            for index, call in enumerate(calls[len(whole):], len(whole)):
                 if index >= len(self._sent):
                     self._deltas.append(_opening_delta(index, call))
-                sent = self._sent[index].arguments if index < len(self._sent) else ""
-                if len(call.arguments) > len(sent):
-                    self._deltas.append(_arguments_delta(index, call.arguments[len(sent):]))
+                early = self._sent[index].arguments if index < len(self._sent) else ""
+                if len(call.arguments) > len(early):
+                    self._deltas.append(_arguments_delta(index, call.arguments[len(early):]))
         self._sent = calls
         return content, calls
 
     def _sent_calls(self) -> list[ToolCall]:
         """The calls opened, each with the arguments sent (the last one's read from the text only now: a long
         call's arguments are not copied at every step)."""
-        if not self._sent:
-            return []
+        if len(self._sent) == self._first:
+            return list(self._sent)
         scan = self._arguments
         return [*self._sent[:-1], replace(self._sent[-1], arguments=self._calls_text[scan.begin:scan.end])]
 
-    def _rest_after_sent(self) -> str:
-        """The content of an answer whose calls broke after some were sent: the text after the last call, when
-        that call closed and the model was free to write words; a broken call's own markup is none."""
-        if self._forced or self._num_closed < len(self._sent):
-            return ""
-        return self._calls_text[self._closed_at:].lstrip()
-
-    def _parsed(self, cut: bool) -> tuple[str, list[ToolCall]]:
+    def _parsed(self, cut: bool, has_calls: bool) -> tuple[str, list[ToolCall], list[str]]:
+        """(content, the calls of offered functions, the names of those of others) of `_calls_text`; `has_calls`:
+        the answer has calls already, so calls of no offered function are dropped even where no other is here."""
         if self._forced:
             # The grammar writes calls and nothing else: an answer that ends early (a stop string) ends inside
             # them, as one cut there, and no piece of their markup is words.
             parsed = self.fmt.split(self._calls_text, self.names, cut=True)
             calls = parsed[1] if parsed is not None else []
-            return "", calls if self.parallel else calls[:1]
-        parsed = self.fmt.split(self._calls_text, self.names, cut)
+            return "", calls if self.parallel else calls[:1], []
+        parsed = self.fmt.split_all(self._calls_text, self.names, cut)
         # A bare JSON object cut before its name is whole may as well be an answer (only a required call is
         # known to be a call), so it stays content; a marker's text is no answer.
-        if parsed is None or not (parsed[1] or self.fmt.marker or self._forced):
-            return self._calls_text, []
+        if parsed is None or not (parsed[1] or self.fmt.marker):
+            return ("", [], []) if has_calls else (self._calls_text, [], [])
         content, calls = parsed
-        return content, calls if self.parallel else calls[:1]
+        offered = [call for call in calls if _is_call_name(call.name, self.names)]
+        dropped = [call.name for call in calls if not _is_call_name(call.name, self.names)]
+        if dropped and not offered and not has_calls:
+            return self._calls_text, [], []  # no call at all: the whole text is the answer, as written
+        return content, offered, dropped
 
 
 def _extends(calls: list[ToolCall], sent: list[ToolCall]) -> bool:

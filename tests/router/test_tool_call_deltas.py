@@ -128,11 +128,14 @@ def test_a_call_that_breaks_after_it_opened_keeps_what_was_sent():
         content, during, last, calls = stream_through(ToolCallStream(fmt, names=NAMES), text, 4)
         assert content == "Sure. " and [(c.name, c.arguments) for c in calls] == [("add", arguments)], text
         assert join([d for ds in during for d in ds] + last) == as_dicts(calls)
-    # after a whole call, words and a second call that breaks: the first stays a call, the rest is content
+    # after a whole call, words and a second call that breaks once it opened: both stay calls (the second as far
+    # as its arguments were JSON), the words are content and the broken markup is not
     whole = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     rest = 'then <tool_call>\n{"name": "add", "arguments": {"a": 3,}}\n</tool_call>'
-    content, during, last, calls = stream_through(ToolCallStream(fmt, names=NAMES), whole + "\n" + rest, 4)
-    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}')] and content == rest
+    stream = ToolCallStream(fmt, names=NAMES)
+    content, during, last, calls = stream_through(stream, whole + "\n" + rest, 4)
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}'), ("add", '{"a": 3,')]
+    assert content == "then " and stream.dropped == []
     assert join([d for ds in during for d in ds] + last) == as_dicts(calls)
 
 

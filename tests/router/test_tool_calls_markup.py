@@ -107,14 +107,15 @@ async def test_a_stop_string_does_not_cut_a_required_call(cluster, make_router):
 
 async def test_a_call_written_inside_the_reasoning_is_no_call(cluster, make_router, tmp_path):
     """Qwen3 thinks, writing a call's text in its thoughts, then calls: the thoughts are reasoning_content only,
-    the one call is the one after the block, and its deltas come after every piece of reasoning."""
+    as the model wrote them (its `<tool_call>` markers are special tokens, which the reasoning keeps), the one
+    call is the one after the block, and its deltas come after every piece of reasoning."""
     from tests.router.test_router_reasoning import USER, _checkpoint, _client, _ids
 
     info, hf = _checkpoint(tmp_path / "qwen3", "Qwen-Qwen3-0.6B")
     think, end_think = hf.convert_tokens_to_ids("<think>"), hf.convert_tokens_to_ids("</think>")
     thought = '\nI could write <tool_call>\n{"name": "city_time", "arguments": {"city": "Oslo"}}\n</tool_call>.\n'
     script = [think, *_ids(hf, thought), end_think, *_ids(hf, "\n\n" + CALL_TEXT["hermes"])]
-    thought = hf.decode(_ids(hf, thought), skip_special_tokens=True)  # the reasoning as the model's text reads
+    assert "<tool_call>" not in hf.decode(_ids(hf, thought), skip_special_tokens=True)  # the markers are special
     _agents, client = await _client(cluster, make_router, info, script)
     body = {"model": "tiny-llama", "messages": USER, "tools": [ADD_TOOL, CITY_TOOL], "max_tokens": 200}
     async with client:
