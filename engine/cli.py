@@ -20,13 +20,17 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 (default) picks the most likely token")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the likeliest tokens "
+                     "whose probabilities sum to P (default 1: all)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (default 0: all)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable output")
+    gen.add_argument("--device", default="auto", help="auto (default: a GPU when torch sees one, else the CPU), "
+                     "cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on a GPU, float32 on the CPU), "
+                     "bfloat16, float16 or float32")
     gen.add_argument("--weight-mode", default="decompress_on_load", choices=WEIGHT_MODES,
                      help="for a compressed checkpoint: decode every weight at load (default), or keep the MLP "
                           "weights compressed and decode them layer by layer (more KV cache)")
@@ -57,8 +61,9 @@ def add_parser(subparsers) -> None:
     comp.set_defaults(func=run_compress)
 
     demo = subparsers.add_parser("make-demo-model", help="write a small random-weight demo checkpoint")
-    demo.add_argument("directory", type=Path)
-    demo.add_argument("--size", default="small", choices=list(SIZES))
+    demo.add_argument("directory", type=Path, help="new directory for the checkpoint")
+    demo.add_argument("--size", default="small", choices=list(SIZES),
+                      help="tiny (tests), small (default: make run and demos) or medium (benchmarks)")
     demo.add_argument("--arch", default="llama", choices=list(ARCHITECTURES),
                       help="llama (dense), or a mixture of experts with top-2 routing: mixtral, qwen3-moe, or "
                            "deepseek-v3 (grouped routing, a shared expert, multi-head latent attention)")
