@@ -36,6 +36,7 @@ from router.openai_request import parse_json, parse_request
 from router.openapi import describe_completions
 from router.placement import model_availability, servable_models
 from router.responses import encode_json
+from router.responses_api import RESPONSES_PATH, ResponsesEdge, stored_response_not_found
 from router.sessions import session_key
 from router.sse import ClientWatch, SSEResponse
 
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-affinity"
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
-ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /v1/models/{model}"
+ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and "
+             "GET /v1/models/{model}")
 
 
 class RouterApp(FastAPI):
@@ -63,6 +65,9 @@ class RouterApp(FastAPI):
             if chat is not None:
                 await serve_completion(self.state.router, chat, scope, receive, send)
                 return
+            if scope["path"] == RESPONSES_PATH:
+                await serve_responses(self.state.router, scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -76,6 +81,14 @@ def create_app(router: Router) -> FastAPI:
 
     async def completions(request: Request) -> Response:
         return await _complete(router, _new_request_id(request), request.scope, request.receive, chat=False)
+
+    async def responses(request: Request) -> Response:
+        return _ResponsesAnswer(router)
+
+    async def stored_response(request: Request, response_id: str) -> Response:
+        """Responses are not stored (router.responses_api): none can be read back or deleted."""
+        await router.authenticate(authorization_header(request.scope["headers"]))
+        raise stored_response_not_found(response_id)
 
     async def models(request: Request) -> Response:
         api_key = await router.authenticate(authorization_header(request.scope["headers"]))
@@ -104,6 +117,10 @@ def create_app(router: Router) -> FastAPI:
 
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route(RESPONSES_PATH, responses, methods=["POST"])
+    for method in ("GET", "DELETE"):
+        app.add_api_route(RESPONSES_PATH + "/{response_id:path}", stored_response, methods=[method],
+                          operation_id=f"{method.lower()}_stored_response")
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", model, methods=["GET"])  # ids may hold "/" (org/name)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
@@ -152,6 +169,23 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send) -> 
         await response(scope, receive, send)
     finally:
         metrics.requests_running.dec()
+
+
+async def serve_responses(router: Router, scope, receive, send) -> None:
+    """/v1/responses: the chat completion handler, its body and answer translated (router.responses_api)."""
+    edge = ResponsesEdge(receive, send, router.config.max_body_bytes)
+    await serve_completion(router, True, scope, edge.receive, edge.send)
+
+
+class _ResponsesAnswer(Response):
+    """FastAPI's /v1/responses route answering as RouterApp does (a Response only so FastAPI passes it on)."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        await serve_responses(self._router, scope, receive, send)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The OpenAPI description of the completion request bodies, for clients and schema-driven fuzzers.
+"""The OpenAPI description of the completion (and Responses) request bodies, for clients and schema-driven fuzzers.
 
 The bodies are parsed by hand (`router.openai_request`), so FastAPI cannot derive their schema; this
 module states it from the same limits. The parser stays the authority: a body this schema allows
@@ -163,6 +163,77 @@ COMPLETION_REQUEST = {
     "additionalProperties": False,
 }
 
+_INPUT_TEXT = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+_INPUT_ITEM = {"anyOf": [
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+                    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _INPUT_TEXT}]}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+     "properties": {"type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+                    "arguments": {"type": "string", "description": "the call's arguments as JSON text"}}},
+    {"type": "object", "required": ["type", "call_id", "output"],
+     "properties": {"type": {"const": "function_call_output"}, "call_id": {"type": "string"},
+                    "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": _INPUT_TEXT}]}}},
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"const": "reasoning"},
+                    "content": {"type": "array", "items": {"type": "object", "required": ["text"],
+                                                           "properties": {"text": {"type": "string"}}}},
+                    "summary": {"type": "array", "items": {"type": "object", "required": ["text"],
+                                                           "properties": {"text": {"type": "string"}}}}},
+     "description": "replayed reasoning: the next assistant turn's reasoning, for templates that write it back"}]}
+_RESPONSES_TOOL = {"type": "object", "required": ["type", "name"],
+                   "properties": {"type": {"const": "function"}, "name": {"type": "string"},
+                                  "description": _nullable({"type": "string"}),
+                                  "parameters": _nullable({"type": "object"}),
+                                  "strict": _nullable({"type": "boolean", "description": "unset: true"})}}
+_TEXT_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "name", "schema"],
+     "properties": {"type": {"const": "json_schema"}, "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                    "description": {"type": "string"}, "schema": {"type": "object"},
+                    "strict": _nullable({"type": "boolean"})}}]}
+RESPONSES_REQUEST = {
+    "title": "ResponsesRequest", "type": "object", "required": ["model", "input"],
+    "description": "OpenAI's Responses API, served by the chat completion endpoint (router/responses_api.py). "
+                   "Nothing is stored: `previous_response_id` is a 400; send the whole conversation as `input`.",
+    "properties": {
+        **{name: _SAMPLING[name] for name in ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                             "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+                                             "stream", "user", "prompt_cache_key", "speculative", "metadata",
+                                             "service_tier", "safety_identifier")},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _INPUT_ITEM}]},
+        "instructions": _nullable({"type": "string", "description": "a system message before the input"}),
+        "max_output_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "tools": _nullable({"type": "array", "items": _RESPONSES_TOOL,
+                            "description": "function tools only; hosted tools (web_search, file_search, ...) "
+                                           "are a 400"}),
+        "tool_choice": _nullable({"anyOf": [
+            {"enum": list(TOOL_CHOICES)},
+            {"type": "object", "required": ["type", "name"],
+             "properties": {"type": {"const": "function"}, "name": {"type": "string"}}},
+            {"type": "object", "required": ["type", "mode", "tools"],
+             "properties": {"type": {"const": "allowed_tools"}, "mode": {"enum": ["auto", "required"]},
+                            "tools": {"type": "array", "minItems": 1, "items": {
+                                "type": "object", "required": ["type", "name"],
+                                "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}}}}]}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "text": _nullable({"type": "object", "properties": {"format": _nullable(_TEXT_FORMAT),
+                                                            "verbosity": _nullable({"const": "medium"})}}),
+        "reasoning": _nullable({"type": "object",
+                                "properties": {"effort": _nullable({"enum": list(REASONING_EFFORTS)}),
+                                               "summary": _nullable({"enum": ["auto", "concise", "detailed"]})}}),
+        "include": _nullable({"type": "array", "items": {"enum": ["message.output_text.logprobs",
+                                                                  "reasoning.encrypted_content"]}}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS_CHAT}),
+        "chat_template_kwargs": _nullable({"type": "object", "description": "extra chat template variables"}),
+        "store": _nullable({"type": "boolean", "description": "accepted; nothing is stored"}),
+        "truncation": _nullable({"const": "disabled"}),
+        "background": _nullable({"const": False}),
+    },
+    "additionalProperties": False,
+}
+
 _ERROR = {"type": "object", "required": ["error"],
           "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
                                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -181,9 +252,13 @@ def describe_completions(spec: dict) -> dict:
 
     Added to the finished spec rather than through `openapi_extra`, which would pass the schemas
     through FastAPI's models and turn large integer bounds (the seed's) into floats."""
-    for path, body_schema in (("/v1/chat/completions", CHAT_COMPLETION_REQUEST), ("/v1/completions", COMPLETION_REQUEST)):
+    completion = "the completion; `text/event-stream` chunks with stream: true"
+    for path, body_schema, answer in (
+            ("/v1/chat/completions", CHAT_COMPLETION_REQUEST, completion),
+            ("/v1/completions", COMPLETION_REQUEST, completion),
+            ("/v1/responses", RESPONSES_REQUEST, "a Response object; with stream: true, `text/event-stream` events "
+                                                 "(response.created ... response.completed, .incomplete or .failed)")):
         operation = spec["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}
-        operation["responses"] = {"200": {"description": "the completion; `text/event-stream` chunks with stream: true"},
-                                  **_ERRORS}
+        operation["responses"] = {"200": {"description": answer}, **_ERRORS}
     return spec
