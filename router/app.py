@@ -148,8 +148,9 @@ async def _model_card(router: Router, model: str, snapshot) -> dict:
     return card
 
 
-async def serve_completion(router: Router, chat: bool, scope, receive, send) -> None:
-    """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give."""
+async def serve_completion(router: Router, chat: bool, scope, receive, send, route: str | None = None) -> None:
+    """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give.
+    `route` labels its metrics (default: chat or completions)."""
     request_id = _request_id()
     context = _client_trace(scope)
     trace.bind(request_id, context)
@@ -165,7 +166,7 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send) -> 
             response = _error_response(exc) if isinstance(exc, ApiError) else _internal_error_response(request_id, exc)
             # An error names its request and trace as an answer does: what an operator greps the logs for.
             response.headers.update({"x-request-id": request_id, "x-edgefire-trace-id": context.trace_id})
-        metrics.answered(answered.model, "chat" if chat else "completions", response.status_code)
+        metrics.answered(answered.model, route or ("chat" if chat else "completions"), response.status_code)
         await response(scope, receive, send)
     finally:
         metrics.requests_running.dec()
@@ -174,7 +175,7 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send) -> 
 async def serve_responses(router: Router, scope, receive, send) -> None:
     """/v1/responses: the chat completion handler, its body and answer translated (router.responses_api)."""
     edge = ResponsesEdge(receive, send, router.config.max_body_bytes)
-    await serve_completion(router, True, scope, edge.receive, edge.send)
+    await serve_completion(router, True, scope, edge.receive, edge.send, route="responses")
 
 
 class _ResponsesAnswer(Response):

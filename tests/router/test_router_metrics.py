@@ -160,3 +160,16 @@ async def test_a_report_the_registry_refuses_is_kept_for_the_next_one():
     failing[0] = False
     await reporter.report_now()
     assert sent == [[{"prefill_site": "lis", "decode_site": "fra", "num_requests": 2}]] and metrics.unreported == {}
+
+
+async def test_responses_requests_are_counted_under_their_own_route(cluster, make_router, http):
+    await cluster.add_site("fra", *FRA)
+    key = await cluster.create_key()
+    router, url = await make_router(metrics_listen="127.0.0.1:0")
+    before = await scrape(http, router)
+    response = await http.post(f"{url}/v1/responses", headers={"Authorization": f"Bearer {key}"},
+                               json={"model": MODEL, "input": "how are the edge sites", "max_output_tokens": 4})
+    assert response.status_code == 200, response.text
+    after = await scrape(http, router)
+    assert after.delta(before, "edgefire_router_requests_total", model=MODEL, route="responses", status="200") == 1
+    assert after.delta(before, "edgefire_router_requests_total", model=MODEL, route="chat", status="200") == 0
