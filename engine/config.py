@@ -14,13 +14,13 @@ from engine.errors import CheckpointError, UnsupportedModelError
 # DeepSeek-V3's latent attention refuses attention_bias (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
                          "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "phi3": "none",
-                         "granite": "config", "gemma3_text": "config"}
+                         "granite": "config", "gemma3_text": "config", "gpt_oss": "config"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
 # Only Llama's and Granite's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
 MLP_BIAS_MODEL_TYPES = {"llama", "granite"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
-DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0}
-DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5}
+DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0}
+DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5}
 # Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
 # transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
 # which no sequence here reaches (the context is capped there), so it computes as "default" does.
@@ -38,6 +38,20 @@ GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)
 GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "sliding_window": 4096,
                    "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0}
 GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+# ... and the text model's shape and token ids, which the image-and-text checkpoints (gemma-3-4b and larger) omit
+# from their text_config: transformers gives every gemma3_text config these
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1}
+# gpt-oss: the defaults transformers gives the fields its configs may omit (its yarn rope included), and the one
+# quantization its checkpoints come in (MXFP4 experts, which the loader dequantizes: engine.mxfp4)
+GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "swiglu_alpha": 1.702,
+                    "swiglu_limit": 7.0, "max_position_embeddings": 131072, "num_local_experts": 128,
+                    "num_experts_per_tok": 4}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+GPT_OSS_QUANTIZATION = "mxfp4"
+# Image-and-text checkpoints whose text model the engine serves (alone: images are not), by their text model's type
+IMAGE_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 @dataclass(slots=True)
@@ -84,11 +98,17 @@ class MoEConfig:
     # DeepSeek-V3 routing: sigmoid scores; experts chosen by score plus a per-expert correction bias
     # among the topk_groups best of num_groups equal groups; weights are the (normalized) sigmoid
     # scores times routed_scaling_factor. Mixtral and Qwen3-MoE: softmax over all experts.
-    scoring: str = "softmax"     # "softmax" or "sigmoid"
+    scoring: str = "softmax"     # "softmax", "sigmoid" or "softmax_topk" (gpt-oss)
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0  # a dense MLP of num_shared_experts * intermediate_size every token also takes
+    # gpt-oss: the router's logits carry a bias and the softmax runs over the top-k logits only ("softmax_topk"
+    # scoring); each expert's projections carry biases, and its activation is the clamped SwiGLU
+    # (up.clamp(-limit, limit) + 1) * gate * sigmoid(alpha * gate), gate clamped to at most limit
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu: tuple[float, float] | None = None   # (alpha, limit); None: SiLU(gate) * up
 
 
 @dataclass(slots=True)
@@ -174,6 +194,13 @@ class ModelConfig:
     # scaling), the full-attention ones by rope
     local_rope: RopeConfig | None = None
     local_rope_layers: list[bool] = field(default_factory=list)
+    # An image-and-text checkpoint (IMAGE_TEXT_MODEL_TYPES) served as its text model, which this describes: the
+    # loader reads the text model's tensors under their nested names and leaves the image encoder unread
+    image_text_checkpoint: bool = False
+    # gpt-oss: each attention head's learned sink, one more logit in its softmax's denominator (weighing no value)
+    attention_sinks: bool = False
+    # gpt-oss keeps its norms' weights in float32 (engine.ops.rms_norm multiplies them before rounding)
+    norms_in_float32: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -419,6 +446,46 @@ def _gemma3_ropes(raw: dict, path: Path) -> tuple[RopeConfig, RopeConfig]:
     return full, local
 
 
+def _gpt_oss_defaulted(raw: dict) -> dict:
+    """gpt-oss's config with transformers' defaults for the keys it omits (and its yarn rope for a null one)."""
+    if raw.get("num_experts") is not None and raw.get("num_local_experts") is None:   # transformers' other name
+        raw = {**raw, "num_local_experts": raw["num_experts"]}
+    raw = {**GPT_OSS_DEFAULTS, **raw}
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        raw["rope_parameters"] = GPT_OSS_ROPE
+    return raw
+
+
+def _gpt_oss_mxfp4(raw: dict, path: Path) -> bool:
+    """Whether the checkpoint is a gpt-oss one with MXFP4 experts (what the loader dequantizes); any other
+    quantization_config is refused by the caller."""
+    quantization = raw.get("quantization_config")
+    return (raw.get("model_type") == "gpt_oss" and isinstance(quantization, dict)
+            and quantization.get("quant_method") == GPT_OSS_QUANTIZATION)
+
+
+def _gpt_oss_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """gpt-oss's fields: sinks, float32 norms, and sliding-window layers by layer_types (else every other layer,
+    the first included, as transformers defaults them); {} for another model type."""
+    if raw.get("model_type") != "gpt_oss":
+        return {}
+    window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
+    local_layers = _gemma3_layer_types({**raw, "sliding_window_pattern": 2}, num_layers, path)
+    return {"attention_sinks": True, "norms_in_float32": True,
+            "sliding_windows": [window if local else None for local in local_layers]}
+
+
+def _parse_gpt_oss_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """gpt-oss's experts: every layer sparse, biased router and experts, the clamped SwiGLU."""
+    num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {num_experts} experts")
+    swiglu = (_positive_float(raw, "swiglu_alpha", 1.702, path), _positive_float(raw, "swiglu_limit", 7.0, path))
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True, [True] * num_layers,
+                     scoring="softmax_topk", router_bias=True, expert_bias=True, swiglu=swiglu)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -467,6 +534,8 @@ def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
 def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
     if model_type == "deepseek_v3":
         return _parse_deepseek_moe(raw, num_layers, path)
+    if model_type == "gpt_oss":
+        return _parse_gpt_oss_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
@@ -543,21 +612,23 @@ def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type == "gemma3":
-        raise UnsupportedModelError(f"{path}: model_type 'gemma3' is Gemma 3's image-and-text checkpoint, which is not "
-                                    f"supported; the engine serves Gemma 3's text-only checkpoints (model_type "
-                                    f"'gemma3_text', Gemma3ForCausalLM: gemma-3-1b and -270m)")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in IMAGE_TEXT_MODEL_TYPES:
         archs = raw.get("architectures")
         raise UnsupportedModelError(
             f"{path}: model_type {model_type!r} (architectures {archs}) is not supported; "
-            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+            f"supported: {', '.join(sorted([*SUPPORTED_MODEL_TYPES, *IMAGE_TEXT_MODEL_TYPES]))}"
         )
     quantization = raw.get("quantization_config")
-    if quantization is not None:
+    if quantization is not None and not _gpt_oss_mxfp4(raw, path):
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported (quantization_config names "
                                     f"{method!r}); use the model's float32, float16 or bfloat16 weights")
+    if model_type in IMAGE_TEXT_MODEL_TYPES:
+        return _parse_text_model(raw, path)
+    if model_type == "gemma3_text":
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
+    if model_type == "gpt_oss":
+        raw = _gpt_oss_defaulted(raw)
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -611,7 +682,27 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         **_granite_scalars(raw, path),
     )
     fields.update(_gemma3_fields(raw, num_layers, hidden, path))
+    fields.update(_gpt_oss_fields(raw, num_layers, path))
     return ModelConfig(**fields)
+
+
+def _parse_text_model(raw: dict, path: Path) -> ModelConfig:
+    """An image-and-text checkpoint's text model (Gemma 3's: text_config), read as transformers reads it: text_config
+    defaulted as its text model's configs are, and from the top level what transformers takes from there: whether
+    the embeddings are tied, the token ids generation stops and starts at, the stored dtype."""
+    text_type = IMAGE_TEXT_MODEL_TYPES[raw["model_type"]]
+    text = dict(_mapping(raw, "text_config", path))
+    if text.get("model_type", text_type) != text_type:
+        raise UnsupportedModelError(f"{path}: text_config's model_type {text['model_type']!r} is not supported for "
+                                    f"model_type {raw['model_type']!r} (only {text_type!r})")
+    text["model_type"] = text_type
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        if raw.get(key) is not None:
+            text[key] = raw[key]
+    text["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    cfg = parse_config(text, Path(f"{path}: text_config"))
+    cfg.image_text_checkpoint = True
+    return cfg
 
 
 def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:

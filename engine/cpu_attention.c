@@ -2,13 +2,15 @@
    says why).
 
    decode(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, head_dim,
-          block_size, max_blocks, window, scale, first, last) attends sequences first..last-1, each with
+          block_size, max_blocks, window, scale, first, last, num_threads, sinks) attends sequences first..last-1, each with
    one query (its last position), over the keys its block table names, in place: no gathered copy of
    the keys. The G = num_heads / num_kv_heads query heads that share a KV head are attended together,
    so each key and value row is read once per sequence, and a sequence's KV heads are taken a run at a
    time (up to MAX_GROUP query heads), so a cache row's heads are read as one contiguous stretch with
    the next tile's rows prefetched. The softmax is the online one (running max and sum), rescaled once
-   per tile of keys, so one pass over the keys suffices.
+   per tile of keys, so one pass over the keys suffices. With sinks (gpt-oss: one learned logit per query
+   head, a term of the softmax's denominator that weighs no value) a head's running max and sum start at
+   its sink and 1 instead of -inf and 0: the sink is a key scored before the others, with a zero value.
 
    The items (a sequence's run of KV heads) are shared out over OpenMP threads. The extension is linked against
    libgomp.so.1 and imported after torch, whose wheel ships that library: the loader then resolves it
@@ -32,6 +34,7 @@
 typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *tables, *lens;
+    const float *sinks;   /* [num_heads], or NULL */
     float *out;
     int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
     float scale;
@@ -127,8 +130,8 @@ static inline __attribute__((always_inline)) void attend_vectors(const job_t *jo
         acc[i] = (vec16){0};
     }
     for (int64_t i = 0; i < NH; i++) {
-        run_max[i] = -INFINITY;
-        run_sum[i] = 0.f;
+        run_max[i] = job->sinks ? job->sinks[h0 * G + i] : -INFINITY;
+        run_sum[i] = job->sinks ? 1.f : 0.f;
     }
     int64_t block = start / job->block_size, offset = start % job->block_size;   /* the next tile's first key */
     locate(job, table, rows[0], &block, &offset, h0, row, D, bytes, len - start < TILE ? (int)(len - start) : TILE);
@@ -185,8 +188,8 @@ static inline __attribute__((always_inline)) void attend_scalars(const job_t *jo
     const float *qh = job->q + (s * H + h * G) * D;
     for (int64_t i = 0; i < G * D; i++) qs[i] = qh[i] * job->scale;
     for (int64_t g = 0; g < G; g++) {
-        run_max[g] = -INFINITY;
-        run_sum[g] = 0.f;
+        run_max[g] = job->sinks ? job->sinks[h * G + g] : -INFINITY;
+        run_sum[g] = job->sinks ? 1.f : 0.f;
     }
     memset(acc, 0, sizeof(float) * G * D);
     for (int64_t t0 = start; t0 < len; t0 += TILE) {
@@ -271,22 +274,30 @@ static int check(job_t *job, const Py_buffer *views, int64_t first, int64_t last
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
-    static const char *const names[] = {"q", "k_cache", "v_cache", "block_tables", "context_lens", "out"};
-    PyObject *objects[6];
+    static const char *const names[] = {"q", "k_cache", "v_cache", "block_tables", "context_lens", "out", "sinks"};
+    PyObject *objects[7];
     long long H, HKV, D, BS, max_blocks, window, first, last;
     float scale;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLfLLi", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
-                          &objects[5], &H, &HKV, &D, &BS, &max_blocks, &window, &scale, &first, &last, &num_threads))
+    PyObject *sinks = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLfLLi|O", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
+                          &objects[5], &H, &HKV, &D, &BS, &max_blocks, &window, &scale, &first, &last, &num_threads,
+                          &sinks))
         return NULL;
-    Py_buffer views[6];
-    const int got = get_buffers(objects, views, 6, 5, names);
+    const int num_views = sinks == Py_None ? 6 : 7;
+    objects[6] = sinks;
+    Py_buffer views[7];
+    const int got = get_buffers(objects, views, num_views, 5, names);
     PyObject *result = NULL;
-    if (got == 6) {
+    if (got == num_views) {
         job_t job = {.q = views[0].buf, .k_cache = views[1].buf, .v_cache = views[2].buf, .tables = views[3].buf,
                      .lens = views[4].buf, .out = views[5].buf, .num_heads = H, .num_kv_heads = HKV, .head_dim = D,
-                     .block_size = BS, .max_blocks = max_blocks, .window = window, .scale = scale};
-        if (check(&job, views, first, last) == 0) {
+                     .block_size = BS, .max_blocks = max_blocks, .window = window, .scale = scale,
+                     .sinks = num_views == 7 ? views[6].buf : NULL};
+        if (num_views == 7 && views[6].len != H * 4) {
+            PyErr_Format(PyExc_ValueError, "sinks hold %lld bytes, not one float32 for each of the %lld heads",
+                         (long long)views[6].len, (long long)H);
+        } else if (check(&job, views, first, last) == 0) {
             /* an item: one sequence's run of KV heads, as many as MAX_GROUP query heads hold, fewer where
                that leaves the threads too few items */
             int64_t per_item = MAX_GROUP / (H / HKV);
@@ -312,8 +323,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, head_dim, block_size, "
-     "max_blocks, window, scale, first, last, num_threads): one-query attention of sequences first..last-1 over "
-     "their paged keys (float32), written to out, on num_threads OpenMP threads. Raises ValueError on "
+     "max_blocks, window, scale, first, last, num_threads, sinks=None): one-query attention of sequences "
+     "first..last-1 over their paged keys (float32; sinks: one float32 logit per head), written to out, on "
+     "num_threads OpenMP threads. Raises ValueError on "
      "inconsistent sizes or block ids."},
     {NULL, NULL, 0, NULL},
 };

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.moe import MoEWeights, select_experts, shared_experts
+from engine.moe import MoEWeights, run_experts, select_experts, shared_experts
 from engine.parallel import timing
 from engine.parallel.layout import expert_range
 
@@ -76,7 +76,7 @@ def moe_forward_parallel(moe: MoEWeights, x: torch.Tensor, experts: ExpertGroup,
     rows = _all_to_all(group, mine.index_select(0, order // moe.top_k), send_sizes, receive_sizes)
     local_ids = _all_to_all(group, (flat_ids - owners * experts.experts_per_rank)[order], send_sizes, receive_sizes)
     unweighted = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=x.device)
-    expert_out = ops.fused_moe(rows, unweighted, local_ids[:, None], moe.gate_up, moe.down)
+    expert_out = run_experts(moe, rows, unweighted, local_ids[:, None], ops)
     returned = _all_to_all(group, expert_out, receive_sizes, send_sizes)
 
     per_slot = torch.empty_like(returned).index_copy_(0, order, returned).view(last - first, moe.top_k, hidden)

@@ -13,6 +13,9 @@ Under tensor/pipeline/expert parallelism each rank reads only its part
 and of each mixture-of-experts layer only its experts, sliced in the file, never read whole and
 cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
 and keeps its slice; compressed_in_memory keeps whole MLP weights and is for whole layers only.
+
+An image-and-text checkpoint (Gemma 3's) loads as its text model: its text tensors are read under the
+names a text-only checkpoint gives them (text_model_names), and its image encoder is left unread.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from engine import mxfp4
 from engine.compression import WEIGHT_MODES
 from engine.compression.checkpoint import CompressedCheckpoint, open_checkpoint
 from engine.compression.decode import needs_pair_tables, uses_kernel
 from engine.compression.streamed import CompressedMLP, StreamedLayers
 from engine.compression.tables import pair_table
-from engine.config import ModelConfig
+from engine.config import ModelConfig, load_config
 from engine.errors import CheckpointError
 from engine.mla import MLAWeights, split_kv_b
 from engine.model import CausalLM, LayerWeights, ModelWeights
@@ -88,7 +92,33 @@ def stores_lm_head(model_dir: str | Path) -> bool:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     compressed = open_checkpoint(model_dir, files)
-    return compressed.has("lm_head.weight") if compressed else "lm_head.weight" in files
+    return "lm_head.weight" in text_model_names(compressed.names() if compressed else files, load_config(model_dir))
+
+
+# Gemma 3's image-and-text checkpoints nest the text model: older saves as language_model.model.* and
+# language_model.lm_head, newer ones as model.language_model.* and lm_head; beside it lie the image encoder
+# and its projector, which the engine does not serve
+TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                       ("model.language_model.", "model."))
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_model_names(names, cfg: ModelConfig) -> dict[str, str]:
+    """The engine's name of each tensor it may read -> the checkpoint's name of it: the same name, but for an
+    image-and-text checkpoint the text model's tensors renamed (`language_model.model.norm.weight` is
+    `model.norm.weight`) and the image encoder's left out."""
+    if not cfg.image_text_checkpoint:
+        return {name: name for name in names}
+    renamed: dict[str, str] = {}
+    for name in names:
+        if name.startswith(IMAGE_PREFIXES):
+            continue
+        engine_name = next((ours + name[len(theirs):] for theirs, ours in TEXT_MODEL_PREFIXES
+                            if name.startswith(theirs)), name)
+        if engine_name in renamed:
+            raise CheckpointError(f"checkpoint stores {engine_name!r} twice, as {renamed[engine_name]!r} and {name!r}")
+        renamed[engine_name] = name
+    return renamed
 
 
 def _open(path: Path):
@@ -102,8 +132,11 @@ class _TensorReader:
     """Reads named tensors from their shards, checking shapes, with one open handle per shard."""
 
     def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype, progress: tqdm,
-                 compressed: CompressedCheckpoint | None = None):
+                 compressed: CompressedCheckpoint | None = None, stored: dict[str, str] | None = None):
         self.files = files
+        # the engine's tensor names -> the checkpoint's (text_model_names); reads and errors speak of the former
+        self.stored = stored if stored is not None else {name: name for name in (compressed.names() if compressed
+                                                                                  else files)}
         self.device = device
         self.dtype = dtype
         self.progress = progress
@@ -113,7 +146,15 @@ class _TensorReader:
         self.names_read: set[str] = set()
 
     def has(self, name: str) -> bool:
-        return self.compressed.has(name) if self.compressed else name in self.files
+        return name in self.stored
+
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's name of a tensor, also of one it lacks: spelled as its other text tensors are."""
+        if name in self.stored:
+            return self.stored[name]
+        renamed = ((theirs, ours) for theirs, ours in TEXT_MODEL_PREFIXES if ours == "model." and name.startswith(ours)
+                   and any(stored.startswith(theirs) for stored in self.stored.values()))
+        return next((theirs + name[len(ours):] for theirs, ours in renamed), name)
 
     def read(self, name: str, shape: tuple[int, ...], rows: range | list[range] | None = None,
              cols: range | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -121,11 +162,11 @@ class _TensorReader:
         rank takes its part of each projection of a fused one) / `cols` (second), in `dtype` (default: the
         model's)."""
         if not self.has(name):
-            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+            raise CheckpointError(f"checkpoint is missing tensor {self.stored_name(name)!r}")
         parts = _joined(rows if isinstance(rows, list) else [rows], shape[0])
         cols = None if cols is None or len(cols) == shape[1] else cols
         if self.compressed is not None:
-            tensor = self.compressed.read(name, self.device)
+            tensor = self.compressed.read(self.stored[name], self.device)
             _check_shape(name, tuple(tensor.shape), shape)
             pieces = [_part(tensor, part, cols) for part in parts]
         else:
@@ -141,6 +182,7 @@ class _TensorReader:
 
     def _read_plain(self, name: str, shape: tuple[int, ...], parts: list[range | None],
                     cols: range | None) -> list[torch.Tensor]:
+        name = self.stored[name]
         path = self.files[name]
         handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
         try:
@@ -159,11 +201,12 @@ class _TensorReader:
         checked), or None unless all of them are compressed. `shapes` names the projections as the
         checkpoint stores them: gate, up and down, or gate_up and down (fused)."""
         names = {proj: f"{prefix}mlp.{proj}_proj.weight" for proj in shapes}
-        if self.compressed is None or not all(self.compressed.is_compressed(n) for n in names.values()):
+        if self.compressed is None or not all(self.compressed.is_compressed(self.stored.get(n, n))
+                                              for n in names.values()):
             return None
         tensors = {}
         for proj, name in names.items():
-            tensor = self.compressed.read_compressed(name)
+            tensor = self.compressed.read_compressed(self.stored[name])
             _check_shape(name, tensor.shape, shapes[proj])
             tensors[proj] = tensor.to(self.device)
             self.compressed.check_decodes(tensors[proj], self.device)   # decoded once, checked, dropped
@@ -243,6 +286,8 @@ def _read_mla(reader: _TensorReader, cfg: ModelConfig, p: str, heads: range) -> 
 def _read_norm(reader: _TensorReader, cfg: ModelConfig, name: str, size: int) -> torch.Tensor:
     """A norm's weight; Gemma 3's (which scales by 1 + weight) as 1 + weight in float32, computed as transformers
     computes it, so that engine.ops.rms_norm multiplies in float32 and rounds after, as transformers does."""
+    if cfg.norms_in_float32:   # gpt-oss: the weight itself, in float32 (transformers keeps these norms so)
+        return reader.read(name, (size,), dtype=torch.float32)
     if not cfg.norm_weight_offset:
         return reader.read(name, (size,))
     return reader.read(name, (size,), dtype=torch.float32) + 1.0
@@ -289,6 +334,8 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
         down=None,
         o_bias=reader.read(p + "self_attn.o_proj.bias", (hidden,)) if cfg.o_bias else None,
     )
+    if cfg.attention_sinks:   # gpt-oss: this rank's heads' sinks
+        layer.sinks = reader.read(p + "self_attn.sinks", (cfg.num_heads,), rows=shard.heads, dtype=torch.float32)
     if cfg.sandwich_norms:   # Gemma 3: post_attention_layernorm norms the attention's output; the MLP's input
         layer.attn_out_norm = layer.post_norm   # is pre_feedforward_layernorm's, its output post_feedforward's
         layer.post_norm = _read_norm(reader, cfg, p + "pre_feedforward_layernorm.weight", hidden)
@@ -370,6 +417,8 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     are read. Each expert is copied into a preallocated stack so loading never holds two copies of a layer.
     """
     moe = cfg.moe
+    if cfg.model_type == "gpt_oss":
+        return _read_gpt_oss_moe(reader, cfg, i, experts)
     prefix, (gate_name, up_name, down_name) = MOE_NAMES[cfg.model_type]
     p = f"model.layers.{i}.{prefix}"
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
@@ -399,6 +448,72 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     return weights
 
 
+def _read_gpt_oss_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -> MoEWeights:
+    """gpt-oss's biased router (whole) and this rank's `experts`. Its checkpoints store each projection of all
+    experts as one tensor whose gate and up outputs alternate (gate, up, gate, ...): in bfloat16 transposed,
+    gate_up_proj [E, hidden, 2 * inter] and down_proj [E, inter, hidden]; in MXFP4 (engine.mxfp4) as
+    gate_up_proj_blocks/_scales over rows [E, 2 * inter] and down_proj_blocks/_scales over rows [E, hidden].
+    Either way they are read into the engine's layout ([E, 2 * inter, hidden], gate rows first), one expert
+    at a time into a preallocated stack; the biases alike."""
+    moe, p = cfg.moe, f"model.layers.{i}.mlp."
+    hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
+    gate_up = torch.empty((len(experts), 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
+    down = torch.empty((len(experts), hidden, inter), dtype=reader.dtype, device=reader.device)
+    if reader.has(p + "experts.gate_up_proj_blocks"):
+        packed = {name: _read_mxfp4(reader, p + f"experts.{name}_proj", (num_experts, rows, cols), experts)
+                  for name, rows, cols in (("gate_up", 2 * inter, hidden), ("down", hidden, inter))}
+        (gate_up_blocks, gate_up_scales), (down_blocks, down_scales) = packed["gate_up"], packed["down"]
+        for local in range(len(experts)):
+            gate_up[local] = _gate_rows_first(mxfp4.dequantize(gate_up_blocks[local], gate_up_scales[local],
+                                                               reader.dtype))
+            down[local] = mxfp4.dequantize(down_blocks[local], down_scales[local], reader.dtype)
+    else:
+        stored_gate_up = reader.read(p + "experts.gate_up_proj", (num_experts, hidden, 2 * inter), rows=experts)
+        stored_down = reader.read(p + "experts.down_proj", (num_experts, inter, hidden), rows=experts)
+        for local in range(len(experts)):
+            gate_up[local] = _gate_rows_first(stored_gate_up[local].T)
+            down[local] = stored_down[local].T
+        del stored_gate_up, stored_down
+    router = reader.read(p + "router.weight", (num_experts, hidden))
+    weights = MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob, swiglu=moe.swiglu)
+    weights.router_bias = reader.read(p + "router.bias", (num_experts,))
+    gate_up_bias = reader.read(p + "experts.gate_up_proj_bias", (num_experts, 2 * inter), rows=experts)
+    weights.gate_up_bias = _gate_rows_first(gate_up_bias.T).T.contiguous()
+    weights.down_bias = reader.read(p + "experts.down_proj_bias", (num_experts, hidden), rows=experts)
+    return weights
+
+
+def _gate_rows_first(rows: torch.Tensor) -> torch.Tensor:
+    """A gate/up projection's rows [2 * inter, ...] stored alternating (gate, up, gate, ...) as gate rows, then up."""
+    return torch.cat((rows[0::2], rows[1::2]))
+
+
+def _read_mxfp4(reader: _TensorReader, name: str, shape: tuple[int, int, int],
+                experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 weight `name` [E, rows, cols]'s blocks and scales (uint8, as stored, on the CPU), of `experts`."""
+    num_experts, rows, cols = shape
+    if cols % mxfp4.VALUES_PER_BLOCK:
+        raise CheckpointError(f"tensor {name!r}: {cols} columns do not split into MXFP4 blocks of "
+                              f"{mxfp4.VALUES_PER_BLOCK}")
+    groups = cols // mxfp4.VALUES_PER_BLOCK
+    parts = []
+    for suffix, part_shape in (("_blocks", (num_experts, rows, groups, mxfp4.BYTES_PER_BLOCK)),
+                               ("_scales", (num_experts, rows, groups))):
+        stored = name + suffix
+        if not reader.has(stored):
+            raise CheckpointError(f"checkpoint is missing tensor {reader.stored_name(stored)!r}")
+        if reader.compressed is not None:
+            raise CheckpointError(f"tensor {stored!r} is MXFP4: a compressed checkpoint holds float weights only")
+        tensor = reader._read_plain(stored, part_shape, _joined([experts], num_experts), None)[0]
+        if tensor.dtype != torch.uint8:
+            raise CheckpointError(f"tensor {stored!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; MXFP4 "
+                                  f"blocks and scales are uint8")
+        reader.names_read.add(stored)
+        reader.progress.update(1)
+        parts.append(tensor)
+    return parts[0], parts[1]
+
+
 def _read_lm_head(reader: _TensorReader, cfg: ModelConfig, shard: RankShard, embed: torch.Tensor | None) -> torch.Tensor:
     """The output projection. With tie_word_embeddings it is the embedding, unless the checkpoint also
     stores a different lm_head.weight: transformers then leaves the two untied, and so does this."""
@@ -416,11 +531,12 @@ def _read_lm_head(reader: _TensorReader, cfg: ModelConfig, shard: RankShard, emb
     return lm_head
 
 
-def _check_all_read(reader: _TensorReader, cfg: ModelConfig, shard: RankShard, names) -> None:
+def _check_all_read(reader: _TensorReader, cfg: ModelConfig, shard: RankShard) -> None:
     """Every tensor of the checkpoint this rank was to read was read: a tensor the config does not account
     for (a layer past num_hidden_layers, a bias the config turns off) would otherwise be dropped silently."""
     last_layer = cfg.num_layers + cfg.num_nextn_layers   # DeepSeek's multi-token-prediction layers go unread
-    unread = sorted(name for name in names if name not in reader.names_read and not name.endswith(IGNORED_SUFFIXES)
+    unread = sorted(reader.stored[name] for name in reader.stored
+                    if name not in reader.names_read and not name.endswith(IGNORED_SUFFIXES)
                     and (_wanted(name, shard) or _layer_of(name) is not None and _layer_of(name) >= last_layer))
     if unread:
         more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
@@ -451,9 +567,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if keep_compressed and compressed is not None and shard.tp_size > 1:
         raise ValueError("weight_mode compressed_in_memory keeps whole MLP weights, which tensor parallelism splits; "
                          "use decompress_on_load with tensor_parallel_size > 1")
-    total = sum(1 for name in (compressed.names() if compressed else files) if _wanted(name, shard))
+    names = compressed.names() if compressed else files
+    stored = text_model_names(names, cfg)
+    if cfg.image_text_checkpoint and shard.rank == 0:
+        log.info("%s is an image-and-text checkpoint: serving its text model only; its image encoder and projector "
+                 "(%d tensors) are not loaded, so the model takes no images", model_dir, len(names) - len(stored))
+    total = sum(1 for name in stored if _wanted(name, shard))
     with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
-        reader = _TensorReader(files, device, dtype, bar, compressed)
+        reader = _TensorReader(files, device, dtype, bar, compressed, stored)
         full = (cfg.vocab_size, cfg.hidden_size)
         embed = reader.read("model.embed_tokens.weight", full, rows=shard.vocab) if shard.is_first_stage else None
         read = [_read_layer(reader, cfg, i, shard, keep_compressed) for i in shard.layers]
@@ -462,7 +583,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
             norm = _read_norm(reader, cfg, "model.norm.weight", cfg.hidden_size)
         if shard.computes_logits:
             lm_head = _read_lm_head(reader, cfg, shard, embed)
-        _check_all_read(reader, cfg, shard, compressed.names() if compressed else files)
+        _check_all_read(reader, cfg, shard)
     layers = [layer for layer, _ in read]
     mlps = [mlp for _, mlp in read]
     if any(mlps):

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3, and the MoE Mixtral, Qwen3-MoE
-and DeepSeek-V3) over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3, and the MoE Mixtral, Qwen3-MoE,
+DeepSeek-V3 and gpt-oss) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
@@ -10,8 +10,10 @@ factors). Granite scales the embeddings, the softmax, each block's output before
 and the logits by scalars of its config. Gemma 3 norms each attention and MLP output too before its
 residual add (four norms a layer, each scaling by 1 + weight: engine.ops.rms_norm's float32 weights),
 scales the embeddings by sqrt(hidden_size), activates its MLP by GELU (tanh approximation), and alternates
-sliding-window layers, which rotate by a rope of their own (local_rope), with full-attention ones. Every op
-goes through engine.ops so kernels can replace them.
+sliding-window layers, which rotate by a rope of their own (local_rope), with full-attention ones. gpt-oss
+adds a learned sink per head to each attention softmax (engine.ops.paged_attention's sinks) and alternates
+sliding-window and full-attention layers; its experts are engine.moe's with biases. Every op goes through
+engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -59,6 +61,8 @@ class LayerWeights:
     # norm before the MLP: pre_feedforward_layernorm)
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    # gpt-oss's attention sinks: per query head (under TP this rank's), float32
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -199,7 +203,7 @@ class CausalLM:
         q, k = self.ops.apply_rotary(q, k, positions, *self.rope_tables[index])
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index])
+        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index], layer.sinks)
         out = self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)

@@ -42,6 +42,15 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation over a fused gate/up projection (gate columns first): the gate clamped to at most
+    limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), in the input's dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 # hidden_act -> the name of the op applying it to a fused gate/up projection (here and in engine.kernels.ops)
 ACT_AND_MUL = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
@@ -183,7 +192,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                    scale: float, sliding_window: int | None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each sequence's cached keys; returns [T, H, Dv].
 
     k_cache/v_cache are one layer's pool [num_blocks, block_size, Hkv, D] and [..., Dv]; the new
@@ -196,6 +205,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     verification; decode without the C loop) are attended in groups of similar context length, one
     gather and one attention call per group; longer prefill chunks one by one. The plan is made once
     per step (every layer attends the same sequences).
+
+    sinks [H] float32 (gpt-oss): each head's learned logit, one more term in its softmax's denominator that
+    weighs no value (transformers appends it to the scaled, masked scores and drops its column after).
     """
     if batch.cpu_plan is None:
         batch.cpu_plan = plan_attention(batch, k_cache.shape[1], q.device, cpu_attention.supports(q, k_cache, v_cache))
@@ -203,13 +215,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch.cpu_plan.native_decode:
         n = batch.num_decode
         out[:n] = cpu_attention.decode(q[:n], k_cache, v_cache, batch.block_tables[:n], batch.decode_context_lens,
-                                       batch.cpu_plan.num_decode_keys, scale, sliding_window)
+                                       batch.cpu_plan.num_decode_keys, scale, sliding_window, sinks)
     for group in batch.cpu_plan.groups:
-        out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window))
+        out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window, sinks))
     for i in batch.cpu_plan.chunks:
         start, end = batch.query_start[i], batch.query_start[i + 1]
         out[start:end] = _attend_chunk(q[start:end], k_cache, v_cache, batch.block_tables[i], batch.context_lens[i],
-                                       scale, sliding_window)
+                                       scale, sliding_window, sinks)
     return out
 
 
@@ -293,7 +305,7 @@ def decode_groups(context_lens: list[int], num_queries: list[int] | None = None)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
-                  scale: float, sliding_window: int | None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The group's outputs [size * Q, H, Dv], in the order of group.rows."""
     size, count = group.size, group.num_queries
     num_heads, head_dim, num_kv_heads, value_dim = q.shape[1], q.shape[2], k_cache.shape[2], v_cache.shape[3]
@@ -301,13 +313,13 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k = k_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, value_dim).transpose(1, 2)
     mask = group.mask(k.shape[2], sliding_window)
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
+    out = _attention(queries, k, v, mask, scale, sinks)
     return out.transpose(1, 2).reshape(size * count, num_heads, value_dim)
 
 
 def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                  context_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+                  context_len: int, scale: float, sliding_window: int | None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's queries q [Q, H, D] (its last Q positions) over its first context_len keys; [Q, H, Dv]."""
     block_size, num_queries = k_cache.shape[1], q.shape[0]
     table = table[: -(-context_len // block_size)]
@@ -315,7 +327,7 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = gather_blocks(v_cache, table)[:context_len].transpose(0, 1).unsqueeze(0)
     q = q.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
-    if num_queries == context_len and not (sliding_window and sliding_window < context_len):
+    if num_queries == context_len and not (sliding_window and sliding_window < context_len) and sinks is None:
         # A whole prompt in one chunk: plain causal attention, no mask to build (and the upper
         # triangle is skipped rather than masked).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -325,17 +337,38 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         mask = key_pos[None, :] <= query_pos[:, None]
         if sliding_window:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
+        out = _attention(q, k, v, mask[None, None], scale, sinks)
     return out[0].transpose(0, 1)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, Q, D] over k, v [B, Hkv, L, D] under mask (boolean: visible, or additive), [B, H, Q, Dv]. With sinks,
+    the softmax is written out: scaled scores, masked, each head's sink appended as one more logit, its weight
+    dropped after the softmax (scaled_dot_product_attention has no such term)."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor) -> torch.Tensor:
+              down: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """Mixture-of-experts MLP: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
     x [T, hidden]; topk_weights [T, k] float32; topk_ids [T, k] int64 in [0, E); gate_up
-    [E, 2 * inter, hidden] (gate rows first); down [E, hidden, inter]. One stable sort groups the
-    T * k (token, expert) pairs by expert, so each expert that received tokens runs one pair of
+    [E, 2 * inter, hidden] (gate rows first); down [E, hidden, inter]. gpt-oss's experts also add
+    gate_up_bias [E, 2 * inter] and down_bias [E, hidden] and activate by clamped_swiglu(*swiglu)
+    (None: SiLU(gate) * up). One stable sort groups the T * k (token, expert) pairs by expert, so each expert that received tokens runs one pair of
     matmuls over all of them, however unevenly they are spread; an expert with none costs nothing.
     In a decode step an expert gets a few rows: `linear` spreads such a matmul over the threads.
     """
@@ -349,7 +382,13 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            expert_out[start:end] = linear(silu_and_mul(linear(rows[start:end], gate_up[expert])), down[expert])
+            gate_up_out = linear(rows[start:end], gate_up[expert])
+            if gate_up_bias is not None:
+                gate_up_out += gate_up_bias[expert]
+            activated = silu_and_mul(gate_up_out) if swiglu is None else clamped_swiglu(gate_up_out, *swiglu)
+            expert_out[start:end] = linear(activated, down[expert])
+            if down_bias is not None:
+                expert_out[start:end] += down_bias[expert]
             start = end
     # Back to (token, slot) order, then the router-weighted sum over each token's k experts.
     per_slot = torch.empty_like(expert_out).index_copy_(0, order, expert_out).view(num_tokens, top_k, down.shape[1])

@@ -5,7 +5,9 @@ the KV head, so each key and value is loaded once. Long contexts are cut into sp
 decoding") so a small batch still fills the GPU; a second kernel merges the splits' partial
 softmaxes. The grid depends only on the batch size, never on context lengths, so a CUDA graph
 captured once replays for any context (sequences with context length 0, the graph's padding rows,
-produce zeros).
+produce zeros). gpt-oss's sinks (one learned logit per query head in the softmax's denominator, weighing
+no value) start split 0's running max and sum at the sink and 1, as if it were a key scored first; the
+merge then counts it once.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_out_ptr, part_lse_ptr, qk_scale, head_dim,
+                   part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, head_dim,
                    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,6 +57,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:   # the sinks are natural-log logits; scores here are in base 2 (qk_scale holds log2(e))
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        first = (split == 0) & g_mask
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     for tile in range(lo, hi, BLOCK_N):
@@ -129,9 +136,11 @@ def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int) -
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                     out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, num_splits: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, the last position of its context); caches
-    [num_blocks, block_size, Hkv, D]; block_tables [>=B, max_blocks]; context_lens [B]. Returns [B, H, D]."""
+    [num_blocks, block_size, Hkv, D]; block_tables [>=B, max_blocks]; context_lens [B]; sinks [H] float32 or
+    None. Returns [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -152,11 +161,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = part_lse = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * math.log2(math.e), head_dim,
+        out if sinks is None else sinks, scale * math.log2(math.e), head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=BLOCK_N, NUM_SPLITS=splits, WINDOW=sliding_window or 0, DOT_F32=dot_f32, PRECISION=precision)
+        BLOCK_N=BLOCK_N, NUM_SPLITS=splits, WINDOW=sliding_window or 0, DOT_F32=dot_f32, PRECISION=precision,
+        SINKS=sinks is not None)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, head_dim, out.stride(0), out.stride(1),

@@ -9,6 +9,10 @@ experts at once, each program reading the expert's weights for its block:
 2. down: that buffer @ down[e].T, scaled by the pair's router weight, into [T * k, hidden]; the k rows
    of a token are summed after.
 
+gpt-oss's experts also add a bias to each projection (per expert, before the activation and before
+the router weight) and activate by the clamped SwiGLU (engine.ops.clamped_swiglu): both constexpr
+variants of the same two kernels.
+
 The sort and padding are device-side torch ops on shapes known up front (the padded length is
 bounded by T * k + min(T * k, E) * (BLOCK_M - 1)), so nothing waits on the GPU and a decode step
 with this kernel can be captured in a CUDA graph. Blocks past the used length exit at once.
@@ -63,10 +67,10 @@ def _block(sorted_pairs_ptr, block_expert_ptr, num_pairs, n_cols, BLOCK_M: tl.co
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                    stride_xt, stride_we, stride_wn, stride_ot, num_experts,
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
+                    stride_xt, stride_we, stride_wn, stride_ot, stride_be, num_experts, swiglu_alpha, swiglu_limit,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
     expert, pairs, row_mask, cols, col_mask = _block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
                                                      BLOCK_M, BLOCK_N)
     if expert >= num_experts:
@@ -88,16 +92,25 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, n
             a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
-    activated = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    if HAS_BIAS:
+        bias = bias_ptr + expert * stride_be + cols
+        acc_gate += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + inter, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:   # (up.clamp(-limit, limit) + 1) * gate * sigmoid(alpha * gate), gate clamped to at most limit
+        gate = tl.minimum(acc_gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
+    else:
+        activated = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_ot + cols[None, :],
              activated.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                 stride_at, stride_we, stride_wn, stride_ot, num_experts,
+def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
+                 inter, stride_at, stride_we, stride_wn, stride_ot, stride_be, num_experts,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                 DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
     expert, pairs, row_mask, cols, col_mask = _block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                                                      BLOCK_M, BLOCK_N)
     if expert >= num_experts:
@@ -115,13 +128,16 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_e
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     route_weight = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
     tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], (acc * route_weight[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor) -> torch.Tensor:
+              down: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """Same contract as engine.ops.fused_moe."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = down.shape
@@ -135,13 +151,20 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     num_blocks = block_expert.numel()
     dot_f32, precision = dot_options(x.dtype)
     activated = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    has_bias = gate_up_bias is not None
+    if has_bias:
+        gate_up_bias, down_bias = gate_up_bias.contiguous(), down_bias.contiguous()
+    alpha, limit = swiglu or (1.0, 0.0)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
-        x, gate_up, activated, sorted_pairs, block_expert, num_pairs, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0), num_experts,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=dot_f32, PRECISION=precision)
+        x, gate_up, activated, gate_up_bias if has_bias else x, sorted_pairs, block_expert, num_pairs, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
+        gate_up_bias.stride(0) if has_bias else 0, num_experts, alpha, limit,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=dot_f32, PRECISION=precision,
+        HAS_BIAS=has_bias, SWIGLU=swiglu is not None)
     per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
-        activated, down, per_pair, topk_weights.contiguous(), sorted_pairs, block_expert, num_pairs, hidden, inter,
-        activated.stride(0), down.stride(0), down.stride(1), per_pair.stride(0), num_experts,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=dot_f32, PRECISION=precision)
+        activated, down, per_pair, topk_weights.contiguous(), down_bias if has_bias else x, sorted_pairs,
+        block_expert, num_pairs, hidden, inter, activated.stride(0), down.stride(0), down.stride(1),
+        per_pair.stride(0), down_bias.stride(0) if has_bias else 0, num_experts,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=dot_f32, PRECISION=precision, HAS_BIAS=has_bias)
     return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

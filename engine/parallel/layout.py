@@ -226,10 +226,14 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
             attention += hidden
         if cfg.qk_norm:
             attention += 2 * head_dim
+        if cfg.attention_sinks:   # gpt-oss: one per query head
+            attention += num_heads
     if cfg.is_sparse(layer):
         moe = cfg.moe
         mlp = (num_experts + moe.num_shared_experts) * 3 * hidden * moe.intermediate_size + moe.num_experts * hidden
         mlp += moe.num_experts if moe.scoring == "sigmoid" else 0   # the routing correction bias
+        mlp += moe.num_experts if moe.router_bias else 0
+        mlp += num_experts * (2 * moe.intermediate_size + hidden) if moe.expert_bias else 0   # gpt-oss's experts' biases
     else:
         mlp = 3 * hidden * num_mlp_rows + (2 * num_mlp_rows + hidden if cfg.mlp_bias else 0)
     return attention + mlp + (4 if cfg.sandwich_norms else 2) * hidden   # and the layer's norms

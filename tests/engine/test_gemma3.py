@@ -185,13 +185,6 @@ def test_gemma3_configs_the_engine_cannot_follow_are_refused_naming_the_key(chan
         parse_config(_raw(**changes), Path("config.json"))
 
 
-def test_an_image_and_text_checkpoint_is_refused_naming_the_text_only_kind():
-    raw = transformers.Gemma3Config(text_config=GEMMA3).to_dict()
-    with pytest.raises(UnsupportedModelError, match="model_type 'gemma3' is Gemma 3's image-and-text checkpoint.*"
-                                                    "'gemma3_text'"):
-        parse_config(raw, Path("config.json"))
-
-
 def test_omitted_fields_default_as_transformers_defaults_them():
     raw = {"model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1}

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine.compression.triton_decoder import _decode_kernel as _bf16_decode_kernel  # noqa: E402
-from engine.kernels.activation import _silu_and_mul_kernel  # noqa: E402
+from engine.kernels.activation import _act_and_mul_kernel  # noqa: E402
 from engine.kernels.decode_attention import _decode_kernel, _merge_splits_kernel  # noqa: E402
 from engine.kernels.fused_moe import _down_kernel, _gate_up_kernel  # noqa: E402
 from engine.kernels.kv_write import _write_kv_kernel  # noqa: E402
@@ -39,19 +39,31 @@ BF16 = "*bf16"
 CASES = {
     "decode": (_decode_kernel,
                dict(q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, block_tables_ptr="*i64", context_lens_ptr="*i64",
-                    out_ptr=BF16, part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32"),
+                    out_ptr=BF16, part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr=BF16, qk_scale="fp32"),
                dict(GROUP=4, BLOCK_G=16, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=8, WINDOW=0,
-                    DOT_F32=False, PRECISION=None)),
+                    DOT_F32=False, PRECISION=None, SINKS=False)),
+    # gpt-oss-20b's attention: 64 query heads over 8 KV heads of 64 dims, per-head sinks, a 128-token window
+    "decode_sinks": (_decode_kernel,
+                     dict(q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, block_tables_ptr="*i64",
+                          context_lens_ptr="*i64", out_ptr=BF16, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                          sinks_ptr="*fp32", qk_scale="fp32"),
+                     dict(GROUP=8, BLOCK_G=16, BLOCK_D=64, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=8, WINDOW=128,
+                          DOT_F32=False, PRECISION=None, SINKS=True)),
+    "prefill_sinks": (_prefill_kernel,
+                      dict(q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, out_ptr=BF16, block_tables_ptr="*i64",
+                           query_start_ptr="*i32", context_lens_ptr="*i32", sinks_ptr="*fp32", qk_scale="fp32"),
+                      dict(GROUP=8, BLOCK_D=64, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32, WINDOW=128, DOT_F32=False,
+                           PRECISION=None, SINKS=True)),
     "merge_splits": (_merge_splits_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=BF16),
                      dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128)),
     "prefill": (_prefill_kernel,
                 dict(q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, out_ptr=BF16, block_tables_ptr="*i64",
-                     query_start_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32"),
+                     query_start_ptr="*i32", context_lens_ptr="*i32", sinks_ptr=BF16, qk_scale="fp32"),
                 dict(GROUP=4, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32, WINDOW=4096, DOT_F32=False,
-                     PRECISION=None)),
+                     PRECISION=None, SINKS=False)),
     "add_rms_norm": (_rms_norm_kernel, dict(x_ptr=BF16, residual_ptr=BF16, weight_ptr=BF16, out_ptr=BF16,
                                             residual_out_ptr=BF16, eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK=4096)),
-    "silu_and_mul": (_silu_and_mul_kernel, dict(gate_up_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024)),
+    "silu_and_mul": (_act_and_mul_kernel, dict(gate_up_ptr=BF16, out_ptr=BF16), dict(GELU_TANH=False, BLOCK=1024)),
     "rotary": (_rotary_kernel, dict(q_ptr=BF16, k_ptr=BF16, q_out_ptr=BF16, k_out_ptr=BF16, positions_ptr="*i64",
                                     cos_ptr="*fp32", sin_ptr="*fp32"),
                dict(BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, BLOCK_PASS=0)),
@@ -60,12 +72,22 @@ CASES = {
                                             positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"),
                        dict(BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, BLOCK_PASS=32)),
     # Mixtral-8x7B's expert widths (hidden 4096, inter 14336), 64-row prefill blocks.
-    "moe_gate_up": (_gate_up_kernel, dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, sorted_pairs_ptr="*i32",
-                                          block_expert_ptr="*i32"),
-                    dict(TOP_K=2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None)),
-    "moe_down": (_down_kernel, dict(act_ptr=BF16, w_ptr=BF16, out_ptr=BF16, weights_ptr="*fp32", sorted_pairs_ptr="*i32",
-                                    block_expert_ptr="*i32"),
-                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None)),
+    "moe_gate_up": (_gate_up_kernel, dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, bias_ptr=BF16, sorted_pairs_ptr="*i32",
+                                          block_expert_ptr="*i32", swiglu_alpha="fp32", swiglu_limit="fp32"),
+                    dict(TOP_K=2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None, HAS_BIAS=False,
+                         SWIGLU=False)),
+    "moe_down": (_down_kernel, dict(act_ptr=BF16, w_ptr=BF16, out_ptr=BF16, weights_ptr="*fp32", bias_ptr=BF16,
+                                    sorted_pairs_ptr="*i32", block_expert_ptr="*i32"),
+                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None, HAS_BIAS=False)),
+    # gpt-oss's experts: biases and the clamped SwiGLU
+    "moe_gate_up_gpt_oss": (_gate_up_kernel, dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, bias_ptr=BF16,
+                                                  sorted_pairs_ptr="*i32", block_expert_ptr="*i32",
+                                                  swiglu_alpha="fp32", swiglu_limit="fp32"),
+                            dict(TOP_K=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None,
+                                 HAS_BIAS=True, SWIGLU=True)),
+    "moe_down_gpt_oss": (_down_kernel, dict(act_ptr=BF16, w_ptr=BF16, out_ptr=BF16, weights_ptr="*fp32",
+                                            bias_ptr=BF16, sorted_pairs_ptr="*i32", block_expert_ptr="*i32"),
+                         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, PRECISION=None, HAS_BIAS=True)),
     # Compressed BF16 weights: 1024-element chunks, 128 lanes a program.
     "bf16_decode": (_bf16_decode_kernel, dict(stream_ptr="*i16", offsets_ptr="*i64", table_ptr="*i32",
                                               sign_mantissa_ptr="*u8", out_ptr="*i32", n_elements="i64"),
