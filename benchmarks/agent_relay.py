@@ -17,6 +17,10 @@ server's CPU is read per thread from /proc over each run: the agent's event loop
 thread), its engine thread (the busiest other thread), and the bare server's loop. "Relay per
 message" is the agent loop's CPU over the messages it wrote; the bare server's figure is what
 gRPC alone costs a message in this process model, the floor for one message per request per step.
+
+Each batch runs twice on the same agent: per-request streams (Generate), then the same requests over
+one Session stream (node_agent.client.AgentSession, the router's default), where the agent writes one
+message per step for all of them. The comparison is the agent loop's CPU per token of each.
 Linux only (/proc, taskset).
 """
 
@@ -90,9 +94,11 @@ def pinned(cpu: int | None, argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(cpu), *argv] if cpu is not None else argv
 
 
-async def run_streams(address: str, batch: int, tokens: int, min_seconds: float) -> tuple[int, int, float]:
+async def run_streams(address: str, batch: int, tokens: int, min_seconds: float,
+                      sessions: bool = False) -> tuple[int, int, float]:
     """(messages, tokens) the server sent over rounds of `batch` concurrent streams lasting at least
-    `min_seconds`, and the seconds they took."""
+    `min_seconds`, and the seconds they took. `sessions`: every stream over one Session, whose
+    messages are the batches the agent wrote."""
     from node_agent.client import AgentClient
     from node_agent.proto import agent_pb2
 
@@ -107,18 +113,24 @@ async def run_streams(address: str, batch: int, tokens: int, min_seconds: float)
         return messages, received
 
     messages = received = 0
-    async with AgentClient(address, TOKEN) as client:
+    async with AgentClient(address, TOKEN, sessions=sessions) as client:
         await one(client, -1)  # the connection and the first request's warm-up stay out of the figures
+        session = client._session
+        if sessions and session is None:
+            raise RuntimeError("the agent did not keep the Session open")
+        batches_before = session.num_batches if sessions else 0
         started = time.perf_counter()
         while (elapsed := time.perf_counter() - started) < min_seconds:  # long enough for /proc's clock ticks
             for m, t in await asyncio.gather(*(one(client, i) for i in range(batch))):
                 messages, received = messages + m, received + t
+        if sessions:
+            messages = session.num_batches - batches_before
     return messages, received, elapsed
 
 
-def measure(pid: int, address: str, batch: int, tokens: int, min_seconds: float) -> dict:
+def measure(pid: int, address: str, batch: int, tokens: int, min_seconds: float, sessions: bool = False) -> dict:
     before = thread_ticks(pid)
-    messages, received, elapsed = asyncio.run(run_streams(address, batch, tokens, min_seconds))
+    messages, received, elapsed = asyncio.run(run_streams(address, batch, tokens, min_seconds, sessions))
     after = thread_ticks(pid)
     used = {tid: (after[tid] - before.get(tid, 0)) / os.sysconf("SC_CLK_TCK") for tid in after}
     loop_s = used.pop(pid, 0.0)
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text(f'site = "relay"\ngrpc_listen = "127.0.0.1:{grpc_port}"\n'
                           f'metrics_listen = "127.0.0.1:{metrics_port}"\npeer_token = "{PEER_TOKEN}"\n'
                           f'agent_token_sha256 = "{token_digest(TOKEN)}"\n'
-                          f'kv_data_port = {kv_port}\nmax_num_seqs = {max(batches) + 1}\ndevice = "cpu"\n'
+                          f'kv_data_port = {kv_port}\nmax_num_seqs = {max(batches) + 1}\nmax_waiting = {max(batches) + 1}\ndevice = "cpu"\n'
                           f'dtype = "float32"\n[models]\n{MODEL} = "{model_dir}"\n')
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         log("starting the agent")
@@ -180,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             for batch in batches:
                 rows[("agent", batch)] = measure(agent.pid, address, batch, args.tokens, args.seconds)
                 log(f"agent, {batch} streams: {rows[('agent', batch)]}")
+                rows[("session", batch)] = measure(agent.pid, address, batch, args.tokens, args.seconds, True)
+                log(f"agent, {batch} requests over one session: {rows[('session', batch)]}")
         finally:
             agent.terminate()
             agent.wait(timeout=30)
@@ -207,10 +221,23 @@ def main(argv: list[str] | None = None) -> int:
                       f"{a['loop_s'] / total:.0%}" if total else "-"))
     print()
     print(markdown_table(table))
-    biggest = rows[("agent", batches[-1])]
+    table = [("streams", "per-request: messages / tokens", "per-request: agent loop per token",
+              "session: messages / tokens", "session: agent loop per token", "session: tokens/s",
+              "session: loop share of the agent's CPU")]
+    for batch in batches:
+        a, s = rows[("agent", batch)], rows[("session", batch)]
+        total = s["loop_s"] + s["engine_s"] + s["other_s"]
+        table.append((batch, f"{a['messages']} / {a['tokens']}", f"{a['loop_s'] / a['tokens'] * 1e6:.1f} us",
+                      f"{s['messages']} / {s['tokens']}", f"{s['loop_s'] / s['tokens'] * 1e6:.1f} us",
+                      f"{s['tokens'] / s['seconds']:.0f}", f"{s['loop_s'] / total:.0%}" if total else "-"))
+    print()
+    print(markdown_table(table))
+    biggest, session = rows[("agent", batches[-1])], rows[("session", batches[-1])]
     per_message = biggest["loop_s"] / biggest["messages"]
     print(f"\nAt {per_message * 1e6:.0f} us a message, a step of 256 requests costs the event loop "
-          f"{256 * per_message * 1e3:.1f} ms of relaying (one message per request per step), with the GIL held.")
+          f"{256 * per_message * 1e3:.1f} ms of relaying (one message per request per step), with the GIL held; "
+          f"over a session, at {session['loop_s'] / session['tokens'] * 1e6:.0f} us a token, "
+          f"{256 * session['loop_s'] / session['tokens'] * 1e3:.1f} ms.")
     return 0
 
 

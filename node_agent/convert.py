@@ -65,13 +65,17 @@ def token_to_proto(event: TokenEvent) -> agent_pb2.Token:
     return token
 
 
-def token_chunk(events: list[TokenEvent]) -> agent_pb2.TokenChunk:
+def token_chunk(events: list[TokenEvent], chunk: agent_pb2.TokenChunk | None = None) -> agent_pb2.TokenChunk:
     """One stream message: the tokens one step made for a request (a speculative step's accepted tokens),
     or that queued while the reader was behind; the counts are the last event's (the prediction counts
     are every event's: a message never spans a change of them, engine.async_engine.TokenEvent.more).
-    Only fields that differ from proto3's defaults are set (a keyword per field costs the relay of every token)."""
+    Only fields that differ from proto3's defaults are set (a keyword per field costs the relay of every token).
+    `chunk`: an empty message to fill in place (a session batch's item), rather than a new one."""
     last = events[-1]
-    chunk = agent_pb2.TokenChunk(num_prompt_tokens=last.num_prompt_tokens)
+    if chunk is None:
+        chunk = agent_pb2.TokenChunk(num_prompt_tokens=last.num_prompt_tokens)
+    else:
+        chunk.num_prompt_tokens = last.num_prompt_tokens
     if last.finish_reason:
         chunk.finish_reason = last.finish_reason
     if last.num_cached_tokens:

@@ -3,12 +3,19 @@
 Each request RPC binds its task to the caller's request id and trace (`traceparent` metadata, a new
 trace when there is none), so the agent's log lines and its calls to peers carry them (node_agent.trace).
 
+`Session` carries Generate and Decode for many requests of one router over one stream: each request it
+opens runs exactly as the per-request call would (the same admission, engine path and status codes), and
+one SessionBatch per wake-up of the session (one engine step: the engine hands a step's tokens to the
+event loop at once) holds what every request made, so the agent writes one message per step and router
+rather than one per step and request (benchmarks/agent_relay.py measures both).
+
 `fetch_kv_hook` is a test seam: when set, every outgoing KV chunk passes through it, so tests can
 corrupt, truncate or kill a transfer; returning None ends the stream there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,10 +31,12 @@ from node_agent.core import AgentCore, KVSource
 from node_agent.errors import (AgentError, DrainingError, LeaseReleasedError, OverloadedError, UnknownModelError,
                                WrongRoleError)
 from node_agent.proto import agent_pb2, agent_pb2_grpc
-from node_agent.trace import bind, from_metadata, new_trace
+from node_agent.trace import HEADER, STATE_HEADER, TraceContext, bind, from_metadata, new_trace
 from node_agent.transfer import chunk_message
 
 log = logging.getLogger(__name__)
+
+SESSION_IDLE_CHECK_S = 1.0  # how often a session with no request open looks whether the agent drains
 
 FetchKVHook = Callable[[int, agent_pb2.KVChunk], Awaitable[agent_pb2.KVChunk | None]]
 
@@ -63,8 +72,10 @@ def _request_id(request_id: str, context: aio.ServicerContext) -> str:
     """The caller's id (field, else metadata) plus a suffix: an engine needs ids unique among its requests.
     Binds this RPC's task to the caller's id and trace (node_agent.trace)."""
     metadata = context.invocation_metadata() or ()
-    base = request_id or dict(metadata).get("x-request-id") or "anon"
-    caller = from_metadata(metadata)
+    return _bind(request_id or dict(metadata).get("x-request-id") or "anon", from_metadata(metadata))
+
+
+def _bind(base: str, caller: TraceContext | None) -> str:
     bind(base, caller.child() if caller is not None else new_trace())
     return f"{base}:{secrets.token_hex(4)}"
 
@@ -91,12 +102,26 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         self._on_drain = on_drain
         self.fetch_kv_hook: FetchKVHook | None = None
 
+    def generate_events(self, request: agent_pb2.GenerateRequest, request_id: str) -> AsyncIterator[TokenEvent]:
+        """A Generate request's events, the per-request call's and a session's alike (admitted on the first read)."""
+        return self.core.generate(request.model, list(request.prompt_ids), list(request.generated_ids),
+                                  sampling_from_proto(request.sampling), request_id)
+
+    def decode_events(self, request: agent_pb2.DecodeRequest, request_id: str,
+                      time_left: float | None) -> AsyncIterator[TokenEvent]:
+        source = None
+        if request.HasField("kv_source") and request.kv_source.address:
+            source = KVSource(request.kv_source.address, request.kv_source.kv_handle)
+        return self.core.decode(request.model, list(request.prompt_ids), list(request.generated_ids),
+                                sampling_from_proto(request.sampling), source, request_id, time_left)
+
     async def Generate(self, request: agent_pb2.GenerateRequest, context: aio.ServicerContext) -> None:
         request_id = _request_id(request.request_id, context)
         async with grpc_errors(context, request_id):
-            events = self.core.generate(request.model, list(request.prompt_ids), list(request.generated_ids),
-                                        sampling_from_proto(request.sampling), request_id)
-            await send_tokens(events, context)
+            await send_tokens(self.generate_events(request, request_id), context)
+
+    async def Session(self, requests: AsyncIterator[agent_pb2.SessionRequest], context: aio.ServicerContext) -> None:
+        await SessionRelay(self, context).run(requests)
 
     async def Prefill(self, request: agent_pb2.PrefillRequest, context: aio.ServicerContext):
         request_id = _request_id(request.request_id, context)
@@ -148,14 +173,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 
     async def Decode(self, request: agent_pb2.DecodeRequest, context: aio.ServicerContext):
         request_id = _request_id(request.request_id, context)
-        source = None
-        if request.HasField("kv_source") and request.kv_source.address:
-            source = KVSource(request.kv_source.address, request.kv_source.kv_handle)
         async with grpc_errors(context, request_id):
-            events = self.core.decode(request.model, list(request.prompt_ids), list(request.generated_ids),
-                                      sampling_from_proto(request.sampling), source, request_id,
-                                      context.time_remaining())
-            await send_tokens(events, context)
+            await send_tokens(self.decode_events(request, request_id, context.time_remaining()), context)
 
     async def GetModelInfo(self, request: agent_pb2.ModelInfoRequest, context: aio.ServicerContext):
         async with grpc_errors(context, "model-info"):
@@ -182,3 +201,161 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         deadline_s = request.deadline_s if request.deadline_s > 0 else self.core.config.drain_timeout_s
         self._on_drain(deadline_s)
         return agent_pb2.DrainResponse(draining=True, num_inflight=self.core.num_inflight)
+
+
+def _prediction_counts(event: TokenEvent) -> tuple[int, int]:
+    return event.num_accepted_prediction_tokens, event.num_rejected_prediction_tokens
+
+
+class SessionRelay:
+    """One Session stream. Each opened request runs in a task of its own through the servicer's
+    `generate_events` / `decode_events`, as the per-request call does, and leaves its events here; the
+    handler's task writes what every request left as one SessionBatch per wake-up. A request's events of
+    one batch travel as one TokenChunk, split only where their prediction counts change (what `more`
+    tells send_tokens: a message holds at most one step that verified proposals, its first).
+
+    A cancel item, or the end of the session (the router left, or its side closed), cancels the request's
+    task: leaving its event stream aborts the request in the engine and frees its KV, as a cancelled
+    per-request stream does. A draining agent refuses new opens through admission (UNAVAILABLE, as
+    Generate does), finishes the open ones, and ends the session once none is left."""
+
+    def __init__(self, servicer: AgentServicer, context: aio.ServicerContext):
+        self._servicer = servicer
+        self._context = context
+        self._loop = asyncio.get_running_loop()
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._events: dict[int, list[TokenEvent]] = {}   # per request: events not yet written
+        self._ended: dict[int, tuple[grpc.StatusCode, str] | None] = {}  # requests ended, not yet told: error or None
+        self._wake: asyncio.Future | None = None
+        self._closed = False   # the router's side ended: nothing more will be opened
+
+    async def run(self, requests: AsyncIterator[agent_pb2.SessionRequest]) -> None:
+        reader = asyncio.ensure_future(self._read(requests))
+        try:
+            while True:
+                if not self._events and not self._ended:
+                    if self._closed or (self._servicer.core.draining and not self._tasks):
+                        return
+                    await self._sleep()
+                    continue
+                await self._context.write(self._batch())
+        finally:
+            reader.cancel()
+            tasks = [reader, *self._tasks.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sleep(self) -> None:
+        self._wake = wake = self._loop.create_future()
+        if self._tasks:
+            await wake
+            return
+        try:  # nothing open: look again now and then whether the agent drains
+            await asyncio.wait_for(wake, SESSION_IDLE_CHECK_S)
+        except TimeoutError:
+            pass
+
+    def _notify(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _read(self, requests: AsyncIterator[agent_pb2.SessionRequest]) -> None:
+        try:
+            async for message in requests:
+                for request_id in message.cancel:
+                    self._cancel(request_id)
+                for item in message.open:
+                    self._open(item)
+        finally:
+            self._closed = True
+            self._notify()
+
+    def _open(self, item: agent_pb2.SessionOpen) -> None:
+        if item.id in self._tasks:
+            self._end(item.id, (grpc.StatusCode.INVALID_ARGUMENT, f"session request id {item.id} is already open; "
+                                                                 "give each open request an id of its own"))
+            return
+        kind = item.WhichOneof("request")
+        if kind is None:
+            self._end(item.id, (grpc.StatusCode.INVALID_ARGUMENT, "a session open carries no request; set its "
+                                                                 "generate or decode field"))
+            return
+        self._tasks[item.id] = asyncio.ensure_future(self._serve(item, kind))
+
+    def _cancel(self, request_id: int) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+        self._events.pop(request_id, None)
+        self._ended.pop(request_id, None)
+
+    async def _serve(self, item: agent_pb2.SessionOpen, kind: str) -> None:
+        """One opened request, on a task of its own (bound to its request id and trace, as an RPC's is)."""
+        session_id = item.id
+        request = getattr(item, kind)
+        caller = from_metadata(((HEADER, item.traceparent), (STATE_HEADER, item.tracestate))) \
+            if item.traceparent else None
+        request_id = _bind(request.request_id or "anon", caller)
+        time_left = item.timeout_s if item.timeout_s > 0 else None
+        deadline = asyncio.timeout(time_left)
+        error = None
+        try:
+            async with deadline:
+                if kind == "generate":
+                    events = self._servicer.generate_events(request, request_id)
+                else:
+                    events = self._servicer.decode_events(request, request_id, time_left)
+                async with aclosing(events):  # leaving early must reach the engine's abort now
+                    async for event in events:
+                        pending = self._events.get(session_id)
+                        if pending is None:
+                            self._events[session_id] = [event]
+                            self._notify()
+                        else:
+                            pending.append(event)
+        except (EngineError, AgentError) as exc:
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("request %s failed", request_id)
+            error = (code, str(exc))
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            error = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except Exception as exc:  # what gRPC would end the per-request call with (UNKNOWN), logged once
+            log.exception("request %s failed", request_id)
+            error = (grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc!r}")
+        if self._tasks.pop(session_id, None) is not None:  # not cancelled meanwhile
+            self._end(session_id, error)
+
+    def _end(self, session_id: int, error: tuple[grpc.StatusCode, str] | None) -> None:
+        self._ended[session_id] = error
+        self._notify()
+
+    def _batch(self) -> agent_pb2.SessionBatch:
+        """Everything made since the last batch, as one message."""
+        events, self._events = self._events, {}
+        ended, self._ended = self._ended, {}
+        batch = agent_pb2.SessionBatch()
+        items = batch.items
+        for session_id, held in events.items():
+            if len(held) == 1:
+                item = items.add(id=session_id)
+                token_chunk(held, item.chunk)
+            else:
+                start = 0
+                for end in range(1, len(held) + 1):
+                    if end == len(held) or _prediction_counts(held[end]) != _prediction_counts(held[end - 1]):
+                        item = items.add(id=session_id)
+                        token_chunk(held[start:end], item.chunk)
+                        start = end
+            if session_id in ended and ended[session_id] is None:
+                del ended[session_id]
+                item.finished = True
+        for session_id, error in ended.items():
+            item = items.add(id=session_id, finished=True)
+            if error is not None:
+                item.error.code, item.error.message = error[0].value[0], error[1]
+        return batch

@@ -47,6 +47,10 @@ class RouterConfig:
     agent_tls: bool = False
     agent_client_cert: str | None = None
     agent_client_key: str | None = None
+    # Requests to an agent share one long-lived gRPC stream (Session), which carries each engine step's
+    # tokens of all of them as one message; false: one Generate/Decode stream per request, as before.
+    # Agents without the Session RPC get per-request calls either way.
+    agent_sessions: bool = True
     # Prometheus: /metrics on a port of its own, apart from the public API (node_agent.metrics_server).
     # It asks for no token: bind it to an internal interface. None: no metrics port.
     metrics_listen: str | None = None    # host:port, e.g. "10.0.0.5:9401" (port 0: any free port)

@@ -54,7 +54,7 @@ class Router:
         if config.peer_token:
             log.warning("router: peer_token is the old name of agent_token; rename it (agents split by role "
                         "refuse their peer token from routers: deploy/README.md, Tokens)")
-        self.agents = AgentPool(config.agent_credential, agent_credentials(config))
+        self.agents = AgentPool(config.agent_credential, agent_credentials(config), sessions=config.agent_sessions)
         self.metrics = RouterMetrics()
         self.feed = SnapshotFeed(self.metrics.counting_errors("snapshot", self.registry.snapshot),
                                  config.snapshot_refresh_s, config.snapshot_max_age_s,

@@ -204,6 +204,56 @@ class DecodeRequest(_message.Message):
     kv_source: KVSource
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
 
+class SessionOpen(_message.Message):
+    __slots__ = ("id", "generate", "decode", "timeout_s", "traceparent", "tracestate")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    generate: GenerateRequest
+    decode: DecodeRequest
+    timeout_s: float
+    traceparent: str
+    tracestate: str
+    def __init__(self, id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: _containers.RepeatedCompositeFieldContainer[SessionOpen]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, open: _Optional[_Iterable[_Union[SessionOpen, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionItem(_message.Message):
+    __slots__ = ("id", "chunk", "error", "finished")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    chunk: TokenChunk
+    error: SessionError
+    finished: bool
+    def __init__(self, id: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class SessionBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SessionItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[SessionItem, _Mapping]]] = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class AgentStub:
                 request_serializer=agent__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=agent__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/edgefire.agent.v1.Agent/Session',
+                request_serializer=agent__pb2.SessionRequest.SerializeToString,
+                response_deserializer=agent__pb2.SessionBatch.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/edgefire.agent.v1.Agent/GetModelInfo',
                 request_serializer=agent__pb2.ModelInfoRequest.SerializeToString,
@@ -117,6 +122,17 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Generate and Decode for many requests over one long-lived stream (one per router and agent): the
+        router opens requests (the same GenerateRequest or DecodeRequest those calls take) and cancels them;
+        the agent answers with one batch per engine step holding every open request's new tokens, each as
+        the TokenChunk the per-request stream would send, or the status that call would end with. Requests
+        are admitted exactly as those calls' are; a session that ends cancels the requests still open on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -162,6 +178,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=agent__pb2.DecodeRequest.FromString,
                     response_serializer=agent__pb2.TokenChunk.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=agent__pb2.SessionRequest.FromString,
+                    response_serializer=agent__pb2.SessionBatch.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -314,6 +335,33 @@ class Agent:
             '/edgefire.agent.v1.Agent/Decode',
             agent__pb2.DecodeRequest.SerializeToString,
             agent__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/edgefire.agent.v1.Agent/Session',
+            agent__pb2.SessionRequest.SerializeToString,
+            agent__pb2.SessionBatch.FromString,
             options,
             channel_credentials,
             insecure,
