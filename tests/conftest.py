@@ -60,13 +60,32 @@ def pytest_unconfigure(config):
         os._exit(_exit_status)
 
 
-def pytest_collection_modifyitems(config, items):
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit a test belongs to: its file, or `tests/e2e` for every end-to-end file."""
+    path = Path(nodeid.split("::", 1)[0])
+    return str(path.parent) if path.parent.name == "e2e" else str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
     # Under pytest-xdist (`make test` runs `--dist loadgroup`), a test file's tests stay on one worker so
     # its module fixtures (a router, an agent, a cluster) start once; the end-to-end files share one
     # cluster and run in their file order (the drain test last), so they form one group. (The files that
     # start clusters of their own stay in it too: beside the shared cluster's fault tests, their start-up
     # load made the router's direct site checks time out.)
-    for item in items:
-        path = Path(str(item.fspath))
-        group = "e2e" if path.parent.name == "e2e" else f"{path.parent.name}/{path.name}"
-        item.add_marker(pytest.mark.xdist_group(group))
+    # The groups are named here, from each test's node id, rather than by xdist_group marks: xdist reads
+    # those by rewriting node ids, which pytest 9 no longer honours, so every test became a group of its
+    # own and each worker built every module's fixtures and started its own end-to-end clusters.
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    # Groups go out in file order, not largest first: the end-to-end fleet file, one test of two minutes,
+    # would otherwise start last and run alone at the end. In file order the two long groups (tests/e2e,
+    # tests/e2e_fleet) start side by side early in the run and the short ones fill in around them.
+    config.option.loadscopereorder = False
+    return FileGroupScheduling(config, log)

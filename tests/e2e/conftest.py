@@ -53,7 +53,9 @@ def cluster_config(model_dir: Path, state_dir: Path, tls: bool = False) -> Clust
                 "site_check_interval_s": 0.5, "placement_report_interval_s": 0.5})
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster stops once the last end-to-end test is done, not at the end of the session,
+# so the rest of the suite on this worker does not run beside its five idle processes.
+@pytest.fixture(scope="package")
 def cluster(endless_model_dir, tmp_path_factory) -> Iterator[Cluster]:
     cluster = Cluster(cluster_config(endless_model_dir, tmp_path_factory.mktemp("cluster")))
     cluster.start(timeout_s=120)
@@ -131,7 +133,7 @@ class LongPrompt:
     reference: Completion   # its fault-free greedy completion of DRAIN_TOKENS tokens
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def long_prompt(cluster) -> LongPrompt:
     """A prompt and its fault-free greedy completion of DRAIN_TOKENS tokens (about a second or more)."""
     with router_client(cluster, timeout_s=120.0) as http:

@@ -218,8 +218,13 @@ async def test_split_prefill_then_decode_with_kv_source_and_decode_loss(cluster,
     assert prefill.released  # the lease the lost decode site never took is ended
 
 
-async def test_everything_failing_before_first_token_is_503_with_retry_after(two_sites, http):
-    near, far, key, url = two_sites
+async def test_everything_failing_before_first_token_is_503_with_retry_after(cluster, make_router, http):
+    near = await cluster.add_site("fra", *FRA)
+    far = await cluster.add_site("par", *PAR)
+    key = await cluster.create_key()
+    # Full everywhere, for good: the wait for room (the tests below wait it out) ends
+    # in a fraction of a second rather than at the 2 s first-token timeout, twice.
+    _router, url = await make_router(max_full_wait_s=0.2)
     near.refuse = far.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
     response = await post(http, url, key)
     assert response.status_code == 503
