@@ -24,7 +24,7 @@ from engine.errors import CheckpointError
 from engine.tokenizer import ChatTokenizer
 from node_agent.client import AgentPool
 from router.errors import no_capacity
-from router.reasoning import ReasoningFormat, reasoning_format
+from router.reasoning import HarmonyFormat, ReasoningFormat, reasoning_format
 from router.tool_calls import ToolCallFormat, tool_call_format
 from router.snapshot import Snapshot
 
@@ -42,7 +42,7 @@ class ModelAssets:
     kv_bytes_per_token: int
     generation_config: dict
     sampling_defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())
-    reasoning: ReasoningFormat | None = None  # how the model marks its reasoning; None: it does not reason
+    reasoning: ReasoningFormat | HarmonyFormat | None = None  # how it marks its reasoning; None: it does not reason
     tool_calls: ToolCallFormat | None = None  # how the model writes tool calls; None: not recognised
     token_bytes: Callable[[int], bytes] | None = None  # a token's own bytes (logprobs' `bytes`); None: its text's
 
@@ -126,10 +126,15 @@ def build_assets(info, reasoning_parser: str | None = None, tool_call_parser: st
     config = json.loads(info.tokenizer_config_json) if info.tokenizer_config_json else {}
     generation_config = json.loads(info.generation_config_json) if info.generation_config_json else {}
     tokenizer = ChatTokenizer(info.tokenizer_json, config, info.chat_template or None)
+    reasoning, tool_calls = reasoning_format(tokenizer, reasoning_parser), tool_call_format(tokenizer, tool_call_parser)
+    if tool_calls is not None and tool_calls.name == "harmony" and not isinstance(reasoning, HarmonyFormat):
+        # Harmony calls are messages, which only the harmony reasoning parser reads out of the output.
+        raise ValueError(f"the harmony tool-call format needs the harmony reasoning parser, not "
+                         f"{reasoning.name if reasoning is not None else 'none'!r}; set both in the router config")
     return ModelAssets(info.model, tokenizer, int(info.context_length), list(info.eos_token_ids),
                        int(info.block_size) or 16, int(info.kv_bytes_per_token), generation_config,
-                       sampling_defaults(info.model, generation_config), reasoning_format(tokenizer, reasoning_parser),
-                       tool_call_format(tokenizer, tool_call_parser), token_bytes_reader(info.model, tokenizer))
+                       sampling_defaults(info.model, generation_config), reasoning, tool_calls,
+                       token_bytes_reader(info.model, tokenizer))
 
 
 def token_bytes_reader(model: str, tokenizer: ChatTokenizer) -> Callable[[int], bytes] | None:

@@ -35,6 +35,18 @@ Templates close an empty block to turn thinking off: Qwen3's `enable_thinking: f
 
 `reasoning_effort` is a template variable like any other: where a template reads it, the prompt shows
 its effect, and no value of it turns reasoning off.
+
+gpt-oss writes no tags but messages, in its "harmony" format (parser `harmony`, detected from a template
+that writes `<|channel|>` and `<|message|>`): `<|channel|>analysis<|message|>THOUGHTS<|end|>`, then
+`<|start|>assistant<|channel|>final<|message|>ANSWER<|return|>`, or a tool call, a commentary message to a
+recipient: `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`
+(the recipient may come before the channel). HarmonySplit reads the messages' headers: analysis bodies are
+the reasoning; final bodies, and commentary bodies without a recipient (a preamble: the model telling the
+user what it is about to do, before a call), are the answer's content; a message to a
+recipient is a call, which reaches the answer as `<|start|>RECIPIENT<|message|>ARGS<|call|>` for
+router.tool_calls' `harmony` format to read. Headers and end tokens are neither. Under a grammar the answer
+is framed as messages too (`harmony_grammar`): an optional analysis message, then a final message holding
+the answer, or (tool-call grammars write their own frames) the call's message.
 """
 
 from __future__ import annotations
@@ -55,10 +67,13 @@ PARSERS = {
 PARSER_ALIASES = {"deepseek_r1": "think", "deepseek_v3": "think", "qwen3": "think", "kimi_k2": "think",
                   "smollm3": "think", "cohere_command": "command"}
 NO_PARSER = "none"
+HARMONY = "harmony"                                      # gpt-oss: messages, not tags (HarmonyFormat)
+HARMONY_ALIASES = ("gpt_oss", "openai_gptoss")
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 
 
 def parser_names() -> list[str]:
-    return sorted({*PARSERS, *PARSER_ALIASES, NO_PARSER})
+    return sorted({*PARSERS, *PARSER_ALIASES, HARMONY, *HARMONY_ALIASES, NO_PARSER})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,30 @@ class ReasoningFormat:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class HarmonyFormat:
+    """gpt-oss's harmony messages (the module docstring): the ids of their frame's special tokens."""
+
+    name: str
+    start_id: int
+    channel_id: int
+    message_id: int
+    end_id: int
+    return_id: int
+    call_id: int
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The tokens that end a message: `<|end|>`, `<|return|>` (the last), `<|call|>` (a tool call)."""
+        return frozenset((self.end_id, self.return_id, self.call_id))
+
+    def starts_open(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
+        return False  # the output opens with a message header, never inside a body
+
+    def starts_closed(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
+        return False  # gpt-oss has no switch that turns its analysis off
+
+
 # Chat template variables that turn reasoning off when false (Qwen3 and SmolLM3 read the first, DeepSeek-V3.1
 # either): a request that sets one gets no reasoning block in its grammar, even from a template that ignores it.
 THINKING_SWITCHES = ("enable_thinking", "thinking")
@@ -95,10 +134,12 @@ THINKING_SWITCHES = ("enable_thinking", "thinking")
 _REASONING_RULES = ("REASONING: /(.|\\n)*/", r"BLANK: /[ \t\r\n]{1,4}/")
 
 
-def with_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, prompt_ids: list[int], tokenizer: ChatTokenizer,
-                   template_kwargs: dict) -> GrammarSpec:
+def with_reasoning(spec: GrammarSpec, fmt: ReasoningFormat | HarmonyFormat, prompt_ids: list[int],
+                   tokenizer: ChatTokenizer, template_kwargs: dict) -> GrammarSpec:
     """The grammar of a reasoning model's output whose answer must follow `spec`, from how the prompt leaves
     the block (the module's table)."""
+    if isinstance(fmt, HarmonyFormat):
+        return harmony_grammar(spec, fmt)
     if fmt.starts_open(prompt_ids, tokenizer):
         return after_reasoning(spec, fmt)
     if fmt.starts_closed(prompt_ids, tokenizer) or any(template_kwargs.get(k) is False for k in THINKING_SWITCHES):
@@ -120,6 +161,21 @@ def reasoning_first(spec: GrammarSpec, start_id: int, end_id: int) -> GrammarSpe
                                           *_REASONING_RULES, _answer_rules(spec)]))
 
 
+def harmony_grammar(spec: GrammarSpec, fmt: HarmonyFormat) -> GrammarSpec:
+    """The grammar of a harmony output (the generation prompt ends with `<|start|>assistant`, so the output opens
+    with a message's header) whose answer must follow `spec`: an optional analysis message, then a final message
+    holding the answer when `spec` is a response format (a JSON schema), or the messages `spec` itself frames
+    (router.tool_calls' harmony grammars write the call's message, or a final one, themselves)."""
+    channel, message = f"<[{fmt.channel_id}]>", f"<[{fmt.message_id}]>"
+    if spec.kind == "json_schema":
+        answer = [f'answer: {channel} "final" {message} final_json',
+                  f"final_json: {lark_json(json.loads(spec.source))}"]
+    else:
+        answer = [_answer_rules(spec)]
+    analysis = f'{channel} "analysis" {message} REASONING <[{fmt.end_id}]> <[{fmt.start_id}]> "assistant"'
+    return GrammarSpec("lark", "\n".join([f"start: ({analysis})? answer", _REASONING_RULES[0], *answer]))
+
+
 def _answer_rules(spec: GrammarSpec) -> str:
     """`spec` as Lark rules whose entry is `answer` (Lark grammars name theirs `start`)."""
     if spec.kind == "json_schema":
@@ -127,12 +183,19 @@ def _answer_rules(spec: GrammarSpec) -> str:
     return re.sub(r"^start:", "answer:", spec.source, count=1, flags=re.MULTILINE)
 
 
-def reasoning_format(tokenizer: ChatTokenizer, setting: str | None = None) -> ReasoningFormat | None:
+def reasoning_format(tokenizer: ChatTokenizer,
+                     setting: str | None = None) -> ReasoningFormat | HarmonyFormat | None:
     """The model's reasoning format from the operator's setting, else from its chat template; None for
     models that do not reason."""
     if setting is not None:
         if setting == NO_PARSER:
             return None
+        if setting == HARMONY or setting in HARMONY_ALIASES:
+            found = _harmony_format(tokenizer)
+            if found is None:
+                raise ValueError(f"reasoning parser {setting!r} needs {', '.join(HARMONY_TOKENS)} as single tokens "
+                                 f"of the model's vocabulary")
+            return found
         name = PARSER_ALIASES.get(setting, setting)
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {setting!r}; known: {', '.join(parser_names())}")
@@ -145,6 +208,8 @@ def reasoning_format(tokenizer: ChatTokenizer, setting: str | None = None) -> Re
     if template is None:
         return None
     text = "\n".join(template.sources.values())
+    if "<|channel|>" in text and "<|message|>" in text:
+        return _harmony_format(tokenizer)
     for name, (start, end) in PARSERS.items():
         if start in text and end in text:
             return _format(tokenizer, name)
@@ -157,6 +222,11 @@ def _format(tokenizer: ChatTokenizer, name: str) -> ReasoningFormat | None:
     if start_id is None or end_id is None:
         return None
     return ReasoningFormat(name, start_id, end_id)
+
+
+def _harmony_format(tokenizer: ChatTokenizer) -> HarmonyFormat | None:
+    ids = [tokenizer.token_to_id(token) for token in HARMONY_TOKENS]
+    return None if None in ids else HarmonyFormat(HARMONY, *ids)
 
 
 class ReasoningSplit:
@@ -194,6 +264,70 @@ class ReasoningSplit:
         return reasoning, answer
 
 
+# A header holds a role, a channel, a recipient and a content type: a few tokens. Output whose "header" runs
+# longer without a `<|message|>` is no harmony message (a model answering in plain text): it is the answer.
+MAX_HARMONY_HEADER_TOKENS = 48
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
+_HARMONY_RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
+
+
+class HarmonySplit:
+    """Routes each token of a harmony output (the module docstring) to the reasoning or the answer, message by
+    message. The output opens inside the first message's header (the prompt wrote `<|start|>assistant`); a
+    header is read whole, up to its `<|message|>`, before its body goes anywhere, since the channel and the
+    recipient decide where. A call's message reaches the answer as `<|start|>RECIPIENT<|message|>` (the
+    recipient's tokens as the tokenizer writes them), its arguments, and `<|call|>`, whichever order its header
+    had; nothing else of any header, nor any end token, does. A pure function of the tokens, as ReasoningSplit."""
+
+    def __init__(self, fmt: HarmonyFormat, tokenizer: ChatTokenizer) -> None:
+        self.fmt = fmt
+        self._tokenizer = tokenizer
+        self._header: list[int] | None = []   # the header being read; None inside a body
+        self._body = ""                       # where the body goes: "reasoning", "answer" or "call"
+        self.num_reasoning_tokens = 0         # the analysis messages' tokens, their headers and ends included
+
+    def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """(reasoning ids, answer ids) of the next generated tokens."""
+        reasoning, answer = [], []
+        for token_id in token_ids:
+            if self._header is not None:
+                self._header_token(token_id, answer)
+            elif token_id in self.fmt.end_ids:
+                if self._body == "call":
+                    answer.append(self.fmt.call_id)
+                elif self._body == "reasoning":
+                    self.num_reasoning_tokens += 1
+                self._header = []
+            elif self._body == "reasoning":
+                self.num_reasoning_tokens += 1
+                reasoning.append(token_id)
+            else:
+                answer.append(token_id)
+        return reasoning, answer
+
+    def _header_token(self, token_id: int, answer: list[int]) -> None:
+        if token_id in self.fmt.end_ids:  # a header that ends before its message: nothing of it is words
+            self._header = []
+        elif token_id != self.fmt.message_id:
+            self._header.append(token_id)
+            if len(self._header) > MAX_HARMONY_HEADER_TOKENS:
+                answer.extend(self._header)
+                self._header, self._body = None, "answer"
+        else:
+            text = self._tokenizer.decode(self._header, skip_special_tokens=False)
+            channel, recipient = _HARMONY_CHANNEL.search(text), _HARMONY_RECIPIENT.search(text)
+            if recipient is not None:
+                self._body = "call"
+                answer.extend([self.fmt.start_id, *self._tokenizer.encode(recipient.group(1), False),
+                               self.fmt.message_id])
+            elif channel is not None and channel.group(1) == "analysis":
+                self._body = "reasoning"
+                self.num_reasoning_tokens += len(self._header) + 1
+            else:  # final, a preamble (commentary to no one), a channel of another name: words for the user
+                self._body = "answer"
+            self._header = None
+
+
 class ReasoningStream:
     """One chat stream's reasoning text and answer tokens: `add(ids)` -> (reasoning text delta, answer ids).
 
@@ -202,9 +336,10 @@ class ReasoningStream:
     tokens would drop it. Only the block's own tags (ReasoningSplit) and the end-of-sequence tokens
     (`hidden_ids`: an answer that ends inside its block) are left out."""
 
-    def __init__(self, fmt: ReasoningFormat, starts_open: bool, tokenizer: ChatTokenizer,
+    def __init__(self, fmt: ReasoningFormat | HarmonyFormat, starts_open: bool, tokenizer: ChatTokenizer,
                  hidden_ids: frozenset[int] = frozenset()) -> None:
-        self.split = ReasoningSplit(fmt, starts_open)
+        self.split = (HarmonySplit(fmt, tokenizer) if isinstance(fmt, HarmonyFormat)
+                      else ReasoningSplit(fmt, starts_open))
         self._detokenizer = WindowDetokenizer(tokenizer, skip_special_tokens=False)
         self._hidden_ids = hidden_ids
         self._answer_started = False

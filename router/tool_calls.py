@@ -17,10 +17,20 @@ Recognised formats (the stored templates in tests/engine/chat_templates use all 
 | command_r7b | `<|START_ACTION|>[{"tool_call_id": I, "tool_name": N, "parameters": A}]<|END_ACTION|>` | Command R7B |
 | deepseek_v3 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>A<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` | DeepSeek V3.1 |
 | kimi_k2 | `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:I<|tool_call_argument_begin|>A<|tool_call_end|>...` | Kimi K2 |
+| harmony | `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>` (a message; one call) | gpt-oss |
 
-Templates not in this table (gpt-oss's harmony channels, Command R+'s `Action:` blocks, DeepSeek-R1's
-fenced calls) are not recognised: their requests with `tool_choice: required` get a 400, and their
-output is plain content.
+Templates not in this table (Command R+'s `Action:` blocks, DeepSeek-R1's fenced calls) are not recognised:
+their requests with `tool_choice: required` get a 400, and their output is plain content.
+
+gpt-oss's calls are harmony messages, read by router.reasoning's HarmonySplit (the `harmony` reasoning parser,
+which this format needs): a commentary message addressed to a recipient reaches the answer's text as
+`<|start|>functions.N<|message|>A<|call|>`, whichever order its header had, and is parsed from there as the
+other formats are (`<|call|>` ends the call, and the output: it is an end of sequence of gpt-oss). A recipient
+outside `functions.` (the built-in browser and python tools, which a request never offers) names no function,
+so its message is no call. Its grammars (HarmonyCalls) shape messages, not text inside the answer: a required
+call is the call's message, `auto` with strict tools a final message of free text or the call's message (a
+preamble may come first), and with a response format a final message of JSON or the call's message; the
+optional analysis message comes in front (router.reasoning.harmony_grammar).
 
 With `tool_choice: required` or a named function the output is constrained (engine.grammar) to
 exactly the format wrapping arguments that match the function's JSON schema, so it always parses.
@@ -626,6 +636,7 @@ class _Literals:
     the rest quoted."""
 
     def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
         self._special = _grammar_special_tokens(tokenizer)
 
     def __call__(self, text: str) -> str:
@@ -660,6 +671,48 @@ def _grammar_special_tokens(tokenizer: ChatTokenizer) -> dict[str, int]:
     return {token.content: token_id for token_id, token in added.items() if library.is_special_token(token_id)}
 
 
+@dataclass(frozen=True, slots=True)
+class HarmonyCalls(ToolCallFormat):
+    """gpt-oss's calls (the module docstring): parsed from the text HarmonySplit makes of a call's message, and
+    forced by grammars of the harmony messages the model itself writes."""
+
+    def grammar(self, tools: list[dict], parallel: bool, tokenizer: ChatTokenizer) -> GrammarSpec:
+        """One call's message (`<|call|>` ends the output: a harmony answer holds one call)."""
+        lit = _Literals(tokenizer)
+        return GrammarSpec("lark", "\n".join(["start: call_message", self._message_rule(tools, lit)]))
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, tokenizer: ChatTokenizer) -> GrammarSpec:
+        """A final message of free text, or a call's message (strict tools' arguments following their schema, the
+        others' any JSON object), a preamble to the user allowed before it. Free text holds no special token, so
+        it never opens a message of its own."""
+        lit = _Literals(tokenizer)
+        preamble = f'{lit("<|channel|>commentary<|message|>")} FREE_TEXT {lit("<|end|><|start|>assistant")}'
+        return GrammarSpec("lark", "\n".join([
+            f'start: {lit("<|channel|>final<|message|>")} FREE_TEXT | ({preamble})? call_message',
+            r"FREE_TEXT: /(.|\n)*/", self._message_rule(_as_enforced(tools), lit)]))
+
+    def answer_or_calls_grammar(self, answer: GrammarSpec, tools: list[dict], parallel: bool,
+                                tokenizer: ChatTokenizer) -> GrammarSpec:
+        """A final message of JSON following `answer`'s schema, or a call's message."""
+        lit = _Literals(tokenizer)
+        return GrammarSpec("lark", "\n".join([
+            f'start: {lit("<|channel|>final<|message|>")} final_answer | call_message',
+            f"final_answer: {lark_json(json.loads(answer.source))}", self._message_rule(_as_enforced(tools), lit)]))
+
+    @staticmethod
+    def _message_rule(tools: list[dict], lit: _Literals) -> str:
+        """`call_message`: a call's header as gpt-oss writes it (with `<|constrain|>json` where the vocabulary has
+        the token, else as its template writes earlier calls), its arguments and `<|call|>`."""
+        constrain = "<|constrain|>" in _grammar_special_tokens(lit.tokenizer)
+        bodies = []
+        for index, tool in enumerate(tools):
+            name = tool["function"]["name"]
+            header = (f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>" if constrain
+                      else f" to=functions.{name}<|channel|>commentary json<|message|>")
+            bodies.append(f"({lit(header)} {lark_json(_parameters(tool['function'], index))} {lit('<|call|>')})")
+        return "call_message: " + " | ".join(bodies)
+
+
 FORMATS = {f.name: f for f in (
     ToolCallFormat("hermes", ("<tool_call>", "</tool_call>"), call_begin="<tool_call>\n", call_end="\n</tool_call>",
                    separator="\n"),
@@ -679,6 +732,8 @@ FORMATS = {f.name: f for f in (
                    call_end="<|tool_call_end|>", name_key="", name_prefix="functions.", name_suffix_regex=":[0-9]+",
                    name_suffix_lark="/:[0-9]+/", name_sep="<|tool_call_argument_begin|>"),
     ToolCallFormat("llama3_json", ('"name": function name, "parameters"',), args_key="parameters", parallel=False),
+    HarmonyCalls("harmony", ("<|channel|>", "to=", "functions."), call_begin="<|start|>", call_end="<|call|>",
+                 name_key="", name_prefix="functions.", name_sep="<|message|>", parallel=False),
 )}
 
 

@@ -23,11 +23,13 @@ EXPECTED = {
     "meta-llama-Llama-3.1-8B-Instruct": "llama3_json", "meta-llama-Llama-3.2-3B-Instruct": "llama3_json",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral", "Mistral-Small-3.2-24B-Instruct-2506": "mistral_v11",
     "ibm-granite-granite-3.3-2B-Instruct": "granite", "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command_r7b",
-    "deepseek-ai-DeepSeek-V3.1": "deepseek_v3", "Kimi-K2-Thinking": "kimi_k2",
+    "deepseek-ai-DeepSeek-V3.1": "deepseek_v3", "Kimi-K2-Thinking": "kimi_k2", "openai-gpt-oss-120b": "harmony",
 }
 # Templates that cannot show a call of their own: Granite's drops assistant tool calls from the prompt,
-# Kimi K2's builds its tool-call turn with list.append, which the sandbox refuses (transformers' too).
-NOT_RENDERED = ("ibm-granite-granite-3.3-2B-Instruct", "Kimi-K2-Thinking")
+# Kimi K2's builds its tool-call turn with list.append, which the sandbox refuses (transformers' too); gpt-oss's
+# calls are harmony messages, which the reasoning split turns into this format's text
+# (tests/router/test_router_harmony.py).
+NOT_RENDERED = ("ibm-granite-granite-3.3-2B-Instruct", "Kimi-K2-Thinking", "openai-gpt-oss-120b")
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
     "additionalProperties": False}}}
