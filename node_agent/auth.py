@@ -35,13 +35,14 @@ digest is compared with all of them, each comparison in constant time and none s
 matches, so neither the time taken nor anything else tells which token, or which role, came close.
 No accepted agent token may be an accepted peer token: one token would open both roles again.
 
-Counting, for rotations: every accepted call is counted by the role of the token that opened it and by
-that token's `credential` label, the first 8 hex digits of its SHA-256 (what `printf %s TOKEN | sha256sum`
-prints, and how agent_token_sha256 already names an agent token). A position in the configured lists
-would name a different token once a rotation step reorders or shortens them, and differ between agents
-mid-rotation; the digest prefix names the same token on every agent and at every step, and gives away no
-more than the digest an agent holds anyway. Which candidate matched is recorded inside the comparison
-loop by arithmetic on each comparison's result, so finding it adds no branch and no early exit.
+Counting, for rotations: every accepted call (and every request a Session stream opens, as its own call
+was) is counted by the role of the token that opened it and by that token's `credential` label, the first
+8 hex digits of its SHA-256 (what `printf %s TOKEN | sha256sum` prints, and how agent_token_sha256 already
+names an agent token). A position in the configured lists would name a different token once a rotation
+step reorders or shortens them, and differ between agents mid-rotation; the digest prefix names the same
+token on every agent and at every step, and gives away no more than the digest an agent holds anyway.
+Which candidate matched is recorded inside the comparison loop by arithmetic on each comparison's result,
+so finding it adds no branch and no early exit.
 """
 
 from __future__ import annotations
@@ -259,5 +260,24 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
                 reason = UNAUTHENTICATED if refused[0] == grpc.StatusCode.UNAUTHENTICATED else PERMISSION_DENIED
                 self._observer.observe_refused(GRPC, reason)
         if refused is None:
+            if self._observer is not None and handler.request_streaming and handler.response_streaming:
+                return _counting_opens(handler, self._observer, match)
             return handler
         return _rejecting_handler(handler, *refused)
+
+
+def _counting_opens(handler: grpc.RpcMethodHandler, observer: AuthObserver, match: TokenMatch) -> grpc.RpcMethodHandler:
+    """Session's handler, counting each request the stream opens as an accepted call, as its own Generate or
+    Decode call was: a token still used over one long-lived session keeps its count growing (rotations)."""
+    serve = handler.stream_stream
+
+    async def counted(requests):
+        async for message in requests:
+            for _ in message.open:
+                observer.observe_accepted(GRPC, match.role, match.credential)
+            yield message
+
+    async def session(requests, context: aio.ServicerContext):
+        await serve(counted(requests), context)
+
+    return grpc.stream_stream_rpc_method_handler(session, handler.request_deserializer, handler.response_serializer)

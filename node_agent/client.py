@@ -213,6 +213,10 @@ class AgentSession:
 
     def cancel(self, session_id: int) -> None:
         if self._calls.pop(session_id, None) is not None and not self.ended:
+            unsent = next((item for item in self._opens if item.id == session_id), None)
+            if unsent is not None:   # its open has not gone out: it never will
+                self._opens.remove(unsent)
+                return
             self._cancels.append(session_id)
             self._wake_sender()
 

@@ -264,10 +264,12 @@ class SessionRelay:
     async def _read(self, requests: AsyncIterator[agent_pb2.SessionRequest]) -> None:
         try:
             async for message in requests:
-                for request_id in message.cancel:
-                    self._cancel(request_id)
+                # A cancel for an id not open is for an open of this same message (its client left before
+                # the open went out): that open is dropped. An open id is ended first, so it may be reused.
+                dropped = {request_id for request_id in message.cancel if not self._cancel(request_id)}
                 for item in message.open:
-                    self._open(item)
+                    if item.id not in dropped:
+                        self._open(item)
         finally:
             self._closed = True
             self._notify()
@@ -284,12 +286,15 @@ class SessionRelay:
             return
         self._tasks[item.id] = asyncio.ensure_future(self._serve(item, kind))
 
-    def _cancel(self, request_id: int) -> None:
+    def _cancel(self, request_id: int) -> bool:
+        """Whether the request was open (running, or ended and not yet told)."""
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
         self._events.pop(request_id, None)
+        told = request_id not in self._ended
         self._ended.pop(request_id, None)
+        return task is not None or not told
 
     async def _serve(self, item: agent_pb2.SessionOpen, kind: str) -> None:
         """One opened request, on a task of its own (bound to its request id and trace, as an RPC's is)."""
@@ -320,10 +325,12 @@ class SessionRelay:
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("request %s failed", request_id)
             error = (code, str(exc))
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            error = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except TimeoutError as exc:
+            if deadline.expired():
+                error = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            else:  # not its deadline: failed as the other unexpected errors below, never left unanswered
+                log.exception("request %s failed", request_id)
+                error = (grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc!r}")
         except Exception as exc:  # what gRPC would end the per-request call with (UNKNOWN), logged once
             log.exception("request %s failed", request_id)
             error = (grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc!r}")
