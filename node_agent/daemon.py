@@ -194,6 +194,8 @@ class Agent:
             await self.link_loop.stop()  # before the heartbeats close the registry client they share
         if self.heartbeats is not None:
             await self.heartbeats.stop(deregister)
+        if self.servicer is not None:
+            self.servicer.stop_sessions()   # an idle session would hold the stop below for its whole grace
         if self._server is not None:
             await self._server.stop(STOP_GRACE_S)
         if self._metrics_server is not None:

@@ -37,6 +37,9 @@ from node_agent.transfer import chunk_message
 log = logging.getLogger(__name__)
 
 SESSION_IDLE_CHECK_S = 1.0  # how often a session with no request open looks whether the agent drains
+# A session's message holds at most this many tokens and top logprobs (about 12 bytes each, far below the
+# 64 MiB message limit); what a writer that fell behind has beyond it goes out in the next messages.
+MAX_BATCH_ENTRIES = 1 << 20
 
 FetchKVHook = Callable[[int, agent_pb2.KVChunk], Awaitable[agent_pb2.KVChunk | None]]
 
@@ -101,6 +104,16 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         self.core = core
         self._on_drain = on_drain
         self.fetch_kv_hook: FetchKVHook | None = None
+        self.sessions: set[SessionRelay] = set()
+        self.stopping = False   # the agent stops: sessions take no new request and end once theirs are done
+
+    def stop_sessions(self) -> None:
+        """The agent is stopping: an idle session ends now (its router opens its next requests elsewhere)
+        rather than holding the server's stop for its grace period, and the others take no new request and
+        end when their requests are done, as per-request streams finish within the grace period."""
+        self.stopping = True
+        for relay in list(self.sessions):
+            relay.notify()
 
     def generate_events(self, request: agent_pb2.GenerateRequest, request_id: str) -> AsyncIterator[TokenEvent]:
         """A Generate request's events, the per-request call's and a session's alike (admitted on the first read)."""
@@ -230,16 +243,19 @@ class SessionRelay:
         self._closed = False   # the router's side ended: nothing more will be opened
 
     async def run(self, requests: AsyncIterator[agent_pb2.SessionRequest]) -> None:
+        servicer = self._servicer
         reader = asyncio.ensure_future(self._read(requests))
+        servicer.sessions.add(self)
         try:
             while True:
                 if not self._events and not self._ended:
-                    if self._closed or (self._servicer.core.draining and not self._tasks):
+                    if self._closed or ((servicer.core.draining or servicer.stopping) and not self._tasks):
                         return
                     await self._sleep()
                     continue
                 await self._context.write(self._batch())
         finally:
+            servicer.sessions.discard(self)
             reader.cancel()
             tasks = [reader, *self._tasks.values()]
             for task in tasks:
@@ -256,7 +272,7 @@ class SessionRelay:
         except TimeoutError:
             pass
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -272,9 +288,12 @@ class SessionRelay:
                         self._open(item)
         finally:
             self._closed = True
-            self._notify()
+            self.notify()
 
     def _open(self, item: agent_pb2.SessionOpen) -> None:
+        if self._servicer.stopping:   # as the stopping server refuses a new per-request call
+            self._end(item.id, (grpc.StatusCode.UNAVAILABLE, "the agent is stopping"))
+            return
         if item.id in self._tasks:
             self._end(item.id, (grpc.StatusCode.INVALID_ARGUMENT, f"session request id {item.id} is already open; "
                                                                  "give each open request an id of its own"))
@@ -317,7 +336,7 @@ class SessionRelay:
                         pending = self._events.get(session_id)
                         if pending is None:
                             self._events[session_id] = [event]
-                            self._notify()
+                            self.notify()
                         else:
                             pending.append(event)
         except (EngineError, AgentError) as exc:
@@ -339,29 +358,40 @@ class SessionRelay:
 
     def _end(self, session_id: int, error: tuple[grpc.StatusCode, str] | None) -> None:
         self._ended[session_id] = error
-        self._notify()
+        self.notify()
 
     def _batch(self) -> agent_pb2.SessionBatch:
-        """Everything made since the last batch, as one message."""
+        """What was made since the last batch, as one message: all of it unless a writer that fell behind
+        holds more than MAX_BATCH_ENTRIES tokens and top logprobs, whose rest (and the ends that follow
+        it) stays for the next message, in order."""
         events, self._events = self._events, {}
         ended, self._ended = self._ended, {}
         batch = agent_pb2.SessionBatch()
         items = batch.items
+        budget = MAX_BATCH_ENTRIES
         for session_id, held in events.items():
-            if len(held) == 1:
-                item = items.add(id=session_id)
-                token_chunk(held, item.chunk)
-            else:
-                start = 0
-                for end in range(1, len(held) + 1):
-                    if end == len(held) or _prediction_counts(held[end]) != _prediction_counts(held[end - 1]):
-                        item = items.add(id=session_id)
-                        token_chunk(held[start:end], item.chunk)
-                        start = end
-            if session_id in ended and ended[session_id] is None:
+            if budget <= 0:
+                self._events[session_id] = held
+                continue
+            taken = 0
+            while taken < len(held) and budget > 0:
+                budget -= 1 + len(held[taken].top_logprobs or ())
+                taken += 1
+            if taken < len(held):
+                self._events[session_id], held = held[taken:], held[:taken]
+            start = 0
+            for end in range(1, len(held) + 1):
+                if end == len(held) or _prediction_counts(held[end]) != _prediction_counts(held[end - 1]):
+                    item = items.add(id=session_id)
+                    token_chunk(held[start:end], item.chunk)
+                    start = end
+            if session_id not in self._events and session_id in ended and ended[session_id] is None:
                 del ended[session_id]
                 item.finished = True
         for session_id, error in ended.items():
+            if session_id in self._events:   # told after the tokens still to go
+                self._ended[session_id] = error
+                continue
             item = items.add(id=session_id, finished=True)
             if error is not None:
                 item.error.code, item.error.message = error[0].value[0], error[1]

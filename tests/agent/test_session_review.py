@@ -121,3 +121,86 @@ async def test_requests_over_a_session_are_counted_as_accepted_calls_as_per_requ
         grown.append(accepted_calls(agent) - before)
     assert grown[0] == num_requests
     assert grown[1] >= num_requests   # each request it opened, besides the session's own call
+
+
+async def test_a_stopping_agent_ends_its_idle_sessions_and_opens_no_request(start_agent, session_client):
+    """An idle session (a router's, between requests) ends as soon as the agent stops, rather than holding
+    the server's stop for its grace period; a request opened on a session of a stopping agent is refused
+    UNAVAILABLE, as a new call to a stopping server is, so the router places it elsewhere."""
+    agent = await start_agent()
+    idle, busy = session_client(agent), session_client(agent)
+    assert await collect(idle.generate(generate_request(0), timeout=60))   # open, now idle
+    running = busy.generate(generate_request(1, max_tokens=LONG), timeout=60)
+    assert (await running.read()).tokens   # open, with a request running
+    idle_session, busy_session = idle._session, busy._session
+    agent.servicer.stop_sessions()
+    await asyncio.wait_for(idle_session._reader, 10)   # the agent ended it
+    assert idle_session.ended and not busy_session.ended
+    refused = busy.generate(generate_request(2), timeout=60)
+    with pytest.raises(aio.AioRpcError) as error:
+        await collect(refused)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in error.value.details()
+    assert len(await collect(running)) > 0   # the running one goes on to its end, as within the grace
+    await asyncio.wait_for(busy_session._reader, 10)   # and its session ends after it
+    assert busy_session.ended
+
+
+async def test_a_writer_that_fell_behind_sends_what_it_holds_in_messages_under_the_budget(start_agent, connect,
+                                                                                        monkeypatch):
+    """Tokens that piled up while the session's write was stalled go out over several messages, each under the
+    budget, in order, with each request's end after its last tokens, so no message nears gRPC's size limit."""
+    from node_agent import service
+
+    monkeypatch.setattr(service, "MAX_BATCH_ENTRIES", 5)
+    gate = asyncio.Event()   # the session's writes wait for it: the router stopped reading for a while
+
+    class StalledWrites:
+        def __init__(self, context):
+            self._context = context
+
+        async def write(self, message):
+            await gate.wait()
+            await self._context.write(message)
+
+    relay_init = service.SessionRelay.__init__
+    monkeypatch.setattr(service.SessionRelay, "__init__",
+                        lambda relay, servicer, context: relay_init(relay, servicer, StalledWrites(context)))
+    agent = await start_agent()
+    client = connect(agent)
+    outgoing: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (message := await outgoing.get()) is not None:
+            yield message
+
+    call = client.stub.Session(requests(), metadata=client.metadata())
+    outgoing.put_nowait(agent_pb2.SessionRequest(open=[
+        agent_pb2.SessionOpen(id=i, generate=generate_request(i, max_tokens=12), timeout_s=60) for i in (1, 2)]))
+    started = False
+    for _ in range(400):   # both requests run to their end while nothing is written
+        await asyncio.sleep(0.025)
+        started = started or agent.core.num_inflight > 0
+        if started and agent.core.num_inflight == 0:
+            break
+    assert started
+    gate.set()
+    tokens: dict[int, list[int]] = {1: [], 2: []}
+    finished: list[int] = []
+    async for batch in call:
+        assert sum(len(item.chunk.tokens) for item in batch.items) <= 5
+        for item in batch.items:
+            assert item.id not in finished, "tokens after the request's end"
+            tokens[item.id] += [t.token_id for t in item.chunk.tokens]
+            if item.finished:
+                assert not item.HasField("error")
+                finished.append(item.id)
+        if len(finished) == 2:
+            break
+    outgoing.put_nowait(None)
+    call.cancel()
+    per_request = AgentClient(agent.address, PEER_TOKEN)
+    try:
+        for i in (1, 2):
+            assert tokens[i] == await collect(per_request.generate(generate_request(i, max_tokens=12), timeout=60))
+    finally:
+        await per_request.close()
