@@ -36,6 +36,7 @@ from node_agent.trace import HEADER, STATE_HEADER, outgoing_metadata
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20  # above the largest KV chunk an engine exports
+SESSION_MESSAGE_BYTES = 16 << 20  # a Session message's opens stop once they pass this (the next ones wait)
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -236,8 +237,12 @@ class AgentSession:
                 self._send_wake = self._loop.create_future()
                 await self._send_wake
                 continue
-            message = agent_pb2.SessionRequest(open=self._opens, cancel=self._cancels)
-            self._opens, self._cancels = [], []
+            opens, size = 0, 0   # a burst of long prompts goes out over several messages, each well under the limit
+            while opens < len(self._opens) and (not opens or size < SESSION_MESSAGE_BYTES):
+                size += self._opens[opens].ByteSize()
+                opens += 1
+            message = agent_pb2.SessionRequest(open=self._opens[:opens], cancel=self._cancels)
+            self._opens, self._cancels = self._opens[opens:], []
             yield message
 
     async def _read(self) -> None:

@@ -176,13 +176,13 @@ async def test_a_writer_that_fell_behind_sends_what_it_holds_in_messages_under_t
     call = client.stub.Session(requests(), metadata=client.metadata())
     outgoing.put_nowait(agent_pb2.SessionRequest(open=[
         agent_pb2.SessionOpen(id=i, generate=generate_request(i, max_tokens=12), timeout_s=60) for i in (1, 2)]))
-    started = False
     for _ in range(400):   # both requests run to their end while nothing is written
         await asyncio.sleep(0.025)
-        started = started or agent.core.num_inflight > 0
-        if started and agent.core.num_inflight == 0:
+        relays = list(agent.servicer.sessions)
+        if relays and len(relays[0]._ended) == 2:
             break
-    assert started
+    else:
+        pytest.fail("the requests did not end while the session's writes were stalled")
     gate.set()
     tokens: dict[int, list[int]] = {1: [], 2: []}
     finished: list[int] = []
@@ -202,5 +202,33 @@ async def test_a_writer_that_fell_behind_sends_what_it_holds_in_messages_under_t
     try:
         for i in (1, 2):
             assert tokens[i] == await collect(per_request.generate(generate_request(i, max_tokens=12), timeout=60))
+    finally:
+        await per_request.close()
+
+
+async def test_a_burst_of_opens_goes_out_over_messages_under_the_size_budget(start_agent, session_client, monkeypatch):
+    """Opens queued together (a burst of long prompts) are split across messages once they pass the budget, so
+    no message nears gRPC's limit, and each request is answered as alone."""
+    from node_agent import client as client_module
+
+    monkeypatch.setattr(client_module, "SESSION_MESSAGE_BYTES", 1)   # every open in a message of its own
+    sent: list[int] = []
+    requests = client_module.AgentSession._requests
+
+    async def counted(session):
+        async for message in requests(session):
+            sent.append(len(message.open))
+            yield message
+
+    monkeypatch.setattr(client_module.AgentSession, "_requests", counted)
+    agent = await start_agent()
+    session = session_client(agent)
+    calls = [session.generate(generate_request(i), timeout=60) for i in range(4)]   # queued in one go
+    answers = await asyncio.gather(*(collect(call) for call in calls))
+    assert max(sent) == 1 and sum(sent) == 4
+    per_request = AgentClient(agent.address, PEER_TOKEN)
+    try:
+        for i, answer in enumerate(answers):
+            assert answer == await collect(per_request.generate(generate_request(i), timeout=60))
     finally:
         await per_request.close()
