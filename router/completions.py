@@ -753,21 +753,24 @@ class Choices:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(run: CompletionRun) -> None:
+            # Whether a batch is its run's last is read as it is queued: a run reads ahead of the consumer
+            # (a step's tokens for every choice arrive at once), so by the time an earlier batch of it is
+            # taken, it may have finished, and its last batch, still queued, would be left unsent.
             try:
                 async with aclosing(run.chunks()) as batches:
                     async for batch in batches:
-                        await queue.put((run, batch, None))
+                        await queue.put((run, batch, None, run.finish_reason is not None))
             except Exception as exc:  # handed to the consumer, which raises it as the stream's failure
-                await queue.put((run, None, exc))
+                await queue.put((run, None, exc, True))
 
         tasks = [asyncio.ensure_future(pump(run)) for run in self.runs]
         try:
             running = set(self.runs)
             while running:
-                run, batch, error = await queue.get()
+                run, batch, error, last = await queue.get()
                 if error is not None:
                     raise error
-                if run.finish_reason is not None:
+                if last:
                     running.discard(run)
                 if not running:
                     r = self.request
