@@ -180,10 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text(f'site = "relay"\ngrpc_listen = "127.0.0.1:{grpc_port}"\n'
                           f'metrics_listen = "127.0.0.1:{metrics_port}"\npeer_token = "{PEER_TOKEN}"\n'
                           f'agent_token_sha256 = "{token_digest(TOKEN)}"\n'
-                          # max_waiting twice a round: once in three runs a session round's burst of 256 opens
-                          # was refused with 367 counted waiting (not investigated; see RESULTS.md)
                           f'kv_data_port = {kv_port}\nmax_num_seqs = {max(batches) + 1}\n'
-                          f'max_waiting = {2 * max(batches) + 1}\ndevice = "cpu"\n'
+                          f'max_waiting = {max(batches) + 1}\ndevice = "cpu"\n'
                           f'dtype = "float32"\n[models]\n{MODEL} = "{model_dir}"\n')
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         log("starting the agent")

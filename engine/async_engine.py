@@ -94,7 +94,7 @@ class AsyncEngine:
         self._unread_leases: dict[str, str] = {}
         # request id -> the KV blocks it may need, from its hand-off to the engine thread until the stats
         # count it: admission reads the stats of the last step, so without these a burst arriving within
-        # one step would all see the same queue and the same free blocks (pending_admissions)
+        # one step would all see the same queue and the same free blocks (admission_figures)
         self._pending: dict[str, int] = {}
         self._pending_lock = threading.Lock()
         self._added: list[str] = []  # engine thread: requests added since the stats were last refreshed
@@ -125,7 +125,6 @@ class AsyncEngine:
                     command()
                 if commands:
                     self._refresh_stats()  # aborts and releases free blocks without a step
-                    self._settle_added()
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self._refresh_stats()  # before any caller hears of this step
@@ -171,22 +170,22 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _refresh_stats(self) -> None:
-        self.latest_stats = self.engine.stats()  # one reference swap: readers on other threads see a whole object
-
-    def _settle_added(self) -> None:
-        """The requests just added are in latest_stats now: no longer pending."""
-        if self._added:
-            with self._pending_lock:
-                for request_id in self._added:
-                    self._pending.pop(request_id, None)
-            self._added.clear()
-
-    def pending_admissions(self) -> tuple[int, int]:
-        """(requests, KV blocks they may need) handed to the engine thread that latest_stats does not count
-        yet: an admission check adds them to the stats' waiting requests and subtracts them from its free
-        blocks."""
+        """New stats, and the requests added since the last ones leave the pending admissions in the same
+        move: a request counted by the stats and still pending was counted twice (each add's command refreshes
+        the stats, so a burst being added counted its added part twice)."""
+        stats = self.engine.stats()
         with self._pending_lock:
-            return len(self._pending), sum(self._pending.values())
+            self.latest_stats = stats  # one reference swap: readers on other threads see a whole object
+            for request_id in self._added:
+                self._pending.pop(request_id, None)
+        self._added.clear()
+
+    def admission_figures(self) -> tuple[EngineStats, int, int]:
+        """latest_stats, and the (requests, KV blocks they may need) handed to the engine thread that those
+        stats do not count yet, read together: an admission check adds them to the stats' waiting requests
+        and subtracts them from its free blocks."""
+        with self._pending_lock:
+            return self.latest_stats, len(self._pending), sum(self._pending.values())
 
     def _submit(self, command: Callable[[], None]) -> None:
         if self._error is not None or self._stopped:

@@ -189,9 +189,9 @@ class AgentCore:
         """
         if self.draining:
             raise DrainingError("this agent is draining and takes no new work; use another site")
-        stats = model.engine.latest_stats  # as of the last step: no wait for the step in progress
-        # what was admitted since those stats, which they do not count yet (a burst within one step)
-        pending, pending_blocks = model.engine.pending_admissions()
+        # stats as of the last step (no wait for the step in progress), and what was admitted since those
+        # stats, which they do not count yet (a burst within one step)
+        stats, pending, pending_blocks = model.engine.admission_figures()
         waiting = stats.num_waiting + pending
         if takes_slot:
             held = stats.num_running + waiting + self._decode_reserved.get(model.name, 0)
