@@ -133,3 +133,25 @@ def registry_server(tmp_path, unused_tcp_port):
     yield server
     if server._thread.is_alive():
         server.stop()
+
+
+def generate_request(index: int, max_tokens: int = 10, **fields) -> agent_pb2.GenerateRequest:
+    """Request `index` of a batch: a prompt of its own, greedy."""
+    return agent_pb2.GenerateRequest(request_id=f"r{index}", model=MODEL, prompt_ids=prompt(20 + index, start=index),
+                                     sampling=sampling(max_tokens), **fields)
+
+
+@pytest.fixture
+async def session_client():
+    """session_client(agent) -> an AgentClient sending Generate and Decode over one Session stream."""
+    clients: list[AgentClient] = []
+
+    def make(agent) -> AgentClient:
+        client = AgentClient(agent.address, PEER_TOKEN, sessions=True)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        assert client.sessions, "the client fell back to per-request calls: the agent has no Session RPC"
+        await client.close()

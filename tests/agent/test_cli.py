@@ -12,7 +12,7 @@ import sys
 from grpc import aio
 
 from node_agent.proto import agent_pb2
-from tests.agent.conftest import MODEL, PEER_TOKEN, collect, prompt, sampling
+from tests.agent.conftest import MODEL, PEER_TOKEN, prompt, sampling
 
 
 async def test_agent_process_serves_and_drains_on_sigterm(tmp_path, tiny_model_dir, unused_tcp_port, connect):

@@ -13,28 +13,20 @@ from grpc import aio
 from node_agent.client import AgentClient
 from node_agent.proto import agent_pb2
 
-from .conftest import MODEL, PEER_TOKEN, collect, prompt, sampling
+from .conftest import PEER_TOKEN, collect, generate_request
 
 LONG = 400   # tokens: a request of this length is still running when a short neighbour has finished
 
 
-def generate_request(index: int, max_tokens: int = 10) -> agent_pb2.GenerateRequest:
-    return agent_pb2.GenerateRequest(request_id=f"r{index}", model=MODEL, prompt_ids=prompt(20 + index, start=index),
-                                     sampling=sampling(max_tokens))
+def raw_session(client: AgentClient) -> tuple[aio.StreamStreamCall, asyncio.Queue]:
+    """A Session call driven by hand: each SessionRequest put on the queue is sent, None ends the stream."""
+    outgoing: asyncio.Queue = asyncio.Queue()
 
+    async def requests():
+        while (message := await outgoing.get()) is not None:
+            yield message
 
-@pytest.fixture
-async def session_client():
-    clients: list[AgentClient] = []
-
-    def make(agent) -> AgentClient:
-        client = AgentClient(agent.address, PEER_TOKEN, sessions=True)
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        await client.close()
+    return client.stub.Session(requests(), metadata=client.metadata()), outgoing
 
 
 async def test_a_cancel_in_the_same_message_as_its_open_keeps_the_request_from_running(start_agent, connect):
@@ -42,13 +34,7 @@ async def test_a_cancel_in_the_same_message_as_its_open_keeps_the_request_from_r
     must still reach it, or the request runs to its end for no one, holding its KV and a sequence slot."""
     agent = await start_agent()
     client = connect(agent)
-    outgoing: asyncio.Queue = asyncio.Queue()
-
-    async def requests():
-        while (message := await outgoing.get()) is not None:
-            yield message
-
-    call = client.stub.Session(requests(), metadata=client.metadata())
+    call, outgoing = raw_session(client)
     outgoing.put_nowait(agent_pb2.SessionRequest(
         open=[agent_pb2.SessionOpen(id=1, generate=generate_request(0, max_tokens=LONG), timeout_s=60)], cancel=[1]))
     outgoing.put_nowait(agent_pb2.SessionRequest(
@@ -167,13 +153,7 @@ async def test_a_writer_that_fell_behind_sends_what_it_holds_in_messages_under_t
                         lambda relay, servicer, context: relay_init(relay, servicer, StalledWrites(context)))
     agent = await start_agent()
     client = connect(agent)
-    outgoing: asyncio.Queue = asyncio.Queue()
-
-    async def requests():
-        while (message := await outgoing.get()) is not None:
-            yield message
-
-    call = client.stub.Session(requests(), metadata=client.metadata())
+    call, outgoing = raw_session(client)
     outgoing.put_nowait(agent_pb2.SessionRequest(open=[
         agent_pb2.SessionOpen(id=i, generate=generate_request(i, max_tokens=12), timeout_s=60) for i in (1, 2)]))
     for _ in range(400):   # both requests run to their end while nothing is written

@@ -11,33 +11,11 @@ import grpc
 import pytest
 from grpc import aio
 
-from node_agent.client import AgentClient
 from node_agent.proto import agent_pb2
 
-from .conftest import MODEL, PEER_TOKEN, collect, prompt, sampling, wait_for_free_blocks
+from .conftest import MODEL, collect, generate_request, prompt, sampling, wait_for_free_blocks
 
 NUM_REQUESTS = 12
-
-
-@pytest.fixture
-async def session_client():
-    """session_client(agent) -> an AgentClient sending Generate and Decode over one Session stream."""
-    clients: list[AgentClient] = []
-
-    def make(agent) -> AgentClient:
-        client = AgentClient(agent.address, PEER_TOKEN, sessions=True)
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        assert client.sessions, "the client fell back to per-request calls: the agent has no Session RPC"
-        await client.close()
-
-
-def generate_request(index: int, max_tokens: int = 10, **fields) -> agent_pb2.GenerateRequest:
-    return agent_pb2.GenerateRequest(request_id=f"r{index}", model=MODEL, prompt_ids=prompt(20 + index, start=index),
-                                     sampling=sampling(max_tokens), **fields)
 
 
 async def chunks_of(call) -> list[agent_pb2.TokenChunk]:

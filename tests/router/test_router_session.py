@@ -13,7 +13,6 @@ import json
 import logging
 
 import httpx
-import pytest
 from router_fake_agent import MODEL as FAKE_MODEL
 
 from node_agent.config import AgentConfig
