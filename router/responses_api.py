@@ -29,8 +29,8 @@ from router.responses import SERVICE_TIER, encode_json
 RESPONSES_PATH = "/v1/responses"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text")
-# Chat fields a Responses request may carry under their chat names (the router's sampling extensions, as
-# vLLM's Responses endpoint takes them); the chat parser validates them and its errors name them alike.
+# Chat fields a Responses request may carry under their chat names (the router's sampling extensions); the
+# chat parser validates them and its errors name them alike.
 CHAT_EXTENSIONS = frozenset({"seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                              "logit_bias", "stop", "chat_template_kwargs", "speculative"})
 RESPONSES_FIELDS = frozenset({
