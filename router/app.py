@@ -148,9 +148,11 @@ async def _model_card(router: Router, model: str, snapshot) -> dict:
     return card
 
 
-async def serve_completion(router: Router, chat: bool, scope, receive, send, route: str | None = None) -> None:
+async def serve_completion(router: Router, chat: bool, scope, receive, send, route: str | None = None,
+                           body_checked: bool = False) -> None:
     """One completion as a raw ASGI app: the response, or the error body FastAPI's handlers would give.
-    `route` labels its metrics (default: chat or completions)."""
+    `route` labels its metrics (default: chat or completions); `body_checked`: `receive` gives a body made from
+    the client's, whose size its edge held to max_body_bytes (router.responses_api.ResponsesEdge)."""
     request_id = _request_id()
     context = _client_trace(scope)
     trace.bind(request_id, context)
@@ -159,7 +161,7 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send, rou
     metrics.requests_running.inc()
     try:
         try:
-            response = await _complete(router, request_id, scope, receive, chat, answered, context)
+            response = await _complete(router, request_id, scope, receive, chat, answered, context, body_checked)
         except ClientDisconnect:
             return  # the client left before its answer: no one to answer
         except Exception as exc:
@@ -175,7 +177,9 @@ async def serve_completion(router: Router, chat: bool, scope, receive, send, rou
 async def serve_responses(router: Router, scope, receive, send) -> None:
     """/v1/responses: the chat completion handler, its body and answer translated (router.responses_api)."""
     edge = ResponsesEdge(receive, send, router.config.max_body_bytes)
-    await serve_completion(router, True, scope, edge.receive, edge.send, route="responses")
+    # The edge holds the client's body to the limit; its chat translation may be longer (each input item a
+    # whole message) and is not counted again.
+    await serve_completion(router, True, scope, edge.receive, edge.send, route="responses", body_checked=True)
 
 
 class _ResponsesAnswer(Response):
@@ -197,11 +201,12 @@ class _Answered:
 
 
 async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
-                    answered: _Answered | None = None, context: trace.TraceContext | None = None) -> Response:
+                    answered: _Answered | None = None, context: trace.TraceContext | None = None,
+                    body_checked: bool = False) -> Response:
     headers = Headers(scope=scope)
     # The key first: a caller without one gets its 401 before the router reads (up to max_body_bytes of) its body.
     api_key = await router.authenticate(authorization_header(scope["headers"]))
-    body = await _read_body(headers, receive, router.config.max_body_bytes)
+    body = await _read_body(headers, receive, router.config.max_body_bytes, body_checked)
     request = parse_request(parse_json(body), chat)
     if answered is not None:
         answered.model = request.model
@@ -249,7 +254,9 @@ async def _sse(run: CompletionRun | Choices):
         yield b"data: " + encode_json(internal_error(run.ctx.request_id).body()).encode() + b"\n\n", True
 
 
-async def _read_body(headers: Headers, receive, max_bytes: int) -> bytes:
+async def _read_body(headers: Headers, receive, max_bytes: int, body_checked: bool = False) -> bytes:
+    """The body, refused past `max_bytes` as its Content-Length declares and, unless its edge counted the client's
+    bytes already (`body_checked`), as it arrives."""
     encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         # A compressed body was read as JSON ("not valid UTF-8"); unpacking it would also let a small
@@ -267,7 +274,7 @@ async def _read_body(headers: Headers, receive, max_bytes: int) -> bytes:
             raise ClientDisconnect()
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > max_bytes:
+        if size > max_bytes and not body_checked:
             raise too_large(f"The request body exceeds {max_bytes} bytes; send a smaller request.")
         chunks.append(chunk)
         if not message.get("more_body", False):

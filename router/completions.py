@@ -211,7 +211,7 @@ class CompletionService:
                 tools = request.tools if request.tool_choice != "none" else None
                 encode = functools.partial(tokenizer.encode_chat, tools=tools, documents=request.documents,
                                            **request.template_kwargs)
-                args = (request.messages,)
+                args = (assets.template_messages(request.messages),)
             elif isinstance(prompt := request.prompts[index], list):
                 if max(prompt) >= tokenizer.vocab_size:
                     param = self._prompt_param(request, index)

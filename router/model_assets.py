@@ -24,7 +24,7 @@ from engine.errors import CheckpointError
 from engine.tokenizer import ChatTokenizer
 from node_agent.client import AgentPool
 from router.errors import no_capacity
-from router.reasoning import HarmonyFormat, ReasoningFormat, reasoning_format
+from router.reasoning import HarmonyFormat, ReasoningFormat, fold_preambles, reasoning_format
 from router.tool_calls import ToolCallFormat, tool_call_format
 from router.snapshot import Snapshot
 
@@ -45,6 +45,11 @@ class ModelAssets:
     reasoning: ReasoningFormat | HarmonyFormat | None = None  # how it marks its reasoning; None: it does not reason
     tool_calls: ToolCallFormat | None = None  # how the model writes tool calls; None: not recognised
     token_bytes: Callable[[int], bytes] | None = None  # a token's own bytes (logprobs' `bytes`); None: its text's
+
+    def template_messages(self, messages: list[dict]) -> list[dict]:
+        """A chat request's messages as the model's template takes them: gpt-oss's refuses a calling turn with
+        both a preamble and reasoning, which it gets folded (router.reasoning.fold_preambles)."""
+        return fold_preambles(messages) if isinstance(self.reasoning, HarmonyFormat) else messages
 
 
 @dataclass(slots=True)

@@ -46,7 +46,9 @@ user what it is about to do, before a call), are the answer's content; a message
 recipient is a call, which reaches the answer as `<|start|>RECIPIENT<|message|>ARGS<|call|>` for
 router.tool_calls' `harmony` format to read. Headers and end tokens are neither. Under a grammar the answer
 is framed as messages too (`harmony_grammar`): an optional analysis message, then a final message holding
-the answer, or (tool-call grammars write their own frames) the call's message.
+the answer, or (tool-call grammars write their own frames) the call's message. Such an answer sent back as an
+earlier turn (a preamble as content, reasoning and a call) is one gpt-oss's template refuses; `fold_preambles`
+gives the template the turn it takes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from engine.chat_template import REASONING_KEYS
 from engine.grammar import GrammarSpec, lark_json
 from engine.tokenizer import ChatTokenizer
 from router.text_stream import WindowDetokenizer
@@ -123,6 +126,29 @@ class HarmonyFormat:
 
     def starts_closed(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
         return False  # gpt-oss has no switch that turns its analysis off
+
+
+def fold_preambles(messages: list[dict]) -> list[dict]:
+    """The messages as gpt-oss's template takes them: an assistant turn with tool calls that carries both a
+    preamble (`content`) and reasoning, as the router answers a preamble then a call, holds the two joined as
+    its reasoning, the preamble after the thoughts (the order the model wrote them), and no content.
+
+    The template refuses such a turn ("Cannot pass both content and thinking"), yet a client sending back what
+    it received must be served. The template renders no commentary message to no one: of a calling turn it
+    shows one analysis message, the reasoning, or the content when there is no reasoning, so it already reads
+    a preamble as thoughts. Joined, the model sees both texts it wrote where the template shows a calling turn's
+    words (and loses both, as any calling turn's thoughts, once a final answer follows); dropping the preamble
+    would hide from the model what it told the user."""
+    folded = []
+    for message in messages:
+        reasoning = next((message[key] for key in REASONING_KEYS if message.get(key) is not None), None)
+        content = message.get("content")
+        if (message.get("role") == "assistant" and message.get("tool_calls") and isinstance(content, str)
+                and content and isinstance(reasoning, str) and reasoning):
+            turn = {key: value for key, value in message.items() if key not in REASONING_KEYS}
+            message = {**turn, "content": "", "reasoning_content": f"{reasoning}\n\n{content}"}
+        folded.append(message)
+    return folded
 
 
 # Chat template variables that turn reasoning off when false (Qwen3 and SmolLM3 read the first, DeepSeek-V3.1
