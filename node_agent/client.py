@@ -17,7 +17,9 @@ gets a call of its own with the per-request call's surface (`read`, `async for`,
 chunks, the same AioRpcError codes, its own deadline), so callers cannot tell the two apart; a broken
 session fails each of its requests with the session's status, as a broken per-request stream does. An
 agent that answers Session with UNIMPLEMENTED (older than the RPC) gets per-request calls from then on,
-those it had been sent over the session included.
+those it had been sent over the session included. A pool's `observer` (a SessionObserver: the router's
+metrics) hears of each session that broke with requests open and each request sent per request for want
+of the RPC; `open_sessions()` lists the addresses with a session open.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextvars
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 from grpc import aio
@@ -55,11 +58,23 @@ CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
 log = logging.getLogger(__name__)
 
 
+class SessionObserver(Protocol):
+    """Told of a client's session events, on the event loop (so it must not block)."""
+
+    def session_broken(self, address: str) -> None:
+        """A session to `address` ended with an error while requests were open (they failed with it)."""
+
+    def sent_per_request(self, address: str) -> None:
+        """A request meant for a session went out as its own call: the agent has no Session RPC."""
+
+
 class AgentClient:
     def __init__(self, address: str, token: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 sessions: bool = False):
+                 sessions: bool = False, observer: SessionObserver | None = None):
         self.address = address
         self.sessions = sessions   # turned off for good when the agent answers Session with UNIMPLEMENTED
+        self._wants_sessions = sessions
+        self.observer = observer
         self._session: AgentSession | None = None
         if credentials is not None:
             self._channel = aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
@@ -77,7 +92,7 @@ class AgentClient:
                  timeout: float | None = None) -> aio.UnaryStreamCall | SessionCall:
         if self.sessions:
             return self._session_call("generate", request, timeout)
-        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata(request.request_id))
+        return self.per_request_call("generate", request, timeout, self.metadata(request.request_id))
 
     async def prefill(self, request: agent_pb2.PrefillRequest, timeout: float | None = None) -> agent_pb2.PrefillResult:
         return await self.stub.Prefill(request, timeout=timeout, metadata=self.metadata(request.request_id))
@@ -86,7 +101,7 @@ class AgentClient:
                timeout: float | None = None) -> aio.UnaryStreamCall | SessionCall:
         if self.sessions:
             return self._session_call("decode", request, timeout)
-        return self.stub.Decode(request, timeout=timeout, metadata=self.metadata(request.request_id))
+        return self.per_request_call("decode", request, timeout, self.metadata(request.request_id))
 
     def _session_call(self, kind: str, request, timeout: float | None) -> SessionCall:
         session = self._session
@@ -97,7 +112,9 @@ class AgentClient:
 
     def per_request_call(self, kind: str, request, timeout: float | None,
                          metadata: tuple[tuple[str, str], ...]) -> aio.UnaryStreamCall:
-        """The Generate or Decode call a session's request falls back to (an agent without Session)."""
+        """A Generate or Decode call of its own: sessions off, or an agent without the Session RPC."""
+        if self._wants_sessions and self.observer is not None:
+            self.observer.sent_per_request(self.address)
         method = self.stub.Generate if kind == "generate" else self.stub.Decode
         return method(request, timeout=timeout, metadata=metadata)
 
@@ -153,18 +170,25 @@ class AgentClient:
 class AgentPool:
     """One AgentClient (one channel) per agent address, all with the same token and credentials."""
 
-    def __init__(self, token: str, credentials: grpc.ChannelCredentials | None = None, sessions: bool = False) -> None:
+    def __init__(self, token: str, credentials: grpc.ChannelCredentials | None = None, sessions: bool = False,
+                 observer: SessionObserver | None = None) -> None:
         self._token = token
         self._credentials = credentials
         self._sessions = sessions
+        self._observer = observer
         self._clients: dict[str, AgentClient] = {}
 
     def client(self, address: str) -> AgentClient:
         client = self._clients.get(address)
         if client is None:
             client = self._clients[address] = AgentClient(address, self._token, credentials=self._credentials,
-                                                          sessions=self._sessions)
+                                                          sessions=self._sessions, observer=self._observer)
         return client
+
+    def open_sessions(self) -> list[str]:
+        """The addresses whose client holds a Session stream open (one at most per client)."""
+        return [address for address, client in list(self._clients.items())
+                if client._session is not None and not client._session.ended]
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -281,6 +305,8 @@ class AgentSession:
         if calls and not fall_back and not self._closed:
             log.warning("session to agent %s ended (%s: %s); failing its %d open request(s)", self._client.address,
                         error.code().name, error.details(), len(calls))
+            if self._client.observer is not None:
+                self._client.observer.session_broken(self._client.address)
         for call in calls:
             if fall_back:
                 call.fall_back(self._client)

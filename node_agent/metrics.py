@@ -77,6 +77,14 @@ class AgentMetrics:
                                      registry=r)
         self.active_role = Gauge("edgefire_agent_active_role", "1 for each role this site takes new work for",
                                  ["role"], registry=r)
+        # Routers' Session streams (node_agent.service.SessionRelay): with the token counters, messages tell
+        # how many tokens one message carries (a per-request stream sends one message per token and request)
+        self.sessions_open = Gauge("edgefire_agent_sessions_open", "Session streams open from routers", registry=r)
+        self.session_messages = Counter("edgefire_agent_session_messages", "Messages written on Session streams "
+                                        "(one per wake-up: every open request's tokens of an engine step)",
+                                        registry=r)
+        self.session_requests = Counter("edgefire_agent_session_requests", "Requests opened over Session "
+                                        "streams, by rpc (generate or decode)", ["rpc"], registry=r)
         self._prompt_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]: the hit ratio
         self._step_totals: dict[str, StepTotals] = {}
         r.register(StepTotalsCollector(self._step_totals))

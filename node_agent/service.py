@@ -244,8 +244,10 @@ class SessionRelay:
 
     async def run(self, requests: AsyncIterator[agent_pb2.SessionRequest]) -> None:
         servicer = self._servicer
+        metrics = servicer.core.metrics
         reader = asyncio.ensure_future(self._read(requests))
         servicer.sessions.add(self)
+        metrics.sessions_open.inc()
         try:
             while True:
                 if not self._events and not self._ended:
@@ -254,7 +256,9 @@ class SessionRelay:
                     await self._sleep()
                     continue
                 await self._context.write(self._batch())
+                metrics.session_messages.inc()
         finally:
+            metrics.sessions_open.dec()
             servicer.sessions.discard(self)
             reader.cancel()
             tasks = [reader, *self._tasks.values()]
@@ -303,6 +307,7 @@ class SessionRelay:
             self._end(item.id, (grpc.StatusCode.INVALID_ARGUMENT, "a session open carries no request; set its "
                                                                  "generate or decode field"))
             return
+        self._servicer.core.metrics.session_requests.labels(kind).inc()
         self._tasks[item.id] = asyncio.ensure_future(self._serve(item, kind))
 
     def _cancel(self, request_id: int) -> bool:

@@ -15,7 +15,11 @@ What is counted where:
   between streamed chunks, and the whole request; tokens in, out and served from prefix caches;
 - rate-limit rejections, registry errors by operation, the snapshot's age and its live sites, and
   failed snapshot refreshes by reason (router.snapshot_feed: unreachable, unauthorized, error_status,
-  bad_encoding, feed_error), read from the feed at each scrape.
+  bad_encoding, feed_error), read from the feed at each scrape;
+- the agent Session streams (node_agent.client) by site: those open, read from the agent pool at each
+  scrape, those that broke with requests open, and requests sent per request because the agent has no
+  Session RPC (a rollout with older agents shows there). `site` is the snapshot's name for the agent's
+  address ("unknown" for an address no site in it has).
 
 The hot path stays cheap: each label set's child is looked up once per request (`ModelMetrics`),
 every label set is bounded (models the snapshot lists, sites, gRPC status names), and the only
@@ -30,13 +34,14 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from registry.client import RegistryError
 from router.errors import ApiError
 from router.snapshot_feed import FAILURE_REASONS
 
 UNKNOWN_MODEL = "unknown"
+UNKNOWN_SITE = "unknown"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
                 20.0, 40.0)
 # As fine as the agents' at the low end (a CPU or a fast GPU streams a token every few ms: a first bucket
@@ -106,9 +111,17 @@ class RouterMetrics:
                                             "for a grant's life), else 0 (router/rate_limit.py)", registry=r)
         self.rate_limit_routers = Gauge("edgefire_router_rate_limit_live_routers", "Routers sharing keys' limits, "
                                         "as the registry last counted them", registry=r)
+        self.session_breaks = Counter("edgefire_router_agent_session_breaks", "Session streams to an agent that "
+                                      "ended with an error while requests were open on them, by site",
+                                      ["site"], registry=r)
+        self.per_request_calls = Counter("edgefire_router_agent_per_request_calls", "Requests sent to an agent as "
+                                         "calls of their own because it has no Session RPC, by site",
+                                         ["site"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
         self._feed = None
+        self._agents = None
         r.register(SnapshotFailuresCollector(self))
+        r.register(OpenSessionsCollector(self))
         # (prefill site, decode site) -> requests placed since the last report to the registry (the
         # dashboard's arcs, router.placement_report); one dict increment per request
         self.unreported: dict[tuple[str, str], int] = {}
@@ -123,6 +136,32 @@ class RouterMetrics:
         """The rate-limit gauges read `limiter` (router.rate_limit.RateLimiter) at each scrape."""
         self.rate_limit_local_share.set_function(lambda: float(limiter.local_share))
         self.rate_limit_routers.set_function(lambda: float(limiter.live_routers))
+
+    def follow_sessions(self, agents) -> None:
+        """The open-sessions gauge reads `agents` (node_agent.client.AgentPool) at each scrape."""
+        self._agents = agents
+
+    def site_label(self, address: str) -> str:
+        """The name of the snapshot's site at an agent address; "unknown" when none is there."""
+        if self._feed is None:
+            return UNKNOWN_SITE
+        try:
+            snapshot = self._feed.current()
+        except ApiError:
+            return UNKNOWN_SITE
+        names = snapshot.placement_cache.get("metrics.sites")
+        if names is None:
+            names = snapshot.placement_cache["metrics.sites"] = {site.grpc_address: site.name
+                                                                 for site in snapshot.sites}
+        return names.get(address, UNKNOWN_SITE)
+
+    # -- agent sessions (a node_agent.client.SessionObserver) ---------------------------------
+
+    def session_broken(self, address: str) -> None:
+        self.session_breaks.labels(self.site_label(address)).inc()
+
+    def sent_per_request(self, address: str) -> None:
+        self.per_request_calls.labels(self.site_label(address)).inc()
 
     # -- per request -------------------------------------------------------------------------
 
@@ -200,6 +239,32 @@ class SnapshotFailuresCollector:
                                      "bad_encoding (a body that does not decode), feed_error", labels=["reason"])
         for reason in FAILURE_REASONS:
             family.add_metric([reason], counts.get(reason, 0))
+        yield family
+
+
+class OpenSessionsCollector:
+    """Session streams open from this router, by site: every site of the snapshot present (0 with none),
+    so a site whose sessions ended shows 0 rather than its last value."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        metrics = self._metrics
+        family = GaugeMetricFamily("edgefire_router_agent_sessions_open", "Session streams open to agents, by "
+                                   "site", labels=["site"])
+        counts: dict[str, int] = {}
+        if metrics._feed is not None:
+            try:
+                counts = {site.name: 0 for site in metrics._feed.current().sites}
+            except ApiError:
+                pass
+        if metrics._agents is not None:
+            for address in metrics._agents.open_sessions():
+                site = metrics.site_label(address)
+                counts[site] = counts.get(site, 0) + 1
+        for site, count in sorted(counts.items()):
+            family.add_metric([site], count)
         yield family
 
 

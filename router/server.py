@@ -54,8 +54,10 @@ class Router:
         if config.peer_token:
             log.warning("router: peer_token is the old name of agent_token; rename it (agents split by role "
                         "refuse their peer token from routers: deploy/README.md, Tokens)")
-        self.agents = AgentPool(config.agent_credential, agent_credentials(config), sessions=config.agent_sessions)
         self.metrics = RouterMetrics()
+        self.agents = AgentPool(config.agent_credential, agent_credentials(config), sessions=config.agent_sessions,
+                                observer=self.metrics)
+        self.metrics.follow_sessions(self.agents)
         self.feed = SnapshotFeed(self.metrics.counting_errors("snapshot", self.registry.snapshot),
                                  config.snapshot_refresh_s, config.snapshot_max_age_s,
                                  SiteChecks(self._check_health, config.site_check_interval_s))
