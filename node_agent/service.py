@@ -60,15 +60,21 @@ def status_for(exc: Exception) -> grpc.StatusCode:
     return next((code for kind, code in _STATUS if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
 
 
+def request_failure(exc: EngineError | AgentError, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The status a request that failed with `exc` ends with (a per-request call's or a session's), logged
+    with its traceback when it is the agent's own fault (INTERNAL)."""
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("request %s failed", request_id)
+    return code, str(exc)
+
+
 @asynccontextmanager
 async def grpc_errors(context: aio.ServicerContext, request_id: str):
     try:
         yield
     except (EngineError, AgentError) as exc:
-        code = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("request %s failed", request_id)
-        await context.abort(code, str(exc))
+        await context.abort(*request_failure(exc, request_id))
 
 
 def _request_id(request_id: str, context: aio.ServicerContext) -> str:
@@ -345,10 +351,7 @@ class SessionRelay:
                         else:
                             pending.append(event)
         except (EngineError, AgentError) as exc:
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("request %s failed", request_id)
-            error = (code, str(exc))
+            error = request_failure(exc, request_id)
         except TimeoutError as exc:
             if deadline.expired():
                 error = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from types import SimpleNamespace
 
 import httpx
 from router_fake_agent import MODEL as FAKE_MODEL
@@ -85,35 +86,43 @@ async def test_concurrent_streams_over_sessions_match_per_request_streams(cluste
         assert num_batches < num_requests * 24 / 2
 
 
+@contextlib.contextmanager
+def broken_session(servicer, at: int):
+    """Within: the Session of `servicer`'s agent breaks (its connection reset) as it builds its `at`-th batch
+    with requests open; the yielded object's `num_batches` counts those batches."""
+    batch = SessionRelay._batch
+    counter = SimpleNamespace(num_batches=0)
+
+    def breaking_batch(relay):
+        if relay._servicer is servicer and relay._tasks:
+            counter.num_batches += 1
+            if counter.num_batches == at:
+                raise ConnectionResetError("the session's connection broke")
+        return batch(relay)
+
+    SessionRelay._batch = breaking_batch
+    try:
+        yield counter
+    finally:
+        SessionRelay._batch = batch
+
+
 async def test_a_session_broken_mid_stream_resumes_its_requests_elsewhere(cluster, make_router, tiny_model_dir,
-                                                                          caplog, monkeypatch):
+                                                                          caplog):
     async with sites(cluster, make_router, tiny_model_dir) as (router, url, key, agents):
         async with httpx.AsyncClient(timeout=120) as http:
             reference = await asyncio.gather(*(stream_text(http, url, key, body(i, 40)) for i in range(3)))
             first_site = reference[0][1]
-            broken = agents[first_site].servicer
-            batch = SessionRelay._batch
-            num_batches = 0
-
-            def breaking_batch(relay):
-                nonlocal num_batches
-                if relay._servicer is broken and relay._tasks:
-                    num_batches += 1
-                    if num_batches == 6:   # tokens have reached the clients: a resume, not a fresh start
-                        raise ConnectionResetError("the session's connection broke")
-                return batch(relay)
-
-            monkeypatch.setattr(SessionRelay, "_batch", breaking_batch)
             old_session = router.agents.client(agents[first_site].address)._session
             caplog.clear()
-            with caplog.at_level(logging.WARNING):
+            # at its sixth batch, tokens have reached the clients: a resume, not a fresh start
+            with caplog.at_level(logging.WARNING), broken_session(agents[first_site].servicer, 6) as broken:
                 resumed = await asyncio.gather(*(stream_text(http, url, key, body(i, 40)) for i in range(3)))
-            assert num_batches >= 6
+            assert broken.num_batches >= 6
             assert [text for text, _ in resumed] == [text for text, _ in reference]
             assert f"site {first_site} failed (unknown) after" in caplog.text
             assert "after 0 token(s)" not in caplog.text
             assert router.metrics.resumes.labels("unknown")._value.get() >= 1
-            monkeypatch.setattr(SessionRelay, "_batch", batch)
             # the broken session's requests were cancelled on its agent; the next request opens a new session
             await agents[first_site].core._idle.wait()
             assert (await stream_text(http, url, key, body(0, 40)))[0] == reference[0][0]

@@ -9,9 +9,8 @@ import asyncio
 
 import httpx
 from router_fake_agent import MODEL as FAKE_MODEL
-from test_router_session import body, sites, stream_text
+from test_router_session import body, broken_session, sites, stream_text
 
-from node_agent.service import SessionRelay
 from tests.metrics_text import Samples
 
 OPEN = "edgefire_router_agent_sessions_open"
@@ -40,28 +39,14 @@ async def test_sessions_open_per_site_and_none_broken_after_traffic(cluster, mak
         assert after.delta(before, PER_REQUEST, site=name) == 0
 
 
-async def test_a_session_broken_mid_stream_counts_one_break_for_its_site(cluster, make_router, tiny_model_dir,
-                                                                          monkeypatch):
+async def test_a_session_broken_mid_stream_counts_one_break_for_its_site(cluster, make_router, tiny_model_dir):
     async with sites(cluster, make_router, tiny_model_dir, metrics_listen="127.0.0.1:0") as (router, url, key, agents):
         async with httpx.AsyncClient(timeout=120) as http:
             _, first_site = await stream_text(http, url, key, body(0, 40))
-            broken = agents[first_site].servicer
-            batch = SessionRelay._batch
-            num_batches = 0
-
-            def breaking_batch(relay):
-                nonlocal num_batches
-                if relay._servicer is broken and relay._tasks:
-                    num_batches += 1
-                    if num_batches == 6:
-                        raise ConnectionResetError("the session's connection broke")
-                return batch(relay)
-
             before = await scrape(http, router)
-            monkeypatch.setattr(SessionRelay, "_batch", breaking_batch)
-            await asyncio.gather(*(stream_text(http, url, key, body(i, 40)) for i in range(3)))
-            assert num_batches >= 6
-            monkeypatch.setattr(SessionRelay, "_batch", batch)
+            with broken_session(agents[first_site].servicer, 6) as broken:
+                await asyncio.gather(*(stream_text(http, url, key, body(i, 40)) for i in range(3)))
+            assert broken.num_batches >= 6
             await agents[first_site].core._idle.wait()
             _, last_site = await stream_text(http, url, key, body(0, 40))
             after = await scrape(http, router)
