@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,6 +103,25 @@ def _randomize(model) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's routing bias (zero as built)
                 buffer.copy_(0.1 * torch.randn_like(buffer))
+
+
+def save_random_checkpoint(directory: Path, factory, config_edits: dict, randomize=_randomize):
+    """The checkpoint of factory()'s model, its weights `randomize`d (config_edits replace keys of its
+    config.json, None removes one; a rope_scaling edit drops the newer rope_parameters), and transformers'
+    model loaded back from it."""
+    torch.manual_seed(1234)
+    model = factory().eval()
+    randomize(model)
+    model.save_pretrained(directory)
+    if config_edits:
+        path = directory / "config.json"
+        raw = json.loads(path.read_text())
+        raw.pop("rope_parameters", None) if "rope_scaling" in config_edits else None
+        for key, value in config_edits.items():
+            raw.pop(key, None) if value is None else raw.__setitem__(key, value)
+        path.write_text(json.dumps(raw))
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def build_checkpoint(directory, arch: str, max_shard_size: str | None = None):

@@ -22,7 +22,7 @@ from engine.compression.compress import compress_checkpoint
 from engine.config import parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
-from tests.engine.conftest import SMALL
+from tests.engine.conftest import SMALL, save_random_checkpoint
 from tests.engine.test_compression_checkpoint import to_bf16
 from tests.engine.test_moe import check_against_transformers, random_prompts
 from tests.engine.test_reference import engine_greedy
@@ -66,19 +66,7 @@ VARIANTS = {
 
 
 def _save(directory: Path, factory, config_edits: dict):
-    """The checkpoint (config_edits replace keys of its config.json, None removes one) and transformers'
-    model loaded back from it."""
-    torch.manual_seed(1234)
-    model = factory().eval()
-    _randomize_gemma(model)
-    model.save_pretrained(directory)
-    if config_edits:
-        path = directory / "config.json"
-        raw = json.loads(path.read_text())
-        for key, value in config_edits.items():
-            raw.pop(key, None) if value is None else raw.__setitem__(key, value)
-        path.write_text(json.dumps(raw))
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return save_random_checkpoint(directory, factory, config_edits, _randomize_gemma)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

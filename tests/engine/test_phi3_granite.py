@@ -13,7 +13,6 @@ model rotates by the factors of the context it is served with: short_factor with
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from engine import cpu_attention
 from engine.config import parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
-from tests.engine.conftest import SMALL, _randomize
+from tests.engine.conftest import SMALL, save_random_checkpoint
 from tests.engine.test_moe import check_against_transformers, greedy_with_logits, random_prompts
 from tests.engine.test_parallel import Engines, assert_prompt_logits
 
@@ -77,28 +76,11 @@ VARIANTS = {
 LENGTHS = {"phi3-longrope-long": [17, 20, 29, 41]}
 
 
-def _save(directory: Path, factory, config_edits: dict):
-    """The checkpoint (config_edits replace keys of its config.json, None removes one) and transformers'
-    model loaded back from it."""
-    torch.manual_seed(1234)
-    model = factory().eval()
-    _randomize(model)
-    model.save_pretrained(directory)
-    if config_edits:
-        path = directory / "config.json"
-        raw = json.loads(path.read_text())
-        raw.pop("rope_parameters", None) if "rope_scaling" in config_edits else None
-        for key, value in config_edits.items():
-            raw.pop(key, None) if value is None else raw.__setitem__(key, value)
-        path.write_text(json.dumps(raw))
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def variant(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     factory, edits = VARIANTS[request.param]
-    return request.param, directory, _save(directory, factory, edits)
+    return request.param, directory, save_random_checkpoint(directory, factory, edits)
 
 
 # Decode rows go to the C loop where it is built; these also run with it off, on the torch path, so both
@@ -123,7 +105,7 @@ def test_a_long_context_model_rotates_a_short_sequence_as_transformers_rotates_a
     # Served at its full context (4x the original): transformers switches to long_factor once a sequence
     # passes the original context; the engine, whose cached keys must not depend on how a sequence was
     # batched or chunked, uses it from the first token
-    reference = _save(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
+    reference = save_random_checkpoint(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
     rotary = reference.model.rotary_emb
     long_inv_freq, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"](
         reference.config, seq_len=ORIGINAL + 1)
@@ -142,7 +124,7 @@ def _engine(directory: Path, **config) -> LLMEngine:
 def test_a_long_context_model_served_within_its_original_context_matches_transformers(tmp_path, caplog):
     # With max_model_len at most the original context no sequence can pass it, so short_factor is what
     # transformers rotates every one of them by; the chunked prompt and the decode rows see it too
-    reference = _save(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
+    reference = save_random_checkpoint(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
     prompts = random_prompts([5, 11], seed=3)
     with caplog.at_level("INFO", logger="engine.engine"):
         engine = _engine(tmp_path, max_model_len=ORIGINAL)
@@ -180,7 +162,7 @@ def test_tensor_parallel_logits_match_transformers(parallel_engines, name):
 def test_every_rank_rotates_by_the_factors_of_the_context_served(tmp_path):
     # The worker rank's heads rotate by short_factor as rank 0's do: a rank left on long_factor would move
     # the all-reduced logits off transformers'
-    reference = _save(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
+    reference = save_random_checkpoint(tmp_path, VARIANTS["phi3-longrope-long"][0], {})
     engine = _engine(tmp_path, max_model_len=ORIGINAL, tensor_parallel_size=2)
     try:
         prompt = random_prompts([ORIGINAL - 1], seed=5)[0]
