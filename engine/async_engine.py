@@ -390,11 +390,15 @@ async def kv_chunks(export: KVExport) -> AsyncIterator[KVChunk]:
             await asyncio.gather(pending, return_exceptions=True)
 
 
+def prediction_counts(event: TokenEvent) -> tuple[int, int]:
+    """The request's running (accepted, rejected) prediction counts as of this event: a message of its events
+    never spans a change of them (TokenEvent.more)."""
+    return event.num_accepted_prediction_tokens, event.num_rejected_prediction_tokens
+
+
 def _prediction_counted(event: TokenEvent, following) -> bool:
     """Whether the step of the event that follows verified proposals from the request's prediction."""
-    return isinstance(following, tuple) and (
-        following[0].num_accepted_prediction_tokens != event.num_accepted_prediction_tokens
-        or following[0].num_rejected_prediction_tokens != event.num_rejected_prediction_tokens)
+    return isinstance(following, tuple) and prediction_counts(following[0]) != prediction_counts(event)
 
 
 def _deliver(items: list) -> None:

@@ -24,7 +24,7 @@ from contextlib import aclosing, asynccontextmanager
 import grpc
 from grpc import aio
 
-from engine.async_engine import EngineDeadError, TokenEvent, kv_chunks
+from engine.async_engine import EngineDeadError, TokenEvent, kv_chunks, prediction_counts
 from engine.errors import EngineError, InvalidRequestError, KVTransferError, UnknownHandleError
 from node_agent.convert import sampling_from_proto, token_chunk, token_to_proto
 from node_agent.core import AgentCore, KVSource
@@ -222,10 +222,6 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         return agent_pb2.DrainResponse(draining=True, num_inflight=self.core.num_inflight)
 
 
-def _prediction_counts(event: TokenEvent) -> tuple[int, int]:
-    return event.num_accepted_prediction_tokens, event.num_rejected_prediction_tokens
-
-
 class SessionRelay:
     """One Session stream. Each opened request runs in a task of its own through the servicer's
     `generate_events` / `decode_events`, as the per-request call does, and leaves its events here; the
@@ -389,7 +385,7 @@ class SessionRelay:
                 self._events[session_id], held = held[taken:], held[:taken]
             start = 0
             for end in range(1, len(held) + 1):
-                if end == len(held) or _prediction_counts(held[end]) != _prediction_counts(held[end - 1]):
+                if end == len(held) or prediction_counts(held[end]) != prediction_counts(held[end - 1]):
                     item = items.add(id=session_id)
                     token_chunk(held[start:end], item.chunk)
                     start = end
