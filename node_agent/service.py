@@ -364,6 +364,17 @@ class SessionRelay:
         self._ended[session_id] = error
         self.notify()
 
+    def _fail(self, session_id: int, exc: Exception) -> None:
+        """A request whose tokens could not be written: ended with UNKNOWN (as gRPC ends a per-request call
+        whose handler raised), its task cancelled (which aborts it in the engine and frees its KV) and what
+        it still held dropped."""
+        log.error("session request %s: its tokens could not be written", session_id, exc_info=exc)
+        task = self._tasks.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+        self._events.pop(session_id, None)
+        self._end(session_id, (grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc!r}"))
+
     def _batch(self) -> agent_pb2.SessionBatch:
         """What was made since the last batch, as one message: all of it unless a writer that fell behind
         holds more than MAX_BATCH_ENTRIES tokens and top logprobs, whose rest (and the ends that follow
@@ -383,12 +394,19 @@ class SessionRelay:
                 taken += 1
             if taken < len(held):
                 self._events[session_id], held = held[taken:], held[:taken]
-            start = 0
-            for end in range(1, len(held) + 1):
-                if end == len(held) or prediction_counts(held[end]) != prediction_counts(held[end - 1]):
-                    item = items.add(id=session_id)
-                    token_chunk(held[start:end], item.chunk)
-                    start = end
+            first = len(items)
+            try:
+                start = 0
+                for end in range(1, len(held) + 1):
+                    if end == len(held) or prediction_counts(held[end]) != prediction_counts(held[end - 1]):
+                        item = items.add(id=session_id)
+                        token_chunk(held[start:end], item.chunk)
+                        start = end
+            except Exception as exc:  # this request's tokens cannot be written: it alone fails, the session goes on
+                del items[first:]
+                self._fail(session_id, exc)
+                ended[session_id] = self._ended.pop(session_id)
+                continue
             if session_id not in self._events and session_id in ended and ended[session_id] is None:
                 del ended[session_id]
                 item.finished = True

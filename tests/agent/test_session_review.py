@@ -1,6 +1,7 @@
 """Edges of the Session RPC where one shared stream must still behave as per-request Generate/Decode calls
-do: a request cancelled before its open reached the agent never runs there, and a request whose engine path
-fails in an unexpected way ends with the status the per-request call ends with instead of never ending."""
+do: a request cancelled before its open reached the agent never runs there, a request whose tokens cannot be
+written fails alone, and a request whose engine path fails in an unexpected way ends with the status the
+per-request call ends with instead of never ending."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from grpc import aio
 from node_agent.client import AgentClient
 from node_agent.proto import agent_pb2
 
-from .conftest import PEER_TOKEN, collect, generate_request
+from node_agent import convert
+
+from .conftest import MODEL, PEER_TOKEN, collect, generate_request, sampling, wait_for_free_blocks
 
 LONG = 400   # tokens: a request of this length is still running when a short neighbour has finished
 
@@ -212,3 +215,29 @@ async def test_a_burst_of_opens_goes_out_over_messages_under_the_size_budget(sta
             assert answer == await collect(per_request.generate(generate_request(i), timeout=60))
     finally:
         await per_request.close()
+
+
+async def test_a_request_whose_tokens_cannot_be_written_fails_alone_and_frees_its_kv(start_agent, connect,
+                                                                                    session_client, monkeypatch):
+    """One request's tokens that cannot become a message (an unexpected error while building the batch) end that
+    request with UNKNOWN, as a per-request call whose handler raised; its neighbours on the session go on."""
+    agent = await start_agent()
+    health, session = connect(agent), session_client(agent)
+    total = (await health.health()).kv_blocks_total
+
+    def unwritable(event):
+        raise ValueError("a token this agent cannot write")
+
+    neighbour = session.generate(generate_request(0, max_tokens=LONG), timeout=60)
+    await neighbour.read()   # running on the session before the bad request opens
+    monkeypatch.setattr(convert, "token_to_proto", unwritable)   # only tokens with logprobs take this path
+    with_logprobs = agent_pb2.GenerateRequest(request_id="lp", model=MODEL, prompt_ids=[5, 6, 7],
+                                              sampling=sampling(LONG, logprobs=2))
+    with pytest.raises(aio.AioRpcError) as failure:
+        await collect(session.generate(with_logprobs, timeout=60))
+    assert failure.value.code() == grpc.StatusCode.UNKNOWN and "cannot write" in failure.value.details()
+    rest = [chunk async for chunk in neighbour]
+    assert rest[-1].finish_reason == "length"
+    assert await collect(session.generate(generate_request(1), timeout=60))   # the session still serves
+    assert await wait_for_free_blocks(health, total) == total
+    assert (await health.health()).num_running == 0
