@@ -45,10 +45,12 @@ content as the model wrote it. Once a call was sent, markup that breaks is dropp
 tokens of call markup carry none, and a chunk of a call's arguments no content (router.completions).
 Llama 3's bare JSON has no
 marker, so an object is a call only when it names an offered function and holds nothing but its name and
-parameters; any other object is an answer. An answer cut by max_tokens keeps the calls it completed and the
-one it ends in, with the arguments written so far, and its finish reason "length", as OpenAI's; none of a
-call's markup becomes content, nor does markup any answer ends in (the next call's opening or the section's
-closing, begun before an end of sequence). A required call's answer is calls alone: nothing of it is content.
+parameters, each once; any other object is an answer, and streams as content from the first character that
+shows it (_BareCallScan): only what may still be a call is held back. An answer cut by max_tokens keeps the
+calls it completed and the one it ends in, with the arguments written so far, and its finish reason "length",
+as OpenAI's; none of a call's markup becomes content, nor does markup any answer ends in (the next call's
+opening or the section's closing, begun before an end of sequence). A required call's answer is calls alone:
+nothing of it is content.
 A call's arguments are its JSON text as the model wrote it (OpenAI's are the model's text too), never decoded
 and written again: a stream sends them as they are written (ToolCallStream), and its pieces join into exactly
 the arguments the whole answer returns.
@@ -255,7 +257,7 @@ class ToolCallFormat:
             if not cut:
                 raise
             raise _Ended(self._cut_object_call(body[pos:], names)) from None
-        return self._object_call(item, names, _member_text(body, pos, self.args_key)), end
+        return self._object_call(item, names, _member_texts(body, pos)), end
 
     def _cut_object_call(self, text: str, names: frozenset[str] | None) -> ToolCall | None:
         """The call object the answer ended inside: its name and the arguments written so far, None while its
@@ -288,13 +290,18 @@ class ToolCallFormat:
             pass
         return ToolCall(name, arguments, new_call_id(self.short_ids))
 
-    def _object_call(self, item, names: frozenset[str] | None, arguments_text: str | None) -> ToolCall:
+    def _object_call(self, item, names: frozenset[str] | None, members: list[tuple[str, str]]) -> ToolCall:
+        """The call of a whole JSON object: `members` are its (name, value text) pairs as written."""
         name, arguments = item[self.name_key], item.get(self.args_key, {})
         if not self._readable_name(name, names) or not isinstance(arguments, dict):
             raise ValueError("a call needs an offered function's name and object arguments")
-        if not self.marker and names is not None and item.keys() - {self.name_key, self.args_key}:
-            raise ValueError("a bare JSON call holds only its name and arguments")
-        return ToolCall(name, "{}" if arguments_text is None else arguments_text, new_call_id(self.short_ids))
+        if not self.marker and names is not None and (item.keys() - {self.name_key, self.args_key}
+                                                      or len(members) > len(item)):
+            # A member written twice is no call either: the stream (_BareCallScan) tells an answer from a call
+            # as the object is written, and a name or arguments written again later would undo what it told.
+            raise ValueError("a bare JSON call holds only its name and arguments, each once")
+        arguments_text = next((text for key, text in reversed(members) if key == self.args_key), "{}")
+        return ToolCall(name, arguments_text, new_call_id(self.short_ids))
 
     def _readable_name(self, name, names: frozenset[str] | None) -> bool:
         """Whether a call read from the text may have this name: after a marker any string (`split` then drops the
@@ -603,21 +610,20 @@ def _value_end(text: str, pos: int) -> int | None:
         return None
 
 
-def _member_text(text: str, pos: int, key: str) -> str | None:
-    """The text of member `key`'s value (the last one of that name, as a decoded object keeps) in the JSON object
-    at `pos`, which is whole; None when it has none."""
-    found = None
+def _member_texts(text: str, pos: int) -> list[tuple[str, str]]:
+    """The members of the JSON object at `pos`, which is whole, in the order written: (name, its value's text)
+    (a decoded object keeps the last of a name written twice)."""
+    members = []
     pos = _skip_space(text, pos + 1)
     while text[pos] != "}":
         name, pos = _DECODER.raw_decode(text, pos)
         start = _skip_space(text, _skip_space(text, pos) + 1)  # past the ":"
         _value, pos = _DECODER.raw_decode(text, start)
-        if name == key:
-            found = text[start:pos]
+        members.append((name, text[start:pos]))
         pos = _skip_space(text, pos)
         if text[pos] == ",":
             pos = _skip_space(text, pos + 1)
-    return found
+    return members
 
 
 def _object_so_far(text: str) -> bool:
@@ -765,7 +771,8 @@ class ToolCallStream:
     at most one call: the first, when a model left free (`auto`) writes several. With `answer_or_calls`
     (under `auto` with a response format) the answer is JSON unless it opens with calls of the offered
     functions (`names`): calls are looked for at its start only (a bare JSON call: an object of just a
-    function's name and arguments), and the JSON streams as content once it is known to be no call.
+    function's name and arguments), and the JSON streams as content once it is known to be no call; so does a
+    bare JSON answer under `auto` alone (_BareCallScan reads it as it is written).
     With `names` (the offered functions) a call must name one of them: a marker followed by an empty name, or a
     function the request did not offer, is no call (a client could not run it), and a bare JSON call (Llama 3)
     must also hold nothing but its name and arguments: a model asked for a JSON document with a `name` field
@@ -817,11 +824,13 @@ class ToolCallStream:
         self._sent: list[ToolCall] = []   # the calls opened (their arguments sent: `_sent_calls`)
         self._skipped_names: list[str] = []  # the calls of `_calls_text` read but not sent
         self._deltas: list[dict] = []
+        self._bare: _BareCallScan | None = None  # a bare JSON object at the start, not yet known call or answer
 
     @property
     def in_calls(self) -> bool:
-        """Whether the text read last went to calls (or to what may still be their markup)."""
-        return self._in_calls
+        """Whether the text read last went to calls (or to what may still be their markup). A bare JSON object
+        that may still be a call is held as content is (its tokens' logprobs wait for the content it may be)."""
+        return self._in_calls and self._bare is None
 
     def add(self, text: str) -> str:
         if self._in_calls:
@@ -860,6 +869,8 @@ class ToolCallStream:
         self._decided = True
         if stripped.startswith(opening):
             self._in_calls, self._calls_text, self._pending = True, self._pending, ""
+            if not self.fmt.marker and self.names is not None:
+                self._bare = _BareCallScan(self.fmt, self.names)
             return ""
         return self._take(len(self._pending))
 
@@ -873,6 +884,12 @@ class ToolCallStream:
         the first text it cannot read as the next piece of a call (that is left to `finish`). Once the calls
         end and words follow, the calls read are final and the words are content (returned, and read on as
         an answer's text is: more calls may follow them)."""
+        if self._bare is not None:
+            if not self._read_bare():
+                return ""
+            if not self._in_calls:  # a bare JSON object that is no call: the answer, sent from now on
+                content, self._calls_text = self._calls_text, ""
+                return content
         text = self._calls_text
         while self._early and self._phase != "off":
             try:
@@ -907,6 +924,18 @@ class ToolCallStream:
             except ValueError:
                 self._phase = "off"
         return ""
+
+    def _read_bare(self) -> bool:
+        """Reads the bare JSON object at the start; True once it is known: a call (held, as calls under `auto` with
+        no marker are, for `finish`) or the answer (`_in_calls` off: its text is content from now on, never taken
+        back). While it may still be either it is held (JSON that Python reads and JSON does not, NaN, waits for
+        `finish`)."""
+        verdict = self._bare.read(self._calls_text)
+        if verdict is None:
+            return False
+        self._bare = None
+        self._in_calls = verdict
+        return True
 
     def _end_calls(self) -> str:
         """The calls read end at `_pos`: final when one was sent, and the text after them is content. Calls of no
@@ -1179,3 +1208,102 @@ class _JsonPrefix:
         if not self._containers:
             self.whole = True
         return True
+
+
+class _BareCallScan:
+    """A bare JSON object (Llama 3's call has no marker) read as it is written, to tell as early as the text allows
+    whether it may still be a call by `ToolCallFormat.split`'s rule: an object of just an offered function's name
+    (a string) and its arguments (an object), each written once. The text proves it is none at the first member
+    of another name or written again, a name that no offered function's begins with, arguments that open as no
+    object, or JSON that breaks; once the object is whole, `split` itself decides. Each character of the
+    arguments is read once (_JsonPrefix); a key or a name is read again as it grows, but it proves the object no
+    call once it is longer than every name it may be."""
+
+    def __init__(self, fmt: ToolCallFormat, names: frozenset[str]) -> None:
+        self.fmt, self.names = fmt, names
+        self._pos = 0
+        self._expect = "object"     # object, key_or_close, key, colon, value, after_value
+        self._key = ""              # the member whose value comes next
+        self._keys: set[str] = set()
+        self._arguments: _JsonPrefix | None = None
+        self._python_literal = False  # arguments Python's decoder reads (NaN, Infinity) and JSON does not
+
+    def read(self, text: str) -> bool | None:
+        """True once the object is a whole call, False once the text cannot become one, None while it may."""
+        try:
+            while not self._python_literal:
+                pos = _skip_space(text, self._pos)
+                if pos == len(text):
+                    return None
+                if self._expect == "object":
+                    self._pos, self._expect = _through(text, pos, ["{"]), "key_or_close"
+                elif self._expect in ("key_or_close", "after_value") and text[pos] == "}":
+                    return self.fmt.split(text[:pos + 1], self.names) is not None
+                elif self._expect == "after_value":
+                    self._pos, self._expect = _through(text, pos, [","]), "key"
+                    if not {self.fmt.name_key, self.fmt.args_key} - self._keys:
+                        raise ValueError("a member beside the name and the arguments")
+                elif self._expect in ("key_or_close", "key"):
+                    key = self._string(text, pos, {self.fmt.name_key, self.fmt.args_key} - self._keys)
+                    if key is None:
+                        return None
+                    self._key, self._pos, self._expect = key[0], key[1], "colon"
+                    self._keys.add(self._key)
+                elif self._expect == "colon":
+                    end = _through(text, pos, [":"])
+                    if end is None:
+                        return None
+                    self._pos, self._expect = end, "value"
+                elif self._key == self.fmt.name_key:
+                    name = self._string(text, pos, self.names)
+                    if name is None:
+                        return None
+                    self._pos, self._expect = name[1], "after_value"
+                elif not self._read_arguments(text, pos):
+                    return None
+        except ValueError:
+            return False
+        return None
+
+    def _read_arguments(self, text: str, pos: int) -> bool:
+        """Reads the arguments as far as they are written; True once they are whole."""
+        if self._arguments is None:
+            if text[pos] != "{":
+                raise ValueError("arguments are not an object")
+            self._arguments = _JsonPrefix(pos)
+        scan = self._arguments
+        scan.read(text)
+        if scan.broken:
+            self._python_literal = text[scan.end:scan.end + 1] in ("N", "I")
+            if not self._python_literal:
+                raise ValueError("the arguments are no JSON")
+        if not scan.whole:
+            return False
+        self._pos, self._expect, self._arguments = scan.end, "after_value", None
+        return True
+
+    @staticmethod
+    def _string(text: str, pos: int, allowed) -> tuple[str, int] | None:
+        """(the JSON string at `pos`, its end) when it is whole and one of `allowed`; None while it is written and
+        one of them still begins with what it holds so far; a ValueError otherwise."""
+        match = _JSON_STRING.match(text, pos)
+        if match is not None:
+            value = json.loads(match.group())
+            if value not in allowed or not value:
+                raise ValueError("not a name a call may have here")
+            return value, match.end()
+        if text[pos] != '"':
+            raise ValueError("no string")
+        body = _STRING_BODY.match(text, pos + 1)
+        if not _ESCAPE_SO_FAR.fullmatch(text, body.end()):
+            raise ValueError("no JSON string")
+        so_far = json.loads('"' + body.group() + '"')
+        if so_far[-1:] and "\ud800" <= so_far[-1] <= "\udbff":
+            so_far = so_far[:-1]  # the first half of a character its next escape completes
+        if not any(name.startswith(so_far) for name in allowed):
+            raise ValueError("not a name a call may have here")
+        return None
+
+
+_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*')
+_ESCAPE_SO_FAR = re.compile(r'(?:\\(?:u[0-9a-fA-F]{0,3})?)?')
