@@ -37,13 +37,22 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
     "temperature", "top_p", "top_logprobs", "stream", "stream_options", "metadata", "user", "prompt_cache_key",
     "reasoning", "store", "truncation", "include", "background", "service_tier", "safety_identifier",
-    *CHAT_EXTENSIONS})
+    "prompt_cache_retention", *CHAT_EXTENSIONS})
 # `include` values: logprobs are returned; encrypted reasoning is not (the reasoning comes as text), and
 # asking for it changes nothing. The rest are hosted tools' or images' outputs, which this server has none of.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INCLUDE_WITHOUT_EFFECT = ("reasoning.encrypted_content",)
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 MAX_TOP_LOGPROBS = 20
+# OpenAI's limits on `metadata`, which the answer echoes (its SDK reads every value as a string)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# A function tool's fields; `defer_loading` and `allowed_callers` only with the values a plain tool has (there
+# is no tool search and no programmatic caller here)
+TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
+TOOL_FIELDS_WITHOUT_EFFECT = ("defer_loading", "allowed_callers")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TEXT_FORMAT_FIELDS = {"text": ("type",), "json_object": ("type",),
+                      "json_schema": ("type", "name", "schema", "strict", "description")}
 _NO_STORE = ("this server keeps no responses, so a response cannot be continued by its id; send the whole "
              "conversation as `input` (the earlier input items and the output items of earlier responses, then "
              "the new ones)")
@@ -149,11 +158,30 @@ def _check_accepted(document: dict) -> None:
         "stream_options": (lambda v: isinstance(v, dict) and document.get("stream") is True
                            and set(v) <= {"include_obfuscation"}, "{\"include_obfuscation\": ...} with "
                                                                    "`stream: true`"),
+        # the prefix cache lives in the sites' memory, for as long as it is not evicted; never 24 hours
+        "prompt_cache_retention": (lambda v: v == "in_memory", "\"in_memory\": sites keep prompts' prefix cache "
+                                                               "in memory only, never for 24 hours"),
     }
     for name, (accepted, takes) in checks.items():
         value = document.get(name)
         if value is not None and not accepted(value):
             raise bad_request(f"`{name}` takes {takes}.", name, "unsupported_value")
+    _check_metadata(document.get("metadata"))
+
+
+def _check_metadata(value) -> None:
+    """`metadata` within OpenAI's limits: it is echoed, and clients read every value as a string."""
+    if value is None:
+        return
+    if len(value) > MAX_METADATA_PAIRS:
+        raise bad_request(f"`metadata` may hold at most {MAX_METADATA_PAIRS} pairs; it has {len(value)}.", "metadata")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise bad_request(f"`metadata` keys are at most {MAX_METADATA_KEY} characters; `{key[:80]}` is longer.",
+                              "metadata")
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            raise bad_request(f"`metadata.{key}` must be a string of at most {MAX_METADATA_VALUE} characters.",
+                              f"metadata.{key}")
 
 
 def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
@@ -169,7 +197,7 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
         return
     if not isinstance(value, list) or not value:
         raise bad_request("`input` must be a string or a non-empty array of input items.", "input")
-    reasoning, call_names = None, {}
+    reasoning, call_names, call_params, answered = None, {}, {}, set()
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -185,7 +213,7 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
             sources.append(param)
         elif kind == "function_call":
             call = _function_call(item, param)
-            call_names[call["id"]] = call["function"]["name"]
+            call_names[call["id"]], call_params[call["id"]] = call["function"]["name"], param
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -196,10 +224,13 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
                 reasoning = None
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", param)
-            message = {"role": "tool", "tool_call_id": call_id, "content": _call_output(item.get("output"), param)}
-            if call_id in call_names:
-                message["name"] = call_names[call_id]
-            messages.append(message)
+            if call_id not in call_names:
+                raise bad_request(f"`{param}.call_id` is `{call_id}`, but no `function_call` item before it has that "
+                                  f"call_id: send the function call (the earlier response's output item) before its "
+                                  f"output.", f"{param}.call_id")
+            answered.add(call_id)
+            messages.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
+                             "content": _call_output(item.get("output"), param)})
             sources.append(param)
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, param)
@@ -212,6 +243,12 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
         else:
             raise bad_request(f"`{param}` must have a `type` (message, function_call, function_call_output, "
                               f"reasoning) or a `role`.", param)
+    for call_id, param in call_params.items():
+        if call_id not in answered:
+            raise bad_request(f"`{param}` is a function call (`{call_id}`) with no `function_call_output` item after "
+                              f"it: the model would read a call without its result. Send its output, "
+                              f"{{\"type\": \"function_call_output\", \"call_id\": \"{call_id}\", \"output\": ...}}.",
+                              param)
 
 
 def _input_message(item: dict, param: str) -> dict:
@@ -316,12 +353,35 @@ def _tools(value) -> list[dict]:
                     else "")
             raise bad_request(f"`{param}.name` is required and must be a string{hint}.", f"{param}.name",
                               "missing_required_parameter")
+        if not TOOL_NAME.fullmatch(tool["name"]):
+            raise bad_request(f"`{param}.name` must be 1-64 letters, digits, underscores or dashes.", f"{param}.name")
         for name, kind_name, check in (("description", "a string", str), ("parameters", "a JSON schema object", dict),
                                        ("strict", "true or false", bool)):
             if tool.get(name) is not None and not isinstance(tool[name], check):
                 raise bad_request(f"`{param}.{name}` must be {kind_name}.", f"{param}.{name}")
+        _check_tool_extras(tool, param)
+        if tool["name"] in (t["name"] for t in tools):
+            raise bad_request(f"`{param}.name` repeats `{tool['name']}`: each function needs its own name.",
+                              f"{param}.name")
         tools.append({**tool, "strict": tool.get("strict") is not False})
     return tools
+
+
+def _check_tool_extras(tool: dict, param: str) -> None:
+    """A function tool's fields beyond its name, description, schema and strictness: each only with the value
+    that changes nothing (the tool offered to the model up front, called by the model itself)."""
+    for name, value in tool.items():
+        if value is None or name in TOOL_FIELDS:
+            continue
+        if name not in TOOL_FIELDS_WITHOUT_EFFECT:
+            raise bad_request(f"`{param}.{name}` is not supported; a function tool takes `name`, `description`, "
+                              f"`parameters` and `strict`.", f"{param}.{name}", "unsupported_parameter")
+        if name == "defer_loading" and value is not False:
+            raise bad_request(f"`{param}.defer_loading` can only be false: there is no tool search here, so every "
+                              f"tool is offered to the model up front.", f"{param}.defer_loading", "unsupported_value")
+        if name == "allowed_callers" and value != ["direct"]:
+            raise bad_request(f"`{param}.allowed_callers` can only be [\"direct\"]: only the model calls tools here.",
+                              f"{param}.allowed_callers", "unsupported_value")
 
 
 def _chat_tool(tool: dict) -> dict:
@@ -341,7 +401,7 @@ def _tool_choice(value, has_tools: bool):
     if kind == "function" and isinstance(value.get("name"), str):
         return value
     if kind == "allowed_tools":
-        return value
+        return _allowed_tools(value)
     if isinstance(kind, str) and kind != "function":
         raise bad_request(f"`tool_choice.type` is `{kind}`: this server runs no hosted or custom tools; choose "
                           f"\"none\", \"auto\", \"required\", {{\"type\": \"function\", \"name\"}} or "
@@ -349,6 +409,18 @@ def _tool_choice(value, has_tools: bool):
                           "unsupported_value")
     raise bad_request("`tool_choice` must be \"none\", \"auto\", \"required\", {\"type\": \"function\", \"name\": ...} "
                       "or {\"type\": \"allowed_tools\", \"mode\", \"tools\"}.", "tool_choice")
+
+
+def _allowed_tools(value: dict) -> dict:
+    tools = value.get("tools")
+    if value.get("mode") not in ("auto", "required") or not isinstance(tools, list) or not tools:
+        raise bad_request("`tool_choice` with `type: \"allowed_tools\"` takes `mode` (\"auto\" or \"required\") and "
+                          "`tools`, a non-empty array of {\"type\": \"function\", \"name\": ...}.", "tool_choice")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise bad_request(f"`tool_choice.tools[{i}]` must be {{\"type\": \"function\", \"name\": ...}}; only "
+                              f"function tools are supported.", f"tool_choice.tools[{i}]")
+    return value
 
 
 def _chat_tool_choice(value):
@@ -380,6 +452,11 @@ def _text_format(value) -> dict:
     if kind not in ("text", "json_object", "json_schema"):
         raise bad_request("`text.format.type` must be \"text\", \"json_object\" or \"json_schema\".",
                           "text.format.type")
+    unknown = [name for name in fmt if name not in TEXT_FORMAT_FIELDS[kind] and fmt[name] is not None]
+    if unknown:
+        raise bad_request(f"`text.format.{unknown[0]}` is not supported; a `{kind}` format takes "
+                          f"{', '.join(f'`{n}`' for n in TEXT_FORMAT_FIELDS[kind])}.", f"text.format.{unknown[0]}",
+                          "unsupported_parameter")
     if kind == "json_schema" and not isinstance(fmt.get("schema"), dict):
         raise bad_request("`text.format.schema` is required with `type: \"json_schema\"`: a JSON schema object.",
                           "text.format.schema", "missing_required_parameter")
@@ -486,8 +563,10 @@ def _item_id(prefix: str) -> str:
 
 def _usage(usage: dict) -> dict:
     details = usage.get("completion_tokens_details") or {}
+    # Sites fill their prefix cache as they prefill, with no write of its own to count: none is reported.
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
@@ -567,6 +646,8 @@ class ResponseEvents:
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         if chunk.get("usage") is not None:  # the stream's last chunk (include_usage)
+            if not any(item["type"] in ("message", "function_call") for item in self.output):
+                events += self._open(_message_item("", []))  # the empty message a non-streamed answer has
             events += self._close()
             body = _finish(self.body, self.output, self.finish_reason, chunk["usage"])
             events.append(self._event(f"response.{body['status']}", response=body))
@@ -576,6 +657,8 @@ class ResponseEvents:
         """The stream broke for good (every site tried, or the router's own failure): the response failed,
         with the output written so far."""
         events = self._begin("", None)
+        if self.item is not None:  # the item being written when the stream broke: cut short, never done
+            self.item["status"] = "incomplete"
         self.body.update(status="failed", output=self.output,
                          error={"code": "server_error", "message": error.get("message") or "The stream failed."})
         return [*events, self._event("response.failed", response=self.body)]
