@@ -6,6 +6,10 @@ schema at head) instead of racing to create the same tables. On SQLite the write
 serialises them, and foreign keys are off while the migrations run: batch mode rebuilds a table by
 copying and dropping it, and dropping `sites` with foreign keys on would cascade-delete every row
 that refers to it (models, capacity, links, tokens); the references are checked before the commit.
+
+A database at a revision these migrations do not contain comes from a newer edgefire: it is never
+migrated, stamped or downgraded here (registry.migrate.refuse_to_change_newer). Every run that
+migrates records which code revisions can serve the schema it left (registry.migrate.record_readers).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from alembic import context
 from sqlalchemy import func, select
 
 from registry.db import make_engine, writer
-from registry.migrate import SchemaMismatch, refuse_unknown_revisions
+from registry.migrate import (SchemaMismatch, check_declarations, is_model_table, newer_revisions, record_readers,
+                              refuse_to_change_newer)
 from registry.tables import Base
 
 config = context.config
@@ -27,14 +32,26 @@ def _run(connection) -> None:
         connection=connection,
         target_metadata=Base.metadata,
         render_as_batch=sqlite,  # SQLite cannot ALTER most things
+        include_name=is_model_table,
+        # In each step's transaction: on SQLite (no transactional DDL) every step commits on its own.
+        on_version_apply=_record_readers,
     )
     with context.begin_transaction():
         if not sqlite:
             connection.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_KEY)))
-        refuse_unknown_revisions(context.get_context().get_current_heads())
+        script = context.script
+        current = context.get_context().get_current_heads()
+        if newer_revisions(script, current):
+            refuse_to_change_newer(connection, script, current, context.get_revision_argument())
+            return
+        check_declarations(script)
         context.run_migrations()
         if sqlite:
             _check_foreign_keys(connection)
+
+
+def _record_readers(ctx, step, heads, run_args) -> None:
+    record_readers(ctx.connection, context.script, tuple(heads))
 
 
 def _check_foreign_keys(connection) -> None:

@@ -12,6 +12,7 @@ revision = "0001_initial"
 down_revision = None
 branch_labels = None
 depends_on = None
+backward_compatible = False  # the first schema: no earlier revision exists to serve it
 
 
 def _site_fk(column: str) -> sa.Column:

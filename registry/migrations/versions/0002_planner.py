@@ -12,6 +12,7 @@ revision = "0002_planner"
 down_revision = "0001_initial"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds nullable sites columns (NULL: every allowed role) and a new table
 
 
 def upgrade() -> None:

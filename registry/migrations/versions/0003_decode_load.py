@@ -12,6 +12,7 @@ revision = "0003_decode_load"
 down_revision = "0002_planner"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds capacity columns with server defaults; older heartbeats leave them as they were
 
 
 def upgrade() -> None:

@@ -12,6 +12,7 @@ revision = "0004_site_model_kv"
 down_revision = "0003_decode_load"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds nullable site_models columns (NULL: figures not reported)
 
 
 def upgrade() -> None:

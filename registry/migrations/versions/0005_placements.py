@@ -12,6 +12,7 @@ revision = "0005_placements"
 down_revision = "0004_site_model_kv"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds a table and its index
 
 
 def upgrade() -> None:

@@ -12,6 +12,7 @@ revision = "0006_parallel_layout"
 down_revision = "0005_placements"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds capacity columns with server defaults
 
 
 def upgrade() -> None:

@@ -12,6 +12,8 @@ revision = "0007_fleet"
 down_revision = "0006_parallel_layout"
 branch_labels = None
 depends_on = None
+# adds tables and an index (older replicas answer no fleet calls: an API difference, not a schema one)
+backward_compatible = True
 
 
 def upgrade() -> None:

@@ -13,6 +13,7 @@ revision = "0008_expert_parallel"
 down_revision = "0007_fleet"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds a capacity column with a server default
 
 
 def upgrade() -> None:

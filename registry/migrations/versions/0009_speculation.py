@@ -12,6 +12,7 @@ revision = "0009_speculation"
 down_revision = "0008_expert_parallel"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds a capacity column with a server default
 
 
 def upgrade() -> None:

@@ -12,6 +12,8 @@ revision = "0010_model_capacity"
 down_revision = "0009_speculation"
 branch_labels = None
 depends_on = None
+# adds a nullable capacity column; the per-model figures older replicas leave stale are not read since 0011
+backward_compatible = True
 
 
 def upgrade() -> None:

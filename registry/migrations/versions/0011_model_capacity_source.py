@@ -12,6 +12,7 @@ revision = "0011_model_capacity_source"
 down_revision = "0010_model_capacity"
 branch_labels = None
 depends_on = None
+backward_compatible = True  # adds a nullable capacity column, so figures older replicas leave behind are not read
 
 
 def upgrade() -> None:
