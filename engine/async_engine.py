@@ -3,7 +3,8 @@
 Callers never touch LLMEngine directly; every mutation is handed to the engine thread as a
 command, so the engine stays single-threaded. `generate` is an async iterator of TokenEvent;
 leaving it early (break, cancellation, a client that went away) aborts the request and frees
-its blocks. A command waits for the step in progress, which can be a long prefill chunk, so
+its blocks. `embed` is one embedding request: its pooled vector, or the error. A command waits for
+the step in progress, which can be a long prefill chunk, so
 `latest_stats` (refreshed by the engine thread after every step and command) answers admission
 checks without that wait.
 """
@@ -18,6 +19,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+
+import torch
 
 from engine.engine import EngineStats, LLMEngine, StepOutput
 from engine.errors import EngineError, UnknownHandleError
@@ -49,6 +52,15 @@ class TokenEvent:
     more: bool = False
     num_accepted_prediction_tokens: int = 0  # running totals of the request's predicted-output proposals
     num_rejected_prediction_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EmbeddingEvent:
+    """An embedding request's outcome: its pooled vector (float32, on the CPU)."""
+
+    embedding: torch.Tensor
+    num_prompt_tokens: int
+    num_cached_tokens: int
 
 
 class EngineDeadError(EngineError):
@@ -161,6 +173,10 @@ class AsyncEngine:
                 self._unread_leases[out.request_id] = out.kv_handle
             if out.finished:
                 self._streams.pop(out.request_id, None)
+            if out.embedding is not None:
+                event = EmbeddingEvent(out.embedding, out.num_prompt_tokens, out.num_cached_tokens)
+                batches.setdefault(inbox.loop, []).append((inbox, (event, True)))
+                continue
             event = TokenEvent(out.token.token_id, out.token.logprob, out.token.top_logprobs, out.finish_reason,
                                out.num_prompt_tokens, out.num_cached_tokens, out.kv_handle,
                                num_accepted_prediction_tokens=out.num_accepted_prediction_tokens,
@@ -245,6 +261,26 @@ class AsyncEngine:
             async for event in events:
                 pass
         return event
+
+    async def embed(self, prompt_ids: list[int], request_id: str | None = None) -> EmbeddingEvent:
+        """One embedding request (LLMEngine.add_embedding_request). Cancelling the wait aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        inbox = await self._start(request_id, lambda e: e.add_embedding_request(request_id, prompt_ids),
+                                  len(prompt_ids))
+        finished = False
+        try:
+            while not inbox.items:
+                await inbox.wait()
+            item = inbox.items.popleft()
+            if isinstance(item, BaseException):
+                raise item
+            finished = True
+            return item[0]
+        finally:
+            if not finished:
+                self._streams.pop(request_id, None)
+                if self._error is None and not self._stopped:
+                    self._submit(lambda: self.engine.abort(request_id))
 
     async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int) -> _Inbox:
         # The stream is registered before the request exists, so no token can miss it; a

@@ -48,8 +48,9 @@ class BlockManager:
     # -- admission ---------------------------------------------------------------------------
 
     def _cache_hits(self, seq: Sequence) -> list[int]:
-        """Leading cached blocks of seq; the last token is always left to compute (its logits are needed)."""
-        if not self.enable_prefix_caching:
+        """Leading cached blocks of seq; the last token is always left to compute (its logits are needed).
+        None for an embedding whose pooling reads every position's hidden state (engine.pooling)."""
+        if not self.enable_prefix_caching or (seq.pooling is not None and seq.pooling.pooling.every_row):
             return []
         hits, parent = [], ROOT_HASH
         bs = self.block_size

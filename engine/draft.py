@@ -117,7 +117,7 @@ class DraftProposer:
             copies = [copy for copy, k in depth.items() if k > step]
             inputs = prepare_step([ScheduledSeq(c, c.num_tokens - c.num_computed_tokens) for c in copies],
                                   self.block_size, self.device)
-            logits = _fit_vocab(self.shard.run(inputs), self.target_vocab_size)
+            logits = _fit_vocab(self.shard.run(inputs).logits, self.target_vocab_size)
             ordered = [item.seq for item in inputs.sample_seqs]
             drafts = self._draw(logits, ordered, [owner[c] for c in ordered], step)
             for copy, draft in zip(ordered, drafts):

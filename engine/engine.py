@@ -3,7 +3,9 @@
 Owns the model, the KV pool, the block manager and the scheduler. Also the disaggregation
 primitives: a prefill-only request ends with its blocks held under a KV handle (a `Lease`),
 `export_kv` reads them into a payload, `import_kv` on another engine writes them and decoding
-continues. Not thread-safe: engine.async_engine drives it from one thread; the one exception is
+continues. An embedding request (`add_embedding_request`) is scheduled like any prefill, samples
+nothing, and finishes with its prompt's final hidden states pooled (engine.pooling) and its blocks freed.
+Not thread-safe: engine.async_engine drives it from one thread; the one exception is
 `open_export`, which transports call from their own threads so that a decode site's pull never
 waits for the prefill site's step in progress (a long prefill chunk).
 
@@ -36,11 +38,12 @@ from engine.kv_export import KVExport, KVMap
 from engine.kv_transfer import KVLayout, KVPayload
 from engine.fingerprint import model_fingerprint
 from engine.grammar import GrammarCompiler
-from engine.loader import load_model, resolve_dtype, stores_lm_head
+from engine.loader import has_lm_head, load_model, resolve_dtype, stores_lm_head
 from engine.memory import check_fits
 from engine.ngram import MAX_PREDICTION_TOKENS
 from engine.parallel.layout import ParallelLayout
-from engine.runner import StepInputs, prepare_step
+from engine.pooling import Pooling, PoolingState, load_pooling
+from engine.runner import ForwardResult, StepInputs, prepare_step
 from engine.sampling import SampledToken, SamplingParams, allowed_from_bitmask, sample
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -119,6 +122,7 @@ class StepOutput:
     # Proposals from the request's predicted output verified so far: kept, and not kept (running totals)
     num_accepted_prediction_tokens: int = 0
     num_rejected_prediction_tokens: int = 0
+    embedding: torch.Tensor | None = None   # an embedding request's pooled vector (float32, CPU); token is None
 
 
 @dataclass(slots=True)
@@ -233,6 +237,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._check_tokenizer_fits()
         self.fingerprint = model_fingerprint(self.model_dir)
+        self.generates = has_lm_head(self.model_dir, self.model_config)
+        self.pooling, self.pooling_error = self._pooling()
         if self.layout.world_size == 1:
             self.executor = self._local_executor()
         else:
@@ -287,6 +293,18 @@ class LLMEngine:
             raise CheckpointError(f"{path}: eos_token_id {outside[0]} is outside the model's vocabulary "
                                   f"(vocab_size {vocab} in config.json)")
         return set(eos)
+
+    def _pooling(self) -> tuple[Pooling | None, str | None]:
+        """The checkpoint's embedding pooling, or why it cannot pool: a generative model with a pooling
+        configuration the engine cannot follow still generates; its embedding requests get the reason."""
+        try:
+            pooling = load_pooling(self.model_dir, self.model_config.hidden_size)
+        except CheckpointError as exc:
+            log.warning("embeddings are not served for this model: %s", exc)
+            return None, str(exc)
+        log.info("embeddings: %s%s", pooling.source, "" if self.generates else
+                 "; the checkpoint has no LM head, so it serves embeddings only")
+        return pooling, None
 
     def _check_tokenizer_fits(self) -> None:
         """The tokenizer files load as routers and `edgefire generate` load them (a bad chat template or special
@@ -354,7 +372,7 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      generated_ids: list[int], prefill_only: bool) -> Sequence:
+                      generated_ids: list[int], prefill_only: bool, embedding: bool = False) -> Sequence:
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -374,7 +392,9 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary (size {vocab})")
         total = len(prompt_ids) + len(generated_ids)
-        if total >= self.max_model_len:
+        if embedding and total > self.max_model_len:
+            raise InvalidRequestError(f"input has {total} tokens; this model's context holds {self.max_model_len}")
+        if not embedding and total >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {total} tokens; this model's context holds {self.max_model_len} "
                                       f"including at least one generated token")
         if len(generated_ids) >= params.max_tokens:
@@ -412,11 +432,26 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     generated_ids: list[int] | None = None, prefill_only: bool = False) -> None:
         """Queue a request. generated_ids resumes a request whose first tokens were produced elsewhere."""
+        if not self.generates:
+            raise InvalidRequestError("this checkpoint has no LM head (a bare backbone saved for embeddings): it "
+                                      "serves embeddings only")
         seq = self._new_sequence(request_id, list(prompt_ids), params, list(generated_ids or []), prefill_only)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         if self.speculator is not None:
             self.speculator.add(seq)
+
+    def add_embedding_request(self, request_id: str, prompt_ids: list[int]) -> None:
+        """Queue an embedding request: its prompt is prefilled (batched and chunked as any prefill), then its
+        final hidden states are pooled and its blocks freed; the step that completes it outputs the vector."""
+        if self.pooling is None:
+            raise InvalidRequestError(f"this model cannot serve embeddings: {self.pooling_error}")
+        params = SamplingParams(max_tokens=1, no_speculation=True)
+        seq = self._new_sequence(request_id, list(prompt_ids), params, [], prefill_only=False, embedding=True)
+        seq.max_total_tokens = seq.num_tokens
+        seq.pooling = PoolingState(self.pooling)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.sequences.pop(request_id, None)
@@ -453,7 +488,8 @@ class LLMEngine:
         started = clock()
         inputs = prepare_step(scheduled, self.config.block_size, self.device)
         prepared = clock()
-        logits = self.executor.run(inputs)
+        result = self.executor.run(inputs)
+        logits = result.logits
         forwarded = clock()
         if num_drafts:
             emitted = self._verify(inputs, logits)
@@ -465,6 +501,8 @@ class LLMEngine:
             sampled_at = clock()
             self._record_rates(scheduled, sampled_at - started)
             outputs = self._advance(scheduled, inputs, sampled)
+        if inputs.pool_spans:
+            outputs += self._pool(inputs, result)
         phases = self.step_phases
         phases.num_steps += 1
         phases.schedule += started - began
@@ -495,14 +533,17 @@ class LLMEngine:
 
     def _complete_oldest(self) -> list[StepOutput]:
         batch = self._in_flight.popleft()
-        logits = self.executor.collect()
+        result = self.executor.collect()
         self._busy.difference_update(item.seq for item in batch.scheduled)
-        sampled = self._sample(batch.inputs, logits)
+        sampled = self._sample(batch.inputs, result.logits)
         # batches overlap: this one's time is what it added after the previous one completed
         now = time.perf_counter()
         self._record_rates(batch.scheduled, now - max(batch.started, self._last_completed))
         self._last_completed = now
-        return self._advance(batch.scheduled, batch.inputs, sampled)
+        outputs = self._advance(batch.scheduled, batch.inputs, sampled)
+        if batch.inputs.pool_spans:
+            outputs += self._pool(batch.inputs, result)
+        return outputs
 
     def _drain_pipeline(self) -> None:
         """Complete every in-flight batch now; their outputs come with the next step()."""
@@ -528,6 +569,25 @@ class LLMEngine:
             self.block_manager.register_full_blocks(item.seq)
         return [self._append_token(item.seq, token) for item, token in zip(inputs.sample_seqs, sampled)
                 if item.seq.status is not SequenceStatus.FINISHED]
+
+    def _pool(self, inputs: StepInputs, result: ForwardResult) -> list[StepOutput]:
+        """Embedding requests of a step whose tokens are computed (after _advance): their pooled rows are
+        added to their pooling, and those whose whole prompt is computed finish with their vector."""
+        outputs = []
+        for span in inputs.pool_spans:
+            seq = span.item.seq
+            if seq.status is SequenceStatus.FINISHED:   # aborted while in flight
+                continue
+            seq.pooling.add(span.start, result.pooled[span.rows.start:span.rows.stop] if span.rows else None)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            out = StepOutput(seq.request_id, None, finished=True, finish_reason="stop",
+                             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                             embedding=seq.pooling.vector())
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self._finish(seq, "stop")
+            outputs.append(out)
+        return outputs
 
     def _verify(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[SampledToken]]:
         """The tokens each sampled sequence emits in a step that verified proposals (engine.speculative)."""
@@ -795,7 +855,7 @@ class LLMEngine:
             self._drain_pipeline()
             inputs = prepare_step([ScheduledSeq(seq, seq.num_tokens)], self.config.block_size, self.device,
                                   all_rows=True)
-            return self.executor.run(inputs)
+            return self.executor.run(inputs).logits
         finally:
             self.block_manager.free(seq)
             self.block_manager.enable_prefix_caching = caching

@@ -86,6 +86,12 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def has_lm_head(model_dir: str | Path, cfg: ModelConfig) -> bool:
+    """Whether the model can generate: it stores an LM head or ties it to its embeddings (a bare backbone
+    saved for embeddings may have neither)."""
+    return cfg.tie_word_embeddings or stores_lm_head(model_dir)
+
+
 def stores_lm_head(model_dir: str | Path) -> bool:
     """Whether the checkpoint has an lm_head.weight tensor (read from the index or the files' headers, not the
     weights): the memory check counts it for a tied model too, since _read_lm_head reads it."""
@@ -103,10 +109,21 @@ TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
+def is_bare_backbone(names) -> bool:
+    """A checkpoint saved as the bare decoder (`Qwen3Model`, `LlamaModel`: how embedding models are saved):
+    its tensors are named without the `model.` prefix (`embed_tokens.weight`, `layers.0...`) and it has no
+    LM head unless its embeddings are tied. Such a model serves embeddings (engine.pooling)."""
+    names = set(names)
+    return "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names
+
+
 def text_model_names(names, cfg: ModelConfig) -> dict[str, str]:
     """The engine's name of each tensor it may read -> the checkpoint's name of it: the same name, but for an
     image-and-text checkpoint the text model's tensors renamed (`language_model.model.norm.weight` is
-    `model.norm.weight`) and the image encoder's left out."""
+    `model.norm.weight`) and the image encoder's left out, and for a bare backbone (is_bare_backbone)
+    `model.` put before every name."""
+    if is_bare_backbone(names):
+        return {f"model.{name}": name for name in names}
     if not cfg.image_text_checkpoint:
         return {name: name for name in names}
     renamed: dict[str, str] = {}
@@ -514,11 +531,15 @@ def _read_mxfp4(reader: _TensorReader, name: str, shape: tuple[int, int, int],
     return parts[0], parts[1]
 
 
-def _read_lm_head(reader: _TensorReader, cfg: ModelConfig, shard: RankShard, embed: torch.Tensor | None) -> torch.Tensor:
+def _read_lm_head(reader: _TensorReader, cfg: ModelConfig, shard: RankShard,
+                  embed: torch.Tensor | None) -> torch.Tensor | None:
     """The output projection. With tie_word_embeddings it is the embedding, unless the checkpoint also
-    stores a different lm_head.weight: transformers then leaves the two untied, and so does this."""
+    stores a different lm_head.weight: transformers then leaves the two untied, and so does this. None for
+    a bare backbone without one (it serves embeddings only)."""
     full = (cfg.vocab_size, cfg.hidden_size)
     if not reader.has("lm_head.weight"):
+        if not cfg.tie_word_embeddings and reader.stored.get("model.embed_tokens.weight") == "embed_tokens.weight":
+            return None
         if not cfg.tie_word_embeddings:
             raise CheckpointError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         return embed if embed is not None else reader.read("model.embed_tokens.weight", full, rows=shard.vocab)

@@ -20,7 +20,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "num_hashed_blocks", "block_table", "params", "seed", "status", "prefill_only", "arrival",
-                 "finish_reason", "max_total_tokens", "admitted_once", "matcher", "spec", "prediction")
+                 "finish_reason", "max_total_tokens", "admitted_once", "matcher", "spec", "prediction", "pooling")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
                  max_total_tokens: int, prefill_only: bool = False):
@@ -42,6 +42,7 @@ class Sequence:
         self.matcher = None  # engine.grammar.GrammarMatcher when the output must follow a grammar
         self.spec = None     # engine.speculative.SpecState once the sequence has speculated
         self.prediction = None  # engine.ngram.PredictionLookup once its predicted output has been looked up
+        self.pooling = None     # engine.pooling.PoolingState: an embedding request, pooled instead of sampled
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ from engine.compression.streamed import StreamedLayers
 from engine.kv_export import KVMap
 from engine.memory import CPU_KV_BYTES
 from engine.model import CausalLM
-from engine.runner import StepInputs
+from engine.runner import ForwardResult, StepInputs
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
@@ -132,12 +132,13 @@ class ModelShard:
             return self.decode_graphs.run(inputs, hidden)
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.batch, self.kv_cache, hidden)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The single-process step: logits [sample rows, vocab] (float32), None when no row samples."""
+    def run(self, inputs: StepInputs) -> ForwardResult:
+        """The single-process step: logits [sample rows, vocab] (float32) and the pooled rows' hidden states."""
         hidden = self.forward(inputs)
+        pooled = hidden.index_select(0, inputs.pool_index) if inputs.pool_rows else None
         if not inputs.sample_rows:
-            return None
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
+            return ForwardResult(None, pooled)
+        return ForwardResult(self.model.compute_logits(hidden.index_select(0, inputs.sample_index)), pooled)
 
 
 def max_model_len(config: EngineConfig, model_max_positions: int, num_blocks: int) -> int:

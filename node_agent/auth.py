@@ -3,7 +3,7 @@
 Two credentials, one per kind of caller, so that a site (which must hold the peer token to pull KV
 from its peers) cannot use it to run work on, read the models of, or drain another site:
 
-    agent token  routers present it      Generate, Prefill, Decode, Session, GetModelInfo, Drain
+    agent token  routers present it      Generate, Prefill, Decode, Session, Embed, GetModelInfo, Drain
     peer token   agents, to each other   FetchKV, and the KV data port (node_agent.kv_data: pulls and probes)
     either                               Health (routers check sites; a puller learns its source's data
                                          port) and ReleaseKV (routers end leases they no longer need; a
@@ -69,6 +69,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "Prefill": frozenset({ROUTER}),
     "Decode": frozenset({ROUTER}),
     "Session": frozenset({ROUTER}),   # Generate and Decode for many requests over one stream
+    "Embed": frozenset({ROUTER}),
     "GetModelInfo": frozenset({ROUTER}),
     "Drain": frozenset({ROUTER}),
     "FetchKV": frozenset({PEER}),

@@ -136,6 +136,10 @@ class AgentClient:
                                              timeout=timeout, metadata=self.metadata(request_id))
         return response.released
 
+    async def embed(self, request: agent_pb2.EmbedRequest, timeout: float | None = None) -> agent_pb2.EmbedResponse:
+        """Embeddings of the request's inputs, in order (each `data` little-endian float32)."""
+        return await self.stub.Embed(request, timeout=timeout, metadata=self.metadata(request.request_id))
+
     async def model_info(self, model: str, timeout: float | None = None,
                          request_id: str | None = None) -> agent_pb2.ModelInfo:
         return await self.stub.GetModelInfo(agent_pb2.ModelInfoRequest(model=model), timeout=timeout,

@@ -224,6 +224,17 @@ class AgentCore:
         self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot)
         return model
 
+    def accept_embedding(self, model_name: str, inputs: list[list[int]], dimensions: int) -> HostedModel:
+        """The model an Embed call runs on, once the call is checked (check_embed_request) and admitted as one
+        request of all its inputs' tokens, on a site that prefills."""
+        model = self.model(model_name)
+        self._check_role("prefill")
+        engine = model.engine.engine
+        check_embed_request(inputs, dimensions, model.vocab_size, model.info.context_length,
+                            engine.model_config.hidden_size, engine.pooling_error)
+        self._admit(model, sum(len(ids) for ids in inputs))
+        return model
+
     @contextmanager
     def inflight(self):
         """Counts a request for drain; drain waits until none are left."""
@@ -550,3 +561,29 @@ class _Observed:
         log.info("%s %s done: %d token(s) in %.3f s, %s", self._rpc, self._model, self.num_tokens,
                  time.perf_counter() - self._started,
                  f"finished ({self.finish})" if self.finish else "ended before its finish (cancelled or failed)")
+
+
+MAX_EMBED_INPUTS = 2048   # inputs of one Embed call (OpenAI's limit for one embeddings request)
+
+
+def check_embed_request(inputs: list[list[int]], dimensions: int, vocab_size: int, context_length: int,
+                        hidden_size: int, pooling_error: str | None) -> None:
+    """InvalidRequestError naming what is wrong with an Embed request, before it reaches the engine. The
+    messages start with the field they name (`inputs[2]`, `dimensions`): routers map them to their own."""
+    if pooling_error is not None:
+        raise InvalidRequestError(f"model: this model cannot serve embeddings ({pooling_error})")
+    if not inputs:
+        raise InvalidRequestError("inputs: empty; send at least one input")
+    if len(inputs) > MAX_EMBED_INPUTS:
+        raise InvalidRequestError(f"inputs: {len(inputs)} inputs; at most {MAX_EMBED_INPUTS} per call")
+    for index, ids in enumerate(inputs):
+        if not ids:
+            raise InvalidRequestError(f"inputs[{index}]: empty; each input needs at least one token")
+        if len(ids) > context_length:
+            raise InvalidRequestError(f"inputs[{index}]: {len(ids)} tokens; this model's context holds "
+                                      f"{context_length}")
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"inputs[{index}]: token id {bad} is outside the vocabulary (size {vocab_size})")
+    if dimensions > hidden_size:
+        raise InvalidRequestError(f"dimensions: {dimensions} exceeds this model's embedding size {hidden_size}")

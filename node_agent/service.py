@@ -105,6 +105,16 @@ async def send_tokens(events: AsyncIterator[TokenEvent], context: aio.ServicerCo
             held = []
 
 
+def embedding_bytes(vector, dimensions: int, normalized: bool) -> bytes:
+    """The vector's first `dimensions` values (all for 0), re-normalized when the model normalizes, as
+    little-endian float32."""
+    if dimensions:
+        vector = vector[:dimensions]
+        if normalized:
+            vector = vector / vector.norm().clamp_min(1e-12)
+    return vector.float().numpy().astype("<f4").tobytes()
+
+
 class AgentServicer(agent_pb2_grpc.AgentServicer):
     def __init__(self, core: AgentCore, on_drain: Callable[[float], None]):
         self.core = core
@@ -194,6 +204,31 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         request_id = _request_id(request.request_id, context)
         async with grpc_errors(context, request_id):
             await send_tokens(self.decode_events(request, request_id, context.time_remaining()), context)
+
+    async def Embed(self, request: agent_pb2.EmbedRequest, context: aio.ServicerContext):
+        """Every input runs as an engine request of its own, all at once (so they batch); admitted as one
+        request is (the queue and the KV pool they need together), on a site that prefills."""
+        request_id = _request_id(request.request_id, context)
+        async with grpc_errors(context, request_id):
+            core = self.core
+            with core.inflight():
+                inputs = [list(item.token_ids) for item in request.inputs]
+                model = core.accept_embedding(request.model, inputs, request.dimensions)
+                tasks = [asyncio.ensure_future(model.engine.embed(ids, f"{request_id}.{i}"))
+                         for i, ids in enumerate(inputs)]
+                try:
+                    events = await asyncio.gather(*tasks)
+                finally:
+                    for task in tasks:   # the others, when one failed or the caller left: aborted in the engine
+                        task.cancel()
+            normalized = model.engine.engine.pooling.normalize
+            log.info("embed %s: %d input(s), %d tokens (%d cached)", model.name, len(inputs),
+                     sum(e.num_prompt_tokens for e in events), sum(e.num_cached_tokens for e in events))
+            return agent_pb2.EmbedResponse(
+                embeddings=[agent_pb2.Embedding(data=embedding_bytes(e.embedding, request.dimensions, normalized),
+                                                num_prompt_tokens=e.num_prompt_tokens,
+                                                num_cached_tokens=e.num_cached_tokens) for e in events],
+                normalized=normalized)
 
     async def GetModelInfo(self, request: agent_pb2.ModelInfoRequest, context: aio.ServicerContext):
         async with grpc_errors(context, "model-info"):

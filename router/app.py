@@ -1,6 +1,7 @@
 """The HTTP edge: routes that read, authenticate and translate, then call CompletionService.
 
-Completions are served as raw ASGI in front of FastAPI (`RouterApp`); the rest are FastAPI routes.
+Completions are served as raw ASGI in front of FastAPI (`RouterApp`); the rest, embeddings
+(router.embeddings) among them, are FastAPI routes.
 FastAPI keeps the completion routes for the OpenAPI spec, whose request bodies `router.openapi` states.
 
 Errors become OpenAI bodies here and only here (`ApiError` → JSON with its status and headers).
@@ -30,6 +31,7 @@ from node_agent import trace
 from registry.http_head import RepeatedHeader, single_header
 from router.api_keys import authorization_header
 from router.completions import Choices, CompletionRun, RequestContext
+from router.embeddings import EMBEDDINGS_PATH, EmbeddingService, parse_embedding_request
 from router.errors import ApiError, error_body, internal_error, not_in_regions, too_large, unknown_model
 from router.generation import AgentRejected, GenerationFailed
 from router.openai_request import parse_json, parse_request
@@ -46,8 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-affinity"
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
-ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and "
-             "GET /v1/models/{model}")
+ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, "
+             "GET /v1/models and GET /v1/models/{model}")
 
 
 class RouterApp(FastAPI):
@@ -85,6 +87,11 @@ def create_app(router: Router) -> FastAPI:
     async def responses(request: Request) -> Response:
         return _ResponsesAnswer(router)
 
+    embedding_service = EmbeddingService(router.service)
+
+    async def embeddings(request: Request) -> Response:
+        return await _embed(router, embedding_service, _new_request_id(request), request.scope, request.receive)
+
     async def stored_response(request: Request, response_id: str) -> Response:
         """Responses are not stored (router.responses_api): none can be read back or deleted."""
         await router.authenticate(authorization_header(request.scope["headers"]))
@@ -118,6 +125,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route(RESPONSES_PATH, responses, methods=["POST"])
+    app.add_api_route(EMBEDDINGS_PATH, embeddings, methods=["POST"])
     for method in ("GET", "DELETE"):
         app.add_api_route(RESPONSES_PATH + "/{response_id:path}", stored_response, methods=[method],
                           operation_id=f"{method.lower()}_stored_response")
@@ -230,6 +238,35 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
         if not streaming:
             watch.close()
     return Response(encode_json(body).encode(), media_type="application/json", headers=run.headers())
+
+
+async def _embed(router: Router, service: EmbeddingService, request_id: str, scope, receive) -> Response:
+    """POST /v1/embeddings: authenticated, read and checked as completions are, then EmbeddingService; every
+    answer, error or not, counted under the route "embeddings"."""
+    context = _client_trace(scope)
+    trace.bind(request_id, context)
+    answered = _Answered()
+    router.metrics.requests_running.inc()
+    try:
+        try:
+            headers = Headers(scope=scope)
+            api_key = await router.authenticate(authorization_header(scope["headers"]))
+            body = await _read_body(headers, receive, router.config.max_body_bytes)
+            request = parse_embedding_request(parse_json(body))
+            answered.model = request.model
+            client = scope.get("client")
+            location = router.locator.locate(client[0] if client else None, headers)
+            session = session_key(api_key.id, headers.get(SESSION_HEADER), request.user)
+            ctx = RequestContext(request_id, api_key, location, session, trace_id=context.trace_id)
+            answer, answer_headers = await service.embed(request, ctx)
+            response = Response(encode_json(answer).encode(), media_type="application/json", headers=answer_headers)
+        except ApiError as exc:
+            response = _error_response(exc)
+            response.headers.update({"x-request-id": request_id, "x-edgefire-trace-id": context.trace_id})
+        router.metrics.answered(answered.model, "embeddings", response.status_code)
+        return response
+    finally:
+        router.metrics.requests_running.dec()
 
 
 async def _sse(run: CompletionRun | Choices):

@@ -4,7 +4,7 @@ Served on the router's metrics port (`metrics_listen`, node_agent.metrics_server
 public port: the OpenAI endpoint faces clients, the metrics port an internal network.
 
 What is counted where:
-- requests by model, route (chat, completions, responses) and HTTP status, when the status is known
+- requests by model, route (chat, completions, responses, embeddings) and HTTP status, when the status is known
   (the stream's start for SSE);
   `model` is the request's model only when a site in the snapshot lists it, else "unknown", so
   clients cannot grow the label set by sending made-up names;

@@ -38,7 +38,7 @@ def activation_peak_bytes(model, num_tokens: int, num_sample_rows: int, block_si
     if not model.shard.is_first_stage:
         hidden_in = torch.zeros((num_tokens, cfg.hidden_size), dtype=model.dtype, device=device)
     hidden = model.forward(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, batch, cache, hidden_in)
-    if model.shard.computes_logits:
+    if model.shard.computes_logits and model.weights.lm_head is not None:
         model.compute_logits(hidden[-min(num_sample_rows, num_tokens):])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before - cache_bytes

@@ -2,7 +2,9 @@
 to them, runs its own part (stage 0, TP rank 0), and gathers the logits for the sampler.
 
 `submit` starts a batch and returns once rank 0's stage is done with it; `collect` waits for the
-oldest submitted batch's logits. With pipeline parallelism the engine submits up to pp batches
+oldest submitted batch's logits (and the hidden states of the rows embedding requests pool: rank 0's own
+with one stage, which holds the whole residual stream after the all-reduces, else sent by the last stage's
+first rank). With pipeline parallelism the engine submits up to pp batches
 before collecting, so while later stages run batch k, rank 0 already runs batch k+1. `run` is
 both at once (one batch at a time; every TP-only step). Logits come back vocab-parallel: each TP rank
 of the last stage sends its vocabulary rows' columns straight to rank 0 (ranks that only replicate
@@ -34,7 +36,7 @@ from engine.parallel.kv_pool import build_kv_map, map_cpu_pool, open_cuda_pool
 from engine.parallel.layout import ParallelLayout, rank_shard
 from engine.parallel.processes import RankProcesses, WorkerSpec
 from engine.parallel.rank import finish_rank, start_rank
-from engine.runner import StepInputs
+from engine.runner import ForwardResult, StepInputs
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
@@ -52,6 +54,8 @@ class _Pending:
     own: torch.Tensor | None                         # rank 0's vocabulary columns (pp == 1)
     receives: list[tuple[torch.Tensor, dist.Work]]   # the other last-stage ranks' columns, in TP order
     sends: protocol.Sends = field(default_factory=protocol.Sends)
+    pooled: torch.Tensor | None = None               # the pooled rows' hidden states (rank 0's, pp == 1)
+    pooled_receive: tuple[torch.Tensor, dist.Work] | None = None   # from the last stage (pp > 1)
 
 
 class ParallelExecutor:
@@ -122,7 +126,7 @@ class ParallelExecutor:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs) -> ForwardResult:
         self.submit(inputs)
         return self.collect()
 
@@ -138,28 +142,39 @@ class ParallelExecutor:
             receives = [protocol.post_logits_receive(groups, layout.rank_of(last, t), rows, len(self._vocab[t]),
                                                      self.model.dtype)
                         for t in range(layout.tp) if rows and layout.rank_of(last, t) != 0]
-            hidden = self.shard.forward(inputs)
             pending = _Pending(rows, None, receives)
+            if inputs.pool_rows and layout.pp > 1:   # posted after the logits: the sender sends in this order
+                pending.pooled_receive = protocol.post_pooled_receive(
+                    groups, layout.rank_of(last, 0), len(inputs.pool_rows), self.model_config.hidden_size,
+                    self.model.dtype)
+            hidden = self.shard.forward(inputs)
             if layout.pp > 1:
                 if self.shard.decode_graphs is not None:
                     hidden = hidden.clone()  # a graph's output buffer is overwritten by the next replay
                 pending.sends = protocol.send_next_stage(groups, head, message, hidden)
-            elif rows:
-                pending.own = self.model.project(hidden.index_select(0, inputs.sample_index))
+            else:
+                if rows:
+                    pending.own = self.model.project(hidden.index_select(0, inputs.sample_index))
+                if inputs.pool_rows:
+                    pending.pooled = hidden.index_select(0, inputs.pool_index)
         self._pending.append(pending)
 
-    def collect(self) -> torch.Tensor | None:
-        """Logits [rows, vocab] (float32) of the oldest submitted batch; None when none of its rows sample."""
+    def collect(self) -> ForwardResult:
+        """Logits [rows, vocab] (float32) of the oldest submitted batch (None when none of its rows sample),
+        and its pooled rows' hidden states (None when none)."""
         pending = self._pending.popleft()
         self.raise_if_failed()
         with self._guard(), timing.step(count=False), timing.comm():
             for _, work in pending.receives:
                 work.wait()
+            if pending.pooled_receive is not None:
+                pending.pooled = pending.pooled_receive[0]
+                pending.pooled_receive[1].wait()
             pending.sends.wait()
         if not pending.num_rows:
-            return None
+            return ForwardResult(None, pending.pooled)
         columns = ([pending.own] if pending.own is not None else []) + [logits for logits, _ in pending.receives]
-        return (columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)).float()
+        return ForwardResult((columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)).float(), pending.pooled)
 
     # -- failure and shutdown --------------------------------------------------------------------
 

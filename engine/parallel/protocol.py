@@ -5,6 +5,7 @@ A step starts at rank 0 and flows down the pipeline:
     rank 0 --broadcast(header, message)--> the other ranks of stage 0          (first_stage_control)
     stage s rank t --send(header, message) + send(hidden)--> stage s+1 rank t  (control + world)
     last stage TP rank t --send(logits of its vocab rows)--> rank 0           (results)
+    last stage TP rank 0 --send(hidden states of the pooled rows)--> rank 0   (results, pipeline only)
 
 The header is [command, message length]; the message is the step's packed inputs
 (engine.runner: counts first, so a receiver knows the hidden states' and logits' shapes); the
@@ -27,6 +28,7 @@ from engine.runner import NUM_TOKENS_AT
 
 STEP, STOP = 1, 2
 TAG = 0
+POOLED_TAG = 1   # the embedding requests' hidden states, after the same rank's logits
 
 
 @dataclass(slots=True)
@@ -105,3 +107,14 @@ def post_logits_receive(groups: RankGroups, src: int, rows: int, columns: int,
                         dtype: torch.dtype) -> tuple[torch.Tensor, dist.Work]:
     logits = torch.empty((rows, columns), dtype=dtype, device=groups.device)
     return logits, groups.results.recv([logits], src, TAG)
+
+
+def send_pooled(groups: RankGroups, hidden: torch.Tensor) -> None:
+    with timing.comm():
+        groups.results.send([hidden], 0, POOLED_TAG).wait()
+
+
+def post_pooled_receive(groups: RankGroups, src: int, rows: int, hidden_size: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, dist.Work]:
+    hidden = torch.empty((rows, hidden_size), dtype=dtype, device=groups.device)
+    return hidden, groups.results.recv([hidden], src, POOLED_TAG)

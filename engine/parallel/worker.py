@@ -118,8 +118,11 @@ def step_loop(groups: RankGroups, shard: ModelShard) -> None:
                 if shard.decode_graphs is not None:
                     hidden = hidden.clone()  # a graph's output buffer is overwritten by the next replay
                 sends = protocol.send_next_stage(groups, protocol.header(protocol.STEP, message), message, hidden)
-            elif logits and inputs.sample_rows:
+                continue
+            if logits and inputs.sample_rows:
                 protocol.send_logits(groups, shard.model.project(hidden.index_select(0, inputs.sample_index)))
+            if inputs.pool_rows and part.tp_rank == 0 and part.ep_rank == 0:   # the stage's first rank
+                protocol.send_pooled(groups, hidden.index_select(0, inputs.pool_index))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ class AgentStub:
                 request_serializer=agent__pb2.SessionRequest.SerializeToString,
                 response_deserializer=agent__pb2.SessionBatch.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/edgefire.agent.v1.Agent/Embed',
+                request_serializer=agent__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=agent__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/edgefire.agent.v1.Agent/GetModelInfo',
                 request_serializer=agent__pb2.ModelInfoRequest.SerializeToString,
@@ -133,6 +138,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings: each input's prompt run through the model (scheduled, batched and chunked as any prefill,
+        its KV freed at once) and its final hidden states pooled as the checkpoint says (engine.pooling).
+        Admitted as Generate is (draining: UNAVAILABLE, full: RESOURCE_EXHAUSTED); taken on prefill sites.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -183,6 +197,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=agent__pb2.SessionRequest.FromString,
                     response_serializer=agent__pb2.SessionBatch.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=agent__pb2.EmbedRequest.FromString,
+                    response_serializer=agent__pb2.EmbedResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -362,6 +381,33 @@ class Agent:
             '/edgefire.agent.v1.Agent/Session',
             agent__pb2.SessionRequest.SerializeToString,
             agent__pb2.SessionBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgefire.agent.v1.Agent/Embed',
+            agent__pb2.EmbedRequest.SerializeToString,
+            agent__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

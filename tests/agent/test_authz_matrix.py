@@ -40,6 +40,7 @@ CALLS = {
     "ReleaseKV": (agent_pb2.ReleaseKVRequest(kv_handle="h"), False),
     "Decode": (agent_pb2.DecodeRequest(model="tiny", prompt_ids=[1, 2]), True),
     "Session": ([agent_pb2.SessionRequest()], True),
+    "Embed": (agent_pb2.EmbedRequest(model="tiny", inputs=[agent_pb2.EmbedInput(token_ids=[1, 2])]), False),
     "Drain": (agent_pb2.DrainRequest(), False),
 }
 PASSED = (grpc.StatusCode.OK, grpc.StatusCode.UNIMPLEMENTED)  # UNIMPLEMENTED: the call got past auth
@@ -118,7 +119,7 @@ async def test_each_method_opens_to_its_roles_token_only(stub):
             assert await status_of(stub, method, bearer(token)) == grpc.StatusCode.UNAUTHENTICATED, (method, role)
 
 
-@pytest.mark.parametrize("method", ["Generate", "Prefill", "Decode", "Session", "GetModelInfo", "Drain"])
+@pytest.mark.parametrize("method", ["Generate", "Prefill", "Decode", "Session", "Embed", "GetModelInfo", "Drain"])
 async def test_the_peer_token_cannot_act_as_a_router(stub, method):
     """What a compromised site could do to its peers with the token it holds to pull KV: nothing here."""
     code, details = await refusal_of(stub, method, bearer(PEER_TOKEN))
