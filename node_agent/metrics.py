@@ -79,6 +79,8 @@ class AgentMetrics:
                                  ["role"], registry=r)
         # Routers' Session streams (node_agent.service.SessionRelay): with the token counters, messages tell
         # how many tokens one message carries (a per-request stream sends one message per token and request)
+        self.embeddings = Counter("edgefire_agent_embeddings", "Inputs embedded (Embed calls' vectors returned)",
+                                  ["model"], registry=r)
         self.sessions_open = Gauge("edgefire_agent_sessions_open", "Session streams open from routers", registry=r)
         self.session_messages = Counter("edgefire_agent_session_messages", "Messages written on Session streams "
                                         "(one per wake-up: every open request's tokens of an engine step)",

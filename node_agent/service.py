@@ -222,6 +222,9 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                     for task in tasks:   # the others, when one failed or the caller left: aborted in the engine
                         task.cancel()
             normalized = model.engine.engine.pooling.normalize
+            for event in events:
+                core.metrics.observe_prompt(model.name, event.num_prompt_tokens, event.num_cached_tokens)
+            core.metrics.embeddings.labels(model.name).inc(len(events))
             log.info("embed %s: %d input(s), %d tokens (%d cached)", model.name, len(inputs),
                      sum(e.num_prompt_tokens for e in events), sum(e.num_cached_tokens for e in events))
             return agent_pb2.EmbedResponse(

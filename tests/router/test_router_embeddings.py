@@ -74,6 +74,7 @@ async def sites(cluster, tiny_model_dir):
                                         models=[{"model": MODEL, "role": "both"}], heartbeat_interval_s=60)
         await cluster.heartbeat(name)
 
+    add.agents = agents
     yield add
     for agent in agents:
         await agent.stop()
@@ -89,7 +90,7 @@ async def endpoint(cluster, make_router, sites):
     return router, url, key
 
 
-async def test_openai_client_embeds_as_transformers_after_failing_over(endpoint, reference):
+async def test_openai_client_embeds_as_transformers_after_failing_over(endpoint, reference, sites):
     router, url, key = endpoint
     texts = ["where is the nearest site?", "edge", "a longer sentence about routers and their many sites"]
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
@@ -123,6 +124,10 @@ async def test_openai_client_embeds_as_transformers_after_failing_over(endpoint,
     samples = Samples.parse(generate_latest(router.metrics.registry).decode())
     assert samples.get("edgefire_router_requests_total", model=MODEL, route="embeddings", status="200") == 6
     assert samples.get("edgefire_router_site_failures_total", site="fra", reason="unavailable") >= 1
+    (agent,) = sites.agents   # the live site counts every input it embedded and their prompt tokens
+    at_site = Samples.parse(generate_latest(agent.core.metrics.registry).decode())
+    assert at_site.get("edgefire_agent_embeddings_total", model=MODEL) == 3 + 1 + 1 + 1 + 1 + 2
+    assert at_site.get("edgefire_agent_prompt_tokens_total", model=MODEL) == num_tokens + 5 * len(ids) + 3
 
 
 @pytest.mark.parametrize("body, status, param", [
