@@ -26,7 +26,7 @@ import numpy as np
 from node_agent.proto import agent_pb2
 from router.completions import PROMPT_TOKENIZE_OFF_LOOP_CHARS, CompletionService, RequestContext
 from router.errors import ApiError, bad_request, no_capacity, rate_limited
-from router.generation import RETRYABLE_CODES
+from router.generation import FULL_RETRY_MAX_S, FULL_RETRY_S, RETRYABLE_CODES
 from router.model_assets import ModelAssets
 from router.placement import PlacementRequest, rank
 from router.rate_limit import Refusal
@@ -184,7 +184,9 @@ class EmbeddingService:
     async def _call(self, request: EmbeddingRequest, ctx: RequestContext, snapshot, assets: ModelAssets,
                     inputs: list[list[int]]) -> tuple[str, agent_pb2.EmbedResponse]:
         """One site's answer: the ranked prefill sites in order, each tried once, up to max_attempts failures
-        (a full or draining site's refusal costs no attempt)."""
+        (a full or draining site's refusal costs no attempt). When only full sites are left, the request
+        waits for room and places itself again, backing off as completions do, for up to max_full_wait_s
+        (never past the first-token timeout)."""
         service = self.service
         placement = PlacementRequest(
             model=request.model, prompt_ids=[t for ids in inputs for t in ids], max_tokens=1,
@@ -192,43 +194,60 @@ class EmbeddingService:
             client_site=service.limits.router_site if ctx.location.source == "router" else None,
             allowed_regions=ctx.api_key.allowed_regions, session_key=ctx.session_key,
             kv_bytes_per_token=assets.kv_bytes_per_token)
-        candidates = rank(snapshot, placement, service.cost, service.health.cooling(),
-                          service.ledger.pending(snapshot))
-        seen: set[str] = set()
-        sites = [c for c in candidates if not (c.prefill_site.name in seen or seen.add(c.prefill_site.name))]
-        if not sites:
-            raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key may "
-                              f"use; retry shortly.", service.limits.retry_after_s)
         embed = agent_pb2.EmbedRequest(request_id=ctx.request_id, model=request.model,
                                        inputs=[agent_pb2.EmbedInput(token_ids=ids) for ids in inputs],
                                        dimensions=request.dimensions or 0)
-        policy, failures, reasons = service.policy, 0, []
-        for number, candidate in enumerate(sites):
-            if failures >= policy.max_attempts:
+        policy, failures, reasons, failed = service.policy, 0, [], set()
+        loop = asyncio.get_running_loop()
+        waiting_since, num_waits, tried = loop.time(), 0, False
+        while True:
+            candidates = rank(snapshot, placement, service.cost, service.health.cooling(),
+                              service.ledger.pending(snapshot))
+            seen: set[str] = set(failed)
+            sites = [c for c in candidates if not (c.prefill_site.name in seen or seen.add(c.prefill_site.name))]
+            if not sites and not tried:
+                raise no_capacity(f"No site with free capacity serves `{request.model}` in the regions this key "
+                                  f"may use; retry shortly.", service.limits.retry_after_s)
+            full = False
+            for candidate in sites:
+                if failures >= policy.max_attempts:
+                    break
+                site = candidate.prefill_site
+                if tried:
+                    service.metrics.moved_on(reasons[-1], False)
+                tried = True
+                attempt = service.ledger.record(candidate, len(placement.prompt_ids), 1)
+                try:
+                    answer = await service.agents.client(site.grpc_address).embed(embed, policy.first_token_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE_CODES:
+                        raise _site_refusal(exc) from exc
+                    reason = "full" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else exc.code().name.lower()
+                    reasons.append(reason)
+                    full = full or reason == "full"
+                    if reason != "full":
+                        failed.add(site.name)
+                        if not _draining(exc):   # a draining site's refusal says nothing bad of the site
+                            failures += 1
+                            service.health.record_failure(site.name)
+                            service.metrics.site_failed(site.name, reason)
+                    log.warning("request %s: embeddings on site %s failed (%s: %s); next site", ctx.request_id,
+                                site.name, exc.code().name, exc.details())
+                    continue
+                finally:
+                    service.ledger.finished(attempt)
+                service.health.record_success(site.name)
+                service.metrics.placed(site.name, site.name, site.region)
+                return site.name, answer
+            remaining_s = min(policy.max_full_wait_s, policy.first_token_timeout_s) - (loop.time() - waiting_since)
+            if not full or failures >= policy.max_attempts or remaining_s <= 0.001:
                 break
-            site = candidate.prefill_site
-            if number:
-                service.metrics.moved_on(reasons[-1], False)
-            attempt = service.ledger.record(candidate, len(placement.prompt_ids), 1)
-            try:
-                answer = await service.agents.client(site.grpc_address).embed(embed, policy.first_token_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE_CODES:
-                    raise _site_refusal(exc) from exc
-                reason = "full" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else exc.code().name.lower()
-                reasons.append(reason)
-                if reason != "full" and not _draining(exc):   # a refusal says nothing bad of the site
-                    failures += 1
-                    service.health.record_failure(site.name)
-                    service.metrics.site_failed(site.name, reason)
-                log.warning("request %s: embeddings on site %s failed (%s: %s); next site", ctx.request_id,
-                            site.name, exc.code().name, exc.details())
-                continue
-            finally:
-                service.ledger.finished(attempt)
-            service.health.record_success(site.name)
-            service.metrics.placed(site.name, site.name, site.region)
-            return site.name, answer
+            delay_s = min(FULL_RETRY_S * 2 ** num_waits, FULL_RETRY_MAX_S, remaining_s)
+            num_waits += 1
+            log.info("request %s: every site left for its embeddings is full; trying again in %.2f s",
+                     ctx.request_id, delay_s)
+            await asyncio.sleep(delay_s)
+            snapshot = service.feed.current()
         raise no_capacity(f"Every site tried failed ({', '.join(reasons)}); retry shortly.",
                           service.limits.retry_after_s)
 

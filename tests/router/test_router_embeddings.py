@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import socket
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -15,6 +16,7 @@ from prometheus_client import generate_latest
 import torch
 
 from engine.tokenizer import ChatTokenizer
+from node_agent.client import AgentClient
 from node_agent.config import AgentConfig
 from node_agent.daemon import Agent
 from tests.metrics_text import Samples
@@ -167,3 +169,34 @@ async def test_unknown_model_and_missing_key(endpoint):
         no_key = await http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert no_key.status_code == 401
+
+
+def full_site_error() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "KV pool is full: the request needs 2 blocks, 0 of 64 are free")
+
+
+async def test_a_full_site_is_waited_for_as_completions_wait(endpoint, monkeypatch):
+    """The only live site is full at first: the request waits for room instead of answering 503 at once; a site
+    full for longer than max_full_wait_s (5 s by default; 2 s here, the first-token timeout) gets the 503."""
+    router, url, key = endpoint
+    real_embed, refusals = AgentClient.embed, []
+
+    async def full_twice(self, request, timeout=None):
+        if len(refusals) < 2:
+            refusals.append(request.request_id)
+            raise full_site_error()
+        return await real_embed(self, request, timeout)
+
+    monkeypatch.setattr(AgentClient, "embed", full_twice)
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+        answer = await client.embeddings.create(model=MODEL, input="edge", encoding_format="float")
+        assert len(answer.data[0].embedding) > 0 and len(refusals) == 2
+
+        async def always_full(self, request, timeout=None):
+            raise full_site_error()
+
+        monkeypatch.setattr(AgentClient, "embed", always_full)
+        with pytest.raises(openai.InternalServerError) as refused:   # 503, after the wait
+            await client.embeddings.create(model=MODEL, input="edge")
+        assert refused.value.status_code == 503 and "full" in refused.value.message
