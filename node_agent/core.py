@@ -225,14 +225,16 @@ class AgentCore:
         return model
 
     def accept_embedding(self, model_name: str, inputs: list[list[int]], dimensions: int) -> HostedModel:
-        """The model an Embed call runs on, once the call is checked (check_embed_request) and admitted as one
-        request of all its inputs' tokens, on a site that prefills."""
+        """The model an Embed call runs on, once the call is checked (check_embed_request) and admitted on a
+        site that prefills: when the queue has room and the KV free now holds its longest input. Its inputs
+        then queue in the engine together and run as blocks allow (each one's KV is freed once it is pooled),
+        so a call larger than the whole pool is served, as that many prompts sent at once would be."""
         model = self.model(model_name)
         self._check_role("prefill")
         engine = model.engine.engine
         check_embed_request(inputs, dimensions, model.vocab_size, model.info.context_length,
                             engine.model_config.hidden_size, engine.pooling_error)
-        self._admit(model, sum(len(ids) for ids in inputs))
+        self._admit(model, max(len(ids) for ids in inputs))
         return model
 
     @contextmanager
