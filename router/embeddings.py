@@ -227,7 +227,8 @@ class EmbeddingService:
                     full = full or reason == "full"
                     if reason != "full":
                         failed.add(site.name)
-                        if not _draining(exc):   # a draining site's refusal says nothing bad of the site
+                        # a draining site, or an agent older than the Embed call, is no broken site
+                        if not _draining(exc) and exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                             failures += 1
                             service.health.record_failure(site.name)
                             service.metrics.site_failed(site.name, reason)
@@ -248,6 +249,9 @@ class EmbeddingService:
                      ctx.request_id, delay_s)
             await asyncio.sleep(delay_s)
             snapshot = service.feed.current()
+        if reasons and set(reasons) == {"unimplemented"}:
+            raise no_capacity(f"No site serving `{request.model}` can embed yet: their agents predate embeddings "
+                              f"(the Embed call); upgrade them.", service.limits.retry_after_s)
         raise no_capacity(f"Every site tried failed ({', '.join(reasons)}); retry shortly.",
                           service.limits.retry_after_s)
 

@@ -234,6 +234,24 @@ RESPONSES_REQUEST = {
     "additionalProperties": False,
 }
 
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+EMBEDDINGS_REQUEST = {
+    "title": "EmbeddingsRequest", "type": "object", "required": ["model", "input"], "additionalProperties": False,
+    "description": "Each input's final hidden state, pooled as the checkpoint says (router/embeddings.py, "
+                   "engine/pooling.py).",
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": {"anyOf": [{"type": "string", "minLength": 1},
+                            {"type": "array", "minItems": 1, "maxItems": 2048,
+                             "items": {"type": "string", "minLength": 1}},
+                            _TOKEN_IDS,
+                            {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKEN_IDS}]},
+        "encoding_format": _nullable({"enum": ["float", "base64"]}),
+        "dimensions": _nullable({"type": "integer", "minimum": 1,
+                                 "description": "the first values, re-normalized when the model normalizes"}),
+        "user": _nullable({"type": "string"}),
+    },
+}
 _ERROR = {"type": "object", "required": ["error"],
           "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
                                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -257,7 +275,8 @@ def describe_completions(spec: dict) -> dict:
             ("/v1/chat/completions", CHAT_COMPLETION_REQUEST, completion),
             ("/v1/completions", COMPLETION_REQUEST, completion),
             ("/v1/responses", RESPONSES_REQUEST, "a Response object; with stream: true, `text/event-stream` events "
-                                                 "(response.created ... response.completed, .incomplete or .failed)")):
+                                                 "(response.created ... response.completed, .incomplete or .failed)"),
+            ("/v1/embeddings", EMBEDDINGS_REQUEST, "a list of embeddings, one per input, in order")):
         operation = spec["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}
         operation["responses"] = {"200": {"description": answer}, **_ERRORS}

@@ -143,16 +143,16 @@ def spec_of(base_url: str) -> dict:
 
 def test_router_spec_describes_completion_bodies_and_fuzzing_finds_no_server_error(services):
     spec = spec_of(services.router_url)
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        assert {"model"} < set(body["required"]) and "seed" in body["properties"]
+        assert {"model"} < set(body["required"]) and ("seed" in body["properties"] or path == "/v1/embeddings")
         # Steer valid examples to the model the site serves, so they get past the model check
         # into tokenization, placement and generation; invalid ones still try other names.
         body["properties"]["model"] = {"const": MODEL}
     statuses: dict[tuple[str, int], int] = {}
     errors = fuzz(spec, services.router_url, lambda _path: services.api_key, statuses)
     assert not errors, "\n".join(errors)
-    for path in ("/v1/chat/completions", "/v1/completions"):  # the fuzzer got through, and was refused too
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):  # got through, and was refused too
         assert statuses.get((path, 200)) and statuses.get((path, 400)), statuses
 
 

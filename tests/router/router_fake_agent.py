@@ -16,11 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from engine.tokenizer import ChatTokenizer
 from node_agent.proto import agent_pb2, agent_pb2_grpc
 
 MODEL = "tiny-llama"
+EMBED_SIZE = 8   # the length of the fake embeddings
 
 
 def model_info_from_dir(model_dir: str | Path, model: str = MODEL) -> agent_pb2.ModelInfo:
@@ -153,6 +155,25 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         if request.lease_id:
             self.released_lease_ids.append(request.lease_id)
         return agent_pb2.ReleaseKVResponse(released=True)
+
+    async def Embed(self, request, context):
+        """A vector of EMBED_SIZE values made from each input's token ids (normalized), for routing tests."""
+        self.calls.append(("Embed", request))
+        if self.refuse is not None and (self.refuse_methods is None or "Embed" in self.refuse_methods):
+            await context.abort(self.refuse, "refused")
+        if request.model != self.info.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.model} is not served here")
+        if request.dimensions > EMBED_SIZE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dimensions: {request.dimensions} exceeds this model's embedding size {EMBED_SIZE}")
+        embeddings = []
+        for item in request.inputs:
+            ids = list(item.token_ids)
+            vector = np.array([1 + (sum(ids) * (k + 1)) % 97 for k in range(EMBED_SIZE)], dtype="<f4")
+            vector = vector[:request.dimensions or EMBED_SIZE]
+            vector /= np.linalg.norm(vector)
+            embeddings.append(agent_pb2.Embedding(data=vector.astype("<f4").tobytes(), num_prompt_tokens=len(ids)))
+        return agent_pb2.EmbedResponse(embeddings=embeddings, normalized=True)
 
     async def GetModelInfo(self, request, context):
         self.calls.append(("GetModelInfo", request))
