@@ -127,3 +127,20 @@ def test_malformed_json_and_oversized_prompt(http, cluster):
     # Nothing above reached a site: a well-formed request still works.
     ok = http.post("/v1/completions", json={"model": cluster.model, "prompt": prompt_ids(8), "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_embeddings_through_the_whole_stack_equal_transformers(client, cluster):
+    """`edgefire up`'s sites embed through the router as transformers' model does (last token, normalized)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    texts = ["the weather in Lisbon", "edge"]
+    answer = client.embeddings.create(model=cluster.model, input=texts)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(cluster.config.model_dir))
+    model = AutoModel.from_pretrained(str(cluster.config.model_dir), dtype=torch.float32).eval()
+    for datum, text in zip(answer.data, texts):
+        ids = hf_tokenizer(text)["input_ids"]   # with its special tokens, as sentence-transformers encodes
+        with torch.no_grad():
+            expected = torch.nn.functional.normalize(model(torch.tensor([ids])).last_hidden_state[0, -1], dim=0)
+        torch.testing.assert_close(torch.tensor(datum.embedding), expected, atol=2e-5, rtol=1e-4)
+    assert answer.usage.prompt_tokens > 2
