@@ -87,10 +87,9 @@ def create_app(router: Router) -> FastAPI:
     async def responses(request: Request) -> Response:
         return _ResponsesAnswer(router)
 
-    embedding_service = EmbeddingService(router.service)
-
     async def embeddings(request: Request) -> Response:
-        return await _embed(router, embedding_service, _new_request_id(request), request.scope, request.receive)
+        return await _embed(router, EmbeddingService(router.service), _new_request_id(request), request.scope,
+                            request.receive)
 
     async def stored_response(request: Request, response_id: str) -> Response:
         """Responses are not stored (router.responses_api): none can be read back or deleted."""
