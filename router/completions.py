@@ -32,7 +32,7 @@ from router.openai_request import MAX_PREDICTION_TOKENS, MAX_SEED, CompletionReq
 from router.placement import CostModel, PlacementRequest, model_availability, rank
 from router.fleet_reporter import FleetReporter
 from router.rate_limit import Charge, Refusal
-from router.reasoning import ReasoningStream, with_reasoning
+from router.reasoning import ReasoningStream, template_effort, with_reasoning
 from router.sessions import SessionTable
 from router.snapshot_feed import SnapshotFeed
 from router.text_stream import TextStream
@@ -80,6 +80,9 @@ class CompletionService:
                               f"times n={request.n}); this endpoint answers at most {self.limits.max_choices} per "
                               f"request. Send fewer prompts or a smaller n.", "prompt" if request.n == 1 else "n")
         assets = await self.assets.get(request.model, snapshot, ctx.request_id)
+        if request.chat:
+            request.template_kwargs = template_effort(request.template_kwargs, assets.reasoning,
+                                                      assets.tokenizer.template, request.model)
         prompts = [await self._tokenize(request, assets, i) for i in range(request.num_prompts)]
         max_tokens = [self._check_lengths(request, ids, assets, self._prompt_param(request, i))
                       for i, ids in enumerate(prompts)]

@@ -24,7 +24,8 @@ MAX_SEED = 2 ** 63 - 1  # the agent API carries a uint64, but engines take seeds
 MIN_SEED = -2 ** 63
 MAX_UINT32 = 2 ** 32 - 1  # the agent API's top_k
 ROLES = ("system", "developer", "user", "assistant", "tool")
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+# OpenAI's reasoning efforts, least to most; each model's template takes them as router.reasoning.template_effort says.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # Variables the router itself gives the chat template; chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
 MAX_REPETITION_PENALTY = 10.0
@@ -33,7 +34,8 @@ MAX_LOGIT_BIAS = 100.0   # OpenAI's [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries
 MAX_CHOICES = 16
 TOOL_CHOICES = ("none", "auto", "required")
-RESPONSE_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# OpenAI's rule for the name of a function tool (chat and Responses alike) and of a response format.
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 # The longest predicted output a site takes (engine.ngram.MAX_PREDICTION_TOKENS, which this module cannot import):
@@ -199,6 +201,7 @@ def parse_request(document: dict, chat: bool) -> CompletionRequest:
     request = CompletionRequest(chat=chat, model=_string(document, "model", required=True))
     if chat:
         request.messages = _messages(document.get("messages"), request.model)
+        _check_tool_replies(request.messages)
         request.tools = _tools(document.get("tools"))
         request.tool_choice, request.tools = _tool_choice(document.get("tool_choice"), request.tools)
         parallel = document.get("parallel_tool_calls")
@@ -431,6 +434,73 @@ def _tool_calls(value, param: str) -> list[dict]:
     return calls
 
 
+def _check_tool_replies(messages: list[dict]) -> None:
+    """As OpenAI requires: every call of an assistant message is answered by a `tool` message (its `tool_call_id`
+    the call's `id`) before the next user or assistant turn, and every tool message answers a call of the calling
+    turn before it. A result without its call, or a call without its result, would give the model a conversation
+    neither side had."""
+    calling, unanswered = None, []  # the open calling turn's index, and the ids of its calls not yet answered
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "tool":
+            call_id = _reply_call_id(message, i, messages, calling)
+            unanswered = [other for other in unanswered if other != call_id]
+        elif role in ("user", "assistant"):
+            if unanswered:
+                raise _unanswered_calls(calling, unanswered, f"before `messages[{i}]`")
+            calling = None
+            if role == "assistant" and message.get("tool_calls"):
+                calling, unanswered = i, _call_ids(message["tool_calls"], f"messages[{i}].tool_calls")
+    if unanswered:
+        raise _unanswered_calls(calling, unanswered, "before the conversation ends")
+
+
+def _call_ids(calls: list[dict], param: str) -> list[str]:
+    """The ids of a turn's calls, which the tool messages answering them name: each present and its own."""
+    ids = []
+    for j, call in enumerate(calls):
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"`{param}[{j}].id` is required (a non-empty string): the tool message answering the "
+                              f"call names it as its `tool_call_id`.", f"{param}[{j}].id",
+                              "missing_required_parameter" if call_id is None else "invalid_value")
+        if call_id in ids:
+            raise bad_request(f"`{param}[{j}].id` repeats `{call_id}`: each call needs its own id, so that its "
+                              f"result can name it.", f"{param}[{j}].id")
+        ids.append(call_id)
+    return ids
+
+
+def _reply_call_id(message: dict, i: int, messages: list[dict], calling: int | None) -> str:
+    """The id of the call a tool message answers: one of the calling turn's before it."""
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"`messages[{i}].tool_call_id` is required (a non-empty string): a tool message answers "
+                          f"a call of the assistant message before it, named by the call's `id`.",
+                          f"messages[{i}].tool_call_id",
+                          "missing_required_parameter" if call_id is None else "invalid_value")
+    if calling is None:
+        raise bad_request(f"`messages[{i}]` is a tool message answering `{call_id}`, but no assistant message with "
+                          f"`tool_calls` comes before it since the last user or assistant turn: messages with role "
+                          f"'tool' must be a response to a preceding message with 'tool_calls'. Send the assistant "
+                          f"message that made the call before its result.", f"messages[{i}]")
+    ids = [call["id"] for call in messages[calling]["tool_calls"]]
+    if call_id not in ids:
+        raise bad_request(f"`messages[{i}]` is a tool message answering `{call_id}`, but `messages[{calling}]` made "
+                          f"no call with that id (its calls are {', '.join(f'`{c}`' for c in ids)}): messages with "
+                          f"role 'tool' must be a response to a preceding message with 'tool_calls'. Set "
+                          f"`tool_call_id` to the id of the call it answers.", f"messages[{i}]")
+    return call_id
+
+
+def _unanswered_calls(calling: int, unanswered: list[str], where: str):
+    listed = ", ".join(f"`{call_id}`" for call_id in unanswered)
+    return bad_request(f"`messages[{calling}]` has `tool_calls` that no tool message answers {where} ({listed}): "
+                       f"an assistant message with 'tool_calls' must be followed by tool messages responding to "
+                       f"each 'tool_call_id'. Send each call's result as {{\"role\": \"tool\", \"tool_call_id\": "
+                       f"..., \"content\": ...}} right after it.", f"messages[{calling}]")
+
+
 def _tools(value) -> list[dict] | None:
     """Function tools only: another type (OpenAI's `custom` tools) is a 400 naming it, never read as a function."""
     if value is None:
@@ -446,7 +516,18 @@ def _tools(value) -> list[dict] | None:
                 and isinstance(tool["function"].get("name"), str)):
             raise bad_request(f"`tools[{i}]` must be a {shape} object.", f"tools[{i}]")
         _bool(tool["function"].get("strict"), f"tools[{i}].function.strict")
+        check_tool_name(tool["function"]["name"], f"tools[{i}].function.name",
+                        [earlier["function"]["name"] for earlier in value[:i]])
     return value
+
+
+def check_tool_name(name: str, param: str, earlier: list[str]) -> None:
+    """OpenAI's rule for a function tool's name: 1-64 letters, digits, `_` or `-`, and no two tools alike (the
+    model could not say which one it calls)."""
+    if not FUNCTION_NAME.fullmatch(name):
+        raise bad_request(f"`{param}` must be 1-64 letters, digits, underscores or dashes.", param)
+    if name in earlier:
+        raise bad_request(f"`{param}` repeats `{name}`: each function needs its own name.", param)
 
 
 def _documents(value) -> list[dict] | None:
@@ -608,7 +689,7 @@ def _response_format(value) -> GrammarSpec | None:
     if not isinstance(spec, dict):
         raise bad_request(f"`{param}` must be an object with `name` and `schema`.", param)
     name = spec.get("name")
-    if not isinstance(name, str) or not RESPONSE_FORMAT_NAME.fullmatch(name):
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
         raise bad_request(f"`{param}.name` must be 1-64 letters, digits, underscores or dashes.", f"{param}.name")
     if spec.get("strict") is not None:
         _bool(spec.get("strict"), f"{param}.strict")  # strict or not, the output follows the schema

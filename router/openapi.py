@@ -40,7 +40,9 @@ _MESSAGE = {"type": "object", "required": ["role"],
 _TOOL = {"type": "object", "required": ["function"],
          "properties": {"type": {"const": "function"},
                         "function": {"type": "object", "required": ["name"],
-                                     "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                     "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$",
+                                                             "description": "each tool's own"},
+                                                    "description": {"type": "string"},
                                                     "parameters": {"type": "object"}}}}}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STOP = _nullable({"anyOf": [{"type": "string"},

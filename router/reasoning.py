@@ -33,8 +33,13 @@ what the grammar allows:
 Templates close an empty block to turn thinking off: Qwen3's `enable_thinking: false`, SmolLM3's
 `/no_think`, DeepSeek-V3.1 without `thinking`.
 
-`reasoning_effort` is a template variable like any other: where a template reads it, the prompt shows
-its effect, and no value of it turns reasoning off.
+`reasoning_effort` (OpenAI's none, minimal, low, medium, high, xhigh) becomes what the model's template
+takes (`template_effort`): a template with effort levels (gpt-oss's "Reasoning: low|medium|high") gets its
+nearest level (minimal its lowest, xhigh its highest); "none" sets the template's thinking switch false
+(Qwen3's and SmolLM3's `enable_thinking`, DeepSeek-V3.1's `thinking`), and any other effort sets it true,
+unless the request sets the switch itself the other way (a 400: two contradicting asks). A reasoning model
+whose template has no switch (gpt-oss, DeepSeek-R1, Kimi-K2-Thinking) always reasons: "none" is a 400
+saying so. A model that does not reason takes every effort, as its template reads it.
 
 gpt-oss writes no tags but messages, in its "harmony" format (parser `harmony`, detected from a template
 that writes `<|channel|>` and `<|message|>`): `<|channel|>analysis<|message|>THOUGHTS<|end|>`, then
@@ -57,9 +62,11 @@ import json
 import re
 from dataclasses import dataclass
 
-from engine.chat_template import REASONING_KEYS
+from engine.chat_template import REASONING_KEYS, ChatTemplate
 from engine.grammar import GrammarSpec, lark_json
 from engine.tokenizer import ChatTokenizer
+from router.errors import bad_request
+from router.openai_request import REASONING_EFFORTS
 from router.text_stream import WindowDetokenizer
 
 # parser name -> (start tag, end tag)
@@ -154,6 +161,64 @@ def fold_preambles(messages: list[dict]) -> list[dict]:
 # Chat template variables that turn reasoning off when false (Qwen3 and SmolLM3 read the first, DeepSeek-V3.1
 # either): a request that sets one gets no reasoning block in its grammar, even from a template that ignores it.
 THINKING_SWITCHES = ("enable_thinking", "thinking")
+# The effort levels gpt-oss's system message takes ("Reasoning: ..."), least to most.
+HARMONY_EFFORTS = ("low", "medium", "high")
+_LEVELS = REASONING_EFFORTS[1:]  # the efforts that reason, least to most ("none" is the switch's)
+
+
+def template_effort(template_kwargs: dict, fmt: ReasoningFormat | HarmonyFormat | None,
+                    template: ChatTemplate | None, model: str) -> dict:
+    """The template variables a request's `reasoning_effort` becomes for this model (the module docstring): its
+    template's nearest effort level, its thinking switch set, or a 400 for "none" on a model that always
+    reasons. `template_kwargs` are the request's (chat_template_kwargs with reasoning_effort)."""
+    effort = template_kwargs.get("reasoning_effort")
+    if effort is None:
+        return template_kwargs
+    kwargs = dict(template_kwargs)
+    switches = [name for name in THINKING_SWITCHES if template is not None and name in template.variables]
+    if effort == "none":
+        del kwargs["reasoning_effort"]
+        if switches:
+            return _switched(kwargs, switches, False, effort)
+        if fmt is None:
+            return kwargs  # the model does not reason: nothing to turn off
+        raise bad_request(f"`reasoning_effort` \"none\" asks for no reasoning, but the model `{model}` always "
+                          f"reasons: its chat template has no switch that turns reasoning off. Send \"minimal\" for "
+                          f"its least reasoning, or leave `reasoning_effort` out.", "reasoning_effort",
+                          "unsupported_value")
+    levels = _effort_levels(fmt, template)
+    if levels:
+        kwargs["reasoning_effort"] = _nearest_level(effort, levels)
+    return _switched(kwargs, switches, True, effort) if switches and fmt is not None else kwargs
+
+
+def _effort_levels(fmt, template: ChatTemplate | None) -> tuple[str, ...]:
+    """The effort levels the template takes, least to most: gpt-oss's, else those a template reading
+    `reasoning_effort` names as strings; () when it names none (it gets the effort as sent)."""
+    if isinstance(fmt, HarmonyFormat):
+        return HARMONY_EFFORTS
+    if template is None or "reasoning_effort" not in template.variables:
+        return ()
+    named = {text for literals in template.literals.values() for text in literals.split("\0")}
+    return tuple(level for level in _LEVELS if level in named)
+
+
+def _nearest_level(effort: str, levels: tuple[str, ...]) -> str:
+    """The level nearest `effort` (a tie goes to the higher: at least the effort asked for)."""
+    rank = _LEVELS.index(effort)
+    return min(reversed(levels), key=lambda level: abs(_LEVELS.index(level) - rank))
+
+
+def _switched(kwargs: dict, switches: list[str], on: bool, effort: str) -> dict:
+    """The template kwargs with its thinking switches set `on`; a 400 where the request set one the other way."""
+    for name in switches:
+        if kwargs.get(name, on) is not on:
+            raise bad_request(f"`reasoning_effort` \"{effort}\" turns thinking {'on' if on else 'off'}, but "
+                              f"`chat_template_kwargs.{name}` is {json.dumps(kwargs[name])}; send one of the two.",
+                              "reasoning_effort", "invalid_parameter_combination")
+    return {**kwargs, **dict.fromkeys(switches, on)}
+
+
 # The grammar's pieces around the answer: the tags by token id (text cannot spell a token), free text inside,
 # and the blank line models write after the end tag (Qwen3's template puts one there), which the answer's
 # own grammar (compact JSON, a call's marker) would refuse; a few characters, so no model wanders in blanks.

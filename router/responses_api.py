@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.errors import ApiError, bad_request, too_large
-from router.openai_request import SERVICE_TIERS, decode_json, parse_json
+from router.openai_request import SERVICE_TIERS, check_tool_name, decode_json, parse_json
 from router.responses import SERVICE_TIER, encode_json
 
 RESPONSES_PATH = "/v1/responses"
@@ -50,7 +50,6 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # is no tool search and no programmatic caller here)
 TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
 TOOL_FIELDS_WITHOUT_EFFECT = ("defer_loading", "allowed_callers")
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TEXT_FORMAT_FIELDS = {"text": ("type",), "json_object": ("type",),
                       "json_schema": ("type", "name", "schema", "strict", "description")}
 _NO_STORE = ("this server keeps no responses, so a response cannot be continued by its id; send the whole "
@@ -187,7 +186,9 @@ def _check_metadata(value) -> None:
 def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
     """`input` as chat messages: a string is one user message; items are messages, function calls (an
     assistant turn's tool calls; consecutive calls are one turn), their outputs (tool messages) and
-    reasoning (the next assistant turn's `reasoning_content`, for templates that replay it)."""
+    reasoning (the next assistant turn's `reasoning_content`, for templates that replay it). OpenAI pairs a call
+    and its output by `call_id` wherever the output comes after it; chat wants each output right after its
+    calling turn, so that is where its tool message goes, whatever items came between."""
     if value is None:
         raise bad_request("`input` is required: a string or an array of input items.", "input",
                           "missing_required_parameter")
@@ -198,6 +199,7 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
     if not isinstance(value, list) or not value:
         raise bad_request("`input` must be a string or a non-empty array of input items.", "input")
     reasoning, call_names, call_params, answered = None, {}, {}, set()
+    call_turns = {}  # call_id -> the index of the assistant message holding the call
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -219,6 +221,7 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 sources.append(param)
+            call_turns[call["id"]] = len(messages) - 1
             if reasoning is not None:
                 messages[-1].setdefault("reasoning_content", reasoning)
                 reasoning = None
@@ -229,9 +232,13 @@ def _input_messages(value, messages: list[dict], sources: list[str]) -> None:
                                   f"call_id: send the function call (the earlier response's output item) before its "
                                   f"output.", f"{param}.call_id")
             answered.add(call_id)
-            messages.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
-                             "content": _call_output(item.get("output"), param)})
-            sources.append(param)
+            at = call_turns[call_id] + 1
+            while at < len(messages) and messages[at]["role"] == "tool":
+                at += 1
+            messages.insert(at, {"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
+                                 "content": _call_output(item.get("output"), param)})
+            sources.insert(at, param)
+            call_turns = {other: turn + (turn >= at) for other, turn in call_turns.items()}
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, param)
         elif kind == "item_reference":
@@ -353,16 +360,12 @@ def _tools(value) -> list[dict]:
                     else "")
             raise bad_request(f"`{param}.name` is required and must be a string{hint}.", f"{param}.name",
                               "missing_required_parameter")
-        if not TOOL_NAME.fullmatch(tool["name"]):
-            raise bad_request(f"`{param}.name` must be 1-64 letters, digits, underscores or dashes.", f"{param}.name")
+        check_tool_name(tool["name"], f"{param}.name", [t["name"] for t in tools])
         for name, kind_name, check in (("description", "a string", str), ("parameters", "a JSON schema object", dict),
                                        ("strict", "true or false", bool)):
             if tool.get(name) is not None and not isinstance(tool[name], check):
                 raise bad_request(f"`{param}.{name}` must be {kind_name}.", f"{param}.{name}")
         _check_tool_extras(tool, param)
-        if tool["name"] in (t["name"] for t in tools):
-            raise bad_request(f"`{param}.name` repeats `{tool['name']}`: each function needs its own name.",
-                              f"{param}.name")
         tools.append({**tool, "strict": tool.get("strict") is not False})
     return tools
 

@@ -149,6 +149,14 @@ def test_router_spec_describes_completion_bodies_and_fuzzing_finds_no_server_err
         # Steer valid examples to the model the site serves, so they get past the model check
         # into tokenization, placement and generation; invalid ones still try other names.
         body["properties"]["model"] = {"const": MODEL}
+    # Calls and their results must pair up across messages (router.openai_request), which no JSON schema says:
+    # valid chat examples hold no tool turns, so they get past the conversation check; invalid ones still do.
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    message = dict(chat["properties"]["messages"]["items"])
+    message["properties"] = {**message["properties"], "role": {"enum": ["system", "developer", "user"]}}
+    message["properties"].pop("tool_calls")
+    message["properties"].pop("tool_call_id")
+    chat["properties"]["messages"] = {**chat["properties"]["messages"], "items": message}
     statuses: dict[tuple[str, int], int] = {}
     errors = fuzz(spec, services.router_url, lambda _path: services.api_key, statuses)
     assert not errors, "\n".join(errors)
