@@ -23,6 +23,7 @@ from engine.demo import SIZES as DEMO_SIZES  # torch-free: only writing the weig
 
 log = logging.getLogger(__name__)
 
+SITE_DELETED_EXIT_STATUS = 3  # node_agent.daemon's exit status once its site was deleted (kept torch-free here)
 MAX_RESTARTS = 5  # per process, while `up` supervises; a process that keeps dying is left down
 
 
@@ -207,6 +208,11 @@ def supervise(cluster) -> None:
         for process in cluster.dead_processes():
             code = process.exit_code()
             if process.name in left_down:
+                continue
+            if code == SITE_DELETED_EXIT_STATUS:   # an operator deleted its site: restarting it would not help
+                left_down.add(process.name)
+                print(f"{process.name} stopped: its site was deleted from the registry (log: {process.log_path}); "
+                      f"leaving it down", flush=True)
                 continue
             if process.num_starts > MAX_RESTARTS:
                 left_down.add(process.name)

@@ -12,6 +12,13 @@ An engine that stops (its step loop crashed, or a rank of a tensor/pipeline-para
 cannot serve again in this process: the agent reports NOT_SERVING and draining at once (routers
 move on), deregisters, stops, and sets `exit_code` 1, which `edgefire agent` exits with so that
 a supervisor (systemd, Kubernetes) starts a fresh one.
+
+A site the operator deleted (the registry answers a heartbeat or registration 410 `site_deleted`): the
+agent logs one line (`site NAME was deleted from the registry at T by ACTOR: draining and stopping`),
+refuses new work, finishes what it runs within `drain_timeout_s`, stops without calling the registry
+again, and sets `exit_code` SITE_DELETED_EXIT_STATUS (3), which the systemd unit does not restart
+(`RestartPreventExitStatus`): a restarted agent would only be refused again. An agent started for a
+deleted site is refused at its first registration and exits the same way, having taken no work.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 2.0
 ENGINE_WATCH_S = 0.5      # how often the agent checks that its engines still run
 FAILED_LINGER_S = 2.0     # after an engine died, Health answers NOT_SERVING this long before the agent exits
+SITE_DELETED_EXIT_STATUS = 3  # the registry says the site was deleted; deploy/systemd prevents its restart
 
 
 class Agent:
@@ -61,7 +69,8 @@ class Agent:
         self._drain_task: asyncio.Task | None = None
         self._engine_watch: asyncio.Task | None = None
         self._stopped = asyncio.Event()
-        self.exit_code = 0                # 1 once an engine died
+        self.exit_code = 0                # 1 once an engine died, SITE_DELETED_EXIT_STATUS once the site was deleted
+        self.site_deleted = False         # the registry said so: drain, and call it no more
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -160,7 +169,8 @@ class Agent:
                                     cfg.heartbeat_interval_s, cfg.region, cfg.country, cfg.lat, cfg.lon)
         client = RegistryClient(cfg.registry_url, cfg.site_token,
                                 verify=client_context(cfg.tls_ca) if cfg.tls_ca else True)
-        self.heartbeats = HeartbeatLoop(client, registration, self.capacity, self._on_registry_status)
+        self.heartbeats = HeartbeatLoop(client, registration, self.capacity, self._on_registry_status,
+                                        self._on_site_deleted)
         self.heartbeats.start()
         settings = LinkSettings(cfg.link_probe_interval_s, cfg.link_probe_bytes, cfg.link_report_interval_s)
         self.link_loop = LinkLoop(client, self.core.links, self.core.probe_peer, settings)
@@ -179,10 +189,13 @@ class Agent:
         deadline_s = self.config.drain_timeout_s if deadline_s is None else deadline_s
         log.info("draining (deadline %.1fs)", deadline_s)
         self.core.draining = True
-        if self.heartbeats is not None:
+        if self.site_deleted:
+            if self.link_loop is not None:
+                await self.link_loop.stop()  # its calls would be refused too
+        elif self.heartbeats is not None:
             await self.heartbeats.beat_now()  # tell routers at once, not at the next interval
         await self.core.drain(deadline_s)
-        await self.stop(deregister=True)
+        await self.stop(deregister=not self.site_deleted)
 
     async def stop(self, deregister: bool = False) -> None:
         """Stop now: in-flight streams are cancelled (their blocks freed), engines shut down."""
@@ -237,6 +250,16 @@ class Agent:
         await self._stopped.wait()
 
     # -- reporting ---------------------------------------------------------------------------
+
+    def _on_site_deleted(self, line: str) -> None:
+        """The registry says an operator deleted this site: it will place nothing here again and refuses
+        every call of this agent, so the agent drains (a drain under way goes on) and exits, not restarted."""
+        if self.site_deleted:
+            return
+        self.site_deleted = True
+        self.exit_code = SITE_DELETED_EXIT_STATUS
+        log.error("%s", line)
+        self.request_drain()
 
     def _on_registry_status(self, status: dict) -> None:
         self.core.set_active_role(status.get("active_role"))

@@ -3,6 +3,9 @@
 The project's one retry policy (`registry.retry.Backoff`) for both: a failed call waits, doubling up
 to a cap, then tries again; a success resets it. With several registry URLs the client itself moves
 on to the next replica within a call (registry/client.py). Nothing here ever stops serving: the loop only logs, waits and retries.
+The one answer that ends it is 410 `site_deleted` (an operator deleted this site; registry/tombstones.py):
+`on_site_deleted` is told, and the agent drains and exits (node_agent/daemon.py). Any other refusal, a 401
+included, is retried as ever.
 The heartbeat body is the wire contract's `CapacityReport` (registry.wire), built by
 `site_capacity_report` from each hosted model's engine figures, so what the agent sends is what the
 registry accepts: the site's sums, and with several models each model's own KV pool and prefix cache,
@@ -17,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 import httpx
@@ -31,6 +35,7 @@ if TYPE_CHECKING:  # the agent's engines; only their figures are read here
 log = logging.getLogger(__name__)
 
 UNKNOWN_FIELD = ": is not a field of this request"  # how the registry's 422 names a field it does not know
+SITE_DELETED = "site_deleted"  # the registry's code for a token whose site an operator deleted (410)
 
 
 def registry_failure(exc: RegistryError | httpx.HTTPError) -> str:
@@ -54,6 +59,21 @@ def unknown_field(exc: RegistryError) -> str | None:
     name, found, _ = exc.message.partition(UNKNOWN_FIELD)
     field = CapacityReport.model_fields.get(name)
     return name if found and field is not None and not field.is_required() else None
+
+
+def is_site_deleted(exc: BaseException) -> bool:
+    return isinstance(exc, RegistryError) and exc.status == 410 and exc.code == SITE_DELETED
+
+
+def site_deleted_line(exc: RegistryError, site: str) -> str:
+    """The one line an agent logs when the registry says its site was deleted: which site, when (UTC) and
+    by whom, from the fields of the registry's answer."""
+    name = exc.fields.get("site") or site
+    deleted_at = exc.fields.get("deleted_at")
+    when = (datetime.fromtimestamp(deleted_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            if isinstance(deleted_at, (int, float)) else "an unknown time")
+    actor = exc.fields.get("deleted_by") or "an unknown operator"
+    return f"site {name} was deleted from the registry at {when} by {actor}: draining and stopping"
 
 
 @dataclass(slots=True)
@@ -148,14 +168,19 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
 
 
 class HeartbeatLoop:
-    """Registers the site, then reports capacity every interval until stopped."""
+    """Registers the site, then reports capacity every interval until stopped, or until the registry says
+    the site was deleted: then `on_site_deleted` gets the line to log (logged here when none is given),
+    and the registry is not called again."""
 
     def __init__(self, client: RegistryClient, registration: Registration,
-                 capacity: Callable[[], Awaitable[CapacityReport]], on_status: Callable[[dict], None] | None = None):
+                 capacity: Callable[[], Awaitable[CapacityReport]], on_status: Callable[[dict], None] | None = None,
+                 on_site_deleted: Callable[[str], None] | None = None):
         self.client = client
         self.registration = registration
         self._capacity = capacity
         self._on_status = on_status
+        self._on_site_deleted = on_site_deleted
+        self.site_deleted = False
         self._backoff = Backoff(max_s=max(2 * registration.heartbeat_interval_s, 1.0))
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -172,6 +197,8 @@ class HeartbeatLoop:
             try:
                 await self._beat()
             except (RegistryError, httpx.HTTPError) as exc:
+                if self._deleted(exc):
+                    return
                 self.num_failures += 1
                 delay = self._backoff.next_delay()
                 log.warning("registry call failed (%s); retrying in %.1fs", registry_failure(exc), delay)
@@ -217,12 +244,29 @@ class HeartbeatLoop:
         except TimeoutError:
             pass  # the usual case: the interval passed without a stop
 
+    def _deleted(self, exc: RegistryError | httpx.HTTPError) -> bool:
+        """Whether `exc` says the site was deleted; if so, the first time, tells `on_site_deleted`."""
+        if not is_site_deleted(exc):
+            return False
+        if not self.site_deleted:
+            self.site_deleted = True
+            line = site_deleted_line(exc, self.registration.name)
+            if self._on_site_deleted is None:
+                log.error("%s", line)
+            else:
+                self._on_site_deleted(line)
+        return True
+
     async def beat_now(self) -> None:
-        """One heartbeat outside the schedule (e.g. to announce draining); failures are only logged."""
+        """One heartbeat outside the schedule (e.g. to announce draining); failures are only logged.
+        Nothing is sent once the registry said the site was deleted."""
+        if self.site_deleted:
+            return
         try:
             await self._beat()
         except (RegistryError, httpx.HTTPError) as exc:
-            log.warning("registry call failed (%s)", registry_failure(exc))
+            if not self._deleted(exc):
+                log.warning("registry call failed (%s)", registry_failure(exc))
 
     async def stop(self, deregister: bool) -> None:
         self._stop.set()
@@ -231,7 +275,7 @@ class HeartbeatLoop:
             # asked of it never ends, and the agent (leaving anyway) would never stop for its supervisor.
             self._task.cancel()
             await asyncio.wait([self._task])
-        if deregister:
+        if deregister and not self.site_deleted:  # a deleted site has no registration left to remove
             try:
                 await self.client.deregister()
             except (RegistryError, httpx.HTTPError) as exc:

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, delete, insert, select, update
 
-from registry import audit, validate
+from registry import audit, tombstones, validate
 from registry.credentials import hash_secret, new_api_key, new_site_token
 from registry.db import writer
 from registry.errors import InvalidInput, NotFound
 from registry.records import ApiKey, ApiKeySpec, Page
 from registry.sql import SITES, site_id
 from registry.tables import ApiKeyRow, SiteTokenRow
+from registry.tombstones import DeletedSite
 
 API_KEYS = ApiKeyRow.__table__
 SITE_TOKENS = SiteTokenRow.__table__
@@ -58,11 +59,9 @@ class AccessStore:
     def sites_for_tokens(self, tokens: list[str]) -> dict[str, SiteIdentity]:
         """The site of each valid token among `tokens`; unknown tokens are absent."""
         by_hash = {hash_secret(token): token for token in tokens}
-        all_hashes = list(by_hash)
         found: dict[str, SiteIdentity] = {}
         with self._read.connect() as conn:
-            for start in range(0, len(all_hashes), MAX_TOKENS_PER_QUERY):
-                hashes = all_hashes[start:start + MAX_TOKENS_PER_QUERY]
+            for hashes in _chunks(list(by_hash)):
                 query = (
                     select(SITES.c.id, SITES.c.name, SITE_TOKENS.c.token_hash)
                     .join(SITE_TOKENS, SITE_TOKENS.c.site_id == SITES.c.id)
@@ -71,6 +70,16 @@ class AccessStore:
                 for row in conn.execute(query):
                     found[by_hash[row.token_hash]] = SiteIdentity(row.id, row.name)
         return found
+
+    def deleted_sites_for_tokens(self, tokens: list[str]) -> dict[str, DeletedSite]:
+        """The deleted site of each tombstoned token among `tokens` (registry.tombstones); others are absent."""
+        by_hash = {hash_secret(token): token for token in tokens}
+        deleted: dict[str, DeletedSite] = {}
+        with self._read.connect() as conn:
+            for hashes in _chunks(list(by_hash)):
+                for token_hash, site in tombstones.deleted_sites(conn, hashes, self._clock()).items():
+                    deleted[by_hash[token_hash]] = site
+        return deleted
 
     def create_api_key(self, spec: ApiKeySpec, actor: str, secret: str | None = None) -> tuple[ApiKey, str]:
         """Returns the key record and its secret; the secret is not retrievable later.
@@ -131,6 +140,10 @@ class AccessStore:
         if row is None or row.revoked:
             return None
         return _api_key(row)
+
+
+def _chunks(hashes: list[str]) -> list[list[str]]:
+    return [hashes[start:start + MAX_TOKENS_PER_QUERY] for start in range(0, len(hashes), MAX_TOKENS_PER_QUERY)]
 
 
 def key_prefix(secret: str) -> str:

@@ -4,8 +4,10 @@ tokens given at start-up must differ, or one role's token would carry another's 
 
 Missing or unknown tokens get 401, and so does a request with two Authorization headers, whichever
 holds the token: which one a hop in between added is not knowable (the agents refuse two
-`authorization` metadata entries alike). A valid token of the wrong kind gets 403. Site tokens are
-cached for a few seconds so a heartbeat costs no database read; a token revoked on another
+`authorization` metadata entries alike). A valid token of the wrong kind gets 403. A token of a
+deleted site (registry.tombstones) gets 410 `site_deleted` on the agent API, naming the site, when and
+by whom it was deleted, so that its agent stops instead of retrying a token it cannot tell from a
+mistyped one. Site tokens are cached for a few seconds so a heartbeat costs no database read; a token revoked on another
 registry replica therefore stops working within SITE_TOKEN_CACHE_S (at once on this one). A token
 used in the last SITE_TOKEN_REFRESH_S of its cache entry is re-checked in the background, many in
 one query, so agents heartbeating steadily never wait for a database read.
@@ -24,6 +26,7 @@ from registry.access import AccessStore, SiteIdentity
 from registry.credentials import same_secret
 from registry.http_errors import ApiError
 from registry.http_head import RepeatedHeader, single_header
+from registry.tombstones import DeletedSite
 
 SITE_TOKEN_CACHE_S = 5.0
 SITE_TOKEN_REFRESH_S = 1.5
@@ -78,10 +81,12 @@ class Authenticator:
     async def site_for_header(self, authorization: str | None) -> SiteIdentity:
         """`site` for a raw Authorization header value (the heartbeat fast path has no Request)."""
         token = _token(authorization)
-        identity = await self._site_identity(token)
-        if identity is None:
-            await self._refuse(token, "the agent API", site_checked=True)
-        return identity
+        found = await self._site_identity(token)
+        if isinstance(found, SiteIdentity):
+            return found
+        if isinstance(found, DeletedSite):
+            raise ApiError(410, found.message(), "site_deleted", fields=found.to_json())
+        await self._refuse(token, "the agent API", site_checked=True)
 
     def forget_site_tokens(self) -> None:
         """After a rotation or site deletion on this replica: stop honouring cached tokens at once."""
@@ -95,7 +100,8 @@ class Authenticator:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def _site_identity(self, token: str) -> SiteIdentity | None:
+    async def _site_identity(self, token: str) -> SiteIdentity | DeletedSite | None:
+        """The token's site; for a token no site holds, the deleted site it belonged to, if any."""
         cached = self._site_tokens.get(token)
         now = time.monotonic()
         if cached is not None and cached[1] > now:
@@ -132,7 +138,7 @@ class Authenticator:
             batch, self._lookups = self._lookups, {}
             generation, checked_at = self._generation, time.monotonic()
             try:
-                found = await run_in_threadpool(self._access.sites_for_tokens, list(batch))
+                found, deleted = await run_in_threadpool(self._find, list(batch))
             except Exception as exc:  # every waiter gets the error (a database outage is a 503)
                 for waiting in batch.values():
                     if not waiting.done():
@@ -142,7 +148,14 @@ class Authenticator:
                 self._remember(batch, found, checked_at + SITE_TOKEN_CACHE_S)
             for token, waiting in batch.items():
                 if not waiting.done():
-                    waiting.set_result(found.get(token))
+                    waiting.set_result(found.get(token) or deleted.get(token))
+
+    def _find(self, tokens: list[str]) -> tuple[dict[str, SiteIdentity], dict[str, DeletedSite]]:
+        """(the sites of the valid tokens, the deleted sites of the tombstoned ones): tombstones are read
+        only for the tokens no site holds, rare beside the steady heartbeats' valid ones."""
+        found = self._access.sites_for_tokens(tokens)
+        unknown = [token for token in tokens if token not in found]
+        return found, self._access.deleted_sites_for_tokens(unknown) if unknown else {}
 
     def _remember(self, tokens, found: dict[str, SiteIdentity], expires_at: float) -> None:
         for token in tokens:
@@ -158,7 +171,7 @@ class Authenticator:
         known = (same_secret(token, self._admin_token) or same_secret(token, self._router_token)
                  or (self._metrics_token is not None and same_secret(token, self._metrics_token)))
         if not known and not site_checked:
-            known = await self._site_identity(token) is not None
+            known = isinstance(await self._site_identity(token), SiteIdentity)
         if known:
             raise ApiError(403, f"this token cannot use {api}", "wrong_token_kind")
         raise ApiError(401, "invalid bearer token", "invalid_token", {"WWW-Authenticate": "Bearer"})

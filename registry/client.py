@@ -58,23 +58,28 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class RegistryError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    """A 4xx/5xx answer. `fields`: what the error object carries beyond message, type and code (for
+    410 `site_deleted`: the deleted site's `site`, `deleted_at` (epoch seconds) and `deleted_by`)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, fields: dict | None = None) -> None:
         super().__init__(f"registry answered {status}: {message}")
         self.status = status
         self.message = message
         self.code = code
+        self.fields = fields or {}
 
 
 def _raise_for_error(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
-    message, code = response.text or response.reason_phrase, None
+    message, code, fields = response.text or response.reason_phrase, None, None
     try:
         error = response.json()["error"]
         message, code = error["message"], error.get("code")
-    except (ValueError, KeyError, TypeError):
+        fields = {key: value for key, value in error.items() if key not in ("message", "type", "code")}
+    except (ValueError, KeyError, TypeError, AttributeError):
         pass  # not our JSON error body (e.g. a proxy's page): keep the raw text
-    raise RegistryError(response.status_code, message, code)
+    raise RegistryError(response.status_code, message, code, fields)
 
 
 def _json(response: httpx.Response) -> Any:

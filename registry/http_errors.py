@@ -20,27 +20,33 @@ log = logging.getLogger(__name__)
 _STORE_STATUS = {InvalidInput: (422, "invalid_request_error"), NotFound: (404, "not_found_error"),
                  Conflict: (409, "conflict_error")}
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 410: "authentication_error",
                413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error"}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    """`fields`: what a program reading the error needs beyond its message (e.g. which site was deleted,
+    when and by whom), added to the error object beside message, type and code."""
+
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None,
+                 fields: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.headers = headers
+        self.fields = fields
 
 
-def error_body(message: str, type_: str, code: str) -> dict:
+def error_body(message: str, type_: str, code: str, fields: dict | None = None) -> dict:
     # A message can quote the caller's input; a lone surrogate in it could not be encoded as UTF-8.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": type_, "code": code}}
+    return {"error": {**(fields or {}), "message": message, "type": type_, "code": code}}
 
 
-def error_response(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = error_body(message, _HTTP_TYPES.get(status, "api_error"), code)
+def error_response(status: int, message: str, code: str, headers: dict[str, str] | None = None,
+                   fields: dict | None = None) -> JSONResponse:
+    body = error_body(message, _HTTP_TYPES.get(status, "api_error"), code, fields)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -65,7 +71,7 @@ def _handlers() -> dict:
 
 
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.code, exc.headers)
+    return error_response(exc.status, exc.message, exc.code, exc.headers, exc.fields)
 
 
 async def _store_error(_request: Request, exc: RegistryStoreError) -> JSONResponse:

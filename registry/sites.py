@@ -15,7 +15,7 @@ from dataclasses import fields
 from sqlalchemy import Connection, Engine, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from registry import audit, validate
+from registry import audit, tombstones, validate
 from registry.db import writer
 from registry.errors import Conflict, InvalidInput
 from registry.leases import LeaseClaim, check_held
@@ -115,8 +115,9 @@ class SiteStore:
         return Page(sites[:limit], next_cursor)
 
     def delete(self, name: str, actor: str, force: bool = False) -> None:
-        """Deletes the site with its tokens. An active site whose heartbeat is fresh has a running
-        agent that would be locked out (its token goes too): refused unless `force`."""
+        """Deletes the site with its tokens, leaving their tombstones (registry.tombstones) so that an agent
+        still running for it is told so and stops. An active site whose heartbeat is fresh has a running
+        agent that would stop in the middle of serving: refused unless `force`."""
         with self._write.begin() as conn:
             found = site_id(conn, name, lock=True)
             now = self._clock()
@@ -127,10 +128,12 @@ class SiteStore:
             live = site.state == "active" and age is not None and age <= ttl_s
             if live and not force:
                 raise _live_site(name, age, ttl_s)
+            num_tombstoned = tombstones.bury(conn, found, name, now, actor)
             conn.execute(delete(SITES).where(SITES.c.id == found))  # cascades to models, capacity, links, tokens
             heartbeat_age_s = None if age is None else round(age, 3)
             audit.record(conn, now, actor, "site.delete", name,
-                         {"state": site.state, "heartbeat_age_s": heartbeat_age_s, "live": live, "force": force})
+                         {"state": site.state, "heartbeat_age_s": heartbeat_age_s, "live": live, "force": force,
+                          "tokens_tombstoned": num_tombstoned})
             bump_version(conn)
 
     def cordon(self, name: str, actor: str) -> Site:

@@ -118,6 +118,18 @@ class SiteTokenRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class SiteTombstoneRow(Base):
+    """A token of a deleted site, kept as its hash for TOMBSTONE_TTL_S (registry/tombstones.py), so its
+    agent is told its site was deleted (410 `site_deleted`) instead of that its token is unknown (401)."""
+
+    __tablename__ = "site_tombstones"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    site_name: Mapped[str] = mapped_column(String(63))
+    deleted_at: Mapped[float] = mapped_column(Float, index=True)
+    deleted_by: Mapped[str] = mapped_column(String(200))
+
+
 class AuditLogRow(Base):
     __tablename__ = "audit_log"
 

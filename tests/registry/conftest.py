@@ -32,7 +32,7 @@ PG_URL = os.environ.get("EDGEFIRE_TEST_PG_URL", "postgresql+psycopg://postgres@1
 ADMIN_TOKEN = "admin-secret"
 ROUTER_TOKEN = "router-secret"
 TABLES = ("sites, site_models, capacity, links, api_keys, site_tokens, audit_log, leases, placements, "
-          "fleet_routers, rate_usage, rate_holds, key_usage")
+          "fleet_routers, rate_usage, rate_holds, key_usage, site_tombstones")
 
 
 def capacity(total: int, free: int, block_size: int, **fields) -> CapacityReport:

@@ -138,7 +138,7 @@ async def test_a_forced_delete_of_a_live_site_is_audited_as_forced(admin, connec
     assert await admin.delete_site("fra-1", force=True) is None
     with pytest.raises(RegistryError) as err:
         await agent.heartbeat(HEARTBEAT)
-    assert err.value.status == 401
+    assert (err.value.status, err.value.code) == (410, "site_deleted")   # its agent learns why, and stops
     entry = (await admin.audit_log())["items"][0]
     assert (entry["actor"], entry["action"], entry["target"]) == ("admin:alice", "site.delete", "fra-1")
     assert entry["detail"]["force"] is True and entry["detail"]["live"] is True

@@ -92,7 +92,7 @@ async def test_heartbeat_after_site_deleted_is_refused(admin, connect):
     await admin.delete_site("fra-1", force=True)
     with pytest.raises(RegistryError) as err:
         await agent.heartbeat(CAPACITY)
-    assert err.value.status in (401, 404)
+    assert (err.value.status, err.value.code) == (410, "site_deleted")
 
 
 async def test_links(admin, connect, router_client):
