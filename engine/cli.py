@@ -97,8 +97,9 @@ def run_compress(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print(report.table())
     total = report.total
+    weights = "bf16 weights and MXFP4 experts" if report.mxfp4_tensors else "bf16 weights"
     print(f"wrote {args.destination} in {report.seconds:.1f} s: {total.num_compressed} of {total.num_tensors} tensors "
-          f"compressed, every tensor verified bit-exact; {total.bf16_bytes / 2**20:.1f} MiB of bf16 weights stored "
+          f"compressed, every tensor verified bit-exact; {total.bf16_bytes / 2**20:.1f} MiB of {weights} stored "
           f"in {total.stored_bytes / 2**20:.1f} MiB ({total.saving:.1%} smaller)")
     return 0
 

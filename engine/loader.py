@@ -6,7 +6,8 @@ engine's layout (q/k/v and gate/up concatenated). A progress bar shows the tenso
 A checkpoint written by `edgefire compress` (engine/compression) loads the same way: its tensors are
 decoded and checked as they are read (weight mode `decompress_on_load`), or, in
 `compressed_in_memory`, the MLP projections stay compressed on the device and the model's layers
-become an `engine.compression.streamed.StreamedLayers` that decodes them layer by layer.
+become an `engine.compression.streamed.StreamedLayers` that decodes them layer by layer. An MXFP4
+checkpoint's quantized experts are copied into its compressed copy as they are, and read from either alike.
 
 Under tensor/pipeline/expert parallelism each rank reads only its part
 (engine.parallel.layout.RankShard): its stage's layers, of each tensor only its rows or columns,
@@ -196,6 +197,23 @@ class _TensorReader:
         self.names_read.add(name)
         self.progress.update(1)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def read_as_stored(self, name: str, shape: tuple[int, ...], rows: range | None = None) -> torch.Tensor:
+        """The tensor (or only its `rows`, of the first dimension) as the checkpoint stores it, dtype included, on
+        the CPU: quantized data (engine.mxfp4) that the caller expands. A compressed checkpoint holds such
+        tensors as plain entries, read whole and checked against their checksum, as any plain tensor there."""
+        if not self.has(name):
+            raise CheckpointError(f"checkpoint is missing tensor {self.stored_name(name)!r}")
+        parts = _joined([rows], shape[0])
+        if self.compressed is not None:
+            tensor = self.compressed.read(self.stored[name])
+            _check_shape(name, tuple(tensor.shape), shape)
+            tensor = _part(tensor, parts[0], None)
+        else:
+            tensor = self._read_plain(name, shape, parts, None)[0]
+        self.names_read.add(name)
+        self.progress.update(1)
+        return tensor
 
     def _read_plain(self, name: str, shape: tuple[int, ...], parts: list[range | None],
                     cols: range | None) -> list[torch.Tensor]:
@@ -507,7 +525,8 @@ def _gate_rows_first(rows: torch.Tensor) -> torch.Tensor:
 
 def _read_mxfp4(reader: _TensorReader, name: str, shape: tuple[int, int, int],
                 experts: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MXFP4 weight `name` [E, rows, cols]'s blocks and scales (uint8, as stored, on the CPU), of `experts`."""
+    """The MXFP4 weight `name` [E, rows, cols]'s blocks and scales (uint8, as stored, on the CPU), of `experts`:
+    from a compressed checkpoint as from the original, which `edgefire compress` copies them from unchanged."""
     num_experts, rows, cols = shape
     if cols % mxfp4.VALUES_PER_BLOCK:
         raise CheckpointError(f"tensor {name!r}: {cols} columns do not split into MXFP4 blocks of "
@@ -517,16 +536,10 @@ def _read_mxfp4(reader: _TensorReader, name: str, shape: tuple[int, int, int],
     for suffix, part_shape in (("_blocks", (num_experts, rows, groups, mxfp4.BYTES_PER_BLOCK)),
                                ("_scales", (num_experts, rows, groups))):
         stored = name + suffix
-        if not reader.has(stored):
-            raise CheckpointError(f"checkpoint is missing tensor {reader.stored_name(stored)!r}")
-        if reader.compressed is not None:
-            raise CheckpointError(f"tensor {stored!r} is MXFP4: a compressed checkpoint holds float weights only")
-        tensor = reader._read_plain(stored, part_shape, _joined([experts], num_experts), None)[0]
+        tensor = reader.read_as_stored(stored, part_shape, rows=experts)
         if tensor.dtype != torch.uint8:
             raise CheckpointError(f"tensor {stored!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; MXFP4 "
                                   f"blocks and scales are uint8")
-        reader.names_read.add(stored)
-        reader.progress.update(1)
         parts.append(tensor)
     return parts[0], parts[1]
 
@@ -610,7 +623,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if any(mlps):
         layers = StreamedLayers(layers, mlps, device, dtype)
     elif keep_compressed and compressed is not None:
-        log.warning("%s: no layer has all its MLP projections compressed; loading them plainly", model_dir)
+        log.warning("%s: no layer has all its MLP projections compressed (a mixture of experts' experts, MXFP4 ones "
+                    "included, are expanded at load); loading them plainly", model_dir)
     log.info("loaded %s: %d of %d layers, %s on %s%s", model_dir, len(layers), cfg.num_layers, dtype, device,
              " (compressed checkpoint)" if compressed else "")
     return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype, shard, tp_group, expert_group)

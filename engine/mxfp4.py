@@ -7,15 +7,21 @@ A checkpoint stores a weight [..., rows, cols] as `*_blocks` uint8 [..., rows, c
 `*_scales` uint8 [..., rows, cols / 32]. The engine computes in float32, float16 or bfloat16, so the
 weights are expanded once, as they are read; every E2M1 value times a power of two is exact in those
 dtypes within their range.
+
+`edgefire compress` copies these tensors into a compressed checkpoint as they are (is_part): 4-bit codes
+and power-of-two scales leave no redundancy for its bf16 exponent coding to remove.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.config import GPT_OSS_QUANTIZATION
+
 VALUES_PER_BLOCK = 32
 BYTES_PER_BLOCK = VALUES_PER_BLOCK // 2
 SCALE_BIAS = 127
+PART_SUFFIXES = ("_blocks", "_scales")   # a weight W is stored as W_blocks and W_scales
 # The 16 E2M1 codes' values: bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -32,3 +38,13 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     values = table[codes] * torch.exp2(scales.float() - SCALE_BIAS).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
+
+def is_quantized(raw_config: dict) -> bool:
+    """Whether a checkpoint's config.json (raw) says its weights hold MXFP4 tensors."""
+    quantization = raw_config.get("quantization_config")
+    return isinstance(quantization, dict) and quantization.get("quant_method") == GPT_OSS_QUANTIZATION
+
+
+def is_part(name: str, dtype: torch.dtype) -> bool:
+    """Whether a tensor of an MXFP4 checkpoint is one of its quantized weights' blocks or scales."""
+    return name.endswith(PART_SUFFIXES) and dtype == torch.uint8

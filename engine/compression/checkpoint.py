@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,8 @@ class Manifest:
     # the source's weight identity (engine/fingerprint.py) when the weights decode bit-identical
     source_weights: list[str] | None
     tensors: str                       # mlp | all
+    # an MXFP4 checkpoint's blocks and scales (engine.mxfp4), copied as they are: plain uint8 entries
+    mxfp4_tensors: list[str] = field(default_factory=list)
 
 
 def is_compressed(model_dir: str | Path) -> bool:
@@ -68,7 +70,11 @@ def read_manifest(model_dir: str | Path) -> Manifest:
     if source is not None and not (isinstance(source, list) and all(isinstance(s, str) for s in source)):
         raise CompressedFormatError(f"{path}: source_weights must be a list of strings (the source's weight "
                                     f"files, as engine/fingerprint.py writes them) or null")
-    return Manifest(FORMAT_VERSION, source, str(raw.get("tensors")))
+    mxfp4_tensors = raw.get("mxfp4_tensors", [])
+    if not (isinstance(mxfp4_tensors, list) and all(isinstance(name, str) for name in mxfp4_tensors)):
+        raise CompressedFormatError(f"{path}: mxfp4_tensors must be a list of tensor names (the MXFP4 blocks and "
+                                    f"scales copied as they are)")
+    return Manifest(FORMAT_VERSION, source, str(raw.get("tensors")), mxfp4_tensors)
 
 
 def _check_version(version, where: str) -> None:
@@ -101,6 +107,21 @@ class CompressedCheckpoint:
                         self.plain_checksums[key] = metadata[PLAIN_CHECKSUM_PREFIX + key]
                 elif split[0] not in self.compressed:
                     self.compressed[split[0]] = (shard, self._record(shard, metadata, split[0]))
+        self._check_mxfp4()
+
+    def _check_mxfp4(self) -> None:
+        """The MXFP4 tensors the manifest lists are plain uint8 entries, as compress copied them from the source."""
+        for name in self.manifest.mxfp4_tensors:
+            if name in self.compressed:
+                raise CompressedFormatError(f"{self.compressed[name][0]}: MXFP4 tensor {name!r} is stored compressed; "
+                                            f"{MANIFEST} lists it as copied as it is: the checkpoint is corrupt")
+            if name not in self.plain:
+                raise CompressedFormatError(f"{self.model_dir}: MXFP4 tensor {name!r}, listed in {MANIFEST}, is in no "
+                                            f"weight file: the checkpoint is incomplete; compress the original again")
+            dtype = self._handle(self.plain[name]).get_slice(name).get_dtype()
+            if dtype != "U8":
+                raise CompressedFormatError(f"{self.plain[name]}: MXFP4 tensor {name!r} is stored as {dtype}; MXFP4 "
+                                            f"blocks and scales are uint8 (U8): the checkpoint is corrupt")
 
     def names(self) -> list[str]:
         return [*self.plain, *self.compressed]

@@ -4,7 +4,10 @@ Reads any checkpoint the engine loads. Floating-point weights that are not bf16 
 bf16 first (the tool says so; the copy is then not bit-identical to the source, and keeps its own
 fingerprint). The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
 router included; `all`: every floating tensor) are compressed when that makes them smaller and
-stored plain otherwise. Everything is written to a temporary directory beside DST, read back
+stored plain otherwise. An MXFP4 checkpoint's quantized experts (gpt-oss's `*_blocks` and `*_scales`,
+engine.mxfp4) are copied as they are, listed in the manifest: 4-bit codes and power-of-two scales hardly
+compress, and the engine dequantizes them at load from the copy exactly as from the source; its
+quantization_config stays in config.json. Everything is written to a temporary directory beside DST, read back
 through the engine's own reader (which decodes every compressed tensor and checks it), compared
 with the source's checksums, and only then renamed to DST.
 """
@@ -24,6 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine import mxfp4
 from engine.compression.checkpoint import MANIFEST, CompressedCheckpoint, open_checkpoint
 from engine.compression.encoder import compress_tensor
 from engine.compression.format import FORMAT_NAME, FORMAT_VERSION, tensor_checksum
@@ -37,10 +41,12 @@ _SCRATCH_PREFIX = ".{}."   # beside DST: .NAME.partial-PID while writing, .NAME.
 # Mixtral keeps its experts (and router) under block_sparse_moe, the other families under mlp.
 _GROUPS = [("mlp", re.compile(r"\.(mlp|block_sparse_moe)\.")), ("attention", re.compile(r"\.self_attn\.")),
            ("embeddings", re.compile(r"embed_tokens|lm_head")), ("norms", re.compile(r"norm"))]
+MXFP4_GROUP = "mxfp4"
 
 
 def tensor_group(name: str) -> str:
-    """The group a tensor's size is reported under: mlp, attention, embeddings, norms or other."""
+    """The group a tensor's size is reported under: mlp, attention, embeddings, norms or other (and mxfp4, which
+    _write_weights gives an MXFP4 checkpoint's quantized tensors)."""
     return next((group for group, pattern in _GROUPS if pattern.search(name)), "other")
 
 
@@ -66,6 +72,7 @@ class CompressionReport:
     destination: Path
     groups: dict[str, GroupSize] = field(default_factory=dict)
     converted: dict[str, int] = field(default_factory=dict)   # source dtype -> tensors converted to bf16
+    mxfp4_tensors: list[str] = field(default_factory=list)    # copied as they are (group mxfp4)
     seconds: float = 0.0
 
     @property
@@ -80,6 +87,9 @@ class CompressionReport:
         for name, size in [*sorted(self.groups.items()), ("whole model", self.total)]:
             lines.append(f"{name:<12}{size.num_tensors:>9}{size.num_compressed:>12}{size.bf16_bytes / 2**20:>11.1f}"
                          f"{size.stored_bytes / 2**20:>12.1f}{size.saving:>8.1%}")
+        if self.mxfp4_tensors:
+            lines.append(f"{MXFP4_GROUP}: the MXFP4 experts' blocks and scales, copied as they are (4-bit data hardly "
+                         f"compresses) and counted at their stored size")
         return "\n".join(lines)
 
 
@@ -93,6 +103,7 @@ def compress_checkpoint(src: str | Path, dst: str | Path, tensors: str = "mlp", 
     if tensors not in TENSOR_CHOICES:
         raise ValueError(f"tensors must be one of {', '.join(TENSOR_CHOICES)}, got {tensors!r}")
     load_config(src)   # fails clearly unless SRC is a checkpoint the engine loads
+    quantized = mxfp4.is_quantized(json.loads((src / "config.json").read_text()))
     files = checkpoint_files(src)
     if open_checkpoint(src, files) is not None:
         raise CheckpointError(f"{src} is already a compressed checkpoint ({MANIFEST}); compress the original instead")
@@ -111,13 +122,20 @@ def compress_checkpoint(src: str | Path, dst: str | Path, tensors: str = "mlp", 
     partial.mkdir(parents=True)
     try:
         _copy_other_files(src, partial, dst)
-        checksums = _write_weights(files, partial, tensors, chunk_size, max_shard_bytes, report, show_progress)
+        checksums = _write_weights(files, partial, tensors, chunk_size, max_shard_bytes, report, show_progress,
+                                   quantized)
         if report.converted:
             say("converted to bfloat16 before compressing: " + ", ".join(
                 f"{count} {dtype} tensors" for dtype, count in sorted(report.converted.items()))
                 + " (the compressed copy equals the bf16 conversion bit for bit, not the source)")
         manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tensors": tensors,
                     "source_weights": None if report.converted else weight_identity(src)}
+        if report.mxfp4_tensors:
+            manifest["mxfp4_tensors"] = sorted(report.mxfp4_tensors)
+            if tensors == "mlp":
+                say(f"the {len(report.mxfp4_tensors)} MXFP4 expert tensors were copied as they are, so --tensors mlp "
+                    f"compressed only the router and the experts' biases; --tensors all also compresses attention, "
+                    f"embeddings and the LM head")
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _verify(partial, checksums, show_progress)
         _replace(partial, dst)
@@ -149,8 +167,9 @@ def _copy_other_files(src: Path, directory: Path, dst: Path) -> None:
 
 
 def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_size: int | None, max_shard_bytes: int,
-                   report: CompressionReport, show_progress: bool) -> dict[str, str]:
-    """Compress or copy every tensor into shards; returns each tensor's checksum (of its bf16 form)."""
+                   report: CompressionReport, show_progress: bool, quantized: bool = False) -> dict[str, str]:
+    """Compress or copy every tensor into shards; returns each tensor's checksum (of its bf16 form). quantized: the
+    checkpoint is MXFP4, whose blocks and scales (uint8) are copied as they are and reported as group mxfp4."""
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))}
     writer = ShardWriter(directory, max_shard_bytes)
     checksums = {}
@@ -159,13 +178,17 @@ def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_s
         for name, path in sorted(files.items(), key=lambda item: (str(item[1]), item[0])):
             tensor = handles[path].get_tensor(name)
             size = GroupSize(num_tensors=1, source_bytes=tensor.numel() * tensor.element_size())
+            # uint8, so stored plain as they are below, like any integer tensor; reported apart
+            group = MXFP4_GROUP if quantized and mxfp4.is_part(name, tensor.dtype) else tensor_group(name)
+            if group == MXFP4_GROUP:
+                report.mxfp4_tensors.append(name)
             if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:
                 key = str(tensor.dtype).removeprefix("torch.")
                 report.converted[key] = report.converted.get(key, 0) + 1
                 tensor = tensor.to(torch.bfloat16)
             size.bf16_bytes = tensor.numel() * tensor.element_size()
             compressed = None
-            if tensor.dtype == torch.bfloat16 and (choice == "all" or tensor_group(name) == "mlp"):
+            if tensor.dtype == torch.bfloat16 and (choice == "all" or group == "mlp"):
                 compressed = compress_tensor(name, tensor, chunk_size)
             if compressed is not None:
                 writer.add_compressed(compressed)
@@ -174,7 +197,7 @@ def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_s
                 writer.add_plain(name, tensor)
                 size.stored_bytes = size.bf16_bytes
             checksums[name] = tensor_checksum(tensor.contiguous())
-            report.groups.setdefault(tensor_group(name), GroupSize()).add(size)
+            report.groups.setdefault(group, GroupSize()).add(size)
             bar.update(size.source_bytes)
     writer.finish()
     return checksums
