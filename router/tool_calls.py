@@ -46,7 +46,8 @@ tokens of call markup carry none, and a chunk of a call's arguments no content (
 Llama 3's bare JSON has no
 marker, so an object is a call only when it names an offered function and holds nothing but its name and
 parameters, each once; any other object is an answer, and streams as content from the first character that
-shows it (_BareCallScan): only what may still be a call is held back. An answer cut by max_tokens keeps the
+shows it (_BareCallScan): only what may still be a call is held back, and a call is sent once its object closes,
+the words after it streaming as content (the answer holds one such call). An answer cut by max_tokens keeps the
 calls it completed and the one it ends in, with the arguments written so far, and its finish reason "length",
 as OpenAI's; none of a call's markup becomes content, nor does markup any answer ends in (the next call's
 opening or the section's closing, begun before an end of sequence). A required call's answer is calls alone:
@@ -782,19 +783,23 @@ class ToolCallStream:
     once its name and the "{" of its arguments are written, and its arguments follow as they grow, as far
     as they are a prefix of valid JSON. A call opens early only when it is sure to be one: under a required
     call (the grammar shapes it), or after a marker when it names an offered function (`names`); Llama 3's
-    bare JSON under `auto` is a call only once its object is whole, so it comes at the end. What is sent is
-    never taken back: a call that opened stays a call. An answer that ends inside its calls once one was sent
-    (an end of sequence, a stop string) reads as one cut there by max_tokens: its calls as far as they got, no
-    markup as content. One whose markup breaks (a model left free) keeps the calls sent, each with the
-    arguments sent, as far as they were JSON, and the rest of its calls' text is dropped (it is markup, no
-    words for the user). Otherwise `finish` sends what each call still lacks, so the streamed calls always join
-    into the calls `finish` returns (ids included): the streamed answer and the whole one are the same.
+    bare JSON under `auto` is a call only once its object is whole, so it is sent, whole, when the object closes,
+    and the text after it is read as the text after closed calls is (below; `split` reads no second bare call,
+    so none follows). What is sent is never taken back: a call that opened stays a call. An answer that ends
+    inside its calls once one was sent (an end of sequence, a stop string) reads as one cut there by max_tokens:
+    its calls as far as they got, no markup as content. One whose markup breaks (a model left free) keeps the
+    calls sent, each with the arguments sent, as far as they were JSON, and the rest of its calls' text is
+    dropped (it is markup, no words for the user). Otherwise `finish` sends what each call still lacks, so the
+    streamed calls always join into the calls `finish` returns (ids included): the streamed answer and the
+    whole one are the same.
 
     Once calls were sent and their markup ends (the format's closing, or words where the next call's opening
-    would be), they are final and the text after them is content again, sent as it is written: the blank
-    before it is layout, a tail that could open more markup is held back, and a marker opens more calls. A call
-    of a function not offered is read but not sent; in an answer with calls of offered functions it is left
-    out (`dropped` names it), and in one without, the whole text stays the answer, as written.
+    would be) and words follow, they are final and the text after them is content again, sent as it is written
+    (until those words, the closing and the blank after it are the calls', so their tokens carry no logprobs):
+    the blank before the words is layout, a tail that could open more markup is held back, and a marker opens
+    more calls. A call of a function not offered is read but not sent; in an answer with calls of offered
+    functions it is left out (`dropped` names it), and in one without, the whole text stays the answer, as
+    written.
     """
 
     def __init__(self, fmt: ToolCallFormat, forced: bool = False, parallel: bool = True,
@@ -896,7 +901,9 @@ class ToolCallStream:
                 if self._phase == "head":
                     if self._num_read and not self.fmt.next_opening(text, self._pos):
                         end = self.fmt.calls_end(text, self._pos)
-                        if end is None:
+                        if end is None or not text[end:].strip():
+                            # The calls end where words follow: until then the text read last (their closing,
+                            # the blank after it) is theirs, so its tokens carry no logprobs (`in_calls`).
                             return ""
                         self._pos = end
                         return self._end_calls()
@@ -926,16 +933,29 @@ class ToolCallStream:
         return ""
 
     def _read_bare(self) -> bool:
-        """Reads the bare JSON object at the start; True once it is known: a call (held, as calls under `auto` with
-        no marker are, for `finish`) or the answer (`_in_calls` off: its text is content from now on, never taken
-        back). While it may still be either it is held (JSON that Python reads and JSON does not, NaN, waits for
-        `finish`)."""
-        verdict = self._bare.read(self._calls_text)
+        """Reads the bare JSON object at the start; True once it is known: a call (sent at once, `_send_bare`) or
+        the answer (`_in_calls` off: its text is content from now on, never taken back). While it may still be
+        either it is held (JSON that Python reads and JSON does not, NaN, waits for `finish`)."""
+        scan = self._bare
+        verdict = scan.read(self._calls_text)
         if verdict is None:
             return False
         self._bare = None
         self._in_calls = verdict
+        if verdict:
+            self._send_bare(scan.call, scan.end)
         return True
+
+    def _send_bare(self, call: ToolCall, end: int) -> None:
+        """A bare JSON object proved a whole call (_BareCallScan) is certain: it is sent now, whole, and read as a
+        marker format's calls are once they close (`_read_calls`): the text after it waits in `_calls_text` until
+        words follow, which are content (`split` reads one bare call and the rest as words, so no call follows).
+        Its text leaves `_calls_text`, as calls that ended do (`_first`), so `finish` never reads it again."""
+        self._sent.append(call)
+        if self._record:
+            self._deltas += [_opening_delta(0, call), _arguments_delta(0, call.arguments)]
+        self._calls_text = self._calls_text[end:]
+        self._first, self._num_read, self._pos, self._phase, self._early = 1, 1, 0, "head", True
 
     def _end_calls(self) -> str:
         """The calls read end at `_pos`: final when one was sent, and the text after them is content. Calls of no
@@ -1227,9 +1247,12 @@ class _BareCallScan:
         self._keys: set[str] = set()
         self._arguments: _JsonPrefix | None = None
         self._python_literal = False  # arguments Python's decoder reads (NaN, Infinity) and JSON does not
+        self.call: ToolCall | None = None  # the call, once the object is a whole one
+        self.end = 0                       # and where its object ends
 
     def read(self, text: str) -> bool | None:
-        """True once the object is a whole call, False once the text cannot become one, None while it may."""
+        """True once the object is a whole call (`call`, `end`), False once the text cannot become one, None while
+        it may."""
         try:
             while not self._python_literal:
                 pos = _skip_space(text, self._pos)
@@ -1238,7 +1261,11 @@ class _BareCallScan:
                 if self._expect == "object":
                     self._pos, self._expect = _through(text, pos, ["{"]), "key_or_close"
                 elif self._expect in ("key_or_close", "after_value") and text[pos] == "}":
-                    return self.fmt.split(text[:pos + 1], self.names) is not None
+                    parsed = self.fmt.split(text[:pos + 1], self.names)
+                    if parsed is None:
+                        return False
+                    (self.call,), self.end = parsed[1], pos + 1
+                    return True
                 elif self._expect == "after_value":
                     self._pos, self._expect = _through(text, pos, [","]), "key"
                     if not {self.fmt.name_key, self.fmt.args_key} - self._keys:
