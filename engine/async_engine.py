@@ -266,7 +266,7 @@ class AsyncEngine:
         """One embedding request (LLMEngine.add_embedding_request). Cancelling the wait aborts it."""
         request_id = request_id or uuid.uuid4().hex
         inbox = await self._start(request_id, lambda e: e.add_embedding_request(request_id, prompt_ids),
-                                  len(prompt_ids))
+                                  len(prompt_ids), num_new_tokens=0)
         finished = False
         try:
             while not inbox.items:
@@ -282,13 +282,15 @@ class AsyncEngine:
                 if self._error is None and not self._stopped:
                     self._submit(lambda: self.engine.abort(request_id))
 
-    async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int) -> _Inbox:
+    async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int,
+                     num_new_tokens: int = 1) -> _Inbox:
         # The stream is registered before the request exists, so no token can miss it; a
         # request that finishes in its first step unregisters itself before we read it back.
+        # Its pending blocks hold its tokens and the first it generates (an embedding generates none).
         inbox = _Inbox(asyncio.get_running_loop())
         self._streams[request_id] = inbox
         with self._pending_lock:
-            self._pending[request_id] = -(-(num_tokens + 1) // self.engine.config.block_size)
+            self._pending[request_id] = -(-(num_tokens + num_new_tokens) // self.engine.config.block_size)
 
         def added(engine: LLMEngine) -> None:
             try:

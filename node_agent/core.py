@@ -180,8 +180,9 @@ class AgentCore:
             raise InvalidRequestError(f"prompt and generated tokens number {total}; the context holds "
                                       f"{model.info.context_length} including at least one new token")
 
-    def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False) -> None:
-        """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on).
+    def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False, generates: bool = True) -> None:
+        """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on). Its KV must hold
+        num_tokens and, when it `generates`, the first new token (an embedding generates none).
 
         `takes_slot` (Decode): the sequence must run at once, so the site must hold fewer than
         `max_num_seqs` sequences counting decodes still pulling their KV; on success one slot is
@@ -202,7 +203,7 @@ class AgentCore:
         if waiting >= self.config.max_waiting:
             self.metrics.rejected.labels("queue").inc()
             raise OverloadedError(f"queue is full ({waiting} waiting, limit {self.config.max_waiting})")
-        needed = model.blocks_needed(num_tokens + 1)
+        needed = model.blocks_needed(num_tokens + (1 if generates else 0))
         free = stats.num_blocks_free - pending_blocks
         if needed > free:
             self.metrics.rejected.labels("kv").inc()
@@ -234,7 +235,7 @@ class AgentCore:
         engine = model.engine.engine
         check_embed_request(inputs, dimensions, model.vocab_size, model.info.context_length,
                             engine.model_config.hidden_size, engine.pooling_error)
-        self._admit(model, max(len(ids) for ids in inputs))
+        self._admit(model, max(len(ids) for ids in inputs), generates=False)
         return model
 
     @contextmanager

@@ -241,7 +241,8 @@ async def _complete(router: Router, request_id: str, scope, receive, chat: bool,
 
 async def _embed(router: Router, service: EmbeddingService, request_id: str, scope, receive) -> Response:
     """POST /v1/embeddings: authenticated, read and checked as completions are, then EmbeddingService; every
-    answer, error or not, counted under the route "embeddings"."""
+    answer, error or not, counted under the route "embeddings". A client that leaves before its answer ends
+    the site's Embed call there (as a completion's does), and is answered by no one."""
     context = _client_trace(scope)
     trace.bind(request_id, context)
     answered = _Answered()
@@ -257,10 +258,17 @@ async def _embed(router: Router, service: EmbeddingService, request_id: str, sco
             location = router.locator.locate(client[0] if client else None, headers)
             session = session_key(api_key.id, headers.get(SESSION_HEADER), request.user)
             ctx = RequestContext(request_id, api_key, location, session, trace_id=context.trace_id)
-            answer, answer_headers = await service.embed(request, ctx)
+            watch = ClientWatch(receive)
+            try:
+                async with watch.guarding():
+                    answer, answer_headers = await service.embed(request, ctx)
+            finally:
+                watch.close()
             response = Response(encode_json(answer).encode(), media_type="application/json", headers=answer_headers)
-        except ApiError as exc:
-            response = _error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)   # the client left: nothing reaches it, nothing is counted
+        except Exception as exc:
+            response = _error_response(exc) if isinstance(exc, ApiError) else _internal_error_response(request_id, exc)
             response.headers.update({"x-request-id": request_id, "x-edgefire-trace-id": context.trace_id})
         router.metrics.answered(answered.model, "embeddings", response.status_code)
         return response

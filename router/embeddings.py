@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 EMBEDDINGS_PATH = "/v1/embeddings"
 MAX_INPUTS = 2048          # OpenAI's limit on the inputs of one request
 ENCODING_FORMATS = ("float", "base64")
+MAX_DIMENSIONS = 2**32 - 1  # the Embed call's uint32 field; sites refuse anything past their model's hidden size
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
 
 
@@ -65,6 +66,9 @@ def parse_embedding_request(body: dict) -> EmbeddingRequest:
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
         raise bad_request(f"`dimensions` must be an integer >= 1, got {dimensions!r}.", "dimensions")
+    if dimensions is not None and dimensions > MAX_DIMENSIONS:
+        raise bad_request(f"`dimensions` is {dimensions}, more values than any model's embedding has; send at most "
+                          f"the model's embedding size, or leave it out for the whole vector.", "dimensions")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("`user` must be a string.", "user")
@@ -188,8 +192,12 @@ class EmbeddingService:
         waits for room and places itself again, backing off as completions do, for up to max_full_wait_s
         (never past the first-token timeout)."""
         service = self.service
+        # A site takes the call when its free KV holds the longest input (the inputs then queue in its engine and
+        # run as blocks free up: node_agent.core.accept_embedding), so sites are placed by that input, not by the
+        # inputs' sum, which a call larger than every site's free KV would exceed on all of them. The ledger
+        # charges the site every input's tokens: its queue holds them all.
         placement = PlacementRequest(
-            model=request.model, prompt_ids=[t for ids in inputs for t in ids], max_tokens=1,
+            model=request.model, prompt_ids=max(inputs, key=len), max_tokens=1,
             client_lat=ctx.location.lat, client_lon=ctx.location.lon,
             client_site=service.limits.router_site if ctx.location.source == "router" else None,
             allowed_regions=ctx.api_key.allowed_regions, session_key=ctx.session_key,
@@ -216,7 +224,7 @@ class EmbeddingService:
                 if tried:
                     service.metrics.moved_on(reasons[-1], False)
                 tried = True
-                attempt = service.ledger.record(candidate, len(placement.prompt_ids), 1)
+                attempt = service.ledger.record(candidate, sum(len(ids) for ids in inputs), 1)
                 try:
                     answer = await service.agents.client(site.grpc_address).embed(embed, policy.first_token_timeout_s)
                 except grpc.aio.AioRpcError as exc:
