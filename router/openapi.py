@@ -249,7 +249,7 @@ EMBEDDINGS_REQUEST = {
                             _TOKEN_IDS,
                             {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKEN_IDS}]},
         "encoding_format": _nullable({"enum": ["float", "base64"]}),
-        "dimensions": _nullable({"type": "integer", "minimum": 1,
+        "dimensions": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_UINT32,
                                  "description": "the first values, re-normalized when the model normalizes"}),
         "user": _nullable({"type": "string"}),
     },
