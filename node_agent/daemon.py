@@ -62,6 +62,7 @@ class Agent:
         self.servicer: AgentServicer | None = None
         self.heartbeats: HeartbeatLoop | None = None
         self.link_loop: LinkLoop | None = None
+        self._link_stop: asyncio.Task | None = None   # the link reports' end once the site was deleted
         self.address = ""                 # host:port actually bound (grpc_listen may ask for port 0)
         self.metrics_port: int | None = None
         self._server: aio.Server | None = None
@@ -259,6 +260,8 @@ class Agent:
         self.site_deleted = True
         self.exit_code = SITE_DELETED_EXIT_STATUS
         log.error("%s", line)
+        if self.link_loop is not None:   # its calls would be refused too, also while a drain already under way ends
+            self._link_stop = asyncio.get_running_loop().create_task(self.link_loop.stop(), name="link-stop")
         self.request_drain()
 
     def _on_registry_status(self, status: dict) -> None:

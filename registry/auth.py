@@ -88,6 +88,21 @@ class Authenticator:
             raise ApiError(410, found.message(), "site_deleted", fields=found.to_json())
         await self._refuse(token, "the agent API", site_checked=True)
 
+    async def gone_site(self, authorization: str | None, site: SiteIdentity) -> ApiError:
+        """The error for a caller whose token resolved to `site` (from this replica's cache) when the site
+        turned out to be gone: deleted through another replica within SITE_TOKEN_CACHE_S, and perhaps
+        created again under its name. The token is looked up afresh, so a tombstoned one is answered 410
+        `site_deleted` at once (its agent stops) rather than a 404 it would retry; nothing of it reaches a
+        site created again under the same name."""
+        token = _token(authorization)
+        cached = self._site_tokens.get(token)
+        if cached is not None and cached[0] == site:
+            self._site_tokens.pop(token, None)
+        found = await asyncio.shield(self._lookup(token))
+        if isinstance(found, DeletedSite):
+            return ApiError(410, found.message(), "site_deleted", fields=found.to_json())
+        return ApiError(404, f"site {site.name!r} no longer exists", "site_not_found")
+
     def forget_site_tokens(self) -> None:
         """After a rotation or site deletion on this replica: stop honouring cached tokens at once."""
         self._site_tokens.clear()

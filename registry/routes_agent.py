@@ -11,12 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from sqlalchemy.exc import OperationalError
+from starlette.concurrency import run_in_threadpool
 
 from registry.access import SiteIdentity
 from registry.api_models import LinksBody, RegistrationBody
 from registry.app_state import CredentialFirstRoute, RegistryService, registry, site_caller
 from registry.auth import authorization_header
-from registry.errors import InvalidInput
+from registry.errors import InvalidInput, NotFound
 from registry.http_errors import ApiError, validation_problem
 from registry.telemetry import HeartbeatWrite, capacity_row
 from registry.wire import CapacityReport
@@ -32,11 +33,16 @@ HEARTBEAT_OPENAPI = {"requestBody": {"required": True, "content": {
 
 
 @router.put("/registration")
-def register(body: RegistrationBody, site: SiteIdentity = Depends(site_caller),
-             svc: RegistryService = Depends(registry)) -> dict:
+async def register(request: Request, body: RegistrationBody, site: SiteIdentity = Depends(site_caller),
+                   svc: RegistryService = Depends(registry)) -> dict:
     if body.name is not None and body.name != site.name:
         raise ApiError(403, f"this token belongs to site {site.name!r}, not {body.name!r}", "wrong_site")
-    updated = svc.store.sites.update(site.name, body.changes(), actor=f"site:{site.name}", action="site.register")
+    try:
+        # by the site the token resolved to, not by its name alone: another may hold the name by now
+        updated = await run_in_threadpool(svc.store.sites.update, site.name, body.changes(), f"site:{site.name}",
+                                          "site.register", site.site_id)
+    except NotFound:
+        raise await svc.auth.gone_site(authorization_header(request.scope["headers"]), site) from None
     return updated.to_json()
 
 
@@ -90,8 +96,8 @@ async def _store_heartbeat(svc: RegistryService, authorization: str | None, body
     except InvalidInput as exc:
         _log_rejection(svc, site, exc.message)
         raise
-    if status is None:
-        raise ApiError(404, f"site {site.name!r} no longer exists", "site_not_found")
+    if status is None:  # deleted since its token was checked (this replica's token cache)
+        raise await svc.auth.gone_site(authorization, site)
     return json.dumps(status.to_json()).encode()
 
 
@@ -100,9 +106,13 @@ def _log_rejection(svc: RegistryService, site: SiteIdentity, reason: str) -> Non
 
 
 @router.post("/links")
-def post_links(body: LinksBody, site: SiteIdentity = Depends(site_caller),
-               svc: RegistryService = Depends(registry)) -> dict:
-    return {"stored": svc.store.telemetry.record_links(site.site_id, body.records())}
+async def post_links(request: Request, body: LinksBody, site: SiteIdentity = Depends(site_caller),
+                     svc: RegistryService = Depends(registry)) -> dict:
+    try:
+        stored = await run_in_threadpool(svc.store.telemetry.record_links, site.site_id, body.records())
+    except NotFound:
+        raise await svc.auth.gone_site(authorization_header(request.scope["headers"]), site) from None
+    return {"stored": stored}
 
 
 @router.get("/peers")

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from registry import audit, tombstones, validate
 from registry.db import writer
-from registry.errors import Conflict, InvalidInput
+from registry.errors import Conflict, InvalidInput, NotFound
 from registry.leases import LeaseClaim, check_held
 from registry.records import ACTIVE_ROLES, ModelServed, Page, Site, SiteSpec, liveness_ttl_s
 from registry.sql import SITE_MODELS, SITES, bump_version, load_site, load_sites, site_id
@@ -68,13 +68,19 @@ class SiteStore:
             bump_version(conn)
             return load_site(conn, existing.id), False
 
-    def update(self, name: str, changes: dict, actor: str, action: str = "site.update") -> Site:
-        """Changes only the given SiteSpec fields, validated together with the ones kept."""
+    def update(self, name: str, changes: dict, actor: str, action: str = "site.update",
+               expected_id: int | None = None) -> Site:
+        """Changes only the given SiteSpec fields, validated together with the ones kept. `expected_id`: the
+        site an agent's token resolved to; NotFound unless `name` is still that site (it may have been
+        deleted, and another created under its name, since the token was checked)."""
         unknown = set(changes) - SPEC_FIELDS
         if unknown:
             raise InvalidInput(f"unknown site fields {sorted(unknown)}; allowed: {sorted(SPEC_FIELDS)}")
         with self._write.begin() as conn:
-            current = load_site(conn, site_id(conn, name, lock=True))
+            found = site_id(conn, name, lock=True)
+            if expected_id is not None and found != expected_id:
+                raise NotFound(f"site {name!r} no longer exists", "site_not_found")
+            current = load_site(conn, found)
             spec = SiteSpec(**{f: getattr(current, f) for f in SPEC_FIELDS})
             for key, value in changes.items():
                 setattr(spec, key, value)

@@ -18,6 +18,9 @@ class Base(DeclarativeBase):
 
 class SiteRow(Base):
     __tablename__ = "sites"
+    # A site's id is never reused (migration 0014; PostgreSQL's sequence never goes back): a replica that
+    # still caches a deleted site's token must not reach a site created later under the same id.
+    __table_args__ = {"sqlite_autoincrement": True}
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(63), unique=True)

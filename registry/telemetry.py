@@ -141,6 +141,11 @@ class TelemetryStore:
             return 0
         now = self._clock()
         with self._write.begin() as conn:
+            # The reporting site may have been deleted since its token was checked (another replica's token
+            # cache); FOR KEY SHARE (PostgreSQL; what a foreign key check takes) keeps it until the commit.
+            if conn.execute(select(SITES.c.id).where(SITES.c.id == site_id)
+                            .with_for_update(read=True, key_share=True)).first() is None:
+                raise NotFound(f"site id {site_id} no longer exists", "site_not_found")
             peers = {r.name: r.id for r in conn.execute(
                 select(SITES.c.name, SITES.c.id).where(SITES.c.name.in_({m.peer for m in links}))
             )}

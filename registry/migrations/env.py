@@ -32,9 +32,11 @@ def _run(connection) -> None:
         connection=connection,
         target_metadata=Base.metadata,
         render_as_batch=sqlite,  # SQLite cannot ALTER most things
+        # SQLite's DDL is transactional too (Alembic assumes not, and would commit each step on its own): one
+        # transaction, so a step that fails, or leaves references the check below refuses, changes nothing.
+        transactional_ddl=True,
         include_name=is_model_table,
-        # In each step's transaction: on SQLite (no transactional DDL) every step commits on its own.
-        on_version_apply=_record_readers,
+        on_version_apply=_record_readers,  # in the run's transaction, with the step's own version change
     )
     with context.begin_transaction():
         if not sqlite:

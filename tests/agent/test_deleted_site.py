@@ -72,11 +72,14 @@ async def new_site(url: str, name: str) -> str:
         return (await admin.issue_site_token(name))["token"]
 
 
-async def delete_site(url: str, name: str, how: str) -> str:
-    """Cordons or drains the site, deletes it as operator `ops`; returns the line its agent should log."""
+async def delete_site(url: str, name: str, how: str, agent=None) -> str:
+    """Cordons or drains the site (and waits until `agent` drains, if given), deletes it as operator `ops`;
+    returns the line its agent should log."""
     async with RegistryClient(url, "admin-secret", actor="ops") as admin:
         if how == "drain":
             await admin.drain(name, DRAIN_S)
+            if agent is not None:   # the usual order: the agent drains, then its site is deleted
+                assert await eventually(lambda: agent.core.draining), "the agent did not start draining"
         else:
             await admin.cordon(name)
         await admin.delete_site(name)
@@ -114,8 +117,10 @@ async def test_deleting_the_site_of_a_running_agent_drains_it_and_it_exits_3(reg
                                                        sampling=sampling(max_tokens=MAX_TOKENS)))
     first = await stream.read()
 
-    line = await delete_site(server.url, "site-a", how)
+    line = await delete_site(server.url, "site-a", how, agent)
     assert await eventually(lambda: agent.core.draining), "the agent did not learn that its site was deleted"
+    # nothing calls the registry any more (the link reports stop too), even while a drain under way goes on
+    assert await eventually(lambda: agent.site_deleted and agent.link_loop._task.done(), timeout_s=DRAIN_S / 2)
     with pytest.raises(aio.AioRpcError) as refused:
         await collect(client.generate(agent_pb2.GenerateRequest(model=MODEL, prompt_ids=[1, 2], sampling=sampling())))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
