@@ -21,18 +21,14 @@ from deploy.cli import main as edgefire
 from engine.compression.checkpoint import MANIFEST, PLAIN_CHECKSUM_PREFIX, CompressedCheckpoint
 from engine.compression.compress import compress_checkpoint
 from engine.compression.format import tensor_checksum
-from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError
 from engine.loader import checkpoint_files
-from engine.sampling import SamplingParams
-from tests.engine.test_compression_checkpoint import to_bf16
+from tests.engine.test_compression_checkpoint import engine, greedy, to_bf16
 from tests.engine.test_gpt_oss import _reference, _save, _write_mxfp4
 from tests.engine.test_moe import check_against_transformers, random_prompts
 
 transformers = pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-PROMPTS = {"a": [5, 17, 42, 99, 3, 250], "b": list(range(60, 81))}
 MODES = ["decompress_on_load", "compressed_in_memory"]
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 QUIET = dict(show_progress=False, say=lambda *_: None)
@@ -54,21 +50,6 @@ def compressed(original):
     destination = original.parent / "compressed"
     report = compress_checkpoint(original, destination, tensors="all", chunk_size=64, **QUIET)
     return destination, report
-
-
-def engine(directory, **overrides) -> LLMEngine:
-    config = dict(kv_cache_bytes=2 << 20, show_progress=False, dtype="float32")
-    return LLMEngine(directory, EngineConfig(**{**config, **overrides}))
-
-
-def greedy(llm: LLMEngine) -> dict[str, list[int]]:
-    outputs = {rid: [] for rid in PROMPTS}
-    for rid, prompt in PROMPTS.items():
-        llm.add_request(rid, prompt, GREEDY)
-    while llm.has_work():
-        for out in llm.step():
-            outputs[out.request_id].append(out.token.token_id)
-    return outputs
 
 
 def test_the_mxfp4_tensors_are_copied_byte_for_byte_and_the_quantization_config_kept(original, compressed):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import httpx
+import openai
 import pytest
 from router_fake_agent import MODEL, FakeAgent, model_info_from_dir, word_token_ids
 
@@ -113,6 +114,16 @@ async def make_router(cluster):
     yield make
     for router in routers:
         await router.stop()
+
+
+@pytest.fixture
+async def client(cluster, make_router):
+    """The official openai client (async) on a router over one site (fra) and a new API key."""
+    await cluster.add_site("fra", 50.1, 8.7)
+    key = await cluster.create_key()
+    _router, url = await make_router()
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture

@@ -32,15 +32,6 @@ def _tool(name: str) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
 
 
-@pytest.fixture
-async def client(cluster, make_router):
-    await cluster.add_site("fra", 50.1, 8.7)
-    key = await cluster.create_key()
-    _router, url = await make_router()
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
-        yield client
-
-
 async def _refused(create, **body) -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as caught:
         await create(model=MODEL, max_tokens=2, **body)

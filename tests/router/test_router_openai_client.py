@@ -9,15 +9,6 @@ from router_fake_agent import MODEL
 from engine.tokenizer import ChatTokenizer
 
 
-@pytest.fixture
-async def client(cluster, make_router):
-    await cluster.add_site("fra", 50.1, 8.7)
-    key = await cluster.create_key()
-    _router, url = await make_router()
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
-        yield client
-
-
 async def test_chat_completion_streamed_and_not_agree(client):
     messages = [{"role": "user", "content": "where is the nearest site?"}]
     completion = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)

@@ -34,15 +34,6 @@ async def test_a_stream_of_several_choices_that_breaks_raises_the_stream_error_i
     assert finishes == []
 
 
-@pytest.fixture
-async def client(cluster, make_router):
-    await cluster.add_site("fra", *FRA)
-    key = await cluster.create_key()
-    _router, url = await make_router()
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
-        yield client
-
-
 async def test_max_tokens_and_max_completion_tokens_that_disagree_are_a_400_not_one_silently_winning(client):
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, max_completion_tokens=5)
