@@ -50,8 +50,40 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
 GPT_OSS_QUANTIZATION = "mxfp4"
-# Image-and-text checkpoints whose text model the engine serves (alone: images are not), by their text model's type
-IMAGE_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
+# its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
+# engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
+# a Qwen3 one. Qwen2-VL and Qwen2.5-VL were first published with their text model's fields at the top level
+# (FLAT_TEXT_CONFIG_TYPES), later saves nest them in text_config.
+IMAGE_TEXT_MODEL_TYPES = {"gemma3": {"gemma3_text": "gemma3_text"},
+                          "mistral3": {"mistral": "mistral", "llama": "llama"},
+                          "qwen2_vl": {"qwen2_vl_text": "qwen2"},
+                          "qwen2_5_vl": {"qwen2_5_vl_text": "qwen2"},
+                          "qwen3_vl": {"qwen3_vl_text": "qwen3"}}
+FLAT_TEXT_CONFIG_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Their rope is M-RoPE (_mrope_as_rope)
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Tied embeddings when either the top level or text_config says so, as transformers reads Qwen2-VL and Qwen2.5-VL
+# (older saves kept the key in text_config; Qwen3-VL's published configs carry it in both). For the others the
+# top-level key decides when present, else text_config's; a stored lm_head.weight that differs from the
+# embeddings is used all the same (loader._read_lm_head), as transformers uses it
+TIED_BY_EITHER_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# The Qwen VL text models' fields as transformers defaults them for configs that omit them (rope_theta, rms_norm_eps,
+# max_window_layers and the shape differ from a text-only Qwen2/Qwen3 config's defaults)
+QWEN2_VL_TEXT_DEFAULTS = {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
+                          "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                          "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+                          "sliding_window": 4096, "max_window_layers": 80, "bos_token_id": 151643,
+                          "eos_token_id": 151645}
+QWEN3_VL_TEXT_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+                          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                          "head_dim": 128, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                          "rope_theta": 500000.0}
+IMAGE_TEXT_DEFAULTS = {"qwen2_vl_text": QWEN2_VL_TEXT_DEFAULTS, "qwen2_5_vl_text": QWEN2_VL_TEXT_DEFAULTS,
+                       "qwen3_vl_text": QWEN3_VL_TEXT_DEFAULTS}
+# Image-and-text checkpoints refused with a reason of their own
+REFUSED_IMAGE_TEXT_TYPES = {"qwen3_vl_moe": "the mixture-of-experts Qwen3-VL (Qwen3-VL-30B-A3B, -235B-A22B) is not "
+                                            "supported; the dense Qwen3-VL checkpoints (model_type 'qwen3_vl') are"}
 
 
 @dataclass(slots=True)
@@ -612,6 +644,8 @@ def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type in REFUSED_IMAGE_TEXT_TYPES:
+        raise UnsupportedModelError(f"{path}: model_type {model_type!r}: {REFUSED_IMAGE_TEXT_TYPES[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES and model_type not in IMAGE_TEXT_MODEL_TYPES:
         archs = raw.get("architectures")
         raise UnsupportedModelError(
@@ -687,22 +721,57 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
 
 
 def _parse_text_model(raw: dict, path: Path) -> ModelConfig:
-    """An image-and-text checkpoint's text model (Gemma 3's: text_config), read as transformers reads it: text_config
-    defaulted as its text model's configs are, and from the top level what transformers takes from there: whether
-    the embeddings are tied, the token ids generation stops and starts at, the stored dtype."""
-    text_type = IMAGE_TEXT_MODEL_TYPES[raw["model_type"]]
-    text = dict(_mapping(raw, "text_config", path))
-    if text.get("model_type", text_type) != text_type:
-        raise UnsupportedModelError(f"{path}: text_config's model_type {text['model_type']!r} is not supported for "
-                                    f"model_type {raw['model_type']!r} (only {text_type!r})")
-    text["model_type"] = text_type
-    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    """An image-and-text checkpoint's text model, read as transformers reads it: text_config (or, in the older Qwen
+    VL configs, the top level) defaulted as its text model's configs are, and from the top level what transformers
+    takes from there: whether the embeddings are tied, the token ids generation stops and starts at, the stored
+    dtype."""
+    image_type = raw["model_type"]
+    text_types = IMAGE_TEXT_MODEL_TYPES[image_type]
+    flat = image_type in FLAT_TEXT_CONFIG_TYPES and raw.get("text_config") is None
+    text = {key: value for key, value in raw.items() if key != "vision_config"} if flat else \
+        dict(_mapping(raw, "text_config", path))
+    text_path = path if flat else Path(f"{path}: text_config")
+    text_type = next(iter(text_types)) if flat else text.get("model_type", next(iter(text_types)))
+    if text_type not in text_types:
+        raise UnsupportedModelError(f"{path}: text_config's model_type {text_type!r} is not supported for model_type "
+                                    f"{image_type!r} (only {' or '.join(repr(t) for t in text_types)})")
+    text = {**IMAGE_TEXT_DEFAULTS.get(text_type, {}), **text, "model_type": text_types[text_type]}
+    for key in ("bos_token_id", "eos_token_id"):
         if raw.get(key) is not None:
             text[key] = raw[key]
+    if raw.get("tie_word_embeddings") is not None:
+        tied = _flag(raw, "tie_word_embeddings", False, path)
+        text["tie_word_embeddings"] = tied or (image_type in TIED_BY_EITHER_TYPES
+                                               and _flag(text, "tie_word_embeddings", False, text_path))
     text["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype")
-    cfg = parse_config(text, Path(f"{path}: text_config"))
+    if image_type in MROPE_MODEL_TYPES:
+        _mrope_as_rope(text, text_path)
+    cfg = parse_config(text, text_path)
     cfg.image_text_checkpoint = True
     return cfg
+
+
+def _mrope_as_rope(text: dict, path: Path) -> None:
+    """Qwen VL's M-RoPE, read as the 1D rope it computes for text. It rotates each rotary frequency by one of three
+    position components (time, height, width; mrope_section counts the frequencies each one takes, in blocks or, with
+    mrope_interleaved, in turn), which differ only for image and video tokens. A text token's three components are
+    all its position, so a text-only sequence rotates exactly as with the 1D rope of the same frequencies: that rope
+    is what the engine runs, its type 'mrope' transformers' name for the default frequencies."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = dict(_mapping(text, key, path))
+        if not rope:
+            continue
+        section = rope.pop("mrope_section", None)
+        if section is not None and not (isinstance(section, list) and len(section) == 3 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
+            raise CheckpointError(f"{path}: {key}: mrope_section must list the rotary frequencies of the time, height "
+                                  f"and width components (3 counts), got {section!r}")
+        _flag(rope, "mrope_interleaved", False, Path(f"{path}: {key}"))
+        rope.pop("mrope_interleaved", None)
+        for name in ("type", "rope_type"):
+            if rope.get(name) == "mrope":
+                rope[name] = "default"
+        text[key] = rope
 
 
 def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:

@@ -15,8 +15,9 @@ and of each mixture-of-experts layer only its experts, sliced in the file, never
 cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
 and keeps its slice; compressed_in_memory keeps whole MLP weights and is for whole layers only.
 
-An image-and-text checkpoint (Gemma 3's) loads as its text model: its text tensors are read under the
-names a text-only checkpoint gives them (text_model_names), and its image encoder is left unread.
+An image-and-text checkpoint (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's) loads as its text
+model: its text tensors are read under the names a text-only checkpoint gives them (text_model_names), and its
+image encoder is left unread.
 """
 
 from __future__ import annotations
@@ -102,12 +103,15 @@ def stores_lm_head(model_dir: str | Path) -> bool:
     return "lm_head.weight" in text_model_names(compressed.names() if compressed else files, load_config(model_dir))
 
 
-# Gemma 3's image-and-text checkpoints nest the text model: older saves as language_model.model.* and
-# language_model.lm_head, newer ones as model.language_model.* and lm_head; beside it lie the image encoder
-# and its projector, which the engine does not serve
+# Image-and-text checkpoints nest the text model: Gemma 3's and Mistral 3's older saves as language_model.model.*
+# and language_model.lm_head, newer ones (every family's) as model.language_model.* and lm_head; Qwen2-VL's and
+# Qwen2.5-VL's older saves name it as a text-only checkpoint does (model.*, lm_head). Beside it lies the image
+# encoder with its projector (Gemma 3, Mistral 3: vision_tower.*, multi_modal_projector.*; Qwen: visual.*, under
+# model. in newer saves), which the engine does not serve
 TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                        ("model.language_model.", "model."))
-IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                  "visual.", "model.visual.")
 
 
 def is_bare_backbone(names) -> bool:
