@@ -16,7 +16,8 @@ from engine.chat_template import (CONTROL_TOKEN_END, CONTROL_TOKEN_START, SPECIA
 from engine.config import read_json
 from engine.errors import CheckpointError
 
-__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError", "chat_template_file", "read_tokenizer"]
+__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "TemplateError", "chat_template_file", "processor_chat_template",
+           "read_tokenizer"]
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # named templates beside chat_template.jinja
 
 
@@ -95,6 +96,21 @@ def chat_template_file(model_dir: Path) -> str | dict[str, str] | None:
     if list(templates) == ["default"]:
         return templates["default"]
     return templates or None
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The chat template an image-and-text checkpoint may keep only in its processor's chat_template.json
+    (`{"chat_template": "..."}`, as transformers' processors save it): the last place looked, after the
+    template files and tokenizer_config.json's `chat_template`. None without the file."""
+    path = Path(model_dir) / "chat_template.json"
+    config = read_json(path, required=False)
+    if config is None:
+        return None
+    template = config.get("chat_template")
+    if not isinstance(template, str) or not template.strip():
+        raise CheckpointError(f"{path}: `chat_template` must be the template's text (a non-empty string), "
+                              f"got {type(template).__name__}")
+    return template
 
 
 def _read_text(path: Path) -> str:
@@ -222,7 +238,10 @@ class ChatTokenizer:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json")
         config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
-        return cls(_read_text(path), config, chat_template_file(model_dir), model_dir)
+        template = chat_template_file(model_dir)
+        if template is None and not config.get("chat_template"):
+            template = processor_chat_template(model_dir)
+        return cls(_read_text(path), config, template, model_dir)
 
 
 class IncrementalDetokenizer:

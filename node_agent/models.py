@@ -16,7 +16,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.kv_transfer import KVLayout
 from engine.config import read_json
 from engine.errors import EngineError
-from engine.tokenizer import chat_template_file
+from engine.tokenizer import chat_template_file, processor_chat_template
 from node_agent.config import AgentConfig
 from node_agent.errors import ModelLoadError
 from node_agent.proto import agent_pb2
@@ -59,7 +59,8 @@ def _model_info(name: str, engine: LLMEngine) -> agent_pb2.ModelInfo:
     tokenizer_config = read_json(model_dir / "tokenizer_config.json", required=False) or {}
     # the template file comes first, as the engine's tokenizer reads it; named templates stay in
     # tokenizer_config.json, which routers read whole
-    template = chat_template_file(model_dir) or tokenizer_config.get("chat_template")
+    template = (chat_template_file(model_dir) or tokenizer_config.get("chat_template")
+                or processor_chat_template(model_dir))
     if isinstance(template, dict):  # named template files travel in tokenizer_config.json's list form
         tokenizer_config["chat_template"] = [{"name": name, "template": text} for name, text in template.items()]
     generation = read_json(model_dir / "generation_config.json", required=False) or {}

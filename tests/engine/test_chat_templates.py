@@ -213,3 +213,34 @@ def test_named_template_files_saved_by_transformers_are_read(tmp_path):
         expected = hf.apply_chat_template([SYSTEM, USER], tools=tools, add_generation_prompt=True, return_dict=False)
         assert ours.encode_chat([SYSTEM, USER], tools=tools) == expected
     assert "get_weather" in ours.apply_chat_template([USER], tools=TOOLS)
+
+
+def test_a_template_kept_only_in_the_processors_chat_template_json_is_read(tmp_path):
+    """Image-and-text checkpoints may keep their template only where their processor saves it
+    (chat_template.json): the prompt is then the one transformers renders with that template; a template in
+    tokenizer_config.json still comes first, and a damaged chat_template.json is named."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    source = write_template_tokenizer(tmp_path / "vlm", "Mistral-Small-3.2-24B-Instruct-2506")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template", None) or (source / "chat_template.jinja").read_text()
+    for path in (source / "chat_template.jinja", *(source / "additional_chat_templates").glob("*.jinja")):
+        path.unlink(missing_ok=True)
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    (source / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    hf = AutoTokenizer.from_pretrained(str(source))
+    expected = hf.apply_chat_template([SYSTEM, USER], chat_template=template, add_generation_prompt=True,
+                                      return_dict=False)
+    assert ChatTokenizer.from_dir(source).encode_chat([SYSTEM, USER]) == expected
+
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTokenizer.from_dir(source).apply_chat_template([USER]) == USER["content"]
+
+    del config["chat_template"]
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    (source / "chat_template.json").write_text(json.dumps({"chat_template": ["not", "text"]}))
+    with pytest.raises(CheckpointError, match="chat_template.json: `chat_template` must be the template's text"):
+        ChatTokenizer.from_dir(source)
