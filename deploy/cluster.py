@@ -209,7 +209,7 @@ def supervise(cluster) -> None:
             code = process.exit_code()
             if process.name in left_down:
                 continue
-            if code == SITE_DELETED_EXIT_STATUS:   # an operator deleted its site: restarting it would not help
+            if process.kind == "agent" and code == SITE_DELETED_EXIT_STATUS:   # its site was deleted: no restart helps
                 left_down.add(process.name)
                 print(f"{process.name} stopped: its site was deleted from the registry (log: {process.log_path}); "
                       f"leaving it down", flush=True)

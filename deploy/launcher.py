@@ -417,7 +417,7 @@ class Cluster:
         base_env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
         process = ManagedProcess(name, argv, self.state_dir / "logs" / f"{name}.log",
-                                 self.state_dir / "run" / f"{name}.pid", {**base_env, **(env or {})})
+                                 self.state_dir / "run" / f"{name}.pid", {**base_env, **(env or {})}, kind=args[0])
         self.processes[name] = process
         return process
 

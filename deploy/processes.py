@@ -39,6 +39,7 @@ class ManagedProcess:
     popen: subprocess.Popen | None = None
     num_starts: int = 0
     stopped: bool = False                 # stopped on purpose (not a crash)
+    kind: str = ""                        # the edgefire command it runs (registry, router, agent); "" for others
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

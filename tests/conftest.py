@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Kernel tests run under triton's interpreter on a machine without an NVIDIA GPU, which must be chosen before
+# triton is first imported, by whichever test module imports it first: transformers' vision models import it at
+# collection, before tests/kernels' own conftest is read. Decided without importing torch (it would slow every
+# worker's start and hide what a module imports); tests/kernels/conftest.py decides again with torch.
+if not any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/nvidia0")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
