@@ -4,8 +4,9 @@ The body is read and checked here (`parse_embedding_request`); `EmbeddingService
 the completion service does for a prompt, with the completion service's own parts: the model must be
 served, the inputs are tokenized (special tokens added, as the model's sentence-transformers pipeline
 does) and held to the model's context, the key's rate limit is charged the prompt tokens, and the
-placement code ranks the sites (embeddings are prefill work: the prefill site of each ranked pair, best
-first, is the failover order). One `Embed` call carries every input to one site, which batches them;
+placement code ranks the sites (embeddings are prefill-only work: no token generated, no decode site;
+the ranked prefill sites, best first, are the failover order). One `Embed` call carries every input to
+one site, which batches them, under a deadline that grows with the call's tokens (`embed_timeout_s`);
 a site that cannot connect, is full, draining or fails is left for the next, as completions do before
 their first token. What the site answers is per input a float32 vector, already cut to `dimensions`
 (and re-normalized when the model normalizes its vectors); it goes out as JSON floats or, with
@@ -26,10 +27,11 @@ import numpy as np
 from node_agent.proto import agent_pb2
 from router.completions import PROMPT_TOKENIZE_OFF_LOOP_CHARS, CompletionService, RequestContext
 from router.errors import ApiError, bad_request, no_capacity, rate_limited
-from router.generation import FULL_RETRY_MAX_S, FULL_RETRY_S, RETRYABLE_CODES
+from router.generation import FULL_RETRY_MAX_S, FULL_RETRY_S, RETRYABLE_CODES, FailoverPolicy
 from router.model_assets import ModelAssets
 from router.placement import PlacementRequest, rank
 from router.rate_limit import Refusal
+from router.snapshot import Site
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 MAX_INPUTS = 2048          # OpenAI's limit on the inputs of one request
 ENCODING_FORMATS = ("float", "base64")
 MAX_DIMENSIONS = 2**32 - 1  # the Embed call's uint32 field; sites refuse anything past their model's hidden size
+# A site's measured prefill rate is an average over its recent batches; a call that runs beside other work
+# goes slower, so an Embed call is allowed this many times the time its tokens take at that rate.
+EMBED_RATE_SLACK = 2.0
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
 
 
@@ -197,7 +202,7 @@ class EmbeddingService:
         # inputs' sum, which a call larger than every site's free KV would exceed on all of them. The ledger
         # charges the site every input's tokens: its queue holds them all.
         placement = PlacementRequest(
-            model=request.model, prompt_ids=max(inputs, key=len), max_tokens=1,
+            model=request.model, prompt_ids=max(inputs, key=len), max_tokens=0, prefill_only=True,
             client_lat=ctx.location.lat, client_lon=ctx.location.lon,
             client_site=service.limits.router_site if ctx.location.source == "router" else None,
             allowed_regions=ctx.api_key.allowed_regions, session_key=ctx.session_key,
@@ -206,6 +211,7 @@ class EmbeddingService:
                                        inputs=[agent_pb2.EmbedInput(token_ids=ids) for ids in inputs],
                                        dimensions=request.dimensions or 0)
         policy, failures, reasons, failed = service.policy, 0, [], set()
+        num_tokens = sum(len(ids) for ids in inputs)
         loop = asyncio.get_running_loop()
         waiting_since, num_waits, tried = loop.time(), 0, False
         while True:
@@ -224,9 +230,10 @@ class EmbeddingService:
                 if tried:
                     service.metrics.moved_on(reasons[-1], False)
                 tried = True
-                attempt = service.ledger.record(candidate, sum(len(ids) for ids in inputs), 1)
+                attempt = service.ledger.record(candidate, num_tokens, 0)
                 try:
-                    answer = await service.agents.client(site.grpc_address).embed(embed, policy.first_token_timeout_s)
+                    answer = await service.agents.client(site.grpc_address).embed(
+                        embed, embed_timeout_s(site, num_tokens, policy))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in RETRYABLE_CODES:
                         raise _site_refusal(exc) from exc
@@ -262,6 +269,16 @@ class EmbeddingService:
                               f"(the Embed call); upgrade them.", service.limits.retry_after_s)
         raise no_capacity(f"Every site tried failed ({', '.join(reasons)}); retry shortly.",
                           service.limits.retry_after_s)
+
+
+def embed_timeout_s(site: Site, num_tokens: int, policy: FailoverPolicy) -> float:
+    """The deadline of one Embed call of num_tokens on a site: the first-token timeout (the queue, the first
+    batch) plus EMBED_RATE_SLACK times those tokens at the prefill rate the site measured, never past the
+    request timeout; the request timeout itself where the site has measured no rate yet."""
+    rate = site.capacity.prefill_tokens_per_s if site.capacity is not None else 0.0
+    if rate <= 0:
+        return policy.request_timeout_s
+    return min(policy.request_timeout_s, policy.first_token_timeout_s + EMBED_RATE_SLACK * num_tokens / rate)
 
 
 def _draining(exc: grpc.aio.AioRpcError) -> bool:

@@ -3,7 +3,10 @@
 Filter. A site can take a role for a request when it serves the model in that role (site roles and
 the model's role), is live (`active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
 draining), in a region the API key allows, and has the KV blocks free: the uncached prompt for a
-prefill site, prompt + the decode horizon for a decode site. Each model a site hosts has a KV pool
+prefill site (and a spare block for the token it generates), prompt + the decode horizon for a decode
+site. A prefill-only request (`prefill_only`: an embedding, which generates nothing) needs no decode
+site: its candidates are the sites that may prefill it, each as the pair (site, site) scored by its
+ttft, and its uncached prompt alone must fit the free KV. Each model a site hosts has a KV pool
 and prefix cache of its own: the blocks free and the cached prefixes are the model's own where the
 site reports them apart (registry.wire.SnapshotCapacity.own), the site's otherwise (one model, or an
 older agent). Load and rates stay the site's: its models share its devices. The models live sites can serve at all
@@ -133,6 +136,7 @@ class PlacementRequest:
     session_key: str | None = None
     session_pair: tuple[str, str] | None = None  # (prefill, decode) sites where this session last ran
     kv_bytes_per_token: int = 0              # the model's, from GetModelInfo; 0: the cost model's default
+    prefill_only: bool = False               # generates nothing (an embedding): no decode site, max_tokens unused
 
 
 @dataclass(slots=True)
@@ -458,7 +462,11 @@ def rank(snapshot: Snapshot, request: PlacementRequest, cost: CostModel,
     kv_bytes_per_token = _derived(sites, ("kv_bytes_per_token", model_kv_bytes), lambda: np.where(
         sites.kv_bytes_per_token > 0, sites.kv_bytes_per_token, model_kv_bytes))
     costs = _site_costs(sites, request, cost, pending or {}, horizon, model_kv_bytes, kv_bytes_per_token)
-    pairs = _pairs(sites, costs, cost, horizon, len(request.prompt_ids) * kv_bytes_per_token)
+    if request.prefill_only:
+        alone = np.flatnonzero(costs.prefill_ok)
+        pairs = _Pairs(alone, alone, np.zeros(len(alone)), costs.ttft_ms[alone])
+    else:
+        pairs = _pairs(sites, costs, cost, horizon, len(request.prompt_ids) * kv_bytes_per_token)
     if not len(pairs.score_ms):
         return []
     cooling_sites = np.zeros(len(sites.sites), bool)
@@ -480,15 +488,19 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
     num_cached = _cached_tokens(sites, request.prompt_ids)
     ttft = (client_rtt + prefill_queue_ms(sites.inflight_prefill_tokens + prefill_tokens, sites.prefill_rate)
             + prefill_ms(num_prompt - num_cached, sites.prefill_rate))
+    free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
+    allowed = _region_mask(sites, request.allowed_regions)
+    spare_blocks = 0 if request.prefill_only else 1   # room for the generated token
+    prefill_blocks = np.ceil((num_prompt - num_cached) / sites.block_size) + spare_blocks
+    prefill_ok = sites.can_prefill & allowed & (prefill_blocks <= free_blocks)
+    if request.prefill_only:
+        nothing = np.zeros(len(sites.sites))
+        return _SiteCosts(client_rtt, ttft, nothing, num_cached, prefill_ok, nothing.astype(bool))
     unit_ms = _derived(sites, ("unit_ms", model_kv_bytes), lambda: work_unit_ms(
         sites.rate_batch_size, sites.rate_kv_tokens, sites.decode_rate, kv_bytes_per_token, cost))
     tpot = decode_step_ms(sites.num_running + num_seqs, sites.kv_tokens + kv_tokens,
                           sites.inflight_decode_tokens + decode_tokens, unit_ms, num_prompt + horizon // 2, horizon,
                           kv_bytes_per_token, cost)
-    free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
-    allowed = _region_mask(sites, request.allowed_regions)
-    prefill_blocks = np.ceil((num_prompt - num_cached) / sites.block_size) + 1
-    prefill_ok = sites.can_prefill & allowed & (prefill_blocks <= free_blocks)
     decode_ok = sites.can_decode & allowed & (np.ceil((num_prompt + horizon) / sites.block_size) <= free_blocks)
     return _SiteCosts(client_rtt, ttft, tpot, num_cached, prefill_ok, decode_ok)
 
