@@ -53,16 +53,18 @@ GPT_OSS_QUANTIZATION = "mxfp4"
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
-# a Qwen3 one. Qwen2-VL and Qwen2.5-VL were first published with their text model's fields at the top level
-# (FLAT_TEXT_CONFIG_TYPES), later saves nest them in text_config.
+# a Qwen3 one; Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): a Qwen3-MoE one. Qwen2-VL and Qwen2.5-VL were first
+# published with their text model's fields at the top level (FLAT_TEXT_CONFIG_TYPES), later saves nest them in
+# text_config.
 IMAGE_TEXT_MODEL_TYPES = {"gemma3": {"gemma3_text": "gemma3_text"},
                           "mistral3": {"mistral": "mistral", "llama": "llama"},
                           "qwen2_vl": {"qwen2_vl_text": "qwen2"},
                           "qwen2_5_vl": {"qwen2_5_vl_text": "qwen2"},
-                          "qwen3_vl": {"qwen3_vl_text": "qwen3"}}
+                          "qwen3_vl": {"qwen3_vl_text": "qwen3"},
+                          "qwen3_vl_moe": {"qwen3_vl_moe_text": "qwen3_moe"}}
 FLAT_TEXT_CONFIG_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # Their rope is M-RoPE (_mrope_as_rope)
-MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Tied embeddings when either the top level or text_config says so, as transformers reads Qwen2-VL and Qwen2.5-VL
 # (older saves kept the key in text_config; Qwen3-VL's published configs carry it in both). For the others the
 # top-level key decides when present, else text_config's; a stored lm_head.weight that differs from the
@@ -79,11 +81,16 @@ QWEN3_VL_TEXT_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermedia
                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                           "head_dim": 128, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
                           "rope_theta": 500000.0}
+QWEN3_VL_MOE_TEXT_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                              "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                              "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+                              "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60,
+                              "decoder_sparse_step": 1}
 IMAGE_TEXT_DEFAULTS = {"qwen2_vl_text": QWEN2_VL_TEXT_DEFAULTS, "qwen2_5_vl_text": QWEN2_VL_TEXT_DEFAULTS,
-                       "qwen3_vl_text": QWEN3_VL_TEXT_DEFAULTS}
-# Image-and-text checkpoints refused with a reason of their own
-REFUSED_IMAGE_TEXT_TYPES = {"qwen3_vl_moe": "the mixture-of-experts Qwen3-VL (Qwen3-VL-30B-A3B, -235B-A22B) is not "
-                                            "supported; the dense Qwen3-VL checkpoints (model_type 'qwen3_vl') are"}
+                       "qwen3_vl_text": QWEN3_VL_TEXT_DEFAULTS, "qwen3_vl_moe_text": QWEN3_VL_MOE_TEXT_DEFAULTS}
+# Text models whose router always renormalizes its top-k weights, whatever norm_topk_prob says (transformers'
+# Qwen3-VL-MoE reads no such key)
+RENORMALIZED_TOPK_TEXT_TYPES = ("qwen3_vl_moe_text",)
 
 
 @dataclass(slots=True)
@@ -644,8 +651,6 @@ def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type in REFUSED_IMAGE_TEXT_TYPES:
-        raise UnsupportedModelError(f"{path}: model_type {model_type!r}: {REFUSED_IMAGE_TEXT_TYPES[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES and model_type not in IMAGE_TEXT_MODEL_TYPES:
         archs = raw.get("architectures")
         raise UnsupportedModelError(
@@ -736,6 +741,8 @@ def _parse_text_model(raw: dict, path: Path) -> ModelConfig:
         raise UnsupportedModelError(f"{path}: text_config's model_type {text_type!r} is not supported for model_type "
                                     f"{image_type!r} (only {' or '.join(repr(t) for t in text_types)})")
     text = {**IMAGE_TEXT_DEFAULTS.get(text_type, {}), **text, "model_type": text_types[text_type]}
+    if text_type in RENORMALIZED_TOPK_TEXT_TYPES:
+        text["norm_topk_prob"] = True
     for key in ("bos_token_id", "eos_token_id"):
         if raw.get(key) is not None:
             text[key] = raw[key]

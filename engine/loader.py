@@ -15,9 +15,9 @@ and of each mixture-of-experts layer only its experts, sliced in the file, never
 cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
 and keeps its slice; compressed_in_memory keeps whole MLP weights and is for whole layers only.
 
-An image-and-text checkpoint (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's) loads as its text
-model: its text tensors are read under the names a text-only checkpoint gives them (text_model_names), and its
-image encoder is left unread.
+An image-and-text checkpoint (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's)
+loads as its text model: its text tensors are read under the names a text-only checkpoint gives them
+(text_model_names), and its image encoder is left unread.
 """
 
 from __future__ import annotations
@@ -169,6 +169,22 @@ class _TensorReader:
 
     def has(self, name: str) -> bool:
         return name in self.stored
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored tensor's shape, read from the file's header (a compressed tensor's from its record)."""
+        if not self.has(name):
+            raise CheckpointError(f"checkpoint is missing tensor {self.stored_name(name)!r}")
+        name = self.stored[name]
+        if self.compressed is not None:
+            stored = self.compressed.read_compressed(name) if self.compressed.is_compressed(name) \
+                else self.compressed.read_plain(name)
+            return tuple(stored.shape)
+        path = self.files[name]
+        handle = self.handles.get(path) or self.handles.setdefault(path, _open(path))
+        try:
+            return tuple(handle.get_slice(name).get_shape())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
     def stored_name(self, name: str) -> str:
         """The checkpoint's name of a tensor, also of one it lacks: spelled as its other text tensors are."""
@@ -452,8 +468,9 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     stacked into [len(experts), 2 * inter, hidden] and [len(experts), hidden, inter].
 
     Checkpoints store one tensor per expert projection (`experts.{e}.gate_proj.weight`); some tools
-    write them already stacked (`experts.gate_up_proj`, `experts.down_proj`), whose rows of `experts`
-    are read. Each expert is copied into a preallocated stack so loading never holds two copies of a layer.
+    write them already stacked (`experts.gate_up_proj`, `experts.down_proj`: _read_stacked_experts), whose
+    rows of `experts` are read. Each expert is copied into a preallocated stack so loading never holds two
+    copies of a layer.
     """
     moe = cfg.moe
     if cfg.model_type == "gpt_oss":
@@ -463,8 +480,7 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
     router = reader.read(p + "gate.weight", (num_experts, hidden))
     if reader.has(p + "experts.gate_up_proj"):
-        gate_up = reader.read(p + "experts.gate_up_proj", (num_experts, 2 * inter, hidden), rows=experts)
-        down = reader.read(p + "experts.down_proj", (num_experts, hidden, inter), rows=experts)
+        gate_up, down = _read_stacked_experts(reader, cfg, p + "experts.", experts)
     else:
         gate_up = torch.empty((len(experts), 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
         down = torch.empty((len(experts), hidden, inter), dtype=reader.dtype, device=reader.device)
@@ -485,6 +501,30 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
                                             reader.read(s + "up_proj.weight", (shared, hidden))])
         weights.shared_down = reader.read(s + "down_proj.weight", (hidden, shared))
     return weights
+
+
+def _read_stacked_experts(reader: _TensorReader, cfg: ModelConfig, p: str,
+                          experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """`experts` of a layer's stacked expert projections, in the engine's layout: gate_up_proj [E, 2 * inter, hidden]
+    (each expert's gate rows, then its up rows) and down_proj [E, hidden, inter], as transformers keeps them in
+    memory and saves them now. Qwen3-VL-MoE's checkpoints as published store both transposed (gate_up_proj
+    [E, hidden, 2 * inter], gate columns first; down_proj [E, inter, hidden]); those are read and transposed one
+    expert at a time into a preallocated stack. The layout is told by the shapes, as transformers tells it: where
+    both fit (hidden == 2 * inter or hidden == inter), the engine's."""
+    hidden, inter, num_experts = cfg.hidden_size, cfg.moe.intermediate_size, cfg.moe.num_experts
+    stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+    read = []
+    for name, (rows, cols) in stacked.items():
+        if reader.shape(p + name) != (num_experts, cols, rows):
+            read.append(reader.read(p + name, (num_experts, rows, cols), rows=experts))
+            continue
+        stored = reader.read(p + name, (num_experts, cols, rows), rows=experts)
+        ours = torch.empty((len(experts), rows, cols), dtype=reader.dtype, device=reader.device)
+        for local in range(len(experts)):
+            ours[local] = stored[local].T
+        del stored
+        read.append(ours)
+    return read[0], read[1]
 
 
 def _read_gpt_oss_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -> MoEWeights:

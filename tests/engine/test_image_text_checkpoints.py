@@ -2,7 +2,7 @@
 Qwen3-VL (dense). The engine computes on text prompts what transformers' ForConditionalGeneration computes, from
 each one's config as it was published (Qwen2-VL's and Qwen2.5-VL's text fields at the top level, M-RoPE's 'mrope')
 and as transformers saves it now (text_config), its text tensors under either of their saved names; the image
-encoder is never read. Gemma 3's are tested in test_gemma3_multimodal.py.
+encoder is never read. Gemma 3's are tested in test_gemma3_multimodal.py, Qwen3-VL-MoE's in test_qwen3_vl_moe.py.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def test_omitted_text_fields_default_as_transformers_defaults_them(model_type, c
     ({**MISTRAL_SMALL_3_1, "text_config": {**MISTRAL_SMALL_3_1["text_config"], "model_type": "ministral3"}},
      UnsupportedModelError, "text_config's model_type 'ministral3' is not supported for model_type 'mistral3'"),
     ({**QWEN3_VL_8B, "model_type": "qwen3_vl_moe"}, UnsupportedModelError,
-     "the mixture-of-experts Qwen3-VL .* is not supported"),
+     "text_config's model_type 'qwen3_vl_text' is not supported for model_type 'qwen3_vl_moe'"),
     ({**QWEN2_5_VL_7B, "rope_scaling": {"type": "mrope", "mrope_section": [64]}}, CheckpointError,
      "rope_scaling: mrope_section must list"),
     ({**QWEN2_5_VL_7B, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24], "mrope_interleaved": "yes"}},
