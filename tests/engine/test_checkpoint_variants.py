@@ -8,15 +8,13 @@ it at load naming the key.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.config import parse_config
 from engine.errors import UnsupportedModelError
-from tests.engine.conftest import _deepseek_v3, _llama, _mistral, _mixtral, _qwen2, _qwen3, _randomize
+from tests.engine.conftest import (_deepseek_v3, _llama, _mistral, _mixtral, _qwen2, _qwen3,
+                                   save_random_checkpoint)
 from tests.engine.test_moe import check_against_transformers, random_prompts
 
 # Prompts past the 32 positions the scaled ropes below were "trained" at.
@@ -54,28 +52,10 @@ VARIANTS = {
 }
 
 
-def _save_variant(directory: Path, factory, edits: dict):
-    """The checkpoint with `edits` applied to its config.json (None: the key removed), and transformers'
-    model loaded back from it, so both sides read the same file."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1234)
-    model = factory().eval()
-    _randomize(model)
-    model.save_pretrained(directory)
-    if edits:
-        path = directory / "config.json"
-        raw = json.loads(path.read_text())
-        for key, value in edits.items():
-            raw.pop(key, None) if value is None else raw.__setitem__(key, value)
-        path.write_text(json.dumps(raw))
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_variant_logits_and_greedy_tokens_match_transformers(tmp_path, name):
     factory, edits = VARIANTS[name]
-    reference = _save_variant(tmp_path, factory, edits)
+    reference = save_random_checkpoint(tmp_path, factory, edits)
     check_against_transformers(tmp_path, reference, random_prompts(LENGTHS, seed=11), max_tokens=5)
 
 
@@ -118,7 +98,7 @@ def test_memory_sizing_counts_the_biases(tmp_path, name):
     from engine.config import load_config
 
     factory, edits = VARIANTS[name]
-    reference = _save_variant(tmp_path, factory, edits)
+    reference = save_random_checkpoint(tmp_path, factory, edits)
     assert load_config(tmp_path).num_parameters() == sum(p.numel() for p in reference.parameters())
 
 
@@ -129,7 +109,7 @@ def test_biases_under_tensor_parallelism_are_added_once(tmp_path):
     from engine.engine import EngineConfig, LLMEngine
 
     factory, edits = VARIANTS["llama-attention-and-mlp-bias"]
-    reference = _save_variant(tmp_path, factory, edits)
+    reference = save_random_checkpoint(tmp_path, factory, edits)
     prompt = random_prompts([37], seed=3)[0]
     engine = LLMEngine(tmp_path, EngineConfig(kv_cache_bytes=1 << 20, block_size=8, show_progress=False,
                                               tensor_parallel_size=2))
