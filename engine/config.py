@@ -787,8 +787,9 @@ def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:
     return _positive_int(raw, ("num_nextn_predict_layers",), path)
 
 
-def read_json(path: Path, required: bool = True) -> dict | None:
-    """A checkpoint's JSON file as an object; None when absent and not required."""
+def read_json(path: Path, required: bool = True, kind: type = dict, what: str = "a JSON object"):
+    """A checkpoint's JSON file as an object (or the `kind` of value `what` names); None when absent and not
+    required."""
     if not path.is_file():
         if required:
             raise CheckpointError(f"{path} is missing")
@@ -797,8 +798,8 @@ def read_json(path: Path, required: bool = True) -> dict | None:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+    if not isinstance(value, kind):
+        raise CheckpointError(f"{path}: expected {what}")
     return value
 
 

@@ -15,7 +15,6 @@ always computed).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def load_pooling(model_dir: str | Path, hidden_size: int) -> Pooling:
     path = model_dir / "modules.json"
     if not path.is_file():
         return Pooling()
-    modules = _read_list(path)
+    modules = read_json(path, kind=list, what="a JSON list of modules")
     pooling_dir, normalize = None, False
     for index, module in enumerate(modules):
         if not isinstance(module, dict) or not isinstance(module.get("type"), str):
@@ -116,16 +115,6 @@ def load_pooling(model_dir: str | Path, hidden_size: int) -> Pooling:
                               f"modules.json for last-token pooling")
     method = _read_pooling_config(pooling_dir / "config.json", hidden_size)
     return Pooling(method, normalize, f"{path}: {method} pooling{', L2-normalized' if normalize else ''}")
-
-
-def _read_list(path: Path) -> list:
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(value, list):
-        raise CheckpointError(f"{path}: expected a JSON list of modules")
-    return value
 
 
 def _read_pooling_config(path: Path, hidden_size: int) -> str:

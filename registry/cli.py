@@ -59,11 +59,11 @@ def run_migrate(args: argparse.Namespace) -> int:
     if problem:
         log.error("%s", problem)
         return 2
-    if database_revisions(args.db) == (head_revision(),):
+    revisions = database_revisions(args.db)
+    if revisions == (head_revision(),):
         log.info("registry schema at head on %s", _redacted(args.db))
     else:  # a newer edgefire's schema that this version serves: left as it is (upgrade_to_head warned)
-        log.info("registry schema left at the newer revision %s on %s", ", ".join(database_revisions(args.db)),
-                 _redacted(args.db))
+        log.info("registry schema left at the newer revision %s on %s", ", ".join(revisions), _redacted(args.db))
     return 0
 
 
