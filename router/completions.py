@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -41,6 +41,14 @@ from router.tool_calls import ToolCall, ToolCallStream, has_strict_tool
 log = logging.getLogger(__name__)
 
 PROMPT_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a thread
+
+
+async def tokenized(size: int, encode: Callable[..., list[int]], *args) -> list[int]:
+    """encode(*args) for a text of `size` characters: in a thread when it is long, so that a long prompt
+    never holds the event loop (every other request's stream) while it is tokenized."""
+    if size > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
+        return await asyncio.to_thread(encode, *args)
+    return encode(*args)
 
 
 @dataclass(slots=True)
@@ -223,19 +231,14 @@ class CompletionService:
                 return prompt
             else:
                 size, encode, args = len(prompt), tokenizer.encode, (prompt,)
-            if size > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
-                return await asyncio.to_thread(encode, *args)
-            return encode(*args)
+            return await tokenized(size, encode, *args)
         except TemplateError as exc:
             raise bad_request(f"The model's chat template rejected these messages: {exc}", "messages") from exc
 
     async def _tokenize_prediction(self, request: CompletionRequest, assets: ModelAssets) -> list[int]:
         """The predicted output's token ids, as the model would write them (no special tokens added)."""
         text = request.prediction
-        if len(text) > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
-            ids = await asyncio.to_thread(assets.tokenizer.encode, text, False)
-        else:
-            ids = assets.tokenizer.encode(text, False)
+        ids = await tokenized(len(text), assets.tokenizer.encode, text, False)
         context = assets.context_length or (self.limits.max_prompt_tokens + self.limits.default_max_tokens)
         if len(ids) > context:
             raise bad_request(f"`prediction.content` is {len(ids)} tokens, more than the model's whole context "

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from node_agent.proto import agent_pb2
-from router.completions import PROMPT_TOKENIZE_OFF_LOOP_CHARS, CompletionService, RequestContext
+from router.completions import CompletionService, RequestContext, tokenized
 from router.errors import ApiError, bad_request, no_capacity, rate_limited
 from router.generation import FULL_RETRY_MAX_S, FULL_RETRY_S, RETRYABLE_CODES, FailoverPolicy
 from router.model_assets import ModelAssets
@@ -178,10 +178,8 @@ class EmbeddingService:
             if max(item) >= tokenizer.vocab_size:
                 raise bad_request(f"`{param}` holds token ids beyond the vocabulary ({tokenizer.vocab_size}).", param)
             ids = item
-        elif len(item) > PROMPT_TOKENIZE_OFF_LOOP_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode, item)
         else:
-            ids = tokenizer.encode(item)
+            ids = await tokenized(len(item), tokenizer.encode, item)
         context = assets.context_length or self.service.limits.max_prompt_tokens
         if len(ids) > context:   # OpenAI's code, which clients catch to shorten their input
             raise bad_request(f"`{param}` is {len(ids)} tokens; this model embeds at most {context}. Shorten it.",
