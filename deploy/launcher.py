@@ -3,7 +3,7 @@
     cluster = Cluster(config)      # deploy.cluster_config.ClusterConfig
     cluster.start()                # registry (migrated, seeded), one agent per site, router(s)
     ...                            # cluster.router_url, cluster.api_key, cluster.admin()
-    cluster.stop()                 # routers, then agents (they drain), then the registry
+    cluster.stop()                 # routers, then agents (side by side, each drains), then the registry
 
 `edgefire up` and the end-to-end tests both drive this class. A fleet (`routers`, `registry_replicas`)
 runs `router`, `router-2`, ... and `registry`, `registry-2`, ...; every router and agent gets every
@@ -36,7 +36,7 @@ import grpc
 import httpx
 
 from deploy.cluster_config import ClusterConfig, SiteSpec
-from deploy.processes import ManagedProcess, free_port, kill_stale, wait_ports_free
+from deploy.processes import ManagedProcess, free_port, kill_stale, stop_together, wait_ports_free
 from deploy.tls import LocalCA, local_hosts
 from node_agent.auth import token_digest
 from node_agent.tls import channel_credentials, client_context
@@ -175,13 +175,12 @@ class Cluster:
     def stop(self) -> None:
         """Routers first (no new requests), then agents (they drain and deregister), then the registry."""
         self._close_admin()
-        order = [*self.router_names, *(s.name for s in self.config.sites), *self.registry_names]
-        for name in order:
-            process = self.processes.get(name)
-            if process is not None:
-                code = process.stop(signal.SIGTERM)
+        tiers = [self.router_names, [s.name for s in self.config.sites], self.registry_names]
+        for tier in tiers:   # each tier's processes at once: the agents drain side by side
+            processes = [self.processes[name] for name in tier if name in self.processes]
+            for name, code in stop_together(processes, signal.SIGTERM).items():
                 if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
-                    log.info("%s exited with %s (log: %s)", name, code, process.log_path)
+                    log.info("%s exited with %s (log: %s)", name, code, self.processes[name].log_path)
         self._release_state_dir()
 
     def kill_all(self) -> None:
@@ -223,8 +222,7 @@ class Cluster:
     def stop_registry(self) -> None:
         """Stops every registry replica (a registry outage)."""
         self._close_admin()
-        for name in self.registry_names:
-            self.processes[name].stop(signal.SIGTERM)
+        stop_together([self.processes[name] for name in self.registry_names], signal.SIGTERM)
 
     def start_registry(self, timeout_s: float = 30.0) -> None:
         for name in self.registry_names:

@@ -70,11 +70,22 @@ class ManagedProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """Signals the process group, waits, then kills it if it has not exited; returns the exit code."""
+        self.signal_stop(sig)
+        return self.wait_stopped(timeout_s)
+
+    def signal_stop(self, sig: int = signal.SIGTERM) -> None:
+        """The first half of stop(): the signal, without waiting (stop_together signals a tier at once)."""
         if self.popen is None:
-            return None
+            return
         self.stopped = True
         if self.popen.poll() is None:
             _signal_group(self.popen.pid, sig)
+
+    def wait_stopped(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """The second half of stop(): waits for the exit, kills the group if it has not; the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -96,6 +107,16 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(lines[-num_lines:])
+
+
+def stop_together(processes: Collection[ManagedProcess], sig: int = signal.SIGTERM,
+                  timeout_s: float = STOP_TIMEOUT_S) -> dict[str, int | None]:
+    """Stops processes at once: every one signalled first, then each waited for until one shared deadline
+    (a tier of agents drains side by side instead of one after another). Their exit codes by name."""
+    for process in processes:
+        process.signal_stop(sig)
+    deadline = time.monotonic() + timeout_s
+    return {process.name: process.wait_stopped(max(0.0, deadline - time.monotonic())) for process in processes}
 
 
 def _signal_group(pid: int, sig: int) -> None:
