@@ -1,9 +1,9 @@
 """A fleet on PostgreSQL acts as one: two routers, two registry replicas, three sites (`edgefire up
 --routers 2 --registry-replicas 2 --db postgresql+psycopg://...`), in a database of its own.
 
-One key limited to R requests a minute is hammered through both routers for two minutes, far beyond
-R, at a bounded rate (most answers are cheap 429s). Midway, one registry replica and one router are
-killed (SIGKILL). What must hold:
+One key limited to R requests a minute is hammered through both routers for 80 seconds, far beyond
+R, at a bounded rate (most answers are cheap 429s). In the second minute's burst, one registry replica
+and one router are killed (SIGKILL). What must hold:
 - each minute the key is admitted R in total (not 2R): never more, and less only by the part of the
   window the dead router held when it died (registry/allowance.py: a dead router's hold is kept
   until its unreported admissions are out of the window);
@@ -11,8 +11,11 @@ killed (SIGKILL). What must hold:
 - the usage rows equal the tokens clients saw in `usage`, exactly, but for what the dead router served
   after its last report (at most about a second of its traffic); the test prints how much that was.
 
-A long test by its nature (two minutes of traffic) but light on CPU: R is small, max_tokens 4, and
-clients send 3 requests a second in all. It has a module of its own so it can run beside the others.
+A long test by its nature (a minute of traffic and the next minute's burst) but light on CPU: R is small,
+max_tokens 4, and clients send 3 requests a second in all. It has a module of its own so it can run beside
+the others. The second minute is cut at RUN_S: a minute's admissions come in a burst as the window opens
+(the first minute's burst leaves it at 60-70 s), and nothing more can be admitted before 120 s (the burst's
+charges fill the window until then, and the dead router's hold outlasts the run).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from deploy.launcher import Cluster
 PG_URL = os.environ.get("EDGEFIRE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 R = 30                      # requests per minute for the key
 RATE_PER_ROUTER = 1.5       # requests a second sent through each router
-RUN_S = 120.0
+RUN_S = 80.0
 KILL_AT_S = 66.0            # in the second minute's burst: the routers hold grants
 USAGE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
 
@@ -183,7 +186,7 @@ def test_two_routers_two_replicas_one_limit_exact_usage_through_kills(fleet, rec
     survivor = [o for o in outcomes if o.router == 0]
     failures = [o for o in survivor if o.error or o.status not in (200, 429)]
     assert not failures, failures[:5]
-    assert sum(o.status == 429 for o in survivor) > 100   # hammered well past the limit
+    assert sum(o.status == 429 for o in survivor) > 2 * R   # hammered well past the limit
     # Agents kept heartbeating through the remaining replica (heartbeat every 1 s; dead after 3).
     assert ages_after_kill and "registry unreachable" not in ages_after_kill, ages_after_kill
     assert max(ages_after_kill.values()) < 3.0, ages_after_kill
@@ -191,7 +194,7 @@ def test_two_routers_two_replicas_one_limit_exact_usage_through_kills(fleet, rec
         s.name: True for s in fleet.config.sites}, {site: len(times) for site, times in beats_after_kill.items()}
 
     # R a minute in total, not 2R. The second minute may fall short by what the dead router held.
-    first, second = admitted_in(outcomes, 0, 60), admitted_in(outcomes, 60, 120)
+    first, second = admitted_in(outcomes, 0, 60), admitted_in(outcomes, 60, RUN_S)
     print(f"\nadmitted per minute: {first}, {second} (limit {R}); killed at {killed_at:.0f} s")
     record_property("admitted_per_minute", f"{first}, {second} (limit {R})")
     assert first == R
