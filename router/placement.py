@@ -3,8 +3,8 @@
 Filter. A site can take a role for a request when it serves the model in that role (site roles and
 the model's role), is live (`active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
 draining), in a region the API key allows, and has the KV blocks free: the uncached prompt for a
-prefill site (and a spare block for the token it generates), prompt + the decode horizon for a decode
-site. A prefill-only request (`prefill_only`: an embedding, which generates nothing) needs no decode
+prefill site (with the token it generates, counted as the agent admits it), prompt + the decode horizon
+for a decode site. A prefill-only request (`prefill_only`: an embedding, which generates nothing) needs no decode
 site: its candidates are the sites that may prefill it, each as the pair (site, site) scored by its
 ttft, and its uncached prompt alone must fit the free KV. Each model a site hosts has a KV pool
 and prefix cache of its own: the blocks free and the cached prefixes are the model's own where the
@@ -490,8 +490,8 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
             + prefill_ms(num_prompt - num_cached, sites.prefill_rate))
     free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
     allowed = _region_mask(sites, request.allowed_regions)
-    spare_blocks = 0 if request.prefill_only else 1   # room for the generated token
-    prefill_blocks = np.ceil((num_prompt - num_cached) / sites.block_size) + spare_blocks
+    generated = 0 if request.prefill_only else 1   # room for the generated token, as the agent admits
+    prefill_blocks = np.ceil((num_prompt - num_cached + generated) / sites.block_size)
     prefill_ok = sites.can_prefill & allowed & (prefill_blocks <= free_blocks)
     if request.prefill_only:
         nothing = np.zeros(len(sites.sites))

@@ -94,6 +94,16 @@ def test_stale_cordoned_dead_draining_and_full_sites_are_never_chosen():
     assert {name for c in ranked for name in c.site_names} == {"fra"}
 
 
+def test_a_prompt_that_fits_the_free_kv_with_its_generated_token_is_placed():
+    # Four free blocks of 16 hold 63 prompt tokens and the token generated after them, as the agent admits a
+    # request (blocks for prompt + 1): placement must not ask a block more. 64 tokens need a fifth block.
+    snap = snapshot(site("small", PARIS, kv_blocks_total=4, kv_blocks_free=4))
+    assert names(rank(snap, request(PARIS, prompt_len=63, max_tokens=1), CostModel())) == [("small", "small")]
+    assert rank(snap, request(PARIS, prompt_len=64, max_tokens=1), CostModel()) == []
+    prefill_only = rank(snap, request(PARIS, prompt_len=64, max_tokens=1, prefill_only=True), CostModel())
+    assert names(prefill_only) == [("small", "small")]   # an embedding generates nothing: 64 tokens fit
+
+
 def test_roles_restrict_pairs():
     snap = snapshot(site("pre", PARIS, role="prefill"), site("dec", FRANKFURT, role="decode"))
     assert names(rank(snap, request(PARIS), CostModel())) == [("pre", "dec")]
