@@ -10,17 +10,23 @@ from pathlib import Path
 from engine.errors import CheckpointError, UnsupportedModelError
 
 # model_type -> which attention projections carry a bias, as transformers builds them: "config" (q, k, v
-# and o when `attention_bias` is true), "qkv" (q, k, v always, o never: Qwen2), "none" (the key is ignored);
-# DeepSeek-V3's latent attention refuses attention_bias (config._parse_mla)
+# and o when `attention_bias` is true), "qkv" (q, k, v always, o never: Qwen2), "config_qkv" (q, k, v when
+# `attention_bias` is true, o never: GLM-4.5), "none" (the key is ignored); DeepSeek-V3's latent attention refuses
+# attention_bias (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
                          "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "phi3": "none",
-                         "granite": "config", "gemma3_text": "config", "gpt_oss": "config"}
-QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
-# Only Llama's and Granite's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
-MLP_BIAS_MODEL_TYPES = {"llama", "granite"}
+                         "granite": "config", "gemma2": "config", "gemma3_text": "config", "gpt_oss": "config",
+                         "glm4_moe": "config_qkv", "smollm3": "config", "olmo2": "config",
+                         "olmo3": "config"}
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
+# ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false)
+USE_QK_NORM_MODEL_TYPES = {"glm4_moe"}
+# Only Llama's, Granite's and SmolLM3's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
+MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
-DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0}
-DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5}
+DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0, "smollm3": 2000000.0,
+                      "olmo3": 500000.0}
+DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5}
 # Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
 # transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
 # which no sequence here reaches (the context is capped there), so it computes as "default" does.
@@ -42,6 +48,14 @@ GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
 # from their text_config: transformers gives every gemma3_text config these
 GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                         "num_attention_heads": 8, "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1}
+# Gemma 2 computes as Gemma 3 does (GEMMA_MODEL_TYPES) but with one rope for all layers, no q/k norms, every other
+# layer sliding (the first included), and tanh soft-capping of the attention scores and the logits; the defaults
+# transformers gives the fields its configs may omit (a null cap: none)
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+                   "bos_token_id": 2, "eos_token_id": 1, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 # gpt-oss: the defaults transformers gives the fields its configs may omit (its yarn rope included), and the one
 # quantization its checkpoints come in (MXFP4 experts, which the loader dequantizes: engine.mxfp4)
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "swiglu_alpha": 1.702,
@@ -50,6 +64,13 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
 GPT_OSS_QUANTIZATION = "mxfp4"
+# GLM-4.5/4.5-Air/4.6 (glm4_moe): DeepSeek-V3's routing (sigmoid, correction bias, groups, shared experts) under
+# grouped-query attention with partial rotary; the defaults transformers gives the fields its configs may omit,
+# and the partial_rotary_factor it assumes when neither the top level nor the rope's parameters give one
+GLM4_MOE_DEFAULTS = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "n_group": 1, "topk_group": 1,
+                     "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                     "norm_topk_prob": True, "num_nextn_predict_layers": 1}
+GLM4_MOE_PARTIAL_ROTARY = 0.5
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
@@ -205,10 +226,11 @@ class ModelConfig:
     # Multi-head latent attention; then num_kv_heads and head_dim describe its cache: one "head"
     # per token of kv_lora_rank + qk_rope_head_dim dims, keys and values at once.
     mla: MLAConfig | None = None
-    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's (model.layers.{num_layers}...);
-    # the engine does not run them, so the loader knows their tensors are meant to go unread
+    # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, stored after the decoder's
+    # (model.layers.{num_layers}...); the engine does not run them, so the loader knows their tensors go unread
     num_nextn_layers: int = 0
-    # Phi-3's partial_rotary_factor (Phi-4-mini: 0.75): rotary on each head's first rotary_dim dims only
+    # Phi-3's and GLM-4.5's partial_rotary_factor (Phi-4-mini: 0.75, GLM: 0.5): rotary (rotate-half) on each head's
+    # first rotary_dim dims only
     rotary_dim: int | None = None
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (the loader splits them per rank)
     fused_projections: bool = False
@@ -229,17 +251,30 @@ class ModelConfig:
     norm_weight_offset: bool = False
     # Gemma 3 also norms each attention and MLP output before its residual add: four norms a layer
     sandwich_norms: bool = False
+    # OLMo 2 and 3 norm only those outputs (sandwich_norms' outer pair, two norms a layer): False, and the
+    # attention and the MLP each take the residual stream unnormed
+    input_norms: bool = True
+    # OLMo 2 and 3's q_norm and k_norm are each one RMSNorm over the whole q (k) projection, all heads together,
+    # not one over each head (qk_norm's usual shape); under TP a rank's heads' sums of squares are all-reduced
+    qk_norm_over_heads: bool = False
     # Gemma 3: the sliding-attention layers (True here) rotate by local_rope (rope_local_base_freq, no
     # scaling), the full-attention ones by rope
     local_rope: RopeConfig | None = None
     local_rope_layers: list[bool] = field(default_factory=list)
+    # SmolLM3's NoPE layers (True here): their queries and keys are not rotated at all; [] when every layer rotates
+    nope_layers: list[bool] = field(default_factory=list)
     # An image-and-text checkpoint (IMAGE_TEXT_MODEL_TYPES) served as its text model, which this describes: the
     # loader reads the text model's tensors under their nested names and leaves the image encoder unread
     image_text_checkpoint: bool = False
     # gpt-oss: each attention head's learned sink, one more logit in its softmax's denominator (weighing no value)
     attention_sinks: bool = False
-    # gpt-oss keeps its norms' weights in float32 (engine.ops.rms_norm multiplies them before rounding)
+    # gpt-oss keeps its norms' weights in float32 (engine.ops.rms_norm multiplies them before rounding); OLMo 2
+    # and 3 multiply theirs by the float32 row too
     norms_in_float32: bool = False
+    # Gemma 2's tanh soft-capping, each a positive cap or None (none): every scaled attention score becomes
+    # cap * tanh(score / cap) before the mask and softmax, and every logit likewise by final_logit_softcapping
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -404,11 +439,12 @@ def _parse_longrope(rope: RopeConfig, merged: dict, raw: dict, path: Path, rotar
     return rope
 
 
-def _rotary_dim(raw: dict, head_dim: int, path: Path) -> int | None:
-    """Phi-3's rotary dims per head: int(head_dim * partial_rotary_factor), read from the top level or the
-    rope's parameters as transformers reads it; None when every dim rotates."""
+def _rotary_dim(raw: dict, head_dim: int, path: Path, default: float | None = None) -> int | None:
+    """Phi-3's and GLM-4.5's rotary dims per head: int(head_dim * partial_rotary_factor), read from the rope's
+    parameters or else the top level as transformers reads it (`default` when neither gives it); None when every
+    dim rotates."""
     merged = {**_mapping(raw, "rope_scaling", path), **_mapping(raw, "rope_parameters", path)}
-    factor = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    factor = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
     if factor is None:
         return None
     if not _is_number(factor) or not 0 < factor <= 1:
@@ -430,12 +466,13 @@ def _granite_scalars(raw: dict, path: Path) -> dict:
             for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
 
 
-def _gemma3_fields(raw: dict, num_layers: int, hidden: int, path: Path) -> dict:
-    """Gemma 3's fields, read and defaulted as transformers reads them; {} for another model type."""
-    if raw.get("model_type") != "gemma3_text":
+def _gemma_fields(raw: dict, num_layers: int, hidden: int, path: Path) -> dict:
+    """Gemma 3's and Gemma 2's fields, read and defaulted as transformers reads them; {} for another model type."""
+    model_type = raw.get("model_type")
+    if model_type not in GEMMA_MODEL_TYPES:
         return {}
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if raw.get(key) is not None:
+        if model_type == "gemma3_text" and raw.get(key) is not None:
             raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported (Gemma 3 checkpoints set it "
                                         f"to null; tanh softcapping is Gemma 2's)")
     if _flag(raw, "use_bidirectional_attention", False, path):
@@ -445,16 +482,20 @@ def _gemma3_fields(raw: dict, num_layers: int, hidden: int, path: Path) -> dict:
     if activation not in GEMMA3_ACTIVATIONS:
         raise UnsupportedModelError(f"{path}: hidden_activation {activation!r} is not supported "
                                     f"(supported: {', '.join(GEMMA3_ACTIVATIONS)})")
-    local_layers = _gemma3_layer_types(raw, num_layers, path)
+    gemma2 = model_type == "gemma2"   # every other layer sliding whatever sliding_window_pattern says
+    local_layers = _gemma3_layer_types({**raw, "sliding_window_pattern": 2} if gemma2 else raw, num_layers, path)
     window = raw.get("sliding_window", GEMMA3_DEFAULTS["sliding_window"])   # null: the sliding layers see all
     window = None if window is None else _positive_int({"sliding_window": window}, ("sliding_window",), path)
     scalar = _positive_float(raw, "query_pre_attn_scalar", GEMMA3_DEFAULTS["query_pre_attn_scalar"], path)
+    fields = {"hidden_act": activation, "norm_weight_offset": True, "sandwich_norms": True,
+              "embedding_multiplier": hidden ** 0.5, "embedding_multiplier_in_dtype": True,
+              "attention_multiplier": scalar ** -0.5,
+              "sliding_windows": [window if local else None for local in local_layers]}
+    if gemma2:   # one rope (parse_config's) for all layers; a cap of null: none
+        return {**fields, **{key: _positive_float(raw, key, None, path)
+                             for key in ("attn_logit_softcapping", "final_logit_softcapping")}}
     rope, local_rope = _gemma3_ropes(raw, path)
-    return {"hidden_act": activation, "norm_weight_offset": True, "sandwich_norms": True,
-            "embedding_multiplier": hidden ** 0.5, "embedding_multiplier_in_dtype": True,
-            "attention_multiplier": scalar ** -0.5,
-            "sliding_windows": [window if local else None for local in local_layers],
-            "rope": rope, "local_rope": local_rope, "local_rope_layers": local_layers}
+    return {**fields, "rope": rope, "local_rope": local_rope, "local_rope_layers": local_layers}
 
 
 def _gemma3_layer_types(raw: dict, num_layers: int, path: Path) -> list[bool]:
@@ -525,6 +566,65 @@ def _parse_gpt_oss_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
                      scoring="softmax_topk", router_bias=True, expert_bias=True, swiglu=swiglu)
 
 
+def _smollm3_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """SmolLM3's NoPE layers, sliding-window layers and tied default, read as transformers reads them; {} for another
+    model type. no_rope_layers holds 1 where a layer rotates and 0 where it does not (at least one entry per layer);
+    without it every no_rope_layer_interval-th layer rotates nothing. With use_sliding_window, the layers layer_types
+    marks slide, or without layer_types the NoPE ones (when sliding_window is set)."""
+    if raw.get("model_type") != "smollm3":
+        return {}
+    rotates = raw.get("no_rope_layers")
+    if rotates is None:
+        interval = _optional_int(raw, "no_rope_layer_interval", 4, path)
+        rotates = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    elif not (isinstance(rotates, list) and len(rotates) >= num_layers and all(
+            isinstance(flag, int) and not isinstance(flag, bool) and flag in (0, 1) for flag in rotates)):
+        raise CheckpointError(f"{path}: no_rope_layers must list 1 (rotary) or 0 (no rotary) for each of the "
+                              f"{num_layers} layers, got {rotates!r}")
+    nope = [not rotates[i] for i in range(num_layers)]
+    window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
+    use_window = _flag(raw, "use_sliding_window", False, path)
+    if raw.get("layer_types") is None:
+        sliding = [use_window and window is not None and layer for layer in nope]
+    else:
+        sliding = _gemma3_layer_types(raw, num_layers, path)
+        if any(sliding) and window is None:
+            raise CheckpointError(f"{path}: layer_types marks sliding_attention layers but sliding_window is null; "
+                                  f"give the window's length")
+        if any(sliding) and not use_window:
+            raise UnsupportedModelError(f"{path}: layer_types marks sliding_attention layers but use_sliding_window "
+                                        f"is false, on which transformers' attention implementations disagree (a "
+                                        f"window or none); set use_sliding_window true or mark them full_attention")
+    return {"nope_layers": nope, "sliding_windows": [window if layer else None for layer in sliding],
+            "tie_word_embeddings": _flag(raw, "tie_word_embeddings", True, path)}
+
+
+# OLMo 3's default window, for configs that omit sliding_window
+OLMO3_SLIDING_WINDOW = 4096
+
+
+def _olmo_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """OLMo 2's and OLMo 3's norms: of each attention and MLP output only, q/k norms over the whole projections,
+    weights multiplying the float32 row as transformers' norms multiply it. OLMo 3 adds sliding-window layers (by
+    layer_types, else three in four) that rotate by a rope of their own: rope_parameters by layer type, or in the
+    older spelling unscaled at 500000 whatever rope_theta says, as transformers reads it. {} for another model type."""
+    model_type = raw.get("model_type")
+    if model_type not in ("olmo2", "olmo3"):
+        return {}
+    fields = {"sandwich_norms": True, "input_norms": False, "qk_norm_over_heads": True, "norms_in_float32": True}
+    if model_type == "olmo2":
+        return fields
+    sliding = _gemma3_layer_types({**raw, "sliding_window_pattern": 4}, num_layers, path)
+    window = raw.get("sliding_window", OLMO3_SLIDING_WINDOW)
+    if window is None and any(sliding):
+        raise CheckpointError(f"{path}: sliding_window is null but layer_types marks sliding_attention layers; give "
+                              f"the window's length")
+    window = None if window is None else _positive_int({"sliding_window": window}, ("sliding_window",), path)
+    rope, local_rope = _gemma3_ropes({**raw, "rope_local_base_freq": DEFAULT_ROPE_THETA["olmo3"]}, path)
+    return {**fields, "sliding_windows": [window if layer else None for layer in sliding], "rope": rope,
+            "local_rope": local_rope, "local_rope_layers": sliding}
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -571,8 +671,8 @@ def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
 
 
 def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
-    if model_type == "deepseek_v3":
-        return _parse_deepseek_moe(raw, num_layers, path)
+    if model_type in ("deepseek_v3", "glm4_moe"):
+        return _parse_deepseek_moe(raw, model_type, num_layers, path)
     if model_type == "gpt_oss":
         return _parse_gpt_oss_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
@@ -598,10 +698,11 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
 DEEPSEEK_VARIANTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
 
-def _parse_deepseek_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
-    """DeepSeek-V3's experts: the first first_k_dense_replace layers dense, every later one sparse."""
+def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig:
+    """DeepSeek-V3's experts, and GLM-4.5's, routed alike (their configs defaulted: GLM4_MOE_DEFAULTS): the first
+    first_k_dense_replace layers dense, every later one sparse."""
     for key, value in DEEPSEEK_VARIANTS.items():
-        if key in raw and raw[key] != value:
+        if model_type == "deepseek_v3" and key in raw and raw[key] != value:
             raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported (only DeepSeek-V3's {value!r})")
     num_experts = _positive_int(raw, ("n_routed_experts", "num_local_experts"), path)
     top_k = _positive_int(raw, ("num_experts_per_tok",), path)
@@ -666,8 +767,12 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         return _parse_text_model(raw, path)
     if model_type == "gemma3_text":
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
+    if model_type == "gemma2":
+        raw = {**GEMMA2_DEFAULTS, **raw}
     if model_type == "gpt_oss":
         raw = _gpt_oss_defaulted(raw)
+    if model_type == "glm4_moe":
+        raw = {**GLM4_MOE_DEFAULTS, **raw}
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -679,18 +784,20 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
                               f"is given")
     if num_heads % num_kv_heads:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    if model_type != "gemma3_text" and raw.get("hidden_act", "silu") != "silu":
+    if model_type not in GEMMA_MODEL_TYPES and raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
     mla, rope_types = None, ROPE_TYPES
     attention_bias = SUPPORTED_MODEL_TYPES[model_type]
-    if attention_bias == "config":
-        attention_bias = "config" if _flag(raw, "attention_bias", False, path) else "none"
-    rotary_dim, gemma = None, model_type == "gemma3_text"
+    if attention_bias in ("config", "config_qkv") and not _flag(raw, "attention_bias", False, path):
+        attention_bias = "none"
+    rotary_dim, gemma = None, model_type in GEMMA_MODEL_TYPES
     if model_type == "deepseek_v3":
         mla, rope_types = _parse_mla(raw, num_heads, path), MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     if model_type == "phi3":
         rope_types, rotary_dim = PHI3_ROPE_TYPES, _rotary_dim(raw, head_dim, path)
+    if model_type == "glm4_moe":
+        rotary_dim = _rotary_dim(raw, head_dim, path, GLM4_MOE_PARTIAL_ROTARY)
     fields = dict(
         model_type=model_type,
         vocab_size=_positive_int(raw, ("vocab_size",), path),
@@ -707,7 +814,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", gemma, path),   # Gemma's default: tied
         qkv_bias=attention_bias != "none",
         o_bias=attention_bias == "config",
-        qk_norm=model_type in QK_NORM_MODEL_TYPES,
+        qk_norm=model_type in QK_NORM_MODEL_TYPES or (model_type in USE_QK_NORM_MODEL_TYPES
+                                                       and _flag(raw, "use_qk_norm", False, path)),
         mlp_bias=model_type in MLP_BIAS_MODEL_TYPES and _flag(raw, "mlp_bias", False, path),
         sliding_windows=_parse_sliding_windows(raw, model_type, num_layers, path),
         bos_token_id=raw.get("bos_token_id"),
@@ -720,8 +828,10 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         fused_projections=model_type == "phi3",
         **_granite_scalars(raw, path),
     )
-    fields.update(_gemma3_fields(raw, num_layers, hidden, path))
+    fields.update(_gemma_fields(raw, num_layers, hidden, path))
     fields.update(_gpt_oss_fields(raw, num_layers, path))
+    fields.update(_smollm3_fields(raw, num_layers, path))
+    fields.update(_olmo_fields(raw, num_layers, path))
     return ModelConfig(**fields)
 
 
@@ -782,7 +892,7 @@ def _mrope_as_rope(text: dict, path: Path) -> None:
 
 
 def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:
-    if model_type != "deepseek_v3" or not raw.get("num_nextn_predict_layers"):
+    if model_type not in ("deepseek_v3", "glm4_moe") or not raw.get("num_nextn_predict_layers"):
         return 0
     return _positive_int(raw, ("num_nextn_predict_layers",), path)
 

@@ -2,15 +2,17 @@
    says why).
 
    decode(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, head_dim,
-          block_size, max_blocks, window, scale, first, last, num_threads, sinks) attends sequences first..last-1, each with
-   one query (its last position), over the keys its block table names, in place: no gathered copy of
-   the keys. The G = num_heads / num_kv_heads query heads that share a KV head are attended together,
+          block_size, max_blocks, window, scale, first, last, num_threads, sinks, softcap) attends sequences
+   first..last-1, each with one query (its last position), over the keys its block table names, in place:
+   no gathered copy of the keys. The G = num_heads / num_kv_heads query heads that share a KV head are attended together,
    so each key and value row is read once per sequence, and a sequence's KV heads are taken a run at a
    time (up to MAX_GROUP query heads), so a cache row's heads are read as one contiguous stretch with
    the next tile's rows prefetched. The softmax is the online one (running max and sum), rescaled once
    per tile of keys, so one pass over the keys suffices. With sinks (gpt-oss: one learned logit per query
    head, a term of the softmax's denominator that weighs no value) a head's running max and sum start at
    its sink and 1 instead of -inf and 0: the sink is a key scored before the others, with a zero value.
+   With a softcap (Gemma 2; 0: none) each tile's scaled scores become softcap * tanh(score / softcap) before
+   its softmax: one test per tile where there is none.
 
    The items (a sequence's run of KV heads) are shared out over OpenMP threads. The extension is linked against
    libgomp.so.1 and imported after torch, whose wheel ships that library: the loader then resolves it
@@ -38,6 +40,7 @@ typedef struct {
     float *out;
     int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
     float scale;
+    float softcap;        /* > 0: scores soft-capped by it; 0: not */
 } job_t;
 
 /* e^x for x <= 0 (a score minus the running max), to about 2 ulp, in plain arithmetic so the compiler
@@ -56,6 +59,33 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.f;
     union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
+}
+
+/* Gemma 2's soft-capping of n scores in place, cap * tanh(score / cap), to a few ulp, in plain arithmetic that
+   vectorizes as exp_nonpositive does: tanh(a) = -expm1(-2a) / (2 + expm1(-2a)) for a = |score| / cap, the sign put
+   back after. expm1(x) is 2^n (e^r - 1) + 2^n - 1, with e^r - 1 by its Taylor polynomial without the 1, so that a
+   small score (where tanh is nearly linear) keeps its relative accuracy; for n = 0 that is e^r - 1 alone, chosen
+   outright because -fassociative-math may regroup the sum into one that cancels. Below -20 tanh is 1 in float. */
+static inline __attribute__((always_inline)) void softcap_tile(float *sc, int n, float cap) {
+    const float inverse = 1.f / cap;
+    for (int t = 0; t < n; t++) {
+        float x = -2.f * fabsf(sc[t]) * inverse;
+        x = x < -20.f ? -20.f : x;
+        const float k = __builtin_roundf(x * 1.44269504088896341f);
+        const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+        float p = 1.f / 5040.f;
+        p = p * r + 1.f / 720.f;
+        p = p * r + 1.f / 120.f;
+        p = p * r + 1.f / 24.f;
+        p = p * r + 1.f / 6.f;
+        p = p * r + 0.5f;
+        p = p * r + 1.f;
+        p = p * r;
+        union { float f; int32_t i; } scale = {.i = ((int32_t)k + 127) << 23};
+        const float expm1 = k == 0.f ? p : p * scale.f + (scale.f - 1.f);
+        const float capped = cap * (-expm1 / (2.f + expm1));
+        sc[t] = sc[t] < 0.f ? -capped : capped;
+    }
 }
 
 /* One query head's online softmax over a tile of n scores: turns them into weights in place (relative
@@ -153,6 +183,8 @@ static inline __attribute__((always_inline)) void attend_vectors(const job_t *jo
                 }
             }
         }
+        if (job->softcap > 0.f)
+            for (int64_t i = 0; i < NH; i++) softcap_tile(scores + i * TILE, n, job->softcap);
         for (int64_t i = 0; i < NH; i++) {
             const float rescale = softmax_tile(scores + i * TILE, n, &run_max[i], &run_sum[i]);
             for (int64_t j = 0; j < V; j++) acc[i * V + j] *= rescale;
@@ -202,6 +234,8 @@ static inline __attribute__((always_inline)) void attend_scalars(const job_t *jo
                 scores[g * TILE + t] = dot;
             }
         }
+        if (job->softcap > 0.f)
+            for (int64_t g = 0; g < G; g++) softcap_tile(scores + g * TILE, n, job->softcap);
         for (int64_t g = 0; g < G; g++) {
             const float rescale = softmax_tile(scores + g * TILE, n, &run_max[g], &run_sum[g]);
             for (int64_t d = 0; d < D; d++) acc[g * D + d] *= rescale;
@@ -277,13 +311,17 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     static const char *const names[] = {"q", "k_cache", "v_cache", "block_tables", "context_lens", "out", "sinks"};
     PyObject *objects[7];
     long long H, HKV, D, BS, max_blocks, window, first, last;
-    float scale;
+    float scale, softcap = 0.f;
     int num_threads;
     PyObject *sinks = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLfLLi|O", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLfLLi|Of", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
                           &objects[5], &H, &HKV, &D, &BS, &max_blocks, &window, &scale, &first, &last, &num_threads,
-                          &sinks))
+                          &sinks, &softcap))
         return NULL;
+    if (!(softcap >= 0.f && softcap < INFINITY)) {
+        PyErr_Format(PyExc_ValueError, "softcap must be a positive number, or 0 for none; got %g", (double)softcap);
+        return NULL;
+    }
     const int num_views = sinks == Py_None ? 6 : 7;
     objects[6] = sinks;
     Py_buffer views[7];
@@ -293,7 +331,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         job_t job = {.q = views[0].buf, .k_cache = views[1].buf, .v_cache = views[2].buf, .tables = views[3].buf,
                      .lens = views[4].buf, .out = views[5].buf, .num_heads = H, .num_kv_heads = HKV, .head_dim = D,
                      .block_size = BS, .max_blocks = max_blocks, .window = window, .scale = scale,
-                     .sinks = num_views == 7 ? views[6].buf : NULL};
+                     .softcap = softcap, .sinks = num_views == 7 ? views[6].buf : NULL};
         if (num_views == 7 && views[6].len != H * 4) {
             PyErr_Format(PyExc_ValueError, "sinks hold %lld bytes, not one float32 for each of the %lld heads",
                          (long long)views[6].len, (long long)H);
@@ -323,8 +361,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, head_dim, block_size, "
-     "max_blocks, window, scale, first, last, num_threads, sinks=None): one-query attention of sequences "
-     "first..last-1 over their paged keys (float32; sinks: one float32 logit per head), written to out, on "
+     "max_blocks, window, scale, first, last, num_threads, sinks=None, softcap=0): one-query attention of sequences "
+     "first..last-1 over their paged keys (float32; sinks: one float32 logit per head; softcap > 0: scores "
+     "become softcap * tanh(score / softcap)), written to out, on "
      "num_threads OpenMP threads. Raises ValueError on "
      "inconsistent sizes or block ids."},
     {NULL, NULL, 0, NULL},

@@ -58,10 +58,11 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            context_lens: torch.Tensor, num_keys: int, scale: float, sliding_window: int | None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q [S, H, D] (each sequence's last position) over its first context_lens[s] keys in the
     cache [num_blocks, block_size, Hkv, D]; returns [S, H, D]. num_keys: the sum of context_lens (how
-    many threads the work is worth); sinks: [H] per-head logits in the softmax's denominator (gpt-oss)."""
+    many threads the work is worth); sinks: [H] per-head logits in the softmax's denominator (gpt-oss);
+    softcap: each scaled score becomes softcap * tanh(score / softcap) (Gemma 2)."""
     q = q.contiguous()
     tables = block_tables.contiguous()
     out = torch.empty_like(q)
@@ -70,5 +71,5 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     _cpu_attention.decode(q.numpy(), k_cache.numpy(), v_cache.numpy(), tables.numpy(), context_lens.numpy(),
                           out.numpy(), num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1],
                           sliding_window or 0, scale, 0, num_seqs, threads,
-                          None if sinks is None else sinks.float().contiguous().numpy())
+                          None if sinks is None else sinks.float().contiguous().numpy(), softcap or 0.0)
     return out

@@ -338,14 +338,16 @@ def _read_mla(reader: _TensorReader, cfg: ModelConfig, p: str, heads: range) -> 
     )
 
 
-def _read_norm(reader: _TensorReader, cfg: ModelConfig, name: str, size: int) -> torch.Tensor:
-    """A norm's weight; Gemma 3's (which scales by 1 + weight) as 1 + weight in float32, computed as transformers
-    computes it, so that engine.ops.rms_norm multiplies in float32 and rounds after, as transformers does."""
-    if cfg.norms_in_float32:   # gpt-oss: the weight itself, in float32 (transformers keeps these norms so)
-        return reader.read(name, (size,), dtype=torch.float32)
+def _read_norm(reader: _TensorReader, cfg: ModelConfig, name: str, size: int,
+               rows: range | None = None) -> torch.Tensor:
+    """A norm's weight (or its `rows`: a TP rank's heads' part of OLMo 2's q/k norms); Gemma 3's (which scales by
+    1 + weight) as 1 + weight in float32, computed as transformers computes it, so that engine.ops.rms_norm
+    multiplies in float32 and rounds after, as transformers does."""
+    if cfg.norms_in_float32:   # gpt-oss, OLMo 2: the weight itself, in float32 (transformers multiplies these so)
+        return reader.read(name, (size,), rows=rows, dtype=torch.float32)
     if not cfg.norm_weight_offset:
-        return reader.read(name, (size,))
-    return reader.read(name, (size,), dtype=torch.float32) + 1.0
+        return reader.read(name, (size,), rows=rows)
+    return reader.read(name, (size,), rows=rows, dtype=torch.float32) + 1.0
 
 
 def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
@@ -377,12 +379,19 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             reader.read(p + "self_attn.k_proj.bias", (kv_rows,), rows=kv_part),
             reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
+    q_norm = k_norm = None
+    if cfg.qk_norm and cfg.qk_norm_over_heads:   # OLMo 2: over the whole projections, of which this rank's heads'
+        q_norm = _read_norm(reader, cfg, p + "self_attn.q_norm.weight", q_rows, rows=q_part)
+        k_norm = _read_norm(reader, cfg, p + "self_attn.k_norm.weight", kv_rows, rows=kv_part)
+    elif cfg.qk_norm:
+        q_norm = _read_norm(reader, cfg, p + "self_attn.q_norm.weight", head_dim)
+        k_norm = _read_norm(reader, cfg, p + "self_attn.k_norm.weight", head_dim)
     layer = LayerWeights(
-        input_norm=_read_norm(reader, cfg, p + "input_layernorm.weight", hidden),
+        input_norm=_read_norm(reader, cfg, p + "input_layernorm.weight", hidden) if cfg.input_norms else None,
         qkv=qkv,
         qkv_bias=qkv_bias,
-        q_norm=_read_norm(reader, cfg, p + "self_attn.q_norm.weight", head_dim) if cfg.qk_norm else None,
-        k_norm=_read_norm(reader, cfg, p + "self_attn.k_norm.weight", head_dim) if cfg.qk_norm else None,
+        q_norm=q_norm,
+        k_norm=k_norm,
         o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows), cols=q_part),
         post_norm=_read_norm(reader, cfg, p + "post_attention_layernorm.weight", hidden),
         gate_up=None,
@@ -393,7 +402,9 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
         layer.sinks = reader.read(p + "self_attn.sinks", (cfg.num_heads,), rows=shard.heads, dtype=torch.float32)
     if cfg.sandwich_norms:   # Gemma 3: post_attention_layernorm norms the attention's output; the MLP's input
         layer.attn_out_norm = layer.post_norm   # is pre_feedforward_layernorm's, its output post_feedforward's
-        layer.post_norm = _read_norm(reader, cfg, p + "pre_feedforward_layernorm.weight", hidden)
+        layer.post_norm = None   # OLMo 2 (no input norms): the MLP takes the residual stream unnormed
+        if cfg.input_norms:
+            layer.post_norm = _read_norm(reader, cfg, p + "pre_feedforward_layernorm.weight", hidden)
         layer.mlp_out_norm = _read_norm(reader, cfg, p + "post_feedforward_layernorm.weight", hidden)
     return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
 
@@ -460,7 +471,8 @@ def _expert_of(name: str) -> int | None:
 # Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
 MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-             "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -> MoEWeights:
@@ -478,7 +490,9 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     prefix, (gate_name, up_name, down_name) = MOE_NAMES[cfg.model_type]
     p = f"model.layers.{i}.{prefix}"
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
-    router = reader.read(p + "gate.weight", (num_experts, hidden))
+    # grouped routing (DeepSeek-V3, GLM-4.5) scores in float32 by a float32 router, as transformers keeps it
+    router = reader.read(p + "gate.weight", (num_experts, hidden),
+                         dtype=torch.float32 if moe.scoring == "sigmoid" else None)
     if reader.has(p + "experts.gate_up_proj"):
         gate_up, down = _read_stacked_experts(reader, cfg, p + "experts.", experts)
     else:
@@ -612,7 +626,7 @@ def _read_lm_head(reader: _TensorReader, cfg: ModelConfig, shard: RankShard,
 def _check_all_read(reader: _TensorReader, cfg: ModelConfig, shard: RankShard) -> None:
     """Every tensor of the checkpoint this rank was to read was read: a tensor the config does not account
     for (a layer past num_hidden_layers, a bias the config turns off) would otherwise be dropped silently."""
-    last_layer = cfg.num_layers + cfg.num_nextn_layers   # DeepSeek's multi-token-prediction layers go unread
+    last_layer = cfg.num_layers + cfg.num_nextn_layers   # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
     unread = sorted(reader.stored[name] for name in reader.stored
                     if name not in reader.names_read and not name.endswith(IGNORED_SUFFIXES)
                     and (_wanted(name, shard) or _layer_of(name) is not None and _layer_of(name) >= last_layer))

@@ -1,10 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3, and the MoE Mixtral, Qwen3-MoE,
-DeepSeek-V3 and gpt-oss) over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3,
+and the MoE Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
 engine.moe's block; DeepSeek-V3's multi-head latent attention replaces the attention with engine.mla's,
-whose cache holds one latent per token. Phi-3 may rotate only each head's first dims (partial rotary:
+whose cache holds one latent per token. Phi-3 and GLM-4.5 may rotate only each head's first dims (partial rotary:
 the rope tables are that narrow) and scale its rope by longrope (engine.config.RopeConfig says which
 factors). Granite scales the embeddings, the softmax, each block's output before its residual add
 and the logits by scalars of its config. Gemma 3 norms each attention and MLP output too before its
@@ -12,8 +12,12 @@ residual add (four norms a layer, each scaling by 1 + weight: engine.ops.rms_nor
 scales the embeddings by sqrt(hidden_size), activates its MLP by GELU (tanh approximation), and alternates
 sliding-window layers, which rotate by a rope of their own (local_rope), with full-attention ones. gpt-oss
 adds a learned sink per head to each attention softmax (engine.ops.paged_attention's sinks) and alternates
-sliding-window and full-attention layers; its experts are engine.moe's with biases. Every op goes through
-engine.ops so kernels can replace them.
+sliding-window and full-attention layers; its experts are engine.moe's with biases. Gemma 2 computes as Gemma 3
+does, with one rope for all layers and no q/k norms, and soft-caps its attention scores (engine.ops.paged_attention's
+softcap) and its logits by tanh. SmolLM3's NoPE layers rotate nothing. OLMo 2 norms only each attention and MLP
+output (the blocks take the residual stream unnormed) and norms q and k over their whole projections, all heads
+together (under TP the ranks' sums of squares are all-reduced); OLMo 3 adds Gemma 3's sliding layers with their own
+rope. Every op goes through engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -41,13 +45,13 @@ from engine.parallel.layout import RankShard, whole_model
 
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None   # None: OLMo 2 (config.input_norms), as is post_norm
     qkv: torch.Tensor | None      # [(H + 2 Hkv) * D, hidden]; None under multi-head latent attention
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None   # Qwen3: RMSNorm over head_dim before rotary
+    q_norm: torch.Tensor | None   # Qwen3: RMSNorm over head_dim before rotary; OLMo 2: over H * D (whole q)
     k_norm: torch.Tensor | None
     o_proj: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
     down: torch.Tensor | None
     moe: MoEWeights | None = None   # under expert parallelism: this rank's experts only
@@ -99,6 +103,9 @@ class CausalLM:
         if config.local_rope is not None:
             local = ops.rope_cos_sin(self.rotary_dim, config.local_rope, max_positions, device)
             self.rope_tables = [local if config.local_rope_layers[i] else self.rope_tables[0] for i in shard.layers]
+        if config.nope_layers:   # SmolLM3's NoPE layers rotate nothing
+            self.rope_tables = [None if config.nope_layers[i] else table
+                                for i, table in zip(shard.layers, self.rope_tables)]
         self.embedding_multiplier = config.embedding_multiplier
         if config.embedding_multiplier_in_dtype:
             self.embedding_multiplier = torch.tensor(config.embedding_multiplier, dtype=dtype).item()
@@ -130,11 +137,7 @@ class CausalLM:
             hidden = self._embed(input_ids)
         residual = None
         for index, layer in enumerate(self.weights.layers):
-            if residual is None:
-                residual = hidden
-                normed = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                normed, residual = self.ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            normed, residual = self._add_norm(hidden, residual, layer.input_norm)
             if layer.mla is not None:
                 attn = mla_attention(layer.mla, cfg.mla, normed, positions, batch, kv_cache[index], self.cos_table,
                                      self.sin_table, self.scale, self.ops)
@@ -146,7 +149,7 @@ class CausalLM:
                 attn = attn * cfg.residual_multiplier
             if layer.attn_out_norm is not None:
                 attn = self.ops.rms_norm(attn, layer.attn_out_norm, cfg.rms_norm_eps)
-            normed, residual = self.ops.add_rms_norm(attn, residual, layer.post_norm, cfg.rms_norm_eps)
+            normed, residual = self._add_norm(attn, residual, layer.post_norm)
             if layer.moe is None:
                 hidden = self._mlp(layer, normed)
             elif self.experts is not None:
@@ -161,6 +164,16 @@ class CausalLM:
             return residual + hidden  # what add_rms_norm's sum would be: the next stage's input
         normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
         return normed
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding x (x itself at a stage's first layer) and its norm by weight, the next
+        block's input; OLMo 2's blocks take the stream unnormed (weight None)."""
+        eps = self.config.rms_norm_eps
+        if residual is not None and weight is not None:
+            return self.ops.add_rms_norm(x, residual, weight, eps)
+        residual = x if residual is None else residual + x
+        return (residual if weight is None else self.ops.rms_norm(residual, weight, eps)), residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         multiplier = self.embedding_multiplier
@@ -194,28 +207,52 @@ class CausalLM:
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         q_size, kv_size = num_heads * cfg.head_dim, num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if cfg.qk_norm_over_heads:   # OLMo 2: each norm over its whole projection, before the heads are apart
+            q, k = self._qk_norm_over_heads(q, k, layer)
         q = q.reshape(num_tokens, num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and not cfg.qk_norm_over_heads:
             q = self.ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = self.ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = self.ops.apply_rotary(q, k, positions, *self.rope_tables[index])
+        if self.rope_tables[index] is not None:   # None: a NoPE layer (SmolLM3)
+            q, k = self.ops.apply_rotary(q, k, positions, *self.rope_tables[index])
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index], layer.sinks)
+        out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index], layer.sinks,
+                                       cfg.attn_logit_softcapping)
         out = self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)
         return out if layer.o_bias is None else out + layer.o_bias
 
+    def _qk_norm_over_heads(self, q: torch.Tensor, k: torch.Tensor,
+                            layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H * D] and k [T, Hkv * D] each RMS-normed over the whole projection (OLMo 2). A TP rank holds only
+        its heads' columns: the ranks' sums of squares are all-reduced (q's and k's in one call) and each divided by
+        all ranks' columns, so a KV head replicated on several ranks counts as often in the count as in the sum.
+        Multiplied by the weight in float32 and rounded after, as transformers' norm computes it."""
+        eps = self.config.rms_norm_eps
+        if self.tp_group is None:
+            return self.ops.rms_norm(q, layer.q_norm, eps), self.ops.rms_norm(k, layer.k_norm, eps)
+        q32, k32 = q.float(), k.float()
+        sums = torch.stack((q32.pow(2).sum(-1), k32.pow(2).sum(-1)), dim=-1)
+        all_reduce(self.tp_group, sums)
+        tp = self.shard.tp_size
+        q_rstd = torch.rsqrt(sums[:, :1] / (tp * q.shape[-1]) + eps)
+        k_rstd = torch.rsqrt(sums[:, 1:] / (tp * k.shape[-1]) + eps)
+        return (q32 * q_rstd * layer.q_norm).to(q.dtype), (k32 * k_rstd * layer.k_norm).to(k.dtype)
+
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head output in the model's dtype (under TP: this rank's vocab columns), divided by Granite's
-        logits_scaling."""
+        logits_scaling, or soft-capped as Gemma 2's are (cap * tanh(logits / cap), in the model's dtype as in
+        transformers)."""
         logits = self.ops.linear(hidden, self.weights.lm_head)
-        scaling = self.config.logits_scaling
-        return logits if scaling == 1 else logits / scaling
+        scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
+        if scaling != 1:
+            logits = logits / scaling
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss): route each token to its top-k
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss): route each token to its top-k
 experts, run the experts, combine with the router's weights, add the shared experts if any.
 
 Routing is computed as the reference implementations compute it, in one of three ways:
 - softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE;
-- DeepSeek-V3's grouped routing (`route_grouped`): sigmoid scores, a per-expert correction bias that
+- DeepSeek-V3's grouped routing (`route_grouped`, GLM-4.5's too): sigmoid scores, a per-expert correction bias that
   steers the choice but not the weights, the choice restricted to the best groups of experts, and
   weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor.
 - gpt-oss's (`route_topk_softmax`): a biased router, the top-k logits, a softmax over those k; its experts

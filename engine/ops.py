@@ -192,7 +192,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                    scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each sequence's cached keys; returns [T, H, Dv].
 
     k_cache/v_cache are one layer's pool [num_blocks, block_size, Hkv, D] and [..., Dv]; the new
@@ -208,6 +209,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     sinks [H] float32 (gpt-oss): each head's learned logit, one more term in its softmax's denominator that
     weighs no value (transformers appends it to the scaled, masked scores and drops its column after).
+    softcap (Gemma 2): each scaled score becomes softcap * tanh(score / softcap) before the mask and softmax.
     """
     if batch.cpu_plan is None:
         batch.cpu_plan = plan_attention(batch, k_cache.shape[1], q.device, cpu_attention.supports(q, k_cache, v_cache))
@@ -215,13 +217,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch.cpu_plan.native_decode:
         n = batch.num_decode
         out[:n] = cpu_attention.decode(q[:n], k_cache, v_cache, batch.block_tables[:n], batch.decode_context_lens,
-                                       batch.cpu_plan.num_decode_keys, scale, sliding_window, sinks)
+                                       batch.cpu_plan.num_decode_keys, scale, sliding_window, sinks, softcap)
     for group in batch.cpu_plan.groups:
-        out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window, sinks))
+        out.index_copy_(0, group.rows, _attend_group(q, k_cache, v_cache, group, scale, sliding_window, sinks,
+                                                     softcap))
     for i in batch.cpu_plan.chunks:
         start, end = batch.query_start[i], batch.query_start[i + 1]
         out[start:end] = _attend_chunk(q[start:end], k_cache, v_cache, batch.block_tables[i], batch.context_lens[i],
-                                       scale, sliding_window, sinks)
+                                       scale, sliding_window, sinks, softcap)
     return out
 
 
@@ -305,7 +308,8 @@ def decode_groups(context_lens: list[int], num_queries: list[int] | None = None)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
-                  scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """The group's outputs [size * Q, H, Dv], in the order of group.rows."""
     size, count = group.size, group.num_queries
     num_heads, head_dim, num_kv_heads, value_dim = q.shape[1], q.shape[2], k_cache.shape[2], v_cache.shape[3]
@@ -313,13 +317,13 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k = k_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, group.block_ids).view(size, -1, num_kv_heads, value_dim).transpose(1, 2)
     mask = group.mask(k.shape[2], sliding_window)
-    out = _attention(queries, k, v, mask, scale, sinks)
+    out = _attention(queries, k, v, mask, scale, sinks, softcap)
     return out.transpose(1, 2).reshape(size * count, num_heads, value_dim)
 
 
 def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                   context_len: int, scale: float, sliding_window: int | None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """One sequence's queries q [Q, H, D] (its last Q positions) over its first context_len keys; [Q, H, Dv]."""
     block_size, num_queries = k_cache.shape[1], q.shape[0]
     table = table[: -(-context_len // block_size)]
@@ -327,7 +331,8 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = gather_blocks(v_cache, table)[:context_len].transpose(0, 1).unsqueeze(0)
     q = q.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
-    if num_queries == context_len and not (sliding_window and sliding_window < context_len) and sinks is None:
+    plain = sinks is None and softcap is None
+    if num_queries == context_len and not (sliding_window and sliding_window < context_len) and plain:
         # A whole prompt in one chunk: plain causal attention, no mask to build (and the upper
         # triangle is skipped rather than masked).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -337,23 +342,28 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         mask = key_pos[None, :] <= query_pos[:, None]
         if sliding_window:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        out = _attention(q, k, v, mask[None, None], scale, sinks)
+        out = _attention(q, k, v, mask[None, None], scale, sinks, softcap)
     return out[0].transpose(0, 1)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-               sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [B, H, Q, D] over k, v [B, Hkv, L, D] under mask (boolean: visible, or additive), [B, H, Q, Dv]. With sinks,
-    the softmax is written out: scaled scores, masked, each head's sink appended as one more logit, its weight
-    dropped after the softmax (scaled_dot_product_attention has no such term)."""
+               sinks: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
+    """q [B, H, Q, D] over k, v [B, Hkv, L, D] under mask (boolean: visible, or additive), [B, H, Q, Dv]. With sinks
+    or softcap, the softmax is written out: scaled scores, soft-capped (softcap * tanh(score / softcap)), masked,
+    each head's sink appended as one more logit, its weight dropped after the softmax (scaled_dot_product_attention
+    has neither)."""
     gqa = q.shape[1] != k.shape[1]
-    if sinks is None:
+    if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q @ k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     combined = torch.cat((scores, sink), dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]

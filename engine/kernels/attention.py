@@ -35,15 +35,16 @@ def _prefill_tensors(batch: AttentionBatch, device: torch.device) -> tuple[torch
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                    scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
     num_decode = batch.num_decode
     if num_decode:
         decode_attention(q[:num_decode], k_cache, v_cache, batch.block_tables, batch.decode_context_lens,
-                         scale, sliding_window, out=out[:num_decode], sinks=sinks)
+                         scale, sliding_window, out=out[:num_decode], sinks=sinks, softcap=softcap)
     if len(batch.context_lens) > num_decode:
         query_start, context_lens, max_queries = _prefill_tensors(batch, q.device)
         first_row = batch.query_start[num_decode]
         prefill_attention(q[first_row:], k_cache, v_cache, batch.block_tables[num_decode:], query_start,
-                          context_lens, max_queries, scale, sliding_window, out[first_row:], sinks)
+                          context_lens, max_queries, scale, sliding_window, out[first_row:], sinks, softcap)
     return out

@@ -7,7 +7,8 @@ softmaxes. The grid depends only on the batch size, never on context lengths, so
 captured once replays for any context (sequences with context length 0, the graph's padding rows,
 produce zeros). gpt-oss's sinks (one learned logit per query head in the softmax's denominator, weighing
 no value) start split 0's running max and sum at the sink and 1, as if it were a key scored first; the
-merge then counts it once.
+merge then counts it once. Gemma 2's soft-capping (SOFTCAP, a compiled variant of its own) caps each tile's
+scaled scores before their softmax.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_options, next_pow2
+from engine.kernels.common import dot_options, next_pow2, soft_cap
 
 # Keys per inner-loop tile (spans several cache blocks when blocks are small).
 BLOCK_N = 64
@@ -28,11 +29,11 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, head_dim,
+                   part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, softcap, head_dim,
                    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr):
+                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,6 +77,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:   # the cap in base 2 as the scores are (softcap holds log2(e) too)
+            s = soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -137,10 +140,10 @@ def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int) -
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, sliding_window: int | None,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, the last position of its context); caches
     [num_blocks, block_size, Hkv, D]; block_tables [>=B, max_blocks]; context_lens [B]; sinks [H] float32 or
-    None. Returns [B, H, D]."""
+    None; softcap: scaled scores become softcap * tanh(score / softcap), or None. Returns [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -161,12 +164,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = part_lse = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        out if sinks is None else sinks, scale * math.log2(math.e), head_dim,
+        out if sinks is None else sinks, scale * math.log2(math.e), (softcap or 0.0) * math.log2(math.e), head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=BLOCK_N, NUM_SPLITS=splits, WINDOW=sliding_window or 0, DOT_F32=dot_f32, PRECISION=precision,
-        SINKS=sinks is not None)
+        SINKS=sinks is not None, SOFTCAP=softcap is not None)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, head_dim, out.stride(0), out.stride(1),

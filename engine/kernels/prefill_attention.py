@@ -5,7 +5,8 @@ chunked prefill take the same path as a fresh prompt: query i of a sequence with
 context length L sits at position L - n + i and sees keys up to it (and, with a sliding window,
 no further back than the window). One program per (sequence, query head, tile of queries); the
 key loop stops at the tile's causal limit. gpt-oss's sinks (one learned logit per query head in the softmax's
-denominator, weighing no value) start each row's running max and sum at the sink and 1.
+denominator, weighing no value) start each row's running max and sum at the sink and 1. Gemma 2's soft-capping
+(SOFTCAP, a compiled variant of its own) caps each tile's scaled scores before the mask.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_options, next_pow2
+from engine.kernels.common import dot_options, next_pow2, soft_cap
 
 BLOCK_M = 32   # queries per program
 BLOCK_N = 32   # keys per inner-loop tile
@@ -24,10 +25,10 @@ BLOCK_N = 32   # keys per inner-loop tile
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                    sinks_ptr, qk_scale, head_dim, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-                    stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-                    PRECISION: tl.constexpr, SINKS: tl.constexpr):
+                    sinks_ptr, qk_scale, softcap, head_dim, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
+                    stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     tile_m = tl.program_id(2)
@@ -75,6 +76,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:   # the cap in base 2 as the scores are (softcap holds log2(e) too)
+            s = soft_cap(s, softcap)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
@@ -95,12 +98,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start: torch.Tensor, context_lens: torch.Tensor, max_queries: int, scale: float,
-                      sliding_window: int | None, out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sliding_window: int | None, out: torch.Tensor, sinks: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Attend prefill chunks of q [T, H, D] into out [T, H, D].
 
     Sequence i owns rows query_start[i]:query_start[i+1] of q and row i of block_tables, and has
     context_lens[i] tokens in cache; max_queries bounds the rows of any one sequence (grid size); sinks [H]
-    float32 or None.
+    float32 or None; softcap: scaled scores become softcap * tanh(score / softcap), or None.
     """
     num_seqs = context_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -113,9 +117,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (num_seqs, num_heads, triton.cdiv(max_queries, BLOCK_M))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, out if sinks is None else sinks,
-        scale * math.log2(math.e), head_dim,
+        scale * math.log2(math.e), (softcap or 0.0) * math.log2(math.e), head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=num_heads // k_cache.shape[2], BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WINDOW=sliding_window or 0, DOT_F32=dot_f32,
-        PRECISION=precision, SINKS=sinks is not None)
+        PRECISION=precision, SINKS=sinks is not None, SOFTCAP=softcap is not None)
     return out
