@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.compression.format import (FORMAT_NAME, FORMAT_VERSION, PARTS, CompressedFormatError, CompressedTensor,
+from engine.compression.format import (FORMAT_NAME, FORMAT_VERSION, PARTS, READABLE_VERSIONS, CompressedFormatError, CompressedTensor,
                                        from_record, part_name, split_part_name, tensor_checksum)
 
 MANIFEST = "compression.json"
 SHARD_VERSION_KEY = "edgefire.format_version"
 RECORD_PREFIX = "edgefire.tensor."
 PLAIN_CHECKSUM_PREFIX = "edgefire.plain_xxh3."   # a plain entry's checksum (checkpoints written before it have none)
+PLAIN_DTYPE_PREFIX = "edgefire.plain_dtype."     # a floating vector kept in its source's dtype: that dtype (format 2)
 
 
 @dataclass(slots=True)
@@ -65,7 +66,7 @@ def read_manifest(model_dir: str | Path) -> Manifest:
     if found != FORMAT_NAME:
         raise CompressedFormatError(f"{path}: not an edgefire compressed checkpoint (format {found!r}, "
                                     f"expected {FORMAT_NAME!r})")
-    _check_version(raw.get("format_version"), str(path))
+    version = _check_version(raw.get("format_version"), str(path))
     source = raw.get("source_weights")
     if source is not None and not (isinstance(source, list) and all(isinstance(s, str) for s in source)):
         raise CompressedFormatError(f"{path}: source_weights must be a list of strings (the source's weight "
@@ -74,14 +75,18 @@ def read_manifest(model_dir: str | Path) -> Manifest:
     if not (isinstance(mxfp4_tensors, list) and all(isinstance(name, str) for name in mxfp4_tensors)):
         raise CompressedFormatError(f"{path}: mxfp4_tensors must be a list of tensor names (the MXFP4 blocks and "
                                     f"scales copied as they are)")
-    return Manifest(FORMAT_VERSION, source, str(raw.get("tensors")), mxfp4_tensors)
+    return Manifest(version, source, str(raw.get("tensors")), mxfp4_tensors)
 
 
-def _check_version(version, where: str) -> None:
-    if str(version) != str(FORMAT_VERSION):
+def _check_version(version, where: str) -> int:
+    """The format version, one this edgefire reads (format.READABLE_VERSIONS)."""
+    readable = {str(v): v for v in READABLE_VERSIONS}
+    if str(version) not in readable:
         raise CompressedFormatError(
-            f"{where}: compressed with format version {version!r}; this edgefire reads version {FORMAT_VERSION}. "
-            f"Compress the original checkpoint again with this edgefire (edgefire compress SRC DST)")
+            f"{where}: compressed with format version {version!r}; this edgefire reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Compress the original checkpoint again with this edgefire "
+            f"(edgefire compress SRC DST), or run a newer edgefire")
+    return readable[str(version)]
 
 
 class CompressedCheckpoint:
@@ -94,6 +99,7 @@ class CompressedCheckpoint:
         self.handles: dict[Path, object] = {}
         self.plain: dict[str, Path] = {}
         self.plain_checksums: dict[str, str] = {}
+        self.own_dtypes: dict[str, str] = {}   # vectors kept in their source's dtype -> that dtype
         self.compressed: dict[str, tuple[Path, dict]] = {}
         for shard in sorted(set(files.values())):
             handle = self._handle(shard)
@@ -105,6 +111,8 @@ class CompressedCheckpoint:
                     self.plain[key] = shard
                     if PLAIN_CHECKSUM_PREFIX + key in metadata:
                         self.plain_checksums[key] = metadata[PLAIN_CHECKSUM_PREFIX + key]
+                    if PLAIN_DTYPE_PREFIX + key in metadata:
+                        self.own_dtypes[key] = metadata[PLAIN_DTYPE_PREFIX + key]
                 elif split[0] not in self.compressed:
                     self.compressed[split[0]] = (shard, self._record(shard, metadata, split[0]))
         self._check_mxfp4()
@@ -153,9 +161,11 @@ class CompressedCheckpoint:
             tensor = self._handle(shard).get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise CompressedFormatError(f"{shard}: cannot read tensor {name!r} ({exc})") from exc
-        if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:
+        own_dtype = tensor.dim() == 1 and self.own_dtypes.get(name) == str(tensor.dtype)   # as its source had it
+        if tensor.is_floating_point() and tensor.dtype != torch.bfloat16 and not own_dtype:
             raise CompressedFormatError(f"{shard}: tensor {name!r} is stored as {tensor.dtype}; a compressed "
-                                        f"checkpoint stores floating-point tensors in bfloat16: it is corrupt")
+                                        f"checkpoint stores floating-point tensors in bfloat16 (vectors as their "
+                                        f"source had them): it is corrupt")
         expected = self.plain_checksums.get(name)
         if expected is not None and tensor_checksum(tensor) != expected:
             raise CompressedFormatError(f"{shard}: tensor {name!r} (stored plain) does not match its checksum: the "

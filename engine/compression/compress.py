@@ -1,8 +1,10 @@
 """`edgefire compress`: a checkpoint in, its compressed copy out, written atomically and verified.
 
-Reads any checkpoint the engine loads. Floating-point weights that are not bf16 are converted to
+Reads any checkpoint the engine loads. Floating-point matrices that are not bf16 are converted to
 bf16 first (the tool says so; the copy is then not bit-identical to the source, and keeps its own
-fingerprint). The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
+fingerprint). Vectors (biases, norm scales, a router's correction bias, attention sinks) are stored plain
+in their own dtype: published bf16 checkpoints keep some in float32 on purpose (DeepSeek-V3's and GLM-4.5's
+expert-score correction biases pick the experts, and a rounded one picks others), and they weigh nothing. The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
 router included; `all`: every floating tensor) are compressed when that makes them smaller and
 stored plain otherwise. An MXFP4 checkpoint's quantized experts (gpt-oss's `*_blocks` and `*_scales`,
 engine.mxfp4) are copied as they are, listed in the manifest: 4-bit codes and power-of-two scales hardly
@@ -168,7 +170,7 @@ def _copy_other_files(src: Path, directory: Path, dst: Path) -> None:
 
 def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_size: int | None, max_shard_bytes: int,
                    report: CompressionReport, show_progress: bool, quantized: bool = False) -> dict[str, str]:
-    """Compress or copy every tensor into shards; returns each tensor's checksum (of its bf16 form). quantized: the
+    """Compress or copy every tensor into shards; returns each tensor's checksum (as written: bf16, or a vector in its own dtype). quantized: the
     checkpoint is MXFP4, whose blocks and scales (uint8) are copied as they are and reported as group mxfp4."""
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))}
     writer = ShardWriter(directory, max_shard_bytes)
@@ -182,7 +184,7 @@ def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_s
             group = MXFP4_GROUP if quantized and mxfp4.is_part(name, tensor.dtype) else tensor_group(name)
             if group == MXFP4_GROUP:
                 report.mxfp4_tensors.append(name)
-            if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:
+            if tensor.is_floating_point() and tensor.dtype != torch.bfloat16 and tensor.dim() > 1:
                 key = str(tensor.dtype).removeprefix("torch.")
                 report.converted[key] = report.converted.get(key, 0) + 1
                 tensor = tensor.to(torch.bfloat16)

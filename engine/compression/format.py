@@ -18,7 +18,10 @@ from engine.compression.codes import MAX_CODE_LENGTH, kraft_ok
 from engine.errors import CheckpointError
 
 FORMAT_NAME = "edgefire-bf16-exponent-huffman"
-FORMAT_VERSION = 1
+# 2: a floating-point vector stored plain may keep its source's dtype (float32 correction biases, norms); every
+# other floating tensor is bf16, as in 1. This edgefire writes 2 and reads both.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 GROUP_SIZE = 64          # elements per escape group ("row" of the published design)
 PALETTE_SIZE = 16        # most frequent exponents coded per tensor
 DEFAULT_CHUNK_SIZE = 1024

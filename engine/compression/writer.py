@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.compression.checkpoint import PLAIN_CHECKSUM_PREFIX, RECORD_PREFIX, SHARD_VERSION_KEY
+from engine.compression.checkpoint import PLAIN_CHECKSUM_PREFIX, PLAIN_DTYPE_PREFIX, RECORD_PREFIX, SHARD_VERSION_KEY
 from engine.compression.format import FORMAT_VERSION, CompressedTensor, part_name, tensor_checksum
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,7 +28,10 @@ class ShardWriter:
 
     def add_plain(self, name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
-        self._add({name: tensor}, {PLAIN_CHECKSUM_PREFIX + name: tensor_checksum(tensor)})
+        records = {PLAIN_CHECKSUM_PREFIX + name: tensor_checksum(tensor)}
+        if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:   # a vector kept in its source's dtype
+            records[PLAIN_DTYPE_PREFIX + name] = str(tensor.dtype)
+        self._add({name: tensor}, records)
 
     def add_compressed(self, t: CompressedTensor) -> None:
         parts = {part_name(t.name, part): value.contiguous() for part, value in t.parts().items()}

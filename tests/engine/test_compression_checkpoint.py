@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from tests.engine.conftest import build_checkpoint
 from deploy.cli import main as edgefire
-from engine.compression.checkpoint import MANIFEST
+from engine.compression.checkpoint import MANIFEST, CompressedCheckpoint
 from engine.compression.compress import compress_checkpoint
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError
+from engine.loader import checkpoint_files
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -168,6 +169,24 @@ def test_a_float32_source_is_converted_and_keeps_its_own_fingerprint(tiny_model_
     assert engine(tmp_path / "c").fingerprint != engine(tiny_model_dir).fingerprint
 
 
+def test_float32_vectors_of_a_bf16_checkpoint_are_kept_as_they_are(demo_bf16, tmp_path):
+    # Published bf16 checkpoints keep some vectors in float32 (DeepSeek-V3's and GLM-4.5's expert-score correction
+    # biases, which pick the experts): the copy keeps them bit for bit, so it is still the source's exact copy.
+    source = tmp_path / "mixed"
+    shutil.copytree(demo_bf16, source)
+    weights = load_file(source / "model.safetensors")
+    name = next(n for n, t in weights.items() if t.dim() == 1)
+    weights[name] = weights[name].float() + 1e-3 * torch.arange(weights[name].numel())   # not a bf16 value
+    save_file(weights, str(source / "model.safetensors"), metadata={"format": "pt"})
+    said = []
+    compress_checkpoint(source, tmp_path / "c", show_progress=False, say=said.append)
+    assert not [line for line in said if "converted" in line]
+    assert json.loads((tmp_path / "c" / MANIFEST).read_text())["source_weights"] is not None
+    assert engine(tmp_path / "c").fingerprint == engine(source).fingerprint
+    copy = CompressedCheckpoint(tmp_path / "c", checkpoint_files(tmp_path / "c")).read(name)
+    assert copy.dtype == torch.float32 and torch.equal(copy, weights[name])
+
+
 # -- damaged compressed checkpoints -------------------------------------------------------------
 
 
@@ -220,13 +239,26 @@ def test_a_truncated_file_is_caught(damaged):
 
 def test_another_format_version_is_refused(damaged):
     manifest = json.loads((damaged / MANIFEST).read_text())
+    manifest["format_version"] = 3
+    (damaged / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format version 3; this edgefire reads versions 1, 2"):
+        engine(damaged)
     manifest["format_version"] = 2
     (damaged / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="format version 2; this edgefire reads version 1"):
-        engine(damaged)
-    manifest["format_version"] = 1
-    (damaged / MANIFEST).write_text(json.dumps(manifest))
     path = damaged / "model.safetensors"
-    path.write_bytes(path.read_bytes().replace(b'"edgefire.format_version":"1"', b'"edgefire.format_version":"7"', 1))
+    written = path.read_bytes()
+    path.write_bytes(written.replace(b'"edgefire.format_version":"2"', b'"edgefire.format_version":"7"', 1))
     with pytest.raises(CheckpointError, match="model.safetensors: compressed with format version '7'"):
         engine(damaged)
+
+
+def test_a_copy_written_in_format_1_still_reads(demo_pair, tmp_path):
+    # Version 1 (every floating tensor bf16) is version 2 without own-dtype vectors: an older copy keeps serving.
+    original, compressed = demo_pair
+    older = tmp_path / "v1"
+    shutil.copytree(compressed, older)
+    manifest = json.loads((older / MANIFEST).read_text())
+    (older / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+    for path in older.glob("*.safetensors"):
+        path.write_bytes(path.read_bytes().replace(b'"edgefire.format_version":"2"', b'"edgefire.format_version":"1"', 1))
+    assert greedy(engine(older)) == greedy(engine(original))
