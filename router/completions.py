@@ -373,7 +373,8 @@ class CompletionRun:
         names = frozenset(t["function"]["name"] for t in request.tools or ())
         # Under auto with a response format the answer is JSON unless it opens with calls (answer_or_calls_grammar).
         answer_or_calls = request.tool_choice == "auto" and request.grammar is not None
-        self.tool_calls = (ToolCallStream(assets.tool_calls, forced, request.parallel_tool_calls, names,
+        self.tool_calls = (ToolCallStream(assets.tool_calls.with_tools(request.tools or []), forced,
+                                          request.parallel_tool_calls, names,
                                           deltas=request.stream, answer_or_calls=answer_or_calls)
                            if parse_tools else None)
         # A required call's answer is the calls alone, which a stop string could only break (arguments cut into
@@ -386,7 +387,8 @@ class CompletionRun:
         self._hidden_ids = frozenset(assets.eos_token_ids) if self.tool_calls is not None else frozenset()
         self.reasoning = (ReasoningStream(assets.reasoning, assets.reasoning.starts_open(generation.prompt_ids,
                                                                                        assets.tokenizer),
-                                          assets.tokenizer, frozenset(assets.eos_token_ids))
+                                          assets.tokenizer, frozenset(assets.eos_token_ids),
+                                          assets.reasoning.starts_closed(generation.prompt_ids, assets.tokenizer))
                           if request.chat and assets.reasoning is not None else None)
         self.first_step: TokenStep | None = None
         self.num_completion_tokens = 0

@@ -1,6 +1,6 @@
 """Reasoning output kept apart from the answer, as OpenAI-compatible servers return it.
 
-Reasoning models (DeepSeek-R1, Qwen3, Kimi-K2-Thinking, SmolLM3, Command R7B, ...) write their
+Reasoning models (DeepSeek-R1, Qwen3, Kimi-K2-Thinking, SmolLM3, GLM-4.5/4.6, Command R7B, ...) write their
 thinking between a start and an end tag before the answer. The router returns it as
 `message.reasoning_content` (`delta.reasoning_content` when streaming) and the answer as `content`,
 without the tags. The reasoning is the text the model wrote in its block, special tokens included (a tool
@@ -31,12 +31,14 @@ what the grammar allows:
 | neither (Qwen3 thinking: the model opens the block itself) | an optional block, then the answer (`reasoning_first`) |
 
 Templates close an empty block to turn thinking off: Qwen3's `enable_thinking: false`, SmolLM3's
-`/no_think`, DeepSeek-V3.1 without `thinking`.
+`/no_think`, DeepSeek-V3.1 without `thinking`, GLM-4.5/4.6's `enable_thinking: false` (which also ends each user
+message with `/nothink`). The answer after a block, the model's or the prompt's, starts at its first non-blank
+character.
 
 `reasoning_effort` (OpenAI's none, minimal, low, medium, high, xhigh) becomes what the model's template
 takes (`template_effort`): a template with effort levels (gpt-oss's "Reasoning: low|medium|high") gets its
 nearest level (minimal its lowest, xhigh its highest); "none" sets the template's thinking switch false
-(Qwen3's and SmolLM3's `enable_thinking`, DeepSeek-V3.1's `thinking`), and any other effort sets it true,
+(Qwen3's, SmolLM3's and GLM's `enable_thinking`, DeepSeek-V3.1's `thinking`), and any other effort sets it true,
 unless the request sets the switch itself the other way (a 400: two contradicting asks). A reasoning model
 whose template has no switch (gpt-oss, DeepSeek-R1, Kimi-K2-Thinking) always reasons: "none" is a 400
 saying so. A model that does not reason takes every effort, as its template reads it.
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.chat_template import REASONING_KEYS, ChatTemplate
@@ -71,11 +74,11 @@ from router.text_stream import WindowDetokenizer
 
 # parser name -> (start tag, end tag)
 PARSERS = {
-    "think": ("<think>", "</think>"),                      # DeepSeek-R1/V3.1, Qwen3, Kimi-K2-Thinking, SmolLM3
+    "think": ("<think>", "</think>"),                      # DeepSeek-R1/V3.1, Qwen3, Kimi-K2, SmolLM3, GLM-4.5/4.6
     "command": ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command R7B / A
 }
 PARSER_ALIASES = {"deepseek_r1": "think", "deepseek_v3": "think", "qwen3": "think", "kimi_k2": "think",
-                  "smollm3": "think", "cohere_command": "command"}
+                  "smollm3": "think", "glm45": "think", "cohere_command": "command"}
 NO_PARSER = "none"
 HARMONY = "harmony"                                      # gpt-oss: messages, not tags (HarmonyFormat)
 HARMONY_ALIASES = ("gpt_oss", "openai_gptoss")
@@ -247,8 +250,8 @@ def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat) -> GrammarSpec:
 
 def reasoning_first(spec: GrammarSpec, start_id: int, end_id: int) -> GrammarSpec:
     """The grammar of an output that may open the reasoning block itself (Qwen3 writes the start tag as its
-    first token): an optional block of free text, then `spec`."""
-    return GrammarSpec("lark", "\n".join([f"start: (<[{start_id}]> REASONING <[{end_id}]> BLANK?)? answer",
+    first token, GLM a newline and then the tag): an optional block of free text, then `spec`."""
+    return GrammarSpec("lark", "\n".join([f"start: (BLANK? <[{start_id}]> REASONING <[{end_id}]> BLANK?)? answer",
                                           *_REASONING_RULES, _answer_rules(spec)]))
 
 
@@ -323,35 +326,43 @@ def _harmony_format(tokenizer: ChatTokenizer) -> HarmonyFormat | None:
 class ReasoningSplit:
     """Routes each generated token to the reasoning or the answer; the tags themselves go to neither.
 
-    The start tag counts only as the first generated token (a model that does not think this time
-    answers directly); everything after the end tag is the answer.
+    The start tag counts only as the first generated token, blanks aside (a model that does not think this
+    time answers directly); everything after the end tag is the answer. GLM's template writes a newline between
+    the generation prompt and the block, so its model writes one before the start tag: blank tokens (`is_blank`)
+    before the first other token are held until it shows whether they come before a block (then they are its
+    layout, counted as reasoning) or begin the answer.
     """
 
-    def __init__(self, fmt: ReasoningFormat, starts_open: bool) -> None:
+    def __init__(self, fmt: ReasoningFormat, starts_open: bool, is_blank: Callable[[int], bool] | None = None) -> None:
         self.fmt = fmt
         self.in_reasoning = starts_open
         self.finished = False            # the end tag was seen (or the block never opened)
         self.num_reasoning_tokens = 0
-        self._num_seen = 0
+        self._is_blank = is_blank
+        self._held: list[int] = []       # the blank tokens written so far, before any other
 
     def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """(reasoning ids, answer ids) of the next generated tokens."""
         reasoning, answer = [], []
         for token_id in token_ids:
-            first = self._num_seen == 0
-            self._num_seen += 1
             if self.in_reasoning:
                 self.num_reasoning_tokens += 1
                 if token_id == self.fmt.end_id:
                     self.in_reasoning, self.finished = False, True
                 else:
                     reasoning.append(token_id)
-            elif first and not self.finished and token_id == self.fmt.start_id:
+            elif self.finished:
+                answer.append(token_id)
+            elif token_id == self.fmt.start_id:
                 self.in_reasoning = True
-                self.num_reasoning_tokens += 1
+                self.num_reasoning_tokens += 1 + len(self._held)
+                self._held = []
+            elif self._is_blank is not None and self._is_blank(token_id):
+                self._held.append(token_id)
             else:
                 self.finished = True
-                answer.append(token_id)
+                answer += [*self._held, token_id]
+                self._held = []
         return reasoning, answer
 
 
@@ -428,11 +439,15 @@ class ReasoningStream:
     (`hidden_ids`: an answer that ends inside its block) are left out."""
 
     def __init__(self, fmt: ReasoningFormat | HarmonyFormat, starts_open: bool, tokenizer: ChatTokenizer,
-                 hidden_ids: frozenset[int] = frozenset()) -> None:
+                 hidden_ids: frozenset[int] = frozenset(), starts_closed: bool = False) -> None:
+        def is_blank(token_id: int) -> bool:
+            return not tokenizer.decode([token_id], skip_special_tokens=False).strip()
+
         self.split = (HarmonySplit(fmt, tokenizer) if isinstance(fmt, HarmonyFormat)
-                      else ReasoningSplit(fmt, starts_open))
+                      else ReasoningSplit(fmt, starts_open, is_blank))
         self._detokenizer = WindowDetokenizer(tokenizer, skip_special_tokens=False)
         self._hidden_ids = hidden_ids
+        self._starts_closed = starts_closed  # the prompt closed an empty block: the answer follows a block too
         self._answer_started = False
         self.text = ""
 
@@ -450,8 +465,9 @@ class ReasoningStream:
         return delta, answer_ids
 
     def answer_delta(self, delta: str) -> str:
-        """The answer's text, without the blank lines between the reasoning's end tag and the answer."""
-        if self._answer_started or not self.num_reasoning_tokens:
+        """The answer's text, without the blank lines between the reasoning's end tag (the model's, or the one
+        that closed the prompt's empty block) and the answer."""
+        if self._answer_started or not (self.num_reasoning_tokens or self._starts_closed):
             return delta
         delta = delta.lstrip()
         self._answer_started = bool(delta)

@@ -18,6 +18,7 @@ Recognised formats (the stored templates in tests/engine/chat_templates use all 
 | deepseek_v3 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>A<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` | DeepSeek V3.1 |
 | kimi_k2 | `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:I<|tool_call_argument_begin|>A<|tool_call_end|>...` | Kimi K2 |
 | harmony | `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>` (a message; one call) | gpt-oss |
+| glm45 | `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n...</tool_call>` (KeyValueCalls) | GLM-4.5, 4.6 |
 
 Templates not in this table (Command R+'s `Action:` blocks, DeepSeek-R1's fenced calls) are not recognised:
 their requests with `tool_choice: required` get a 400, and their output is plain content.
@@ -54,7 +55,9 @@ opening or the section's closing, begun before an end of sequence). A required c
 nothing of it is content.
 A call's arguments are its JSON text as the model wrote it (OpenAI's are the model's text too), never decoded
 and written again: a stream sends them as they are written (ToolCallStream), and its pieces join into exactly
-the arguments the whole answer returns.
+the arguments the whole answer returns. GLM writes no JSON object but a key/value pair per argument: its
+arguments are the object built from the pairs (each value read by the function's schema, KeyValueCalls), sent
+pair by pair as each value closes.
 With `auto` and a `strict` function (OpenAI's promise that its calls follow its schema) the output is
 constrained too, but loosely: free text, in which the marker's text cannot appear, or from the marker on
 calls of the offered functions (strict ones' arguments follow their schema, the others' are any JSON
@@ -78,7 +81,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import llguidance
 
@@ -129,6 +132,15 @@ class ToolCallFormat:
     @property
     def marker(self) -> str:
         return self.section_begin or self.call_begin
+
+    def with_tools(self, tools: list[dict]) -> ToolCallFormat:
+        """The format as it reads one request's calls: the same, for formats whose arguments are JSON as written
+        (KeyValueCalls reads each value by its function's schema)."""
+        return self
+
+    def arguments_scan(self, name: str, begin: int) -> _JsonPrefix:
+        """What reads a call's arguments as they are written, from `begin` (the text after its name's markup)."""
+        return _JsonPrefix(begin)
 
     # -- parsing the output ----------------------------------------------------------------------
 
@@ -720,7 +732,310 @@ class HarmonyCalls(ToolCallFormat):
         return "call_message: " + " | ".join(bodies)
 
 
+@dataclass(frozen=True, slots=True)
+class KeyValueCalls(ToolCallFormat):
+    """GLM-4.5's and GLM-4.6's calls: `<tool_call>NAME`, an `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
+    pair per argument, `</tool_call>`; blanks between the pieces as GLM-4.6's template writes them (a newline after
+    the name and after each pair, as both templates' tool instructions show) or none. The template writes a string value as
+    it is and any other value as JSON (`tojson`), so the arguments sent to the client are the JSON object built
+    from the pairs, by one rule (`_value_json`): a value whose property the function's schema admits only strings
+    for (`type: string`, an enum or const of strings) is that string, as written; any other value (another type, a
+    union with strings, a property or a function the request gives no schema for) is its JSON text when it is
+    JSON, else the string. (A union with strings reads `7` as the number, which the template also writes for the
+    string "7".) A stream sends a call's name once its name is written and each pair once its value closes; the
+    object's `}` comes with the call's closing.
+
+    Required calls and strict tools follow the schema in the grammar: the properties in the schema's order,
+    the required ones always, the others optionally, then (where `additionalProperties` is not false) any more
+    pairs under other keys, their values as `additionalProperties` says; a string value is any text without the
+    value's closing tag (an enum or const of strings: those strings; minLength and maxLength kept), any other
+    value JSON following its property's schema (`$ref`s resolved within the parameters). A string value's pattern
+    and format are not enforced."""
+
+    key_tags: tuple[str, str] = ("", "")
+    value_tags: tuple[str, str] = ("", "")
+    schemas: dict | None = field(default=None, compare=False)  # function name -> its parameters (with_tools)
+
+    def with_tools(self, tools: list[dict]) -> KeyValueCalls:
+        return replace(self, schemas={tool["function"]["name"]: tool["function"].get("parameters")
+                                      for tool in tools})
+
+    def arguments_scan(self, name: str, begin: int) -> _KeyValuePrefix:
+        return _KeyValuePrefix(self, name, begin)
+
+    # -- parsing -----------------------------------------------------------------------------------
+
+    def _one_call(self, body: str, pos: int, names: frozenset[str] | None, cut: bool) -> tuple[ToolCall, int]:
+        pos = _expect(body, _skip_space(body, pos), self.call_begin)
+        head = self._name_at(body, pos)
+        if head is None:
+            if cut:
+                raise _Ended()
+            raise ValueError("the answer ends inside a call's name")
+        scan = self.arguments_scan(*head)
+        scan.read(body)
+        if scan.broken:
+            raise ValueError("no key/value call")
+        if scan.whole:
+            return ToolCall(head[0], scan.arguments(body), new_call_id(self.short_ids)), scan.end
+        if scan.closing(body):  # the pairs are whole: only the call's closing was cut
+            raise _Ended(ToolCall(head[0], scan.closed(), new_call_id(self.short_ids)))
+        if cut:
+            raise _Ended(ToolCall(head[0], scan.arguments(body), new_call_id(self.short_ids)))
+        raise ValueError("the call does not close")
+
+    def _name_at(self, text: str, pos: int) -> tuple[str, int] | None:
+        """(the call's name, its end) at `pos`, once what follows it shows it whole (a blank or a tag); None while
+        it may go on; a ValueError where no name is."""
+        pos = _skip_space(text, pos)
+        match = _KV_NAME.match(text, pos)
+        if match is None or match.end() == len(text):
+            if pos == len(text) or match is not None:
+                return None
+            raise ValueError("no function name")
+        return match.group(), match.end()
+
+    def _schema_of(self, name: str) -> tuple[dict, dict]:
+        """(the function's parameters, the schemas of its properties by name), {} where the request gave none."""
+        parameters = (self.schemas or {}).get(name)
+        if not isinstance(parameters, dict):
+            return {}, {}
+        properties = parameters.get("properties")
+        return parameters, properties if isinstance(properties, dict) else {}
+
+    def _value_json(self, parameters: dict, properties: dict, key: str, text: str) -> str:
+        """One pair's value as JSON text (the rule in the class docstring)."""
+        schema = properties.get(key, parameters.get("additionalProperties"))
+        if _only_strings(schema, parameters):
+            return json.dumps(text, ensure_ascii=False)
+        value = text.strip()
+        try:
+            json.loads(value, parse_constant=_no_constant)
+        except ValueError:
+            return json.dumps(text, ensure_ascii=False)
+        return value
+
+    # -- streaming -----------------------------------------------------------------------------------
+
+    def call_head(self, text: str, pos: int, first: bool) -> tuple[str, int] | None:
+        """(name, where its pairs begin) once the name is whole: its arguments are read from the pairs."""
+        pos = _through(text, pos, [self.call_begin.strip()])
+        return None if pos is None else self._name_at(text, pos)
+
+    def call_tail(self, text: str, pos: int) -> int | None:
+        return pos  # the scan of the pairs read the call's closing
+
+    # -- grammars ------------------------------------------------------------------------------------
+
+    def _calls_rules(self, tools: list[dict], several: bool, lit: _Literals) -> list[str]:
+        rules = ToolCallFormat._calls_rules(self, tools, several, lit)
+        for index, tool in enumerate(tools):
+            rules += self._pair_rules(tool["function"], index, lit)
+        closing = lit(self.value_tags[1])
+        # A closing that is a special token cannot be in text; one of plain text ends the lazy lexeme first.
+        string_value = "string_value" if closing.startswith("<[") else "string_value[lazy]"
+        return [*rules, f"{string_value}: ARG_TEXT {closing}", r"ARG_TEXT: /(.|\n)*/"]
+
+    def _call_body(self, tool: dict, index: int, lit: _Literals) -> str:
+        """NAME, a newline, its pairs (absent where it takes none) and the closing."""
+        function = tool["function"]
+        pairs = f"pairs_{index}" if self._pair_items(function, index) else ""
+        return f"({lit(function['name'] + NL)} {pairs} {lit(self.call_end)})"
+
+    @staticmethod
+    def _pair_items(function: dict, index: int) -> list[str]:
+        """The rule names of a call's pairs: each property's in the schema's order (optional ones with `?`), then
+        free pairs where the schema allows more."""
+        parameters = _parameters(function, index)
+        properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+        required = parameters.get("required") if isinstance(parameters.get("required"), list) else []
+        items = [f"pair_{index}_{j}" + ("" if key in required else "?") for j, key in enumerate(properties)]
+        return items + ([] if parameters.get("additionalProperties") is False else [f"more_{index}*"])
+
+    def _pair_rules(self, function: dict, index: int, lit: _Literals) -> list[str]:
+        items = self._pair_items(function, index)
+        if not items:
+            return []
+        parameters = _parameters(function, index)
+        properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+        (key_begin, key_end), value_begin = self.key_tags, self.value_tags[0]
+        rules = [f"pairs_{index}: {' '.join(items)}"]
+        for j, (key, schema) in enumerate(properties.items()):
+            opening = lit(f"{key_begin}{key}{key_end}{NL}{value_begin}")
+            value, more = self._value_rule(schema, parameters, f"{index}_{j}", lit)
+            rules += [f"pair_{index}_{j}: {opening} {value} {lit(NL)}", *more]
+        if items[-1] == f"more_{index}*":  # more pairs: any key but the properties' (theirs come in order above)
+            extra = parameters.get("additionalProperties")
+            value, more = self._value_rule(extra if isinstance(extra, dict) else {}, parameters, f"{index}_more", lit)
+            key = r"/[^<\n]+/" + (f" & ~({' | '.join(json.dumps(k) for k in properties)})" if properties else "")
+            rules += [f"more_{index}: {lit(key_begin)} ARG_KEY_{index} {lit(key_end + NL + value_begin)} {value} "
+                      f"{lit(NL)}", f"ARG_KEY_{index}: {key}", *more]
+        return rules
+
+    def _value_rule(self, schema, parameters: dict, name: str, lit: _Literals) -> tuple[str, list[str]]:
+        """A value and its closing tag, and the rules it needs: a string as written (its enum, const, minLength and
+        maxLength kept), JSON following the property's schema, or any text where the schema allows anything."""
+        closing = lit(self.value_tags[1])
+        strings = [] if _says_nothing(_resolved(schema, parameters)) else _string_choices(schema, parameters)
+        if strings:
+            return f"({' | '.join(lit(s) for s in strings)}) {closing}", []
+        if strings is None:
+            return f"{lark_json(_within_parameters(schema, parameters))} {closing}", []
+        schema = _resolved(schema, parameters)
+        lengths = [schema.get(k) if isinstance(schema, dict) else None for k in ("minLength", "maxLength")]
+        if not any(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+            return "string_value", []
+        low, high = (n if isinstance(n, int) and not isinstance(n, bool) else d for n, d in zip(lengths, (0, "")))
+        lazy = "" if closing.startswith("<[") else "[lazy]"
+        return f"value_{name}", [f"value_{name}{lazy}: ARG_TEXT_{name} {closing}",
+                                 f"ARG_TEXT_{name}: /(.|\\n){{{low},{high}}}/"]
+
+
+class _KeyValuePrefix:
+    """A key/value call (KeyValueCalls) read as it is written, from just past its name through its closing: its
+    arguments (`size`, `arguments`) are the JSON object built from the pairs whose value closed, `{"K": V, ...`,
+    closed by `}` with the call, so a stream sends each pair once; `whole` once the call's closing is read
+    (`end` is then past it), `broken` where the text is no such call. Each character is searched once."""
+
+    def __init__(self, fmt: KeyValueCalls, name: str, begin: int) -> None:
+        self.fmt = fmt
+        self.begin = self.end = begin
+        self.whole = self.broken = False
+        self._parameters, self._properties = fmt._schema_of(name)
+        self._json = ""
+        self._key = ""
+        self._expect = "pair"    # pair (a key's opening or the call's closing), key, value_opening, value
+        self._searched = begin   # how far the text was searched for the closing tag of the key or value being read
+
+    @property
+    def size(self) -> int:
+        return len(self._json)
+
+    def arguments(self, text: str, since: int = 0) -> str:
+        return self._json[since:]
+
+    def closed(self) -> str:
+        """The arguments as the call's closing makes them."""
+        return (self._json or "{") + "}"
+
+    def closing(self, text: str) -> bool:
+        """Whether the text ends inside the call's closing, its pairs whole."""
+        rest = text[_skip_space(text, self.end):]
+        return self._expect == "pair" and bool(rest) and self.fmt.call_end.startswith(rest)
+
+    def read(self, text: str) -> None:
+        while not (self.whole or self.broken) and self._step(text):
+            pass
+
+    def _step(self, text: str) -> bool:
+        """Reads the next piece (a tag, a key, a value); False while the text ends before it is whole."""
+        key_begin, key_end = self.fmt.key_tags
+        value_begin, value_end = self.fmt.value_tags
+        if self._expect in ("pair", "value_opening"):
+            pos = _skip_space(text, self.end)
+            tags = ([key_begin, self.fmt.call_end] if self._expect == "pair" else [value_begin])
+            tag = next((t for t in tags if text.startswith(t, pos)), None)
+            if tag is None:
+                self.broken = not any(t.startswith(text[pos:]) for t in tags)
+                return False
+            self.end = self._searched = pos + len(tag)
+            if tag == self.fmt.call_end:
+                self._json, self.whole = self.closed(), True
+            self._expect = {key_begin: "key", value_begin: "value"}.get(tag, "pair")
+            return True
+        closing = key_end if self._expect == "key" else value_end
+        found = text.find(closing, self._searched)
+        if found < 0:
+            self._searched = max(self.end, len(text) - len(closing) + 1)
+            # A key is a name: a tag or a line inside it is no key/value call.
+            self.broken = self._expect == "key" and bool(re.search(r"[<\n]", text[self.end:self._searched]))
+            return False
+        piece, self.end = text[self.end:found], found + len(closing)
+        if self._expect == "key":
+            if re.search(r"[<\n]", piece):
+                self.broken = True
+                return False
+            self._key, self._expect = piece.strip(), "value_opening"
+        else:
+            value = self.fmt._value_json(self._parameters, self._properties, self._key, piece)
+            self._json += ("{" if not self._json else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + value
+            self._expect = "pair"
+        return True
+
+
+_KV_NAME = re.compile(r"[^\s<>]+")
+NL = "\n"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON")
+
+
+def _resolved(schema, parameters: dict, depth: int = 0):
+    """`schema` with a local `$ref` ("#", "#/...") followed into the parameters; None where it leads nowhere."""
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
+        ref, schema, depth = schema["$ref"], parameters, depth + 1
+        if not ref.startswith("#"):
+            return None
+        for part in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p]:
+            schema = schema.get(part) if isinstance(schema, dict) else None
+    return schema
+
+
+def _string_choices(schema, parameters: dict, depth: int = 0) -> list[str] | None:
+    """The strings a schema admitting only strings allows ([] for any string); None where it admits more (or
+    says nothing)."""
+    schema = _resolved(schema, parameters)
+    if not isinstance(schema, dict) or depth > 32:
+        return None
+    if "const" in schema:
+        return [schema["const"]] if isinstance(schema["const"], str) else None
+    if "enum" in schema:
+        enum = schema["enum"]
+        return list(enum) if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) else None
+    kind = schema.get("type")
+    if kind in ("string", ["string"]):
+        return []
+    branches = schema.get("anyOf", schema.get("oneOf"))
+    if kind is None and isinstance(branches, list) and branches:
+        choices = [_string_choices(branch, parameters, depth + 1) for branch in branches]
+        if any(c is None for c in choices):
+            return None
+        return [] if any(c == [] for c in choices) else [s for c in choices for s in c]
+    return None
+
+
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
+
+
+def _says_nothing(schema) -> bool:
+    """A schema that allows any value: its grammar is any text, which the parser reads as JSON where it is."""
+    return schema is True or isinstance(schema, dict) and not schema.keys() - _ANNOTATIONS
+
+
+def _only_strings(schema, parameters: dict) -> bool:
+    return _string_choices(schema, parameters) is not None
+
+
+def _within_parameters(schema, parameters: dict) -> dict:
+    """A property's schema as a grammar compiles it alone: its local `$ref`s point into the parameters, which it
+    carries under `$defs` (the refs rewritten to reach them there)."""
+    def moved(node):
+        if isinstance(node, dict):
+            return {k: ("#/$defs/parameters" + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                        else moved(v)) for k, v in node.items()}
+        return [moved(v) for v in node] if isinstance(node, list) else node
+
+    schema = moved(schema) if isinstance(schema, dict) else {}
+    root = moved({key: value for key, value in parameters.items() if key != "$id"})
+    return {**schema, "$defs": {**schema.get("$defs", {}), "parameters": root}}
+
+
 FORMATS = {f.name: f for f in (
+    # Before hermes: its `<tool_call>` markers are GLM's too (`<arg_key>` is GLM's alone).
+    KeyValueCalls("glm45", ("<tool_call>", "<arg_key>"), call_begin="<tool_call>", call_end="</tool_call>",
+                  separator="\n", name_key="", key_tags=("<arg_key>", "</arg_key>"),
+                  value_tags=("<arg_value>", "</arg_value>")),
     ToolCallFormat("hermes", ("<tool_call>", "</tool_call>"), call_begin="<tool_call>\n", call_end="\n</tool_call>",
                    separator="\n"),
     # Replayed turns carry `[CALL_ID]id` after the name; the model writes only name and arguments.
@@ -780,7 +1095,7 @@ class ToolCallStream:
     answers with one.
 
     Calls stream as they are written, as OpenAI streams them (`take_deltas`): a call opens (index, id, name)
-    once its name and the "{" of its arguments are written, and its arguments follow as they grow, as far
+    once its name and the "{" of its arguments are written (a key/value call's: its name), and its arguments follow as they grow, as far
     as they are a prefix of valid JSON. A call opens early only when it is sure to be one: under a required
     call (the grammar shapes it), or after a marker when it names an offered function (`names`); Llama 3's
     bare JSON under `auto` is a call only once its object is whole, so it is sent, whole, when the object closes,
@@ -913,7 +1228,7 @@ class ToolCallStream:
                     self._num_read += 1
                     unoffered = self._offered is not None and head[0] not in self._offered
                     if unoffered or self._sent and not self.parallel:  # a second call without parallel: not sent
-                        self._skipped = head[0] if unoffered else None, _JsonPrefix(head[1])
+                        self._skipped = head[0] if unoffered else None, self.fmt.arguments_scan(*head)
                         self._phase = "arguments"
                     else:
                         self._open(*head)
@@ -977,7 +1292,7 @@ class ToolCallStream:
         if self._arguments is not None:  # the call before is closed: its arguments are whole
             self._sent[-1] = self._sent_calls()[-1]
         self._sent.append(call)
-        self._arguments = _JsonPrefix(arguments_at)
+        self._arguments = self.fmt.arguments_scan(name, arguments_at)
         self._phase = "arguments"
         if self._record:
             self._deltas.append(_opening_delta(len(self._sent) - 1, call))
@@ -986,10 +1301,10 @@ class ToolCallStream:
         """Sends what the arguments add (a skipped call's are read, not sent); True once they are whole (the
         call's tail comes next)."""
         scan = self._skipped[1] if self._skipped is not None else self._arguments
-        before = scan.end
+        before = scan.size
         scan.read(text)
-        if scan.end > before and self._record and self._skipped is None:
-            self._deltas.append(_arguments_delta(len(self._sent) - 1, text[before:scan.end]))
+        if scan.size > before and self._record and self._skipped is None:
+            self._deltas.append(_arguments_delta(len(self._sent) - 1, scan.arguments(text, before)))
         if scan.broken:
             raise ValueError("the arguments are no JSON")
         if not scan.whole:
@@ -1046,8 +1361,7 @@ class ToolCallStream:
         call's arguments are not copied at every step)."""
         if len(self._sent) == self._first:
             return list(self._sent)
-        scan = self._arguments
-        return [*self._sent[:-1], replace(self._sent[-1], arguments=self._calls_text[scan.begin:scan.end])]
+        return [*self._sent[:-1], replace(self._sent[-1], arguments=self._arguments.arguments(self._calls_text))]
 
     def _parsed(self, cut: bool, has_calls: bool) -> tuple[str, list[ToolCall], list[str]]:
         """(content, the calls of offered functions, the names of those of others) of `_calls_text`; `has_calls`:
@@ -1126,6 +1440,15 @@ class _JsonPrefix:
         self._escape = -1          # in a string: -1 none, 0 after a backslash, k > 0 hex digits still due
         self._literal = ""         # what a true/false/null still needs
         self._number: str | None = None
+
+    @property
+    def size(self) -> int:
+        """The length of the arguments read so far (what may be sent)."""
+        return self.end - self.begin
+
+    def arguments(self, text: str, since: int = 0) -> str:
+        """The arguments read so far, from their `since`th character on: the JSON text as written."""
+        return text[self.begin + since:self.end]
 
     def read(self, text: str) -> None:
         pos = self.end

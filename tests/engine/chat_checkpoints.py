@@ -39,6 +39,8 @@ TEMPLATES = {
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("<|begin_of_text|>", "<|im_end|>"),
     "ibm-granite-granite-3.3-2B-Instruct": (None, "<|end_of_text|>"),
     "openai-gpt-oss-120b": (None, "<|return|>"),
+    "zai-org-GLM-4.5": (None, "<|endoftext|>"),
+    "zai-org-GLM-4.6": (None, "<|endoftext|>"),
 }
 
 
