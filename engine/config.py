@@ -14,20 +14,22 @@ from engine.errors import CheckpointError, UnsupportedModelError
 # `attention_bias` is true, o never: GLM-4.5), "none" (the key is ignored); DeepSeek-V3's latent attention refuses
 # attention_bias (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
-                         "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "phi3": "none",
+                         "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "deepseek_v2": "none",
+                         "phi3": "none",
                          "granite": "config", "gemma2": "config", "gemma3_text": "config", "gpt_oss": "config",
                          "glm4_moe": "config_qkv", "smollm3": "config", "olmo2": "config",
-                         "olmo3": "config"}
+                         "olmo3": "config", "cohere": "config", "cohere2": "config", "llama4_text": "config"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
-# ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false)
-USE_QK_NORM_MODEL_TYPES = {"glm4_moe"}
+# ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
+# true; Command R: false)
+USE_QK_NORM_MODEL_TYPES = {"glm4_moe", "cohere"}
 # Only Llama's, Granite's and SmolLM3's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
 MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
 DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0, "smollm3": 2000000.0,
-                      "olmo3": 500000.0}
+                      "olmo3": 500000.0, "cohere": 500000.0}
 DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5}
-# Rope scalings of every model type but DeepSeek-V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
+# Rope scalings of every model type but DeepSeek-V2 and V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
 # transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
 # which no sequence here reaches (the context is capped there), so it computes as "default" does.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -71,6 +73,21 @@ GLM4_MOE_DEFAULTS = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "n
                      "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                      "norm_topk_prob": True, "num_nextn_predict_layers": 1}
 GLM4_MOE_PARTIAL_ROTARY = 0.5
+# DeepSeek-V2, V2-Lite, V2.5, Coder-V2 (deepseek_v2): DeepSeek-V3's latent attention and shared experts, routed by a
+# softmax over the router's logits, without correction bias; the defaults transformers gives the fields its configs may
+# omit (q_lora_rank: a compressed query unless the config says null, as V2-Lite's does)
+DEEPSEEK_V2_DEFAULTS = {"max_position_embeddings": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+                        "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0,
+                        "routed_scaling_factor": 1.0, "topk_method": "greedy"}
+# its topk_method: "greedy", the top-k of all experts; "group_limited_greedy", the top-k of the topk_group groups (of
+# n_group) whose best scores are highest
+DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+# Command R and R+ (cohere), Command R7B and Command A (cohere2): the defaults transformers gives the fields their
+# configs may omit
+COHERE_MODEL_TYPES = ("cohere", "cohere2")
+COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
+COHERE2_DEFAULTS = {**COHERE_DEFAULTS, "sliding_window": 4096}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
@@ -82,7 +99,8 @@ IMAGE_TEXT_MODEL_TYPES = {"gemma3": {"gemma3_text": "gemma3_text"},
                           "qwen2_vl": {"qwen2_vl_text": "qwen2"},
                           "qwen2_5_vl": {"qwen2_5_vl_text": "qwen2"},
                           "qwen3_vl": {"qwen3_vl_text": "qwen3"},
-                          "qwen3_vl_moe": {"qwen3_vl_moe_text": "qwen3_moe"}}
+                          "qwen3_vl_moe": {"qwen3_vl_moe_text": "qwen3_moe"},
+                          "llama4": {"llama4_text": "llama4_text"}}
 FLAT_TEXT_CONFIG_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # Their rope is M-RoPE (_mrope_as_rope)
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -112,6 +130,17 @@ IMAGE_TEXT_DEFAULTS = {"qwen2_vl_text": QWEN2_VL_TEXT_DEFAULTS, "qwen2_5_vl_text
 # Text models whose router always renormalizes its top-k weights, whatever norm_topk_prob says (transformers'
 # Qwen3-VL-MoE reads no such key)
 RENORMALIZED_TOPK_TEXT_TYPES = ("qwen3_vl_moe_text",)
+# Llama 4 (Scout 17B-16E, Maverick 17B-128E; llama4_text, or the text model of the image-and-text llama4): the
+# defaults transformers gives the fields its configs may omit (head_dim 128 whatever hidden_size says), and its
+# layer_types
+LLAMA4_TEXT_DEFAULTS = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+                        "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+                        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+                        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": 1, "eos_token_id": 2,
+                        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+                        "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "use_qk_norm": True,
+                        "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
+LLAMA4_LAYER_TYPES = ("chunked_attention", "full_attention")
 
 
 @dataclass(slots=True)
@@ -158,11 +187,16 @@ class MoEConfig:
     # DeepSeek-V3 routing: sigmoid scores; experts chosen by score plus a per-expert correction bias
     # among the topk_groups best of num_groups equal groups; weights are the (normalized) sigmoid
     # scores times routed_scaling_factor. Mixtral and Qwen3-MoE: softmax over all experts.
-    scoring: str = "softmax"     # "softmax", "sigmoid" or "softmax_topk" (gpt-oss)
+    scoring: str = "softmax"     # "softmax", "sigmoid", "softmax_topk" (gpt-oss) or "sigmoid_topk" (Llama 4)
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0  # a dense MLP of num_shared_experts * intermediate_size every token also takes
+    # DeepSeek's group-limited routing (engine.moe.route_grouped) as above, with sigmoid scoring (DeepSeek-V3, GLM-4.5)
+    # or softmax scoring and no correction bias (DeepSeek-V2); a group ranks by the sum of its best
+    # group_score_experts scores (V3: 2; V2: 1, its best)
+    grouped: bool = False
+    group_score_experts: int = 2
     # gpt-oss: the router's logits carry a bias and the softmax runs over the top-k logits only ("softmax_topk"
     # scoring); each expert's projections carry biases, and its activation is the clamped SwiGLU
     # (up.clamp(-limit, limit) + 1) * gate * sigmoid(alpha * gate), gate clamped to at most limit
@@ -173,7 +207,7 @@ class MoEConfig:
 
 @dataclass(slots=True)
 class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V3): queries and keys have a position-free part of
+    """Multi-head latent attention (DeepSeek-V2 and V3): queries and keys have a position-free part of
     qk_nope_head_dim and a rotary part of qk_rope_head_dim per head; keys and values of every head
     are decompressed from one latent per token (kv_lora_rank dims, RMS-normed) by kv_b_proj, and
     the rotary key part is one head shared by all. The KV cache holds the latent and the rotary key."""
@@ -217,7 +251,10 @@ class ModelConfig:
     o_bias: bool = False         # o_proj carries a bias (attention_bias on Llama, Qwen3, Qwen3-MoE)
     qk_norm: bool = False
     mlp_bias: bool = False
-    # Per layer: attention window in tokens, or None for full attention.
+    # Per layer: attention window in tokens, or None for full attention. A negative one is Llama 4's chunked
+    # attention: a token sees the earlier tokens of its own chunk of -window tokens (keys from its position rounded
+    # down to a multiple of -window), not the last `window` (engine.ops.window_start). The KV cache keeps every
+    # token of these layers, as of the sliding ones, though keys before a chunk's (or window's) start are not read.
     sliding_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -275,6 +312,23 @@ class ModelConfig:
     # cap * tanh(score / cap) before the mask and softmax, and every logit likewise by final_logit_softcapping
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Cohere's models (COHERE_MODEL_TYPES): one norm of the residual stream feeds both the attention and the MLP, whose
+    # outputs are both added to the stream (parallel_block: no post_norm); every norm is a LayerNorm (the row's mean
+    # subtracted, a weight and no bias; rms_norm_eps is its eps); the rotary dims are stored as interleaved pairs
+    # (x0, x1), (x2, x3), ..., which the loader reorders within each q and k head to the halves the engine rotates;
+    # the logits are multiplied by logit_scale. Command R+'s q and k norms (use_qk_norm) weigh each head by a row of
+    # its own: their weights are [heads, head_dim] (qk_norm_weight_per_head)
+    parallel_block: bool = False
+    layer_norms: bool = False
+    rope_interleaved: bool = False
+    logit_scale: float = 1.0
+    qk_norm_weight_per_head: bool = False
+    # Llama 4: on these layers (True) q and k are each normed over each head after the rotary, without a weight
+    # (use_qk_norm: an RMSNorm of weight 1); [] on every other model
+    l2_qk_norm_layers: list[bool] = field(default_factory=list)
+    # Llama 4's attention temperature tuning, (floor_scale, attn_scale), or None: on the NoPE layers the query at
+    # position p is multiplied by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
+    attn_temperature: tuple[float, float] | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -625,6 +679,91 @@ def _olmo_fields(raw: dict, num_layers: int, path: Path) -> dict:
             "local_rope": local_rope, "local_rope_layers": sliding}
 
 
+def _cohere_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """Cohere's fields, read and defaulted as transformers reads them; {} for another model type. Its norms multiply
+    the float32 row by their weight, rounded after. Command R7B's and Command A's (cohere2) sliding-window layers (by
+    layer_types, else all but every sliding_window_pattern-th) rotate, the full-attention ones rotate nothing
+    (nope_layers); Command R's and R+'s (cohere) all rotate and attend in full."""
+    model_type = raw.get("model_type")
+    if model_type not in COHERE_MODEL_TYPES:
+        return {}
+    fields = {"parallel_block": True, "layer_norms": True, "rope_interleaved": True, "norms_in_float32": True,
+              "qk_norm_weight_per_head": True, "rms_norm_eps": _positive_float(raw, "layer_norm_eps", 1e-5, path),
+              "logit_scale": _positive_float(raw, "logit_scale", 0.0625, path),
+              "tie_word_embeddings": _flag(raw, "tie_word_embeddings", True, path)}
+    if model_type == "cohere":
+        return fields
+    sliding = _gemma3_layer_types({"sliding_window_pattern": 4, **raw}, num_layers, path)
+    window = raw["sliding_window"]
+    if window is None and any(sliding):   # transformers would neither window nor rotate those layers
+        raise CheckpointError(f"{path}: sliding_window is null but layer_types marks sliding_attention layers; give "
+                              f"the window's length")
+    window = None if window is None else _positive_int(raw, ("sliding_window",), path)
+    return {**fields, "sliding_windows": [window if layer else None for layer in sliding],
+            "nope_layers": [not layer for layer in sliding]}
+
+
+def _llama4_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """Llama 4's fields, read as transformers reads them (defaulted by LLAMA4_TEXT_DEFAULTS); {} for another model
+    type. Its NoPE layers (0 in no_rope_layers; without it, or with it empty, every no_rope_layer_interval-th layer)
+    rotate nothing and, with attn_temperature_tuning, scale their queries by position; the others (rotary) norm q and
+    k with use_qk_norm. layer_types' chunked_attention layers (without layer_types: the rotary ones, unless
+    attention_chunk_size is null) attend by chunks of attention_chunk_size. Its rotary dims are interleaved pairs, and
+    its dense layers' MLP is intermediate_size_mlp wide (intermediate_size is an expert's)."""
+    if raw.get("model_type") != "llama4_text":
+        return {}
+    rotates = raw.get("no_rope_layers")
+    if not rotates:
+        interval = _positive_int(raw, ("no_rope_layer_interval",), path)
+        rotates = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    elif not (isinstance(rotates, list) and len(rotates) >= num_layers and all(
+            isinstance(flag, int) and not isinstance(flag, bool) and flag in (0, 1) for flag in rotates)):
+        raise CheckpointError(f"{path}: no_rope_layers must list 1 (rotary) or 0 (no rotary) for each of the "
+                              f"{num_layers} layers, got {rotates!r}")
+    nope = [not rotates[i] for i in range(num_layers)]
+    chunk = None if raw.get("attention_chunk_size") is None else _positive_int(raw, ("attention_chunk_size",), path)
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        chunked = [chunk is not None and not layer for layer in nope]
+    elif (not isinstance(layer_types, list) or len(layer_types) != num_layers
+          or not all(kind in LLAMA4_LAYER_TYPES for kind in layer_types)):
+        raise CheckpointError(f"{path}: layer_types must list one of {', '.join(LLAMA4_LAYER_TYPES)} per layer "
+                              f"({num_layers}), got {layer_types!r}")
+    else:
+        chunked = [kind == "chunked_attention" for kind in layer_types]
+        if any(chunked) and chunk is None:
+            raise CheckpointError(f"{path}: layer_types marks chunked_attention layers but attention_chunk_size is "
+                                  f"null; give the chunks' length")
+    temperature = None
+    if _flag(raw, "attn_temperature_tuning", True, path):
+        temperature = (_positive_float(raw, "floor_scale", 8192.0, path),
+                       _nonnegative_float(raw, "attn_scale", 0.1, path))
+    qk_norm = _flag(raw, "use_qk_norm", True, path)
+    return {"nope_layers": nope, "sliding_windows": [-chunk if layer else None for layer in chunked],
+            "rope_interleaved": True, "l2_qk_norm_layers": [qk_norm and not layer for layer in nope],
+            "attn_temperature": temperature,
+            "intermediate_size": _positive_int(raw, ("intermediate_size_mlp",), path)}
+
+
+def _parse_llama4_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """Llama 4's experts: the layers moe_layers lists (without it every interleave_moe_layer_step-th) sparse, each
+    with one shared expert of an expert's size; a token's top-k experts by the router's logits, each taking the
+    token's hidden state times its logit's sigmoid ("sigmoid_topk")."""
+    num_experts = _positive_int(raw, ("num_local_experts",), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {num_experts} experts")
+    moe_layers = raw.get("moe_layers")
+    if moe_layers is None:
+        step = _positive_int(raw, ("interleave_moe_layer_step",), path)
+        moe_layers = range(step - 1, num_layers, step)
+    elif not isinstance(moe_layers, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in moe_layers):
+        raise CheckpointError(f"{path}: moe_layers must list layer indices in [0, {num_layers}), got {moe_layers!r}")
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), False,
+                     [i in moe_layers for i in range(num_layers)], scoring="sigmoid_topk", num_shared_experts=1)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -671,10 +810,12 @@ def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
 
 
 def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
-    if model_type in ("deepseek_v3", "glm4_moe"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe"):
         return _parse_deepseek_moe(raw, model_type, num_layers, path)
     if model_type == "gpt_oss":
         return _parse_gpt_oss_moe(raw, num_layers, path)
+    if model_type == "llama4_text":
+        return _parse_llama4_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
@@ -694,22 +835,31 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
                      bool(raw.get("norm_topk_prob", False)), sparse)
 
 
-# DeepSeek checkpoint fields that choose a variant: the values of the one implemented (DeepSeek-V3's)
-DEEPSEEK_VARIANTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+# DeepSeek checkpoint fields that choose a variant: per model type, the values of the one implemented
+DEEPSEEK_VARIANTS = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
+                     "deepseek_v2": {"scoring_func": "softmax", "moe_layer_freq": 1}}
+DEEPSEEK_VARIANT_NAMES = {"deepseek_v3": "DeepSeek-V3's", "deepseek_v2": "DeepSeek-V2's"}
 
 
 def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig:
-    """DeepSeek-V3's experts, and GLM-4.5's, routed alike (their configs defaulted: GLM4_MOE_DEFAULTS): the first
-    first_k_dense_replace layers dense, every later one sparse."""
-    for key, value in DEEPSEEK_VARIANTS.items():
-        if model_type == "deepseek_v3" and key in raw and raw[key] != value:
-            raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported (only DeepSeek-V3's {value!r})")
+    """DeepSeek-V3's experts, and GLM-4.5's, routed alike (their configs defaulted: GLM4_MOE_DEFAULTS), and
+    DeepSeek-V2's (_deepseek_v2_routing): the first first_k_dense_replace layers dense, every later one sparse."""
+    for key, value in DEEPSEEK_VARIANTS.get(model_type, {}).items():
+        if key in raw and raw[key] != value:
+            raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported "
+                                        f"(only {DEEPSEEK_VARIANT_NAMES[model_type]} {value!r})")
     num_experts = _positive_int(raw, ("n_routed_experts", "num_local_experts"), path)
     top_k = _positive_int(raw, ("num_experts_per_tok",), path)
-    num_groups, topk_groups = _positive_int(raw, ("n_group",), path), _positive_int(raw, ("topk_group",), path)
-    if num_experts % num_groups or num_experts // num_groups < 2:
+    v2 = model_type == "deepseek_v2"
+    if v2 and _deepseek_v2_routing(raw, path) == "greedy":
+        num_groups = topk_groups = 1   # transformers reads neither n_group nor topk_group then
+    else:
+        num_groups, topk_groups = _positive_int(raw, ("n_group",), path), _positive_int(raw, ("topk_group",), path)
+    # V3 ranks a group by the sum of its best two scores, V2 by its best one
+    group_score_experts = 1 if v2 else 2
+    if num_experts % num_groups or num_experts // num_groups < group_score_experts:
         raise CheckpointError(f"{path}: n_group {num_groups} must split the {num_experts} routed experts into equal "
-                              f"groups of at least 2 (a group scores by its best two)")
+                              f"groups" + ("" if v2 else " of at least 2 (a group scores by its best two)"))
     if topk_groups > num_groups:
         raise CheckpointError(f"{path}: topk_group {topk_groups} exceeds n_group {num_groups}")
     usable = topk_groups * (num_experts // num_groups)
@@ -723,13 +873,31 @@ def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path)
     if not isinstance(shared, int) or shared < 0:
         raise CheckpointError(f"{path}: n_shared_experts must be a non-negative integer, got {shared!r}")
     return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
-                     bool(raw.get("norm_topk_prob", True)), [i >= first_sparse for i in range(num_layers)],
-                     scoring="sigmoid", num_groups=num_groups, topk_groups=topk_groups,
-                     routed_scaling_factor=_positive_float(raw, "routed_scaling_factor", 2.5, path),
-                     num_shared_experts=shared)
+                     not v2 and bool(raw.get("norm_topk_prob", True)), [i >= first_sparse for i in range(num_layers)],
+                     scoring="softmax" if v2 else "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+                     routed_scaling_factor=_positive_float(raw, "routed_scaling_factor", 1.0 if v2 else 2.5, path),
+                     num_shared_experts=shared, grouped=True, group_score_experts=group_score_experts)
 
 
-def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
+def _deepseek_v2_routing(raw: dict, path: Path) -> str:
+    """DeepSeek-V2's topk_method (DEEPSEEK_V2_TOPK_METHODS), its fields checked as transformers reads them: its router
+    scales the chosen softmax scores by routed_scaling_factor and never renormalizes them, and its MLPs (the dense
+    ones and the shared experts) carry biases when mlp_bias is true."""
+    method = raw.get("topk_method")
+    if method not in DEEPSEEK_V2_TOPK_METHODS:
+        raise UnsupportedModelError(f"{path}: topk_method {method!r} is not supported for deepseek_v2 (supported: "
+                                    f"{', '.join(DEEPSEEK_V2_TOPK_METHODS)})")
+    if _flag(raw, "norm_topk_prob", False, path):
+        # DeepSeek's own code renormalizes instead of scaling; transformers ignores the key: the two disagree
+        raise UnsupportedModelError(f"{path}: norm_topk_prob true is not supported for deepseek_v2 (DeepSeek-V2's "
+                                    f"checkpoints say false: the chosen scores times routed_scaling_factor)")
+    if _flag(raw, "mlp_bias", False, path):
+        raise UnsupportedModelError(f"{path}: mlp_bias true is not supported for deepseek_v2 (its shared experts "
+                                    f"would carry biases)")
+    return method
+
+
+def _parse_mla(raw: dict, model_type: str, num_heads: int, path: Path) -> MLAConfig:
     if raw.get("attention_bias"):
         raise UnsupportedModelError(f"{path}: attention_bias true is not supported for multi-head latent attention")
     num_kv_heads = raw.get("num_key_value_heads")
@@ -743,7 +911,8 @@ def _parse_mla(raw: dict, num_heads: int, path: Path) -> MLAConfig:
         qk_nope_head_dim=_positive_int(raw, ("qk_nope_head_dim",), path),
         qk_rope_head_dim=_positive_int(raw, ("qk_rope_head_dim",), path),
         v_head_dim=_positive_int(raw, ("v_head_dim",), path),
-        rope_interleave=bool(raw.get("rope_interleave", True)),
+        # DeepSeek-V2 rotates its rotary dims as interleaved pairs always (transformers reads no key)
+        rope_interleave=model_type == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
     )
     if mla.qk_rope_head_dim % 2:
         raise CheckpointError(f"{path}: qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}")
@@ -773,6 +942,12 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raw = _gpt_oss_defaulted(raw)
     if model_type == "glm4_moe":
         raw = {**GLM4_MOE_DEFAULTS, **raw}
+    if model_type == "deepseek_v2":
+        raw = {**DEEPSEEK_V2_DEFAULTS, **raw}
+    if model_type == "llama4_text":
+        raw = {**LLAMA4_TEXT_DEFAULTS, **raw}
+    if model_type in COHERE_MODEL_TYPES:
+        raw = {**(COHERE2_DEFAULTS if model_type == "cohere2" else COHERE_DEFAULTS), **raw}
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -791,8 +966,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     if attention_bias in ("config", "config_qkv") and not _flag(raw, "attention_bias", False, path):
         attention_bias = "none"
     rotary_dim, gemma = None, model_type in GEMMA_MODEL_TYPES
-    if model_type == "deepseek_v3":
-        mla, rope_types = _parse_mla(raw, num_heads, path), MLA_ROPE_TYPES
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        mla, rope_types = _parse_mla(raw, model_type, num_heads, path), MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     if model_type == "phi3":
         rope_types, rotary_dim = PHI3_ROPE_TYPES, _rotary_dim(raw, head_dim, path)
@@ -832,6 +1007,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_gpt_oss_fields(raw, num_layers, path))
     fields.update(_smollm3_fields(raw, num_layers, path))
     fields.update(_olmo_fields(raw, num_layers, path))
+    fields.update(_cohere_fields(raw, num_layers, path))
+    fields.update(_llama4_fields(raw, num_layers, path))
     return ModelConfig(**fields)
 
 

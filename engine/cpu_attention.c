@@ -12,7 +12,8 @@
    head, a term of the softmax's denominator that weighs no value) a head's running max and sum start at
    its sink and 1 instead of -inf and 0: the sink is a key scored before the others, with a zero value.
    With a softcap (Gemma 2; 0: none) each tile's scaled scores become softcap * tanh(score / softcap) before
-   its softmax: one test per tile where there is none.
+   its softmax: one test per tile where there is none. A window > 0 attends only the last `window` keys; one < 0 only
+   those of the query's own chunk of -window keys (chunked attention); 0 all.
 
    The items (a sequence's run of KV heads) are shared out over OpenMP threads. The extension is linked against
    libgomp.so.1 and imported after torch, whose wheel ships that library: the loader then resolves it
@@ -139,6 +140,14 @@ static inline __attribute__((always_inline)) void locate(const job_t *job, const
     }
 }
 
+/* The first key a sequence's query (at position len - 1) sees: of the last `window` keys (window > 0), of its own
+   chunk of -window keys (window < 0: Llama 4's chunked attention), or of all (0). */
+static inline int64_t first_key(int64_t window, int64_t len) {
+    if (window > 0) return len > window ? len - window : 0;
+    if (window < 0) return (len - 1) / -window * -window;
+    return 0;
+}
+
 /* One sequence's query heads of KV heads h0..h1-1 (at most MAX_GROUP query heads in all), for a head size
    that is a multiple of 16; D is a constant where the caller inlines it for a common size (the loops
    over it are then unrolled). An item's KV heads sit side by side in each cache row, so its keys and
@@ -151,7 +160,7 @@ static inline __attribute__((always_inline)) void attend_vectors(const job_t *jo
     float scores[MAX_GROUP * TILE], run_max[MAX_GROUP], run_sum[MAX_GROUP];
     const float *rows[2][2][TILE];   /* [tile parity][keys, values][key]: this tile's rows and the next's */
     const int64_t len = job->lens[s];
-    const int64_t start = job->window > 0 && len > job->window ? len - job->window : 0;
+    const int64_t start = first_key(job->window, len);
     const int64_t *table = job->tables + s * job->max_blocks;
     const float *qh = job->q + (s * H + h0 * G) * D;
     const int64_t bytes = (h1 - h0) * D * 4;
@@ -215,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_scalars(const job_t *jo
     float acc[MAX_GROUP * MAX_HEAD_DIM], qs[MAX_GROUP * MAX_HEAD_DIM], scores[MAX_GROUP * TILE];
     float run_max[MAX_GROUP], run_sum[MAX_GROUP];
     const int64_t len = job->lens[s];
-    const int64_t start = job->window > 0 && len > job->window ? len - job->window : 0;
+    const int64_t start = first_key(job->window, len);
     const int64_t *table = job->tables + s * job->max_blocks;
     const float *qh = job->q + (s * H + h * G) * D;
     for (int64_t i = 0; i < G * D; i++) qs[i] = qh[i] * job->scale;
@@ -275,7 +284,7 @@ static int check(job_t *job, const Py_buffer *views, int64_t first, int64_t last
     enum { Q, K, V, TABLES, LENS, OUT };
     const int64_t H = job->num_heads, HKV = job->num_kv_heads, D = job->head_dim, BS = job->block_size;
     if (HKV <= 0 || H <= 0 || H % HKV || H / HKV > MAX_GROUP || D <= 0 || D > MAX_HEAD_DIM || BS <= 0
-        || job->max_blocks <= 0 || job->window < 0) {
+        || job->max_blocks <= 0) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: %lld heads, %lld kv heads, head_dim %lld, block size %lld",
                      (long long)H, (long long)HKV, (long long)D, (long long)BS);
         return -1;

@@ -61,7 +61,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
            sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q [S, H, D] (each sequence's last position) over its first context_lens[s] keys in the
     cache [num_blocks, block_size, Hkv, D]; returns [S, H, D]. num_keys: the sum of context_lens (how
-    many threads the work is worth); sinks: [H] per-head logits in the softmax's denominator (gpt-oss);
+    many threads the work is worth); sliding_window: the last that many keys, or negative, the query's own chunk of
+    -sliding_window keys (chunked attention); sinks: [H] per-head logits in the softmax's denominator (gpt-oss);
     softcap: each scaled score becomes softcap * tanh(score / softcap) (Gemma 2)."""
     q = q.contiguous()
     tables = block_tables.contiguous()

@@ -73,7 +73,11 @@ def moe_forward_parallel(moe: MoEWeights, x: torch.Tensor, experts: ExpertGroup,
     receive = _all_to_all(group, send, [1] * size, [1] * size)
     send_sizes, receive_sizes = send.tolist(), receive.tolist()
 
-    rows = _all_to_all(group, mine.index_select(0, order // moe.top_k), send_sizes, receive_sizes)
+    rows = mine.index_select(0, order // moe.top_k)
+    if moe.weighs_input:   # Llama 4: each expert takes its row times the pair's weight; the outputs add up unweighted
+        rows = rows * weights.flatten()[order].to(rows.dtype)[:, None]
+        weights = torch.ones_like(weights)
+    rows = _all_to_all(group, rows, send_sizes, receive_sizes)
     local_ids = _all_to_all(group, (flat_ids - owners * experts.experts_per_rank)[order], send_sizes, receive_sizes)
     unweighted = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=x.device)
     expert_out = run_experts(moe, rows, unweighted, local_ids[:, None], ops)

@@ -15,7 +15,7 @@ and of each mixture-of-experts layer only its experts, sliced in the file, never
 cut afterwards. A compressed tensor is entropy-coded as a whole, so a TP rank decodes it
 and keeps its slice; compressed_in_memory keeps whole MLP weights and is for whole layers only.
 
-An image-and-text checkpoint (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's)
+An image-and-text checkpoint (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, Qwen3-VL-MoE's, Llama 4's)
 loads as its text model: its text tensors are read under the names a text-only checkpoint gives them
 (text_model_names), and its image encoder is left unread.
 """
@@ -103,15 +103,16 @@ def stores_lm_head(model_dir: str | Path) -> bool:
     return "lm_head.weight" in text_model_names(compressed.names() if compressed else files, load_config(model_dir))
 
 
-# Image-and-text checkpoints nest the text model: Gemma 3's and Mistral 3's older saves as language_model.model.*
-# and language_model.lm_head, newer ones (every family's) as model.language_model.* and lm_head; Qwen2-VL's and
-# Qwen2.5-VL's older saves name it as a text-only checkpoint does (model.*, lm_head). Beside it lies the image
-# encoder with its projector (Gemma 3, Mistral 3: vision_tower.*, multi_modal_projector.*; Qwen: visual.*, under
-# model. in newer saves), which the engine does not serve
+# Image-and-text checkpoints nest the text model: Gemma 3's, Mistral 3's and Llama 4's older saves as
+# language_model.model.* and language_model.lm_head, newer ones (every family's) as model.language_model.* and
+# lm_head; Qwen2-VL's and Qwen2.5-VL's older saves name it as a text-only checkpoint does (model.*, lm_head). Beside
+# it lies the image encoder with its projector (Gemma 3, Mistral 3: vision_tower.*, multi_modal_projector.*; Qwen:
+# visual.*, under model. in newer saves; Llama 4: vision_model.*, multi_modal_projector.*), which the engine does
+# not serve
 TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                        ("model.language_model.", "model."))
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                  "visual.", "model.visual.")
+                  "visual.", "model.visual.", "vision_model.")
 
 
 def is_bare_backbone(names) -> bool:
@@ -252,10 +253,10 @@ class _TensorReader:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
     def read_compressed_mlp(self, prefix: str, shapes: dict[str, tuple[int, ...]]) -> CompressedMLP | None:
-        """The layer's MLP projections still compressed, on the device (each decoded once here and
-        checked), or None unless all of them are compressed. `shapes` names the projections as the
-        checkpoint stores them: gate, up and down, or gate_up and down (fused)."""
-        names = {proj: f"{prefix}mlp.{proj}_proj.weight" for proj in shapes}
+        """The layer's MLP projections (under `prefix`, the MLP block's) still compressed, on the device (each
+        decoded once here and checked), or None unless all of them are compressed. `shapes` names the projections
+        as the checkpoint stores them: gate, up and down, or gate_up and down (fused)."""
+        names = {proj: f"{prefix}{proj}_proj.weight" for proj in shapes}
         if self.compressed is None or not all(self.compressed.is_compressed(self.stored.get(n, n))
                                               for n in names.values()):
             return None
@@ -379,10 +380,17 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             reader.read(p + "self_attn.k_proj.bias", (kv_rows,), rows=kv_part),
             reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
+    if cfg.rope_interleaved:   # q's and k's rows, whole heads of this rank's, in the order the engine rotates
+        qkv[:len(q_part) + len(kv_part)] = _rotary_halves(qkv[:len(q_part) + len(kv_part)], head_dim)
+        if qkv_bias is not None:
+            qkv_bias[:len(q_part) + len(kv_part)] = _rotary_halves(qkv_bias[:len(q_part) + len(kv_part)], head_dim)
     q_norm = k_norm = None
     if cfg.qk_norm and cfg.qk_norm_over_heads:   # OLMo 2: over the whole projections, of which this rank's heads'
         q_norm = _read_norm(reader, cfg, p + "self_attn.q_norm.weight", q_rows, rows=q_part)
         k_norm = _read_norm(reader, cfg, p + "self_attn.k_norm.weight", kv_rows, rows=kv_part)
+    elif cfg.qk_norm and cfg.qk_norm_weight_per_head:   # Command R+: a row of weights per head, of this rank's heads
+        q_norm = _read_head_norms(reader, cfg, p + "self_attn.q_norm.weight", cfg.num_heads, shard.heads)
+        k_norm = _read_head_norms(reader, cfg, p + "self_attn.k_norm.weight", cfg.num_kv_heads, shard.kv_heads)
     elif cfg.qk_norm:
         q_norm = _read_norm(reader, cfg, p + "self_attn.q_norm.weight", head_dim)
         k_norm = _read_norm(reader, cfg, p + "self_attn.k_norm.weight", head_dim)
@@ -393,7 +401,8 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
         q_norm=q_norm,
         k_norm=k_norm,
         o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows), cols=q_part),
-        post_norm=_read_norm(reader, cfg, p + "post_attention_layernorm.weight", hidden),
+        post_norm=None if cfg.parallel_block else _read_norm(reader, cfg, p + "post_attention_layernorm.weight",
+                                                             hidden),
         gate_up=None,
         down=None,
         o_bias=reader.read(p + "self_attn.o_proj.bias", (hidden,)) if cfg.o_bias else None,
@@ -409,9 +418,25 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
     return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
 
 
+def _read_head_norms(reader: _TensorReader, cfg: ModelConfig, name: str, num_heads: int, heads: range) -> torch.Tensor:
+    """Command R+'s q or k norm weights [num_heads, head_dim], the rows of `heads`, in float32 (transformers multiplies
+    the float32 row by them), each head's dims in the order its q or k rows were put in (_rotary_halves)."""
+    weights = reader.read(name, (num_heads, cfg.head_dim), rows=heads, dtype=torch.float32)
+    return _rotary_halves(weights.reshape(-1), cfg.head_dim).view(weights.shape) if cfg.rope_interleaved else weights
+
+
+def _rotary_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A projection's rows (weight or bias) of whole heads, each head's rotary dims stored as interleaved pairs
+    (x0, x1), (x2, x3), ..., reordered to x0, x2, ... then x1, x3, ...: rotating the halves (engine.ops.apply_rotary)
+    then rotates each pair by its frequency exactly as the interleaved rotary does. Queries and keys are permuted
+    alike, so their dot products, the attention's scores, do not change."""
+    heads = rows.reshape(-1, head_dim // 2, 2, *rows.shape[1:])
+    return heads.transpose(1, 2).reshape(rows.shape)
+
+
 def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard, layer: LayerWeights,
               keep_mlp_compressed: bool) -> tuple[LayerWeights, CompressedMLP | None]:
-    p, hidden = f"model.layers.{i}.", cfg.hidden_size
+    p, hidden = f"model.layers.{i}.{MLP_PREFIXES.get(cfg.model_type, 'mlp.')}", cfg.hidden_size
     mlp = None
     if cfg.is_sparse(i):
         layer.moe = _read_moe(reader, cfg, i, shard.experts)
@@ -422,20 +447,24 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
         # Kept compressed, StreamedLayers points gate_up and down at its decode buffers.
         mlp = reader.read_compressed_mlp(p, stored) if keep_mlp_compressed else None
         if mlp is None and cfg.fused_projections:   # Phi-3's gate_up_proj: gate rows, then up rows; this rank's of each
-            layer.gate_up = reader.read(p + "mlp.gate_up_proj.weight", (2 * inter, hidden),
+            layer.gate_up = reader.read(p + "gate_up_proj.weight", (2 * inter, hidden),
                                         rows=[shard.mlp, _shifted(shard.mlp, inter)])
-            layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"], cols=shard.mlp)
+            layer.down = reader.read(p + "down_proj.weight", shapes["down"], cols=shard.mlp)
         elif mlp is None:
             layer.gate_up = torch.cat([
-                reader.read(p + "mlp.gate_proj.weight", shapes["gate"], rows=shard.mlp),
-                reader.read(p + "mlp.up_proj.weight", shapes["up"], rows=shard.mlp),
+                reader.read(p + "gate_proj.weight", shapes["gate"], rows=shard.mlp),
+                reader.read(p + "up_proj.weight", shapes["up"], rows=shard.mlp),
             ])
-            layer.down = reader.read(p + "mlp.down_proj.weight", shapes["down"], cols=shard.mlp)
+            layer.down = reader.read(p + "down_proj.weight", shapes["down"], cols=shard.mlp)
         if cfg.mlp_bias:
-            layer.gate_up_bias = torch.cat([reader.read(p + "mlp.gate_proj.bias", (inter,), rows=shard.mlp),
-                                            reader.read(p + "mlp.up_proj.bias", (inter,), rows=shard.mlp)])
-            layer.down_bias = reader.read(p + "mlp.down_proj.bias", (hidden,))
+            layer.gate_up_bias = torch.cat([reader.read(p + "gate_proj.bias", (inter,), rows=shard.mlp),
+                                            reader.read(p + "up_proj.bias", (inter,), rows=shard.mlp)])
+            layer.down_bias = reader.read(p + "down_proj.bias", (hidden,))
     return layer, mlp
+
+
+# A layer's MLP block's name where it is not `mlp.` (Llama 4's, dense or mixture of experts)
+MLP_PREFIXES = {"llama4_text": "feed_forward."}
 
 
 # Tensors some checkpoints store that a model recomputes rather than loads (older transformers saved rope's).
@@ -472,7 +501,13 @@ def _expert_of(name: str) -> int | None:
 MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-             "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "deepseek_v2": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "llama4_text": ("feed_forward.", ("gate_proj", "up_proj", "down_proj"))}
+# ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
+MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert.")}
+# Stacked experts always stored transposed ([E, hidden, 2 * inter], [E, inter, hidden]), as transformers keeps them
+TRANSPOSED_EXPERT_TYPES = ("llama4_text",)
 
 
 def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -> MoEWeights:
@@ -490,9 +525,10 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     prefix, (gate_name, up_name, down_name) = MOE_NAMES[cfg.model_type]
     p = f"model.layers.{i}.{prefix}"
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
-    # grouped routing (DeepSeek-V3, GLM-4.5) scores in float32 by a float32 router, as transformers keeps it
-    router = reader.read(p + "gate.weight", (num_experts, hidden),
-                         dtype=torch.float32 if moe.scoring == "sigmoid" else None)
+    router_name, shared_name = MOE_ROUTER_SHARED_NAMES.get(cfg.model_type, ("gate.", "shared_experts."))
+    # grouped routing (DeepSeek-V2 and V3, GLM-4.5) scores in float32 by a float32 router, as transformers keeps it
+    router = reader.read(p + router_name + "weight", (num_experts, hidden),
+                         dtype=torch.float32 if moe.grouped else None)
     if reader.has(p + "experts.gate_up_proj"):
         gate_up, down = _read_stacked_experts(reader, cfg, p + "experts.", experts)
     else:
@@ -503,14 +539,16 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
             gate_up[local, :inter] = reader.read(f"{e}{gate_name}.weight", (inter, hidden))
             gate_up[local, inter:] = reader.read(f"{e}{up_name}.weight", (inter, hidden))
             down[local] = reader.read(f"{e}{down_name}.weight", (hidden, inter))
-    weights = MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob)
+    weights = MoEWeights(router, gate_up, down, moe.num_experts_per_tok, moe.norm_topk_prob,
+                         weighs_input=moe.scoring == "sigmoid_topk")
+    if moe.grouped:
+        weights.grouped_routing = moe
     if moe.scoring == "sigmoid":
         # kept in float32, as the reference keeps it: it only ranks experts, and rounded to bfloat16
         # it would rank near ties differently
-        weights.grouped_routing = moe
         weights.correction_bias = reader.read(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
     if moe.num_shared_experts:
-        shared, s = moe.num_shared_experts * inter, p + "shared_experts."
+        shared, s = moe.num_shared_experts * inter, p + shared_name
         weights.shared_gate_up = torch.cat([reader.read(s + "gate_proj.weight", (shared, hidden)),
                                             reader.read(s + "up_proj.weight", (shared, hidden))])
         weights.shared_down = reader.read(s + "down_proj.weight", (hidden, shared))
@@ -524,12 +562,13 @@ def _read_stacked_experts(reader: _TensorReader, cfg: ModelConfig, p: str,
     memory and saves them now. Qwen3-VL-MoE's checkpoints as published store both transposed (gate_up_proj
     [E, hidden, 2 * inter], gate columns first; down_proj [E, inter, hidden]); those are read and transposed one
     expert at a time into a preallocated stack. The layout is told by the shapes, as transformers tells it: where
-    both fit (hidden == 2 * inter or hidden == inter), the engine's."""
+    both fit (hidden == 2 * inter or hidden == inter), the engine's; Llama 4's (TRANSPOSED_EXPERT_TYPES) always the
+    transposed one."""
     hidden, inter, num_experts = cfg.hidden_size, cfg.moe.intermediate_size, cfg.moe.num_experts
     stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
     read = []
     for name, (rows, cols) in stacked.items():
-        if reader.shape(p + name) != (num_experts, cols, rows):
+        if cfg.model_type not in TRANSPOSED_EXPERT_TYPES and reader.shape(p + name) != (num_experts, cols, rows):
             read.append(reader.read(p + name, (num_experts, rows, cols), rows=experts))
             continue
         stored = reader.read(p + name, (num_experts, cols, rows), rows=experts)

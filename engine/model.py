@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3,
-and the MoE Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss) over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3, Cohere,
+and the MoE Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss and Llama 4) over a flat batch of tokens and a paged
+KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
@@ -17,7 +18,12 @@ does, with one rope for all layers and no q/k norms, and soft-caps its attention
 softcap) and its logits by tanh. SmolLM3's NoPE layers rotate nothing. OLMo 2 norms only each attention and MLP
 output (the blocks take the residual stream unnormed) and norms q and k over their whole projections, all heads
 together (under TP the ranks' sums of squares are all-reduced); OLMo 3 adds Gemma 3's sliding layers with their own
-rope. Every op goes through engine.ops so kernels can replace them.
+rope. Llama 4 (its interleaved rotary made rotate-half by the loader) norms q and k without weight after the rotary
+and attends by chunks on its rotary layers (a negative window: engine.ops.window_start), and scales the queries of
+its NoPE layers by a temperature that grows with the position. Cohere's models (Command R, R+, R7B, A) run a parallel
+block: one LayerNorm (engine.ops.layer_norm: the row's mean subtracted) of the residual stream feeds both the attention
+and the MLP, both outputs join the stream; their interleaved rotary is made rotate-half by the loader, and Command R7B
+and A rotate only on their sliding-window layers. Every op goes through engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -48,7 +54,9 @@ class LayerWeights:
     input_norm: torch.Tensor | None   # None: OLMo 2 (config.input_norms), as is post_norm
     qkv: torch.Tensor | None      # [(H + 2 Hkv) * D, hidden]; None under multi-head latent attention
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None   # Qwen3: RMSNorm over head_dim before rotary; OLMo 2: over H * D (whole q)
+    # Qwen3: RMSNorm over head_dim before rotary; OLMo 2: over H * D (whole q); Command R+: LayerNorm over head_dim,
+    # weights [H, D] (a row per head)
+    q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_proj: torch.Tensor | None
     post_norm: torch.Tensor | None
@@ -106,11 +114,20 @@ class CausalLM:
         if config.nope_layers:   # SmolLM3's NoPE layers rotate nothing
             self.rope_tables = [None if config.nope_layers[i] else table
                                 for i, table in zip(shard.layers, self.rope_tables)]
+        # Llama 4's q/k norms without weight, per layer of this stage: a float32 weight of ones (rms_norm then
+        # multiplies in float32 and rounds after, as transformers' norm rounds), or None
+        unit = torch.ones(config.head_dim, device=device) if any(config.l2_qk_norm_layers) else None
+        self.l2_qk_norms = [unit if config.l2_qk_norm_layers and config.l2_qk_norm_layers[i] else None
+                            for i in shard.layers]
         self.embedding_multiplier = config.embedding_multiplier
         if config.embedding_multiplier_in_dtype:
             self.embedding_multiplier = torch.tensor(config.embedding_multiplier, dtype=dtype).item()
         self.ops = ops.for_device(device)  # Triton kernels on CUDA, engine.ops elsewhere
         self.act_and_mul = ops.ACT_AND_MUL[config.hidden_act]   # the op's name, looked up in self.ops per call
+        # the norms' ops, by name likewise: Cohere's LayerNorms subtract the row's mean, the others' RMSNorms do not
+        self.norm_op, self.add_norm_op = "rms_norm", "add_rms_norm"
+        if config.layer_norms:
+            self.norm_op, self.add_norm_op = "layer_norm", "add_layer_norm"
 
     def serve_context(self, max_model_len: int) -> None:
         """Rotate by the rope of an engine whose sequences hold at most max_model_len tokens: longrope's
@@ -149,7 +166,10 @@ class CausalLM:
                 attn = attn * cfg.residual_multiplier
             if layer.attn_out_norm is not None:
                 attn = self.ops.rms_norm(attn, layer.attn_out_norm, cfg.rms_norm_eps)
-            normed, residual = self._add_norm(attn, residual, layer.post_norm)
+            if cfg.parallel_block:   # Cohere: the MLP takes the attention's input too, both outputs join the stream
+                residual = residual + attn
+            else:
+                normed, residual = self._add_norm(attn, residual, layer.post_norm)
             if layer.moe is None:
                 hidden = self._mlp(layer, normed)
             elif self.experts is not None:
@@ -162,7 +182,7 @@ class CausalLM:
                 hidden = self.ops.rms_norm(hidden, layer.mlp_out_norm, cfg.rms_norm_eps)
         if self.weights.norm is None:
             return residual + hidden  # what add_rms_norm's sum would be: the next stage's input
-        normed, _ = self.ops.add_rms_norm(hidden, residual, self.weights.norm, cfg.rms_norm_eps)
+        normed, _ = self._add_norm(hidden, residual, self.weights.norm)
         return normed
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -171,9 +191,9 @@ class CausalLM:
         block's input; OLMo 2's blocks take the stream unnormed (weight None)."""
         eps = self.config.rms_norm_eps
         if residual is not None and weight is not None:
-            return self.ops.add_rms_norm(x, residual, weight, eps)
+            return getattr(self.ops, self.add_norm_op)(x, residual, weight, eps)
         residual = x if residual is None else residual + x
-        return (residual if weight is None else self.ops.rms_norm(residual, weight, eps)), residual
+        return (residual if weight is None else getattr(self.ops, self.norm_op)(residual, weight, eps)), residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         multiplier = self.embedding_multiplier
@@ -212,11 +232,16 @@ class CausalLM:
         q = q.reshape(num_tokens, num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and not cfg.qk_norm_over_heads:
-            q = self.ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = self.ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        if layer.q_norm is not None and not cfg.qk_norm_over_heads:   # Command R+'s: LayerNorms, a weight row per head
+            q = getattr(self.ops, self.norm_op)(q, layer.q_norm, cfg.rms_norm_eps)
+            k = getattr(self.ops, self.norm_op)(k, layer.k_norm, cfg.rms_norm_eps)
         if self.rope_tables[index] is not None:   # None: a NoPE layer (SmolLM3)
             q, k = self.ops.apply_rotary(q, k, positions, *self.rope_tables[index])
+        if self.l2_qk_norms[index] is not None:   # Llama 4: after the rotary, over each head
+            q = self.ops.rms_norm(q, self.l2_qk_norms[index], cfg.rms_norm_eps)
+            k = self.ops.rms_norm(k, self.l2_qk_norms[index], cfg.rms_norm_eps)
+        if cfg.attn_temperature is not None and self.rope_tables[index] is None:
+            q = self._tuned_temperature(q, positions)
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index], layer.sinks,
@@ -225,6 +250,13 @@ class CausalLM:
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)
         return out if layer.o_bias is None else out + layer.o_bias
+
+    def _tuned_temperature(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's attention temperature tuning on a NoPE layer: each query times 1 + attn_scale * log(1 +
+        floor((position + 1) / floor_scale)), computed in float32 and rounded after, as transformers computes it."""
+        floor_scale, attn_scale = self.config.attn_temperature
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * scales[:, None, None]).to(q.dtype)
 
     def _qk_norm_over_heads(self, q: torch.Tensor, k: torch.Tensor,
                             layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,12 +278,14 @@ class CausalLM:
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head output in the model's dtype (under TP: this rank's vocab columns), divided by Granite's
-        logits_scaling, or soft-capped as Gemma 2's are (cap * tanh(logits / cap), in the model's dtype as in
-        transformers)."""
+        logits_scaling or multiplied by Cohere's logit_scale, or soft-capped as Gemma 2's are (cap * tanh(logits / cap),
+        in the model's dtype as in transformers)."""
         logits = self.ops.linear(hidden, self.weights.lm_head)
         scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
         if scaling != 1:
             logits = logits / scaling
+        if self.config.logit_scale != 1:   # Cohere's multiplier
+            logits = logits * self.config.logit_scale
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()

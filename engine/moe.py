@@ -1,13 +1,16 @@
-"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss): route each token to its top-k
-experts, run the experts, combine with the router's weights, add the shared experts if any.
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4.5, gpt-oss, Llama 4): route each
+token to its top-k experts, run the experts, combine with the router's weights, add the shared experts if any.
 
-Routing is computed as the reference implementations compute it, in one of three ways:
+Routing is computed as the reference implementations compute it, in one of four ways:
 - softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE;
-- DeepSeek-V3's grouped routing (`route_grouped`, GLM-4.5's too): sigmoid scores, a per-expert correction bias that
-  steers the choice but not the weights, the choice restricted to the best groups of experts, and
-  weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor.
+- DeepSeek's grouped routing (`route_grouped`): DeepSeek-V3's (GLM-4.5's too) sigmoid scores, a per-expert correction
+  bias that steers the choice but not the weights, the choice restricted to the best groups of experts, and
+  weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor;
+  DeepSeek-V2's the same over softmax scores, with no bias, groups ranked by their best score, and no renormalizing.
 - gpt-oss's (`route_topk_softmax`): a biased router, the top-k logits, a softmax over those k; its experts
   carry biases and activate by a clamped SwiGLU (engine.ops.clamped_swiglu).
+- Llama 4's (`route_sigmoid_topk`): the top-k logits, each expert's weight its logit's sigmoid, applied to the
+  expert's input rather than its output (`run_experts_on_weighted_inputs`).
 All are whole-batch tensor ops. The expert compute is `ops.fused_moe`: the torch version groups
 tokens by expert with one sort (engine.ops), the Triton kernel on CUDA is its twin. Shared experts
 are a dense MLP every token takes, added to the routed output.
@@ -29,9 +32,9 @@ class MoEWeights:
     down: torch.Tensor       # [num_experts, hidden, inter]
     top_k: int
     normalize: bool          # renormalize the top-k probabilities to sum to 1
-    # DeepSeek-V3 (grouped routing, shared experts); None for softmax routing and no shared experts
-    grouped_routing: MoEConfig | None = None   # the model's groups, top-k and scaling
-    correction_bias: torch.Tensor | None = None   # [num_experts] float32, added to the scores for the choice only
+    # DeepSeek (grouped routing, shared experts); None for softmax routing and no shared experts
+    grouped_routing: MoEConfig | None = None   # the model's scoring, groups, top-k and scaling
+    correction_bias: torch.Tensor | None = None   # [num_experts] float32, added to the scores for the choice only (V3)
     shared_gate_up: torch.Tensor | None = None    # [2 * shared inter, hidden]
     shared_down: torch.Tensor | None = None       # [hidden, shared inter]
     # gpt-oss: the router's bias (softmax over the top-k biased logits), the experts' biases, the clamped SwiGLU
@@ -39,6 +42,9 @@ class MoEWeights:
     gate_up_bias: torch.Tensor | None = None      # [num_experts, 2 * inter], gate first
     down_bias: torch.Tensor | None = None         # [num_experts, hidden]
     swiglu: tuple[float, float] | None = None     # (alpha, limit): engine.ops.clamped_swiglu; None: SiLU(gate) * up
+    # Llama 4 (route_sigmoid_topk): each chosen expert takes the token's hidden state times its weight, and the
+    # experts' outputs add up unweighted
+    weighs_input: bool = False
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,18 +56,20 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
     return weights, ids
 
 
-def route_grouped(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor,
+def route_grouped(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
                   cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's routing: (weights [T, k] float32, expert ids [T, k] int64).
+    """DeepSeek's routing: (weights [T, k] float32, expert ids [T, k] int64).
 
-    A group of experts scores by the sum of its best two biased scores; each token picks its
-    topk_groups best groups, then its top-k biased scores among their experts."""
+    A group of experts scores by the sum of its best group_score_experts biased scores (V3: two; V2, whose
+    scores are a softmax and carry no bias: one); each token picks its topk_groups best groups, then its top-k
+    biased scores among their experts (V2-Lite's greedy top-k is one group)."""
     num_tokens = x.shape[0]
-    scores = torch.sigmoid(x.float() @ router.float().T)
-    biased = scores + correction_bias
+    logits = x.float() @ router.float().T
+    scores = torch.sigmoid(logits) if cfg.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    biased = scores if correction_bias is None else scores + correction_bias
     # explicit sizes: under expert parallelism a rank's slice of the batch may hold no token
     grouped = biased.view(num_tokens, cfg.num_groups, cfg.num_experts // cfg.num_groups)
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    group_scores = grouped.topk(cfg.group_score_experts, dim=-1).values.sum(dim=-1)
     best_groups = group_scores.topk(cfg.topk_groups, dim=-1).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, cfg.num_experts)
@@ -81,12 +89,21 @@ def route_topk_softmax(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor
     return torch.softmax(top, dim=-1).float(), ids
 
 
+def route_sigmoid_topk(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's routing: the top-k of the logits (computed in x's dtype), each weighted by its sigmoid (in float32);
+    the weights apply to the experts' inputs (MoEWeights.weighs_input)."""
+    top, ids = torch.topk(x @ router.T, top_k, dim=-1)
+    return torch.sigmoid(top.float()), ids
+
+
 def select_experts(moe: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's routing of x: (weights [T, k] float32, expert ids [T, k] int64)."""
     if moe.grouped_routing is not None:
         return route_grouped(x, moe.router, moe.correction_bias, moe.grouped_routing)
     if moe.router_bias is not None:
         return route_topk_softmax(x, moe.router, moe.router_bias, moe.top_k)
+    if moe.weighs_input:
+        return route_sigmoid_topk(x, moe.router, moe.top_k)
     return route(x, moe.router, moe.top_k, moe.normalize)
 
 
@@ -95,6 +112,17 @@ def run_experts(moe: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: to
     if moe.gate_up_bias is None and moe.swiglu is None:
         return ops.fused_moe(x, weights, ids, moe.gate_up, moe.down)
     return ops.fused_moe(x, weights, ids, moe.gate_up, moe.down, moe.gate_up_bias, moe.down_bias, moe.swiglu)
+
+
+def run_experts_on_weighted_inputs(moe: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                                   ops) -> torch.Tensor:
+    """Llama 4's experts: each (token, slot) pair's expert takes the token's row times the pair's weight (rounded to
+    x's dtype first, as transformers rounds it), and a token's k outputs are summed."""
+    num_tokens, top_k = ids.shape
+    rows = (x[:, None, :] * weights.to(x.dtype)[:, :, None]).reshape(num_tokens * top_k, x.shape[1])
+    unweighted = weights.new_ones((num_tokens * top_k, 1))
+    out = run_experts(moe, rows, unweighted, ids.reshape(-1, 1), ops)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 def shared_experts(moe: MoEWeights, x: torch.Tensor, ops) -> torch.Tensor | None:
@@ -107,6 +135,9 @@ def shared_experts(moe: MoEWeights, x: torch.Tensor, ops) -> torch.Tensor | None
 def moe_forward(moe: MoEWeights, x: torch.Tensor, ops) -> torch.Tensor:
     """The block's output [T, hidden] for normed hidden states x [T, hidden]."""
     weights, ids = select_experts(moe, x)
-    out = run_experts(moe, x, weights, ids, ops)
+    if moe.weighs_input:
+        out = run_experts_on_weighted_inputs(moe, x, weights, ids, ops)
+    else:
+        out = run_experts(moe, x, weights, ids, ops)
     shared = shared_experts(moe, x, ops)
     return out if shared is None else out + shared

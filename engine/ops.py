@@ -1,4 +1,5 @@
-"""The model's hot ops in plain torch: RMSNorm, rotary embedding, KV-cache write, paged attention.
+"""The model's hot ops in plain torch: RMSNorm (and Cohere's LayerNorm), rotary embedding, KV-cache write, paged
+attention.
 
 Each op is one function with a fixed signature so a faster kernel (engine/kernels) can replace it
 on CUDA while this version stays the reference and the CPU path.
@@ -26,6 +27,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     orig_dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (x32 * weight).to(orig_dtype)
+    return weight * x32.to(orig_dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm: the row's mean subtracted, then divided by its standard deviation, in float32, times
+    the weight (no bias), returned in x's dtype; the weight's dtype says where the rounding falls, as in rms_norm."""
+    orig_dtype = x.dtype
+    x32 = x.float()
+    centered = x32 - x32.mean(-1, keepdim=True)
+    x32 = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype == torch.float32:
         return (x32 * weight).to(orig_dtype)
     return weight * x32.to(orig_dtype)
@@ -207,6 +220,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gather and one attention call per group; longer prefill chunks one by one. The plan is made once
     per step (every layer attends the same sequences).
 
+    sliding_window: the last that many keys each query sees, or, negative, chunked attention (Llama 4): the keys of
+    its own chunk of -sliding_window tokens up to it (window_start); None: all keys up to it.
     sinks [H] float32 (gpt-oss): each head's learned logit, one more term in its softmax's denominator that
     weighs no value (transformers appends it to the scaled, masked scores and drops its column after).
     softcap (Gemma 2): each scaled score becomes softcap * tanh(score / softcap) before the mask and softmax.
@@ -226,6 +241,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[start:end] = _attend_chunk(q[start:end], k_cache, v_cache, batch.block_tables[i], batch.context_lens[i],
                                        scale, sliding_window, sinks, softcap)
     return out
+
+
+def window_start(query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The first key each query position sees under a layer's window (ModelConfig.sliding_windows): the last
+    `window` tokens' first, or under chunked attention (a negative window, Llama 4) its own chunk's first."""
+    if window > 0:
+        return query_pos - window + 1
+    return torch.div(query_pos, -window, rounding_mode="floor") * -window
 
 
 # Sequences with at most this many queries in a step are attended in groups.
@@ -255,7 +278,7 @@ class AttentionGroup:
             key_pos = torch.arange(num_keys, device=self.query_pos.device)
             hidden = key_pos > self.query_pos[..., None]
             if sliding_window:
-                hidden |= key_pos <= self.query_pos[..., None] - sliding_window
+                hidden |= key_pos < window_start(self.query_pos[..., None], sliding_window)
             mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf")).unsqueeze(1)
             self.masks[sliding_window] = mask
         return mask
@@ -332,7 +355,7 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q = q.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
     plain = sinks is None and softcap is None
-    if num_queries == context_len and not (sliding_window and sliding_window < context_len) and plain:
+    if num_queries == context_len and not (sliding_window and abs(sliding_window) < context_len) and plain:
         # A whole prompt in one chunk: plain causal attention, no mask to build (and the upper
         # triangle is skipped rather than masked).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -341,7 +364,7 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         key_pos = torch.arange(context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         if sliding_window:
-            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+            mask &= key_pos[None, :] >= window_start(query_pos[:, None], sliding_window)
         out = _attention(q, k, v, mask[None, None], scale, sinks, softcap)
     return out[0].transpose(0, 1)
 
@@ -410,6 +433,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """residual += x, then RMSNorm of the sum; returns (normed, new residual)."""
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x, then layer_norm of the sum; returns (normed, new residual)."""
+    residual = residual + x
+    return layer_norm(residual, weight, eps), residual
 
 
 # -- kernel selection --------------------------------------------------------------------------

@@ -8,7 +8,8 @@ captured once replays for any context (sequences with context length 0, the grap
 produce zeros). gpt-oss's sinks (one learned logit per query head in the softmax's denominator, weighing
 no value) start split 0's running max and sum at the sink and 1, as if it were a key scored first; the
 merge then counts it once. Gemma 2's soft-capping (SOFTCAP, a compiled variant of its own) caps each tile's
-scaled scores before their softmax.
+scaled scores before their softmax. A negative window is Llama 4's chunked attention: only the keys of the query's
+own chunk of -window tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     start = 0
     if WINDOW > 0:  # constexpr: one compiled variant per window size, no runtime branch
         start = tl.maximum(context_len - WINDOW, 0)
+    if WINDOW < 0:  # chunked attention: the query's own chunk of -WINDOW keys (a padding row's context is 0)
+        start = tl.maximum(context_len - 1, 0) // -WINDOW * -WINDOW
     per_split = tl.cdiv(tl.cdiv(context_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, context_len)

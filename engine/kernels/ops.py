@@ -8,11 +8,11 @@ from engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from engine.kernels.attention import paged_attention
 from engine.kernels.fused_moe import fused_moe
 from engine.kernels.kv_write import write_kv
-from engine.kernels.norm import add_rms_norm, rms_norm
+from engine.kernels.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from engine.kernels.rotary import apply_rotary
 
-__all__ = ["add_rms_norm", "apply_rotary", "fused_moe", "gelu_tanh_and_mul", "linear", "paged_attention", "rms_norm",
-           "silu_and_mul", "write_kv"]
+__all__ = ["add_layer_norm", "add_rms_norm", "apply_rotary", "fused_moe", "gelu_tanh_and_mul", "layer_norm", "linear",
+           "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
 
 
 def linear(x, weight):

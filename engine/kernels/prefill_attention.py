@@ -3,7 +3,8 @@
 Keys come from the paged cache (written by write_kv before this runs), so prefix-cache hits and
 chunked prefill take the same path as a fresh prompt: query i of a sequence with n new queries and
 context length L sits at position L - n + i and sees keys up to it (and, with a sliding window,
-no further back than the window). One program per (sequence, query head, tile of queries); the
+no further back than the window; with a negative one, Llama 4's chunked attention, none before its own chunk of
+-window tokens). One program per (sequence, query head, tile of queries); the
 key loop stops at the tile's causal limit. gpt-oss's sinks (one learned logit per query head in the softmax's
 denominator, weighing no value) start each row's running max and sum at the sink and 1. Gemma 2's soft-capping
 (SOFTCAP, a compiled variant of its own) caps each tile's scaled scores before the mask.
@@ -56,6 +57,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     lo = 0
     if WINDOW > 0:  # constexpr: one compiled variant per window size, no runtime branch
         lo = tl.maximum(first_pos + tile_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    if WINDOW < 0:  # chunked attention: from the chunk of the tile's first query
+        lo = (first_pos + tile_m * BLOCK_M) // -WINDOW * -WINDOW // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -81,6 +84,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        if WINDOW < 0:
+            visible = visible & (pos[None, :] >= q_pos[:, None] // -WINDOW * -WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.

@@ -225,7 +225,8 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
         if cfg.o_bias:
             attention += hidden
         if cfg.qk_norm:   # one head's width each, or OLMo 2's over the whole q and k (this rank's heads')
-            attention += (num_heads + num_kv_heads) * head_dim if cfg.qk_norm_over_heads else 2 * head_dim
+            per_head = cfg.qk_norm_over_heads or cfg.qk_norm_weight_per_head   # OLMo 2's, Command R+'s
+            attention += (num_heads + num_kv_heads) * head_dim if per_head else 2 * head_dim
         if cfg.attention_sinks:   # gpt-oss: one per query head
             attention += num_heads
     if cfg.is_sparse(layer):
@@ -236,7 +237,8 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
         mlp += num_experts * (2 * moe.intermediate_size + hidden) if moe.expert_bias else 0   # gpt-oss's experts' biases
     else:
         mlp = 3 * hidden * num_mlp_rows + (2 * num_mlp_rows + hidden if cfg.mlp_bias else 0)
-    return attention + mlp + (4 if cfg.sandwich_norms and cfg.input_norms else 2) * hidden   # and the layer's norms
+    num_norms = 4 if cfg.sandwich_norms and cfg.input_norms else 1 if cfg.parallel_block else 2   # the layer's
+    return attention + mlp + num_norms * hidden
 
 
 def layer_cost(cfg: ModelConfig, layer: int, expert_split: int = 1) -> int:

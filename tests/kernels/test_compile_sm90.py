@@ -63,6 +63,10 @@ CASES = {
                      PRECISION=None, SINKS=False)),
     "add_rms_norm": (_rms_norm_kernel, dict(x_ptr=BF16, residual_ptr=BF16, weight_ptr=BF16, out_ptr=BF16,
                                             residual_out_ptr=BF16, eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK=4096)),
+    # Command A's LayerNorm: the row's mean subtracted, float32 weights, hidden 12288
+    "add_layer_norm": (_rms_norm_kernel, dict(x_ptr=BF16, residual_ptr=BF16, weight_ptr="*fp32", out_ptr=BF16,
+                                              residual_out_ptr=BF16, eps="fp32"),
+                       dict(HAS_RESIDUAL=True, ROUND_FIRST=False, SUBTRACT_MEAN=True, BLOCK=16384)),
     "silu_and_mul": (_act_and_mul_kernel, dict(gate_up_ptr=BF16, out_ptr=BF16), dict(GELU_TANH=False, BLOCK=1024)),
     "rotary": (_rotary_kernel, dict(q_ptr=BF16, k_ptr=BF16, q_out_ptr=BF16, k_out_ptr=BF16, positions_ptr="*i64",
                                     cos_ptr="*fp32", sin_ptr="*fp32"),
