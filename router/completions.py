@@ -515,7 +515,7 @@ class CompletionRun:
         token_ids = [token.token_id]
         reasoning = ""
         if self.reasoning is not None:
-            reasoning, token_ids = self.reasoning.add(token_ids)
+            reasoning, token_ids = self.reasoning.add(token_ids, last=bool(finish_reason))
         answered = bool(token_ids)
         if self._hidden_ids:
             token_ids = [t for t in token_ids if t not in self._hidden_ids]

@@ -32,8 +32,8 @@ what the grammar allows:
 
 Templates close an empty block to turn thinking off: Qwen3's `enable_thinking: false`, SmolLM3's
 `/no_think`, DeepSeek-V3.1 without `thinking`, GLM-4.5/4.6's `enable_thinking: false` (which also ends each user
-message with `/nothink`). The answer after a block, the model's or the prompt's, starts at its first non-blank
-character.
+message with `/nothink`). The answer after a block, the model's or the prompt's, starts at its first line with
+words, that line's indentation kept (ReasoningStream.answer_delta).
 
 `reasoning_effort` (OpenAI's none, minimal, low, medium, high, xhigh) becomes what the model's template
 takes (`template_effort`): a template with effort levels (gpt-oss's "Reasoning: low|medium|high") gets its
@@ -341,8 +341,9 @@ class ReasoningSplit:
         self._is_blank = is_blank
         self._held: list[int] = []       # the blank tokens written so far, before any other
 
-    def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """(reasoning ids, answer ids) of the next generated tokens."""
+    def split(self, token_ids: list[int], last: bool = False) -> tuple[list[int], list[int]]:
+        """(reasoning ids, answer ids) of the next generated tokens; `last`: the output ends with them, so blanks
+        still held are the answer (one that is only blanks, or cut by max_tokens before its first word)."""
         reasoning, answer = [], []
         for token_id in token_ids:
             if self.in_reasoning:
@@ -363,6 +364,8 @@ class ReasoningSplit:
                 self.finished = True
                 answer += [*self._held, token_id]
                 self._held = []
+        if last and self._held:
+            answer, self._held = [*self._held, *answer], []
         return reasoning, answer
 
 
@@ -388,7 +391,7 @@ class HarmonySplit:
         self._body = ""                       # where the body goes: "reasoning", "answer" or "call"
         self.num_reasoning_tokens = 0         # the analysis messages' tokens, their headers and ends included
 
-    def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+    def split(self, token_ids: list[int], last: bool = False) -> tuple[list[int], list[int]]:
         """(reasoning ids, answer ids) of the next generated tokens."""
         reasoning, answer = [], []
         for token_id in token_ids:
@@ -449,14 +452,16 @@ class ReasoningStream:
         self._hidden_ids = hidden_ids
         self._starts_closed = starts_closed  # the prompt closed an empty block: the answer follows a block too
         self._answer_started = False
+        self._leading = ""                   # the answer's blank start, until its first word shows where it begins
         self.text = ""
 
     @property
     def num_reasoning_tokens(self) -> int:
         return self.split.num_reasoning_tokens
 
-    def add(self, token_ids: list[int]) -> tuple[str, list[int]]:
-        reasoning_ids, answer_ids = self.split.split(token_ids)
+    def add(self, token_ids: list[int], last: bool = False) -> tuple[str, list[int]]:
+        """`last`: the output ends with these tokens."""
+        reasoning_ids, answer_ids = self.split.split(token_ids, last)
         reasoning_ids = [t for t in reasoning_ids if t not in self._hidden_ids]
         delta = self._detokenizer.add(reasoning_ids) if reasoning_ids else ""
         if not self.text:
@@ -465,10 +470,18 @@ class ReasoningStream:
         return delta, answer_ids
 
     def answer_delta(self, delta: str) -> str:
-        """The answer's text, without the blank lines between the reasoning's end tag (the model's, or the one
-        that closed the prompt's empty block) and the answer."""
+        """The answer's text, without the blanks between the reasoning's end tag (the model's, or the one that
+        closed the prompt's empty block) and the answer: the rest of the tag's line and the blank lines after it.
+        The answer's first line keeps its indentation (code), and so does an answer right after a prompt whose
+        block closed (Qwen3 writes its blank lines after the tag in the prompt: the model's spaces are its own)."""
         if self._answer_started or not (self.num_reasoning_tokens or self._starts_closed):
             return delta
-        delta = delta.lstrip()
-        self._answer_started = bool(delta)
-        return delta
+        self._leading += delta
+        words = self._leading.lstrip()
+        if not words:
+            return ""
+        self._answer_started = True
+        blank = self._leading[:len(self._leading) - len(words)]
+        if "\n" not in blank and self.num_reasoning_tokens:
+            return words
+        return self._leading[blank.rfind("\n") + 1:]

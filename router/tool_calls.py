@@ -769,16 +769,18 @@ class KeyValueCalls(ToolCallFormat):
         pos = _expect(body, _skip_space(body, pos), self.call_begin)
         head = self._name_at(body, pos)
         if head is None:
-            if cut:
+            name = _KV_NAME.match(body, _skip_space(body, pos))
+            if cut or name is None:
                 raise _Ended()
-            raise ValueError("the answer ends inside a call's name")
+            # The answer ended (not cut) right after a name: a call of no arguments without its closing.
+            raise _Ended(ToolCall(name.group(), "{}", new_call_id(self.short_ids)))
         scan = self.arguments_scan(*head)
         scan.read(body)
         if scan.broken:
             raise ValueError("no key/value call")
         if scan.whole:
             return ToolCall(head[0], scan.arguments(body), new_call_id(self.short_ids)), scan.end
-        if scan.closing(body):  # the pairs are whole: only the call's closing was cut
+        if scan.closing(body, ended=not cut):  # the pairs are whole: only the call's closing was cut or left out
             raise _Ended(ToolCall(head[0], scan.closed(), new_call_id(self.short_ids)))
         if cut:
             raise _Ended(ToolCall(head[0], scan.arguments(body), new_call_id(self.short_ids)))
@@ -867,7 +869,9 @@ class KeyValueCalls(ToolCallFormat):
         if items[-1] == f"more_{index}*":  # more pairs: any key but the properties' (theirs come in order above)
             extra = parameters.get("additionalProperties")
             value, more = self._value_rule(extra if isinstance(extra, dict) else {}, parameters, f"{index}_more", lit)
-            key = r"/[^<\n]+/" + (f" & ~({' | '.join(json.dumps(k) for k in properties)})" if properties else "")
+            # A key without blanks around it: the parser reads a key stripped, and ` count` would be `count` again.
+            key = r"/[^<\s]([^<\n]*[^<\s])?/" + (f" & ~({' | '.join(json.dumps(k) for k in properties)})"
+                                                 if properties else "")
             rules += [f"more_{index}: {lit(key_begin)} ARG_KEY_{index} {lit(key_end + NL + value_begin)} {value} "
                       f"{lit(NL)}", f"ARG_KEY_{index}: {key}", *more]
         return rules
@@ -918,10 +922,12 @@ class _KeyValuePrefix:
         """The arguments as the call's closing makes them."""
         return (self._json or "{") + "}"
 
-    def closing(self, text: str) -> bool:
-        """Whether the text ends inside the call's closing, its pairs whole."""
+    def closing(self, text: str, ended: bool = False) -> bool:
+        """Whether the text ends inside the call's closing, its pairs whole; `ended`: the answer ended there (an
+        end of sequence, not max_tokens), so one that ends after a whole pair ends the call too, as a JSON call
+        whose object closed does (more pairs could follow only a cut answer's)."""
         rest = text[_skip_space(text, self.end):]
-        return self._expect == "pair" and bool(rest) and self.fmt.call_end.startswith(rest)
+        return self._expect == "pair" and (bool(rest) or ended) and self.fmt.call_end.startswith(rest)
 
     def read(self, text: str) -> None:
         while not (self.whole or self.broken) and self._step(text):
