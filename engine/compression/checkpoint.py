@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.compression.format import (FORMAT_NAME, FORMAT_VERSION, PARTS, READABLE_VERSIONS, CompressedFormatError, CompressedTensor,
+from engine.compression.format import (FORMAT_NAME, PARTS, READABLE_VERSIONS, CompressedFormatError, CompressedTensor,
                                        from_record, part_name, split_part_name, tensor_checksum)
 
 MANIFEST = "compression.json"
@@ -161,11 +161,12 @@ class CompressedCheckpoint:
             tensor = self._handle(shard).get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise CompressedFormatError(f"{shard}: cannot read tensor {name!r} ({exc})") from exc
-        own_dtype = tensor.dim() == 1 and self.own_dtypes.get(name) == str(tensor.dtype)   # as its source had it
+        # A vector or a scalar (compress converts matrices only), as its source had it
+        own_dtype = tensor.dim() <= 1 and self.own_dtypes.get(name) == str(tensor.dtype)
         if tensor.is_floating_point() and tensor.dtype != torch.bfloat16 and not own_dtype:
             raise CompressedFormatError(f"{shard}: tensor {name!r} is stored as {tensor.dtype}; a compressed "
-                                        f"checkpoint stores floating-point tensors in bfloat16 (vectors as their "
-                                        f"source had them): it is corrupt")
+                                        f"checkpoint stores floating-point tensors in bfloat16 (vectors and scalars "
+                                        f"as their source had them): it is corrupt")
         expected = self.plain_checksums.get(name)
         if expected is not None and tensor_checksum(tensor) != expected:
             raise CompressedFormatError(f"{shard}: tensor {name!r} (stored plain) does not match its checksum: the "

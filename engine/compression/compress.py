@@ -2,7 +2,7 @@
 
 Reads any checkpoint the engine loads. Floating-point matrices that are not bf16 are converted to
 bf16 first (the tool says so; the copy is then not bit-identical to the source, and keeps its own
-fingerprint). Vectors (biases, norm scales, a router's correction bias, attention sinks) are stored plain
+fingerprint). Vectors (biases, norm scales, a router's correction bias, attention sinks) and scalars are stored plain
 in their own dtype: published bf16 checkpoints keep some in float32 on purpose (DeepSeek-V3's and GLM-4.5's
 expert-score correction biases pick the experts, and a rounded one picks others), and they weigh nothing. The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
 router included; `all`: every floating tensor) are compressed when that makes them smaller and
