@@ -40,6 +40,7 @@ class ManagedProcess:
     num_starts: int = 0
     stopped: bool = False                 # stopped on purpose (not a crash)
     kind: str = ""                        # the edgefire command it runs (registry, router, agent); "" for others
+    signalled_at: float = 0.0             # time.monotonic() of the last signal_stop (what a kill's warning counts from)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,7 @@ class ManagedProcess:
         if self.popen is None:
             return
         self.stopped = True
+        self.signalled_at = time.monotonic()
         if self.popen.poll() is None:
             _signal_group(self.popen.pid, sig)
 
@@ -89,7 +91,9 @@ class ManagedProcess:
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
+                # Counted from the signal: under stop_together's shared deadline a later process waits less.
+                log.warning("%s did not stop within %.0fs of the signal; killing it", self.name,
+                            time.monotonic() - self.signalled_at)
                 _signal_group(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
         # The leader is gone; make sure nothing it started lingers in its group.
