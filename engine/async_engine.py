@@ -196,6 +196,11 @@ class AsyncEngine:
                 self._pending.pop(request_id, None)
         self._added.clear()
 
+    def shared_prefix_blocks(self, token_ids: list[int]) -> int:
+        """Leading blocks of these tokens that running sequences hold in the prefix cache
+        (BlockManager.shared_prefix_blocks): a request with them needs that many fewer free blocks."""
+        return self.engine.block_manager.shared_prefix_blocks(token_ids)
+
     def admission_figures(self) -> tuple[EngineStats, int, int]:
         """latest_stats, and the (requests, KV blocks they may need) handed to the engine thread that those
         stats do not count yet, read together: an admission check adds them to the stats' waiting requests

@@ -52,16 +52,28 @@ class BlockManager:
         None for an embedding whose pooling reads every position's hidden state (engine.pooling)."""
         if not self.enable_prefix_caching or (seq.pooling is not None and seq.pooling.pooling.every_row):
             return []
+        return self._hits(seq.token_ids)
+
+    def _hits(self, token_ids: list[int]) -> list[int]:
         hits, parent = [], ROOT_HASH
         bs = self.block_size
-        for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
-            tokens = tuple(seq.token_ids[start:start + bs])
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            tokens = tuple(token_ids[start:start + bs])
             parent = block_hash(parent, tokens)
             block_id = self.hash_to_block.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
         return hits
+
+    def shared_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many leading blocks of a request with these tokens running sequences (or KV leases) hold in the
+        prefix cache: it shares them and takes no free block for them (an evictable hit is counted free, and
+        taking it uses it up, so it does not count here). The agent's admission reads this off the engine
+        thread: an estimate, which the engine checks again when it allocates."""
+        if not self.enable_prefix_caching:
+            return 0
+        return sum(1 for block_id in self._hits(token_ids) if self.blocks[block_id].ref_count > 0)
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         hits = self._cache_hits(seq)

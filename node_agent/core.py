@@ -180,9 +180,15 @@ class AgentCore:
             raise InvalidRequestError(f"prompt and generated tokens number {total}; the context holds "
                                       f"{model.info.context_length} including at least one new token")
 
-    def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False, generates: bool = True) -> None:
+    def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False, generates: bool = True,
+               token_ids: list[int] | None = None) -> None:
         """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on). Its KV must hold
-        num_tokens and, when it `generates`, the first new token (an embedding generates none).
+        num_tokens and, when it `generates`, the first new token (an embedding generates none), less the leading
+        blocks of `token_ids` that running sequences hold in the prefix cache: a request with a hot shared prefix
+        (a long system prompt many requests run with) shares those blocks instead of taking free ones. They are
+        looked up only when the free blocks would not hold the whole request (hashing a long prompt costs).
+        Requests handed to the engine since its last step count whole (a burst within one step is over-counted,
+        never under).
 
         `takes_slot` (Decode): the sequence must run at once, so the site must hold fewer than
         `max_num_seqs` sequences counting decodes still pulling their KV; on success one slot is
@@ -205,6 +211,8 @@ class AgentCore:
             raise OverloadedError(f"queue is full ({waiting} waiting, limit {self.config.max_waiting})")
         needed = model.blocks_needed(num_tokens + (1 if generates else 0))
         free = stats.num_blocks_free - pending_blocks
+        if needed > free and token_ids is not None:
+            needed -= model.engine.shared_prefix_blocks(token_ids)
         if needed > free:
             self.metrics.rejected.labels("kv").inc()
             raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {max(free, 0)} of "
@@ -222,7 +230,8 @@ class AgentCore:
         self._validate(model, prompt_ids, generated_ids, params)
         if params.grammar is not None:  # compiled off the engine thread: a large schema never stalls a step
             await model.engine.prepare_grammar(params.grammar)
-        self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot)
+        self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot,
+                    token_ids=prompt_ids + generated_ids if generated_ids else prompt_ids)
         return model
 
     def accept_embedding(self, model_name: str, inputs: list[list[int]], dimensions: int) -> HostedModel:

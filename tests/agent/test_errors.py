@@ -140,6 +140,25 @@ async def test_kv_pool_full_is_resource_exhausted(start_agent, connect):
         model=MODEL, prompt_ids=prompt(60, start=3), sampling=sampling(max_tokens=4))))) == 4
 
 
+async def test_a_prefix_running_sequences_hold_takes_no_free_blocks(start_agent, connect):
+    # A hot shared prefix (a long system prompt) is in the prefix cache, held by a running request: another request
+    # with it needs only the blocks past it, not room for its whole prompt.
+    agent = await start_agent(kv_cache_bytes=8 * 8192, kv_lease_ttl_s=60)  # 8 blocks of 16 tokens
+    client = connect(agent)
+    system = prompt(100)
+    leased = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=system, sampling=sampling()))
+    shared = system[:96] + prompt(4, start=7)   # 7 blocks with its first token, 6 of them the lease's: 1 free left
+    chunks = [chunk async for chunk in client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=shared, sampling=sampling(max_tokens=4)))]
+    assert sum(len(chunk.tokens) for chunk in chunks) == 4
+    assert max(chunk.num_cached_tokens for chunk in chunks) == 96
+    # a prompt as long without the prefix still finds the pool full
+    code, message = await status_of(lambda: client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=prompt(100, start=3), sampling=sampling())))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool is full" in message
+    assert await client.release_kv(leased.kv_handle) is True
+
+
 async def test_role_is_enforced(start_agent, connect):
     client = connect(await start_agent(role="decode"))
     code, message = await status_of(lambda: client.prefill(agent_pb2.PrefillRequest(
