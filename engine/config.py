@@ -11,24 +11,28 @@ from engine.errors import CheckpointError, UnsupportedModelError
 
 # model_type -> which attention projections carry a bias, as transformers builds them: "config" (q, k, v
 # and o when `attention_bias` is true), "qkv" (q, k, v always, o never: Qwen2), "config_qkv" (q, k, v when
-# `attention_bias` is true, o never: GLM-4.5), "none" (the key is ignored); DeepSeek-V3's latent attention refuses
-# attention_bias (config._parse_mla)
+# `attention_bias` is true, o never: GLM-4.5; Seed-OSS's o by `attention_out_bias`: _seed_oss_fields), "use_bias"
+# (q, k, v and o when `use_bias` is true: ERNIE 4.5), "none" (the key is ignored); DeepSeek-V3's latent attention
+# refuses attention_bias (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
                          "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "deepseek_v2": "none",
                          "phi3": "none",
                          "granite": "config", "gemma2": "config", "gemma3_text": "config", "gpt_oss": "config",
                          "glm4_moe": "config_qkv", "smollm3": "config", "olmo2": "config",
-                         "olmo3": "config", "cohere": "config", "cohere2": "config", "llama4_text": "config"}
+                         "olmo3": "config", "cohere": "config", "cohere2": "config", "llama4_text": "config",
+                         "seed_oss": "config_qkv", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
 # ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
 # true; Command R: false)
 USE_QK_NORM_MODEL_TYPES = {"glm4_moe", "cohere"}
-# Only Llama's, Granite's and SmolLM3's MLPs have `mlp_bias`; the others' never carry a bias, whatever the key says
-MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3"}
+# Only Llama's, Granite's, SmolLM3's and Seed-OSS's MLPs have `mlp_bias` (ERNIE 4.5's follow `use_bias`:
+# _ernie4_5_fields); the others' never carry a bias, whatever the key says
+MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3", "seed_oss"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
 DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0, "smollm3": 2000000.0,
-                      "olmo3": 500000.0, "cohere": 500000.0}
-DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5}
+                      "olmo3": 500000.0, "cohere": 500000.0, "ernie4_5": 500000.0, "ernie4_5_moe": 500000.0}
+DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5,
+                        "ernie4_5": 1e-5, "ernie4_5_moe": 1e-5}
 # Rope scalings of every model type but DeepSeek-V2 and V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
 # transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
 # which no sequence here reaches (the context is capped there), so it computes as "default" does.
@@ -88,6 +92,17 @@ DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 COHERE_MODEL_TYPES = ("cohere", "cohere2")
 COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
 COHERE2_DEFAULTS = {**COHERE_DEFAULTS, "sliding_window": 4096}
+# Seed-OSS-36B (seed_oss): the defaults transformers gives the fields its configs may omit (q/k/v biases and 128-dim
+# heads whatever hidden_size says; a null head_dim: hidden_size / num_attention_heads)
+SEED_OSS_DEFAULTS = {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288, "bos_token_id": 0,
+                     "eos_token_id": 2}
+# ERNIE 4.5, dense (ernie4_5: ERNIE-4.5-0.3B) and mixture of experts (ernie4_5_moe: ERNIE-4.5-21B-A3B, -300B-A47B):
+# the defaults transformers gives the fields their configs may omit (the dense model's heads 128 wide whatever
+# hidden_size says; the MoE model's hidden_size / num_attention_heads)
+ERNIE4_5_DEFAULTS = {"max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2}
+ERNIE4_5_MOE_DEFAULTS = {**ERNIE4_5_DEFAULTS, "moe_num_experts": 64, "moe_k": 6, "moe_intermediate_size": 1536,
+                         "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
+                         "moe_layer_interval": 1, "moe_norm_min": 1e-12}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
@@ -197,12 +212,22 @@ class MoEConfig:
     # group_score_experts scores (V3: 2; V2: 1, its best)
     grouped: bool = False
     group_score_experts: int = 2
+    # ERNIE 4.5's grouped routing (one group): softmax scores, the choice steered by a correction bias all the same
+    # (score_correction; sigmoid scoring always has one), the renormalized weights' denominator at least norm_min
+    # (moe_norm_min; None: the sum plus 1e-20, as DeepSeek's)
+    score_correction: bool = False
+    norm_min: float | None = None
     # gpt-oss: the router's logits carry a bias and the softmax runs over the top-k logits only ("softmax_topk"
     # scoring); each expert's projections carry biases, and its activation is the clamped SwiGLU
     # (up.clamp(-limit, limit) + 1) * gate * sigmoid(alpha * gate), gate clamped to at most limit
     router_bias: bool = False
     expert_bias: bool = False
     swiglu: tuple[float, float] | None = None   # (alpha, limit); None: SiLU(gate) * up
+
+    @property
+    def has_correction_bias(self) -> bool:
+        """Whether a per-expert correction bias (float32, stored beside the router) steers the choice of experts."""
+        return self.scoring == "sigmoid" or self.score_correction
 
 
 @dataclass(slots=True)
@@ -745,6 +770,55 @@ def _llama4_fields(raw: dict, num_layers: int, path: Path) -> dict:
             "intermediate_size": _positive_int(raw, ("intermediate_size_mlp",), path)}
 
 
+def _seed_oss_fields(raw: dict, path: Path) -> dict:
+    """Seed-OSS's o_proj bias, by its own key attention_out_bias (q, k and v follow attention_bias); {} for another
+    model type. Its attention and residual dropouts apply in training only."""
+    if raw.get("model_type") != "seed_oss":
+        return {}
+    return {"o_bias": _flag(raw, "attention_out_bias", False, path)}
+
+
+def _ernie4_5_fields(raw: dict, path: Path) -> dict:
+    """ERNIE 4.5's fields, read as transformers reads them; {} for another model type. Its rotary dims are interleaved
+    pairs (the loader reorders q's and k's rows to the halves the engine rotates), its embeddings tied unless the
+    config says otherwise, and use_bias puts a bias on every projection of the attention and the MLPs (the dense ones
+    and, in the mixture of experts, the shared experts: refused there; the routed experts never have one)."""
+    model_type = raw.get("model_type")
+    if model_type not in ("ernie4_5", "ernie4_5_moe"):
+        return {}
+    use_bias = _flag(raw, "use_bias", False, path)
+    if use_bias and model_type == "ernie4_5_moe":
+        raise UnsupportedModelError(f"{path}: use_bias true is not supported for ernie4_5_moe (its shared experts "
+                                    f"would carry biases; ERNIE 4.5's published checkpoints say false)")
+    return {"rope_interleaved": True, "mlp_bias": use_bias,
+            "tie_word_embeddings": _flag(raw, "tie_word_embeddings", True, path)}
+
+
+def _parse_ernie4_5_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """ERNIE 4.5's experts (defaulted by ERNIE4_5_MOE_DEFAULTS): every moe_layer_interval-th layer from
+    moe_layer_start_index to moe_layer_end_index (-1: the last) sparse, the others dense; DeepSeek's grouped routing
+    with one group over softmax scores (in float32, by a float32 router), the top-k chosen by score plus a
+    correction bias, weighted by their scores renormalized (the sum at least moe_norm_min), unscaled; beside
+    moe_num_shared_experts shared experts."""
+    num_experts = _positive_int(raw, ("moe_num_experts",), path)
+    top_k = _positive_int(raw, ("moe_k",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: moe_k {top_k} exceeds the {num_experts} experts (moe_num_experts)")
+    start, end, shared = (raw.get(key) for key in ("moe_layer_start_index", "moe_layer_end_index",
+                                                   "moe_num_shared_experts"))
+    for key, value in (("moe_layer_start_index", start), ("moe_num_shared_experts", shared)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{path}: {key} must be a non-negative integer, got {value!r}")
+    if isinstance(end, bool) or not isinstance(end, int) or end < -1:
+        raise CheckpointError(f"{path}: moe_layer_end_index must be a layer index or -1 (the last), got {end!r}")
+    end = num_layers - 1 if end == -1 else end
+    interval = _positive_int(raw, ("moe_layer_interval",), path)
+    sparse = [(i + 1) % interval == 0 and start <= i <= end for i in range(num_layers)]
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path), True, sparse,
+                     num_shared_experts=shared, grouped=True, group_score_experts=1, score_correction=True,
+                     norm_min=_positive_float(raw, "moe_norm_min", 1e-12, path))
+
+
 def _parse_llama4_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
     """Llama 4's experts: the layers moe_layers lists (without it every interleave_moe_layer_step-th) sparse, each
     with one shared expert of an expert's size; a token's top-k experts by the router's logits, each taking the
@@ -816,6 +890,8 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
         return _parse_gpt_oss_moe(raw, num_layers, path)
     if model_type == "llama4_text":
         return _parse_llama4_moe(raw, num_layers, path)
+    if model_type == "ernie4_5_moe":
+        return _parse_ernie4_5_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
@@ -948,6 +1024,12 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raw = {**LLAMA4_TEXT_DEFAULTS, **raw}
     if model_type in COHERE_MODEL_TYPES:
         raw = {**(COHERE2_DEFAULTS if model_type == "cohere2" else COHERE_DEFAULTS), **raw}
+    if model_type == "seed_oss":
+        raw = {**SEED_OSS_DEFAULTS, **raw}
+    if model_type == "ernie4_5":
+        raw = {**ERNIE4_5_DEFAULTS, "head_dim": 128, **raw}
+    if model_type == "ernie4_5_moe":
+        raw = {**ERNIE4_5_MOE_DEFAULTS, **raw}
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -965,6 +1047,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     attention_bias = SUPPORTED_MODEL_TYPES[model_type]
     if attention_bias in ("config", "config_qkv") and not _flag(raw, "attention_bias", False, path):
         attention_bias = "none"
+    if attention_bias == "use_bias":
+        attention_bias = "config" if _flag(raw, "use_bias", False, path) else "none"
     rotary_dim, gemma = None, model_type in GEMMA_MODEL_TYPES
     if model_type in ("deepseek_v3", "deepseek_v2"):
         mla, rope_types = _parse_mla(raw, model_type, num_heads, path), MLA_ROPE_TYPES
@@ -1009,6 +1093,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_olmo_fields(raw, num_layers, path))
     fields.update(_cohere_fields(raw, num_layers, path))
     fields.update(_llama4_fields(raw, num_layers, path))
+    fields.update(_seed_oss_fields(raw, path))
+    fields.update(_ernie4_5_fields(raw, path))
     return ModelConfig(**fields)
 
 

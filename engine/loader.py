@@ -113,6 +113,9 @@ TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_
                        ("model.language_model.", "model."))
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                   "visual.", "model.visual.", "vision_model.")
+# Tensors a model type's checkpoints store that transformers does not load, nor does the engine: ERNIE 4.5's
+# multi-token-prediction block (model.mtp_block.0.*, mtp_emb_norm, mtp_hidden_norm, mtp_linear_proj)
+UNREAD_PREFIXES = {"ernie4_5_moe": ("model.mtp_",)}
 
 
 def is_bare_backbone(names) -> bool:
@@ -131,7 +134,8 @@ def text_model_names(names, cfg: ModelConfig) -> dict[str, str]:
     if is_bare_backbone(names):
         return {f"model.{name}": name for name in names}
     if not cfg.image_text_checkpoint:
-        return {name: name for name in names}
+        unread = UNREAD_PREFIXES.get(cfg.model_type, ())
+        return {name: name for name in names if not name.startswith(unread)}
     renamed: dict[str, str] = {}
     for name in names:
         if name.startswith(IMAGE_PREFIXES):
@@ -503,7 +507,8 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "deepseek_v2": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-             "llama4_text": ("feed_forward.", ("gate_proj", "up_proj", "down_proj"))}
+             "llama4_text": ("feed_forward.", ("gate_proj", "up_proj", "down_proj")),
+             "ernie4_5_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 # ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
 MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert.")}
 # Stacked experts always stored transposed ([E, hidden, 2 * inter], [E, inter, hidden]), as transformers keeps them
@@ -543,16 +548,29 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
                          weighs_input=moe.scoring == "sigmoid_topk")
     if moe.grouped:
         weights.grouped_routing = moe
-    if moe.scoring == "sigmoid":
+    if moe.has_correction_bias:
         # kept in float32, as the reference keeps it: it only ranks experts, and rounded to bfloat16
         # it would rank near ties differently
-        weights.correction_bias = reader.read(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
+        weights.correction_bias = _read_correction_bias(reader, cfg, p)
     if moe.num_shared_experts:
         shared, s = moe.num_shared_experts * inter, p + shared_name
         weights.shared_gate_up = torch.cat([reader.read(s + "gate_proj.weight", (shared, hidden)),
                                             reader.read(s + "up_proj.weight", (shared, hidden))])
         weights.shared_down = reader.read(s + "down_proj.weight", (hidden, shared))
     return weights
+
+
+def _read_correction_bias(reader: _TensorReader, cfg: ModelConfig, p: str) -> torch.Tensor:
+    """A MoE block's (prefix p) routing correction bias [num_experts], float32: the router's e_score_correction_bias,
+    or ERNIE 4.5's [1, num_experts] under the block's moe_statics (as published and as transformers saves it), or
+    under its router's (gate.moe_statics, as transformers names it in memory)."""
+    num_experts = cfg.moe.num_experts
+    if cfg.model_type != "ernie4_5_moe":
+        return reader.read(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
+    name = p + "moe_statics.e_score_correction_bias"
+    if not reader.has(name) and reader.has(p + "gate.moe_statics.e_score_correction_bias"):
+        name = p + "gate.moe_statics.e_score_correction_bias"
+    return reader.read(name, (1, num_experts), dtype=torch.float32).view(num_experts)
 
 
 def _read_stacked_experts(reader: _TensorReader, cfg: ModelConfig, p: str,

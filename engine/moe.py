@@ -1,12 +1,14 @@
-"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4.5, gpt-oss, Llama 4): route each
-token to its top-k experts, run the experts, combine with the router's weights, add the shared experts if any.
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4.5, ERNIE 4.5, gpt-oss, Llama 4):
+route each token to its top-k experts, run the experts, combine with the router's weights, add the shared experts if
+any.
 
 Routing is computed as the reference implementations compute it, in one of four ways:
 - softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE;
 - DeepSeek's grouped routing (`route_grouped`): DeepSeek-V3's (GLM-4.5's too) sigmoid scores, a per-expert correction
   bias that steers the choice but not the weights, the choice restricted to the best groups of experts, and
   weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor;
-  DeepSeek-V2's the same over softmax scores, with no bias, groups ranked by their best score, and no renormalizing.
+  DeepSeek-V2's the same over softmax scores, with no bias, groups ranked by their best score, and no renormalizing;
+  ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled.
 - gpt-oss's (`route_topk_softmax`): a biased router, the top-k logits, a softmax over those k; its experts
   carry biases and activate by a clamped SwiGLU (engine.ops.clamped_swiglu).
 - Llama 4's (`route_sigmoid_topk`): the top-k logits, each expert's weight its logit's sigmoid, applied to the
@@ -62,7 +64,8 @@ def route_grouped(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
 
     A group of experts scores by the sum of its best group_score_experts biased scores (V3: two; V2, whose
     scores are a softmax and carry no bias: one); each token picks its topk_groups best groups, then its top-k
-    biased scores among their experts (V2-Lite's greedy top-k is one group)."""
+    biased scores among their experts (V2-Lite's greedy top-k is one group; ERNIE 4.5's too, over softmax scores
+    with a correction bias)."""
     num_tokens = x.shape[0]
     logits = x.float() @ router.float().T
     scores = torch.sigmoid(logits) if cfg.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
@@ -75,7 +78,9 @@ def route_grouped(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, cfg.num_experts)
     ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
     weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
+    if cfg.norm_topk_prob and cfg.norm_min is not None:   # ERNIE 4.5
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=cfg.norm_min)
+    elif cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, ids
 

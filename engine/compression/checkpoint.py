@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.compression.format import (FORMAT_NAME, PARTS, READABLE_VERSIONS, CompressedFormatError, CompressedTensor,
-                                       from_record, part_name, split_part_name, tensor_checksum)
+                                       from_record, is_vector, part_name, split_part_name, tensor_checksum)
 
 MANIFEST = "compression.json"
 SHARD_VERSION_KEY = "edgefire.format_version"
@@ -162,7 +162,7 @@ class CompressedCheckpoint:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CompressedFormatError(f"{shard}: cannot read tensor {name!r} ({exc})") from exc
         # A vector or a scalar (compress converts matrices only), as its source had it
-        own_dtype = tensor.dim() <= 1 and self.own_dtypes.get(name) == str(tensor.dtype)
+        own_dtype = is_vector(tensor) and self.own_dtypes.get(name) == str(tensor.dtype)
         if tensor.is_floating_point() and tensor.dtype != torch.bfloat16 and not own_dtype:
             raise CompressedFormatError(f"{shard}: tensor {name!r} is stored as {tensor.dtype}; a compressed "
                                         f"checkpoint stores floating-point tensors in bfloat16 (vectors and scalars "

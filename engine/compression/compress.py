@@ -3,8 +3,8 @@
 Reads any checkpoint the engine loads. Floating-point matrices that are not bf16 are converted to
 bf16 first (the tool says so; the copy is then not bit-identical to the source, and keeps its own
 fingerprint). Vectors (biases, norm scales, a router's correction bias, attention sinks) and scalars are stored plain
-in their own dtype: published bf16 checkpoints keep some in float32 on purpose (DeepSeek-V3's and GLM-4.5's
-expert-score correction biases pick the experts, and a rounded one picks others), and they weigh nothing. The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
+in their own dtype: published bf16 checkpoints keep some in float32 on purpose (DeepSeek-V3's, GLM-4.5's and
+ERNIE 4.5's expert-score correction biases pick the experts, and a rounded one picks others), and they weigh nothing. The selected tensors (`mlp`: the MLP projections, a mixture of experts' experts and
 router included; `all`: every floating tensor) are compressed when that makes them smaller and
 stored plain otherwise. An MXFP4 checkpoint's quantized experts (gpt-oss's `*_blocks` and `*_scales`,
 engine.mxfp4) are copied as they are, listed in the manifest: 4-bit codes and power-of-two scales hardly
@@ -32,7 +32,7 @@ from tqdm import tqdm
 from engine import mxfp4
 from engine.compression.checkpoint import MANIFEST, CompressedCheckpoint, open_checkpoint
 from engine.compression.encoder import compress_tensor
-from engine.compression.format import FORMAT_NAME, FORMAT_VERSION, tensor_checksum
+from engine.compression.format import FORMAT_NAME, FORMAT_VERSION, is_vector, tensor_checksum
 from engine.compression.writer import INDEX_FILE, ShardWriter
 from engine.config import load_config
 from engine.errors import CheckpointError
@@ -184,7 +184,7 @@ def _write_weights(files: dict[str, Path], directory: Path, choice: str, chunk_s
             group = MXFP4_GROUP if quantized and mxfp4.is_part(name, tensor.dtype) else tensor_group(name)
             if group == MXFP4_GROUP:
                 report.mxfp4_tensors.append(name)
-            if tensor.is_floating_point() and tensor.dtype != torch.bfloat16 and tensor.dim() > 1:
+            if tensor.is_floating_point() and tensor.dtype != torch.bfloat16 and not is_vector(tensor):
                 key = str(tensor.dtype).removeprefix("torch.")
                 report.converted[key] = report.converted.get(key, 0) + 1
                 tensor = tensor.to(torch.bfloat16)

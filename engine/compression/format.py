@@ -112,6 +112,12 @@ def split_part_name(name: str) -> tuple[str, str] | None:
     return (tensor, part) if marker else None
 
 
+def is_vector(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's elements lie along one dimension (or none: a scalar): a vector, also one stored as a
+    single row (ERNIE 4.5's correction bias, [1, experts]). compress keeps a floating one in its own dtype."""
+    return sum(size > 1 for size in tensor.shape) <= 1
+
+
 def tensor_checksum(values: torch.Tensor) -> str:
     """xxh3-64 (hex) of a CPU tensor's bytes."""
     return xxhash.xxh3_64_hexdigest(_bytes(values))

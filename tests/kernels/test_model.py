@@ -1,8 +1,8 @@
 """The engine on the kernel ops gives the tokens it gives on the torch ops.
 
 On CPU the kernels run under the interpreter, so the model is tiny; the architectures cover
-GQA, Qwen3's per-head q/k norm and Mistral's sliding window, and the schedule covers batched
-decode, chunked prefill and prefix-cache hits.
+GQA, Qwen3's per-head q/k norm, Mistral's sliding window and ERNIE 4.5's interleaved rotary and mixture of
+experts, and the schedule covers batched decode, chunked prefill and prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 ARCHITECTURES = {
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, head_dim=16)),
     "mistral-sliding": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=12)),
+    # interleaved rotary (q/k rows reordered at load), a dense layer then a sparse one: softmax routing steered by a
+    # correction bias, a shared expert
+    "ernie4.5-moe": lambda: transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
+        **SMALL, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1)),
 }
 
 
