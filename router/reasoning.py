@@ -1,6 +1,6 @@
 """Reasoning output kept apart from the answer, as OpenAI-compatible servers return it.
 
-Reasoning models (DeepSeek-R1, Qwen3, Kimi-K2-Thinking, SmolLM3, GLM-4.5/4.6, Command R7B, ...) write their
+Reasoning models (DeepSeek-R1, Qwen3, Kimi-K2-Thinking, SmolLM3, GLM-4.5/4.6, Command R7B, Seed-OSS, ...) write their
 thinking between a start and an end tag before the answer. The router returns it as
 `message.reasoning_content` (`delta.reasoning_content` when streaming) and the answer as `content`,
 without the tags. The reasoning is the text the model wrote in its block, special tokens included (a tool
@@ -38,10 +38,12 @@ words, that line's indentation kept (ReasoningStream.answer_delta).
 `reasoning_effort` (OpenAI's none, minimal, low, medium, high, xhigh) becomes what the model's template
 takes (`template_effort`): a template with effort levels (gpt-oss's "Reasoning: low|medium|high") gets its
 nearest level (minimal its lowest, xhigh its highest); "none" sets the template's thinking switch false
-(Qwen3's, SmolLM3's and GLM's `enable_thinking`, DeepSeek-V3.1's `thinking`), and any other effort sets it true,
-unless the request sets the switch itself the other way (a 400: two contradicting asks). A reasoning model
-whose template has no switch (gpt-oss, DeepSeek-R1, Kimi-K2-Thinking) always reasons: "none" is a 400
-saying so. A model that does not reason takes every effort, as its template reads it.
+(Qwen3's, SmolLM3's and GLM's `enable_thinking`, DeepSeek-V3.1's `thinking`; Seed-OSS's budget of tokens,
+`thinking_budget`, to 0, where its generation prompt opens the block for the model's note on the budget), and any
+other effort sets it true (Seed-OSS: its budget left as the request sets it, unlimited by default: the template names
+no budget for an effort), unless the request sets the switch itself the other way (a 400: two contradicting
+asks). A reasoning model whose template has no switch (gpt-oss, DeepSeek-R1, Kimi-K2-Thinking) always reasons:
+"none" is a 400 saying so. A model that does not reason takes every effort, as its template reads it.
 
 gpt-oss writes no tags but messages, in its "harmony" format (parser `harmony`, detected from a template
 that writes `<|channel|>` and `<|message|>`): `<|channel|>analysis<|message|>THOUGHTS<|end|>`, then
@@ -76,9 +78,14 @@ from router.text_stream import WindowDetokenizer
 PARSERS = {
     "think": ("<think>", "</think>"),                      # DeepSeek-R1/V3.1, Qwen3, Kimi-K2, SmolLM3, GLM-4.5/4.6
     "command": ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command R7B / A
+    "seed": ("<seed:think>", "</seed:think>"),              # Seed-OSS
 }
+# Tokens a template may write after the start tag of a block it opens in the generation prompt: Seed-OSS's with a
+# thinking budget of 0 ends with `<seed:think><seed:cot_budget_reflect>`, and the model writes its note on the
+# budget, then the end tag.
+OPENING_TOKENS = {"seed": ("<seed:cot_budget_reflect>",)}
 PARSER_ALIASES = {"deepseek_r1": "think", "deepseek_v3": "think", "qwen3": "think", "kimi_k2": "think",
-                  "smollm3": "think", "glm45": "think", "cohere_command": "command"}
+                  "smollm3": "think", "glm45": "think", "cohere_command": "command", "seed_oss": "seed"}
 NO_PARSER = "none"
 HARMONY = "harmony"                                      # gpt-oss: messages, not tags (HarmonyFormat)
 HARMONY_ALIASES = ("gpt_oss", "openai_gptoss")
@@ -94,9 +101,16 @@ class ReasoningFormat:
     name: str
     start_id: int
     end_id: int
+    opening_ids: frozenset[int] = frozenset()  # OPENING_TOKENS
 
     def starts_open(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
-        """Whether the prompt itself opened the block: its last non-blank token is the start tag."""
+        """Whether the prompt itself opened the block: its last non-blank token is the start tag, or one of the
+        template's OPENING_TOKENS after it."""
+        ids = list(prompt_ids)
+        while ids and ids[-1] in self.opening_ids:
+            ids.pop()
+        if len(ids) < len(prompt_ids):
+            return ids[-1:] == [self.start_id]
         return self._last_tag(prompt_ids, tokenizer) == self.start_id
 
     def starts_closed(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
@@ -164,6 +178,10 @@ def fold_preambles(messages: list[dict]) -> list[dict]:
 # Chat template variables that turn reasoning off when false (Qwen3 and SmolLM3 read the first, DeepSeek-V3.1
 # either): a request that sets one gets no reasoning block in its grammar, even from a template that ignores it.
 THINKING_SWITCHES = ("enable_thinking", "thinking")
+# Chat template variables that give the thinking a budget of tokens, none at 0 (Seed-OSS's `thinking_budget`, which
+# is -1, unlimited, unless set): "none" sets it to 0. The template names no budget for an effort level, so other
+# efforts leave it as the request sets it, or unlimited.
+THINKING_BUDGETS = ("thinking_budget",)
 # The effort levels gpt-oss's system message takes ("Reasoning: ..."), least to most.
 HARMONY_EFFORTS = ("low", "medium", "high")
 _LEVELS = REASONING_EFFORTS[1:]  # the efforts that reason, least to most ("none" is the switch's)
@@ -179,12 +197,15 @@ def template_effort(template_kwargs: dict, fmt: ReasoningFormat | HarmonyFormat 
         return template_kwargs
     kwargs = dict(template_kwargs)
     switches = [name for name in THINKING_SWITCHES if template is not None and name in template.variables]
+    budgets = [name for name in THINKING_BUDGETS if template is not None and name in template.variables]
+    if budgets and fmt is not None:
+        kwargs = _budgeted(kwargs, budgets, effort)
     if effort == "none":
         del kwargs["reasoning_effort"]
         if switches:
             return _switched(kwargs, switches, False, effort)
-        if fmt is None:
-            return kwargs  # the model does not reason: nothing to turn off
+        if budgets or fmt is None:
+            return kwargs  # its budget is 0 (above), or the model does not reason: nothing to turn off
         raise bad_request(f"`reasoning_effort` \"none\" asks for no reasoning, but the model `{model}` always "
                           f"reasons: its chat template has no switch that turns reasoning off. Send \"minimal\" for "
                           f"its least reasoning, or leave `reasoning_effort` out.", "reasoning_effort",
@@ -210,6 +231,18 @@ def _nearest_level(effort: str, levels: tuple[str, ...]) -> str:
     """The level nearest `effort` (a tie goes to the higher: at least the effort asked for)."""
     rank = _LEVELS.index(effort)
     return min(reversed(levels), key=lambda level: abs(_LEVELS.index(level) - rank))
+
+
+def _budgeted(kwargs: dict, budgets: list[str], effort: str) -> dict:
+    """The template kwargs with a thinking budget of 0 for "none"; a 400 where the request set a budget that
+    contradicts the effort (none but a budget, or some effort but a budget of 0)."""
+    for name in budgets:
+        budget = kwargs.get(name)
+        if budget is not None and (budget == 0) != (effort == "none"):
+            raise bad_request(f"`reasoning_effort` \"{effort}\" turns thinking {'off' if effort == 'none' else 'on'}, "
+                              f"but `chat_template_kwargs.{name}` is {json.dumps(budget)}; send one of the two.",
+                              "reasoning_effort", "invalid_parameter_combination")
+    return {**kwargs, **dict.fromkeys(budgets, 0)} if effort == "none" else kwargs
 
 
 def _switched(kwargs: dict, switches: list[str], on: bool, effort: str) -> dict:
@@ -315,7 +348,8 @@ def _format(tokenizer: ChatTokenizer, name: str) -> ReasoningFormat | None:
     start_id, end_id = tokenizer.token_to_id(start), tokenizer.token_to_id(end)
     if start_id is None or end_id is None:
         return None
-    return ReasoningFormat(name, start_id, end_id)
+    opening = (tokenizer.token_to_id(token) for token in OPENING_TOKENS.get(name, ()))
+    return ReasoningFormat(name, start_id, end_id, frozenset(i for i in opening if i is not None))
 
 
 def _harmony_format(tokenizer: ChatTokenizer) -> HarmonyFormat | None:

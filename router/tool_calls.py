@@ -19,6 +19,8 @@ Recognised formats (the stored templates in tests/engine/chat_templates use all 
 | kimi_k2 | `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:I<|tool_call_argument_begin|>A<|tool_call_end|>...` | Kimi K2 |
 | harmony | `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>` (a message; one call) | gpt-oss |
 | glm45 | `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n...</tool_call>` (KeyValueCalls) | GLM-4.5, 4.6 |
+| qwen3_coder | `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n...</function>\\n</tool_call>` (KeyValueCalls) | Qwen3-Coder, Qwen3.5 |
+| seed_oss | `<seed:tool_call>\\n<function=N>\\n<parameter=K>V</parameter>\\n...</function>\\n</seed:tool_call>` (KeyValueCalls) | Seed-OSS |
 
 Templates not in this table (Command R+'s `Action:` blocks, DeepSeek-R1's fenced calls) are not recognised:
 their requests with `tool_choice: required` get a 400, and their output is plain content.
@@ -55,9 +57,9 @@ opening or the section's closing, begun before an end of sequence). A required c
 nothing of it is content.
 A call's arguments are its JSON text as the model wrote it (OpenAI's are the model's text too), never decoded
 and written again: a stream sends them as they are written (ToolCallStream), and its pieces join into exactly
-the arguments the whole answer returns. GLM writes no JSON object but a key/value pair per argument: its
-arguments are the object built from the pairs (each value read by the function's schema, KeyValueCalls), sent
-pair by pair as each value closes.
+the arguments the whole answer returns. GLM, Qwen3-Coder and Seed-OSS write no JSON object but a key/value pair
+per argument: their arguments are the object built from the pairs (each value read by the function's schema,
+KeyValueCalls), sent pair by pair as each value closes.
 With `auto` and a `strict` function (OpenAI's promise that its calls follow its schema) the output is
 constrained too, but loosely: free text, in which the marker's text cannot appear, or from the marker on
 calls of the offered functions (strict ones' arguments follow their schema, the others' are any JSON
@@ -77,6 +79,7 @@ the model writes them as the tokens it was trained on and text cannot spell them
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
@@ -734,26 +737,44 @@ class HarmonyCalls(ToolCallFormat):
 
 @dataclass(frozen=True, slots=True)
 class KeyValueCalls(ToolCallFormat):
-    """GLM-4.5's and GLM-4.6's calls: `<tool_call>NAME`, an `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
-    pair per argument, `</tool_call>`; blanks between the pieces as GLM-4.6's template writes them (a newline after
-    the name and after each pair, as both templates' tool instructions show) or none. The template writes a string value as
-    it is and any other value as JSON (`tojson`), so the arguments sent to the client are the JSON object built
-    from the pairs, by one rule (`_value_json`): a value whose property the function's schema admits only strings
-    for (`type: string`, an enum or const of strings) is that string, as written; any other value (another type, a
-    union with strings, a property or a function the request gives no schema for) is its JSON text when it is
-    JSON, else the string. (A union with strings reads `7` as the number, which the template also writes for the
-    string "7".) A stream sends a call's name once its name is written and each pair once its value closes; the
-    object's `}` comes with the call's closing.
+    """Calls written as a key/value pair per argument, not a JSON object; the markup of the name, the keys and the
+    values is the format's, as each family's template writes it:
+
+    - GLM-4.5/4.6 (`glm45`): `<tool_call>NAME`, `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per argument,
+      `</tool_call>`; blanks between the pieces as GLM-4.6's template writes them (a newline after the name and after
+      each pair, as both templates' tool instructions show) or none. Values other than strings as JSON (`tojson`).
+    - Qwen3-Coder and Qwen3.5 (`qwen3_coder`): `<tool_call>`, `<function=NAME>`, `<parameter=KEY>` VALUE
+      `</parameter>` per argument, `</function>`, `</tool_call>`, each on its own line: the template writes a newline
+      after the value's opening and before its closing, which are layout (one of each, where written, is no part of
+      the value: a value's own first and last blank lines are kept). Objects and arrays as JSON, other values with
+      Jinja's `string` (Python's True, False, None).
+    - Seed-OSS (`seed_oss`): the same inside `<seed:tool_call>...</seed:tool_call>`, a value right between its tags
+      (no layout newlines), and every value but a string with Jinja's `string`: Python's text of a dict or list
+      (`{'a': 1, 'b': False}`).
+
+    The arguments sent to the client are the JSON object built from the pairs, by one rule (`_value_json`): a value
+    whose property the function's schema admits only strings for (`type: string`, an enum or const of strings) is
+    that string, as written; any other value (another type, a union with strings, a property or a function the
+    request gives no schema for) is its JSON text when it is JSON, else (`python_values`, formats whose template
+    writes Python's text) the JSON of the Python literal it is when it is a dict, list, True, False or None, else
+    the string. (A union with strings reads `7` as the number, which the template also writes for the string "7".)
+    A stream sends a call's name once its name is written and each pair once its value closes; the object's `}`
+    comes with the call's closing.
 
     Required calls and strict tools follow the schema in the grammar: the properties in the schema's order,
     the required ones always, the others optionally, then (where `additionalProperties` is not false) any more
     pairs under other keys, their values as `additionalProperties` says; a string value is any text without the
     value's closing tag (an enum or const of strings: those strings; minLength and maxLength kept), any other
     value JSON following its property's schema (`$ref`s resolved within the parameters). A string value's pattern
-    and format are not enforced."""
+    and format are not enforced. The grammar writes the layout the template writes."""
 
+    name_tags: tuple[str, str] = ("", "")   # around the name (GLM's: none, the name ends at a blank or a tag)
     key_tags: tuple[str, str] = ("", "")
-    value_tags: tuple[str, str] = ("", "")
+    after_key: str = ""                     # what the grammar writes between a key's and its value's tags
+    value_tags: tuple[str, str] = ("", "")  # an empty opening: the value starts right after the key's closing
+    value_newlines: bool = False            # a newline after the value's opening and before its closing is layout
+    pairs_end: str = ""                     # closes the pairs, before the call's closing (`</function>`)
+    python_values: bool = False             # the template writes non-strings as Python's text (Jinja's `string`)
     schemas: dict | None = field(default=None, compare=False)  # function name -> its parameters (with_tools)
 
     def with_tools(self, tools: list[dict]) -> KeyValueCalls:
@@ -769,7 +790,7 @@ class KeyValueCalls(ToolCallFormat):
         pos = _expect(body, _skip_space(body, pos), self.call_begin)
         head = self._name_at(body, pos)
         if head is None:
-            name = _KV_NAME.match(body, _skip_space(body, pos))
+            name = None if self.name_tags[0].strip() else _KV_NAME.match(body, _skip_space(body, pos))
             if cut or name is None:
                 raise _Ended()
             # The answer ended (not cut) right after a name: a call of no arguments without its closing.
@@ -787,15 +808,31 @@ class KeyValueCalls(ToolCallFormat):
         raise ValueError("the call does not close")
 
     def _name_at(self, text: str, pos: int) -> tuple[str, int] | None:
-        """(the call's name, its end) at `pos`, once what follows it shows it whole (a blank or a tag); None while
-        it may go on; a ValueError where no name is."""
+        """(the call's name, the end of its markup) at `pos`, once what follows it shows it whole (its closing tag;
+        without one, a blank or a tag); None while it may go on; a ValueError where no name is."""
+        opening, closing = self.name_tags[0].strip(), self.name_tags[1]
         pos = _skip_space(text, pos)
+        if not text.startswith(opening, pos):
+            if opening.startswith(text[pos:]):
+                return None
+            raise ValueError("no function name")
+        pos += len(opening)
         match = _KV_NAME.match(text, pos)
         if match is None or match.end() == len(text):
             if pos == len(text) or match is not None:
                 return None
             raise ValueError("no function name")
-        return match.group(), match.end()
+        if not closing:
+            return match.group(), match.end()
+        if text[match.end()].isspace():
+            raise ValueError("a blank inside the name's markup")
+        end = _through(text, match.end(), [closing])
+        return None if end is None else (match.group(), end)
+
+    @property
+    def _closing(self) -> list[str]:
+        """The pieces that close a call's pairs, blanks allowed before each."""
+        return [piece.strip() for piece in (self.pairs_end, self.call_end) if piece.strip()]
 
     def _schema_of(self, name: str) -> tuple[dict, dict]:
         """(the function's parameters, the schemas of its properties by name), {} where the request gave none."""
@@ -814,7 +851,8 @@ class KeyValueCalls(ToolCallFormat):
         try:
             json.loads(value, parse_constant=_no_constant)
         except ValueError:
-            return json.dumps(text, ensure_ascii=False)
+            literal = _python_literal(value) if self.python_values else None
+            return json.dumps(text, ensure_ascii=False) if literal is None else literal
         return value
 
     # -- streaming -----------------------------------------------------------------------------------
@@ -833,16 +871,37 @@ class KeyValueCalls(ToolCallFormat):
         rules = ToolCallFormat._calls_rules(self, tools, several, lit)
         for index, tool in enumerate(tools):
             rules += self._pair_rules(tool["function"], index, lit)
-        closing = lit(self.value_tags[1])
+        closing = self._value_closing(lit, after_text=True)
         # A closing that is a special token cannot be in text; one of plain text ends the lazy lexeme first.
         string_value = "string_value" if closing.startswith("<[") else "string_value[lazy]"
-        return [*rules, f"{string_value}: ARG_TEXT {closing}", r"ARG_TEXT: /(.|\n)*/"]
+        return [*rules, f"{string_value}: ARG_TEXT {closing}", "ARG_TEXT: " + self._value_text(r"(.|\n)*", lit)]
+
+    def _value_closing(self, lit: _Literals, after_text: bool = False) -> str:
+        """The value's closing tag, after the layout newline where the format writes one (`after_text`: after a
+        string value's text, whose terminal holds that newline where the tag is a special token)."""
+        tag = lit(self.value_tags[1])
+        if not self.value_newlines or after_text and tag.startswith("<["):
+            return tag
+        return lit(NL + self.value_tags[1])
+
+    def _value_text(self, regex: str, lit: _Literals) -> str:
+        """The terminal of a string value's text (`regex`), never holding the value's closing tag, where the parser
+        would end it. With the layout newline before the tag: the newline ends the terminal where the tag is a
+        special token (text cannot hold it); where the tag is text, the lazy lexeme ends at the newline and the tag,
+        so the text must not hold the tag alone."""
+        if not self.value_newlines:
+            return f"/{regex}/"
+        if lit(self.value_tags[1]).startswith("<["):
+            return f"/{regex}\\n/"
+        return f'/{regex}/ & ~(/(.|\\n)*/ {json.dumps(self.value_tags[1])} /(.|\\n)*/)'
 
     def _call_body(self, tool: dict, index: int, lit: _Literals) -> str:
-        """NAME, a newline, its pairs (absent where it takes none) and the closing."""
+        """NAME in its markup, a newline, its pairs (absent where it takes none) and the closing."""
         function = tool["function"]
         pairs = f"pairs_{index}" if self._pair_items(function, index) else ""
-        return f"({lit(function['name'] + NL)} {pairs} {lit(self.call_end)})"
+        name = self.name_tags[0] + function["name"] + self.name_tags[1] + NL
+        end = self.pairs_end + NL + self.call_end if self.pairs_end else self.call_end
+        return f"({lit(name)} {pairs} {lit(end)})"
 
     @staticmethod
     def _pair_items(function: dict, index: int) -> list[str]:
@@ -860,26 +919,28 @@ class KeyValueCalls(ToolCallFormat):
             return []
         parameters = _parameters(function, index)
         properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
-        (key_begin, key_end), value_begin = self.key_tags, self.value_tags[0]
+        (key_begin, key_end), value_begin = self.key_tags, self.value_tags[0] + (NL if self.value_newlines else "")
         rules = [f"pairs_{index}: {' '.join(items)}"]
         for j, (key, schema) in enumerate(properties.items()):
-            opening = lit(f"{key_begin}{key}{key_end}{NL}{value_begin}")
+            opening = lit(f"{key_begin}{key}{key_end}{self.after_key}{value_begin}")
             value, more = self._value_rule(schema, parameters, f"{index}_{j}", lit)
             rules += [f"pair_{index}_{j}: {opening} {value} {lit(NL)}", *more]
         if items[-1] == f"more_{index}*":  # more pairs: any key but the properties' (theirs come in order above)
             extra = parameters.get("additionalProperties")
             value, more = self._value_rule(extra if isinstance(extra, dict) else {}, parameters, f"{index}_more", lit)
-            # A key without blanks around it: the parser reads a key stripped, and ` count` would be `count` again.
-            key = r"/[^<\s]([^<\n]*[^<\s])?/" + (f" & ~({' | '.join(json.dumps(k) for k in properties)})"
-                                                 if properties else "")
-            rules += [f"more_{index}: {lit(key_begin)} ARG_KEY_{index} {lit(key_end + NL + value_begin)} {value} "
-                      f"{lit(NL)}", f"ARG_KEY_{index}: {key}", *more]
+            # A key without blanks around it: the parser reads a key stripped, and ` count` would be `count` again;
+            # nor the first character of the key's closing (`>` where the key is inside the opening tag).
+            stop = re.escape("".join(sorted({"<", key_end[:1]})))
+            key = f"/[^{stop}\\s]([^{stop}\\n]*[^{stop}\\s])?/" + (
+                f" & ~({' | '.join(json.dumps(k) for k in properties)})" if properties else "")
+            rules += [f"more_{index}: {lit(key_begin)} ARG_KEY_{index} {lit(key_end + self.after_key + value_begin)} "
+                      f"{value} {lit(NL)}", f"ARG_KEY_{index}: {key}", *more]
         return rules
 
     def _value_rule(self, schema, parameters: dict, name: str, lit: _Literals) -> tuple[str, list[str]]:
         """A value and its closing tag, and the rules it needs: a string as written (its enum, const, minLength and
         maxLength kept), JSON following the property's schema, or any text where the schema allows anything."""
-        closing = lit(self.value_tags[1])
+        closing = self._value_closing(lit)
         strings = [] if _says_nothing(_resolved(schema, parameters)) else _string_choices(schema, parameters)
         if strings:
             return f"({' | '.join(lit(s) for s in strings)}) {closing}", []
@@ -890,9 +951,10 @@ class KeyValueCalls(ToolCallFormat):
         if not any(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
             return "string_value", []
         low, high = (n if isinstance(n, int) and not isinstance(n, bool) else d for n, d in zip(lengths, (0, "")))
+        closing = self._value_closing(lit, after_text=True)
         lazy = "" if closing.startswith("<[") else "[lazy]"
-        return f"value_{name}", [f"value_{name}{lazy}: ARG_TEXT_{name} {closing}",
-                                 f"ARG_TEXT_{name}: /(.|\\n){{{low},{high}}}/"]
+        text = self._value_text(f"(.|\\n){{{low},{high}}}", lit)
+        return f"value_{name}", [f"value_{name}{lazy}: ARG_TEXT_{name} {closing}", f"ARG_TEXT_{name}: {text}"]
 
 
 class _KeyValuePrefix:
@@ -927,7 +989,7 @@ class _KeyValuePrefix:
         end of sequence, not max_tokens), so one that ends after a whole pair ends the call too, as a JSON call
         whose object closed does (more pairs could follow only a cut answer's)."""
         rest = text[_skip_space(text, self.end):]
-        return self._expect == "pair" and (bool(rest) or ended) and self.fmt.call_end.startswith(rest)
+        return self._expect == "pair" and (ended if not rest else _pieces_so_far(rest, self.fmt._closing))
 
     def read(self, text: str) -> None:
         while not (self.whole or self.broken) and self._step(text):
@@ -939,16 +1001,24 @@ class _KeyValuePrefix:
         value_begin, value_end = self.fmt.value_tags
         if self._expect in ("pair", "value_opening"):
             pos = _skip_space(text, self.end)
-            tags = ([key_begin, self.fmt.call_end] if self._expect == "pair" else [value_begin])
-            tag = next((t for t in tags if text.startswith(t, pos)), None)
-            if tag is None:
-                self.broken = not any(t.startswith(text[pos:]) for t in tags)
+            tag = key_begin if self._expect == "pair" else value_begin
+            if text.startswith(tag, pos):
+                self.end = self._searched = pos + len(tag)
+                self._expect = "key" if self._expect == "pair" else "value"
+                return True
+            if tag.startswith(text[pos:]):
                 return False
-            self.end = self._searched = pos + len(tag)
-            if tag == self.fmt.call_end:
-                self._json, self.whole = self.closed(), True
-            self._expect = {key_begin: "key", value_begin: "value"}.get(tag, "pair")
-            return True
+            if self._expect == "value_opening":
+                self.broken = True
+                return False
+            try:  # no key: the call's closing
+                end = _through(text, pos, self.fmt._closing)
+            except ValueError:
+                self.broken = True
+                return False
+            if end is not None:
+                self.end, self._json, self.whole = end, self.closed(), True
+            return end is not None
         closing = key_end if self._expect == "key" else value_end
         found = text.find(closing, self._searched)
         if found < 0:
@@ -961,8 +1031,12 @@ class _KeyValuePrefix:
             if re.search(r"[<\n]", piece):
                 self.broken = True
                 return False
-            self._key, self._expect = piece.strip(), "value_opening"
+            # Without a value's opening tag the value starts right after the key's closing, blanks and all.
+            self._key, self._searched = piece.strip(), self.end
+            self._expect = "value_opening" if value_begin else "value"
         else:
+            if self.fmt.value_newlines:  # the template's layout around the value
+                piece = piece[piece.startswith(NL):len(piece) - piece.endswith(NL)]
             value = self.fmt._value_json(self._parameters, self._properties, self._key, piece)
             self._json += ("{" if not self._json else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + value
             self._expect = "pair"
@@ -975,6 +1049,20 @@ NL = "\n"
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is no JSON")
+
+
+def _python_literal(text: str) -> str | None:
+    """The JSON of the Python literal `text` is, where it is a dict, a list, True, False or None (what Jinja's
+    `string` makes of a value); None otherwise: a number or a quoted string is read as written."""
+    if not text or text[0] not in "{[TFN":
+        return None
+    try:
+        value = ast.literal_eval(text)
+        if value is not None and not isinstance(value, (dict, list, bool)):
+            return None
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
 
 
 def _resolved(schema, parameters: dict, depth: int = 0):
@@ -1038,10 +1126,20 @@ def _within_parameters(schema, parameters: dict) -> dict:
 
 
 FORMATS = {f.name: f for f in (
-    # Before hermes: its `<tool_call>` markers are GLM's too (`<arg_key>` is GLM's alone).
+    # Before hermes: its `<tool_call>` markers are GLM's and Qwen3-Coder's too (`<arg_key>` is GLM's alone, the
+    # `<function=` and `<parameter=` openings Qwen3-Coder's and Seed-OSS's, whose `<seed:tool_call>` holds no
+    # `<tool_call>`).
     KeyValueCalls("glm45", ("<tool_call>", "<arg_key>"), call_begin="<tool_call>", call_end="</tool_call>",
-                  separator="\n", name_key="", key_tags=("<arg_key>", "</arg_key>"),
+                  separator="\n", name_key="", key_tags=("<arg_key>", "</arg_key>"), after_key="\n",
                   value_tags=("<arg_value>", "</arg_value>")),
+    KeyValueCalls("qwen3_coder", ("<tool_call>", "<function=", "<parameter="), call_begin="<tool_call>",
+                  call_end="</tool_call>", separator="\n", name_key="", name_tags=("\n<function=", ">"),
+                  key_tags=("<parameter=", ">"), value_tags=("", "</parameter>"), value_newlines=True,
+                  pairs_end="</function>", python_values=True),
+    KeyValueCalls("seed_oss", ("<seed:tool_call>", "<function=", "<parameter="), call_begin="<seed:tool_call>",
+                  call_end="</seed:tool_call>", separator="\n", name_key="", name_tags=("\n<function=", ">"),
+                  key_tags=("<parameter=", ">"), value_tags=("", "</parameter>"), pairs_end="</function>",
+                  python_values=True),
     ToolCallFormat("hermes", ("<tool_call>", "</tool_call>"), call_begin="<tool_call>\n", call_end="\n</tool_call>",
                    separator="\n"),
     # Replayed turns carry `[CALL_ID]id` after the name; the model writes only name and arguments.

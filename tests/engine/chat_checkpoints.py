@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from engine.demo import CORPUS
 
 TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
-CONTROL_TOKEN = re.compile(r"<\|[^|<>\s'\"]+\|>|</?[a-z_]+>|\[/?[A-Z_]+\]|<｜[^>]*?｜>")
+CONTROL_TOKEN = re.compile(r"<\|[^|<>\s'\"]+\|>|</?[a-z_]+(?::[a-z_]+)?>|\[/?[A-Z_]+\]|<｜[^>]*?｜>")
 
 # template file -> (bos_token, eos_token) of the model's tokenizer_config
 TEMPLATES = {
@@ -41,6 +41,8 @@ TEMPLATES = {
     "openai-gpt-oss-120b": (None, "<|return|>"),
     "zai-org-GLM-4.5": (None, "<|endoftext|>"),
     "zai-org-GLM-4.6": (None, "<|endoftext|>"),
+    "Qwen-Qwen3-Coder-30B-A3B-Instruct": (None, "<|im_end|>"),
+    "ByteDance-Seed-Seed-OSS-36B-Instruct": ("<seed:bos>", "<seed:eos>"),
 }
 
 

@@ -25,6 +25,7 @@ EXPECTED = {
     "ibm-granite-granite-3.3-2B-Instruct": "granite", "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command_r7b",
     "deepseek-ai-DeepSeek-V3.1": "deepseek_v3", "Kimi-K2-Thinking": "kimi_k2", "openai-gpt-oss-120b": "harmony",
     "zai-org-GLM-4.5": "glm45", "zai-org-GLM-4.6": "glm45",
+    "Qwen-Qwen3-Coder-30B-A3B-Instruct": "qwen3_coder", "ByteDance-Seed-Seed-OSS-36B-Instruct": "seed_oss",
 }
 # Templates that cannot show a call of their own: Granite's drops assistant tool calls from the prompt,
 # Kimi K2's builds its tool-call turn with list.append, which the sandbox refuses (transformers' too); gpt-oss's
@@ -57,7 +58,7 @@ def test_format_is_recognised_from_the_template_and_its_own_calls_parse_back(nam
     fmt = tool_call_format(tokenizer)
     assert (fmt.name if fmt else None) == EXPECTED.get(name)
     if fmt is None or name in NOT_RENDERED or fmt.name not in CALL_TEXT:
-        return  # (GLM's key/value calls, not JSON: tests/router/test_tool_calls_glm.py)
+        return  # (key/value calls, not JSON: tests/router/test_tool_calls_glm.py, test_tool_calls_xml.py)
     parsed = fmt.split(CALL_TEXT[fmt.name])[1][0]
     call = {"id": parsed.id, "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
     messages = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": "", "tool_calls": [call]},
