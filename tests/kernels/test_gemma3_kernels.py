@@ -40,9 +40,9 @@ def test_norms_by_a_float32_weight_round_after_the_multiply(dtype):
 
 def _gemma3():
     return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=128, vocab_size=320, max_position_embeddings=256, initializer_range=0.1,
-        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
         query_pre_attn_scalar=24, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 30.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 200.0}}))

@@ -17,7 +17,7 @@ from test_model import greedy  # noqa: E402
 
 from tests.engine.conftest import save_random_checkpoint  # noqa: E402
 
-GLM = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+GLM = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
            intermediate_size=128, vocab_size=320, max_position_embeddings=256, initializer_range=0.1,
            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True)
