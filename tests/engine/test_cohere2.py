@@ -19,15 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_attention, loader
-from engine.compression.compress import compress_checkpoint
+from engine import loader
 from engine.config import parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, save_random_checkpoint
-from tests.engine.test_compression_checkpoint import to_bf16
-from tests.engine.test_moe import check_against_transformers, random_prompts
-from tests.engine.test_parallel import PROMPT, Engines, assert_prompt_logits
+from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
+                                        parallel_engines_fixture, variant_fixture)
+from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,23 +62,13 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, save_random_checkpoint(directory, factory, edits)
+variant = variant_fixture(VARIANTS)
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "cohere2":
-            pytest.skip("decode attention differs between the paths only in its window")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    elif not cpu_attention.available():
-        pytest.skip("the C decode attention is not built")
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "cohere2",
+                      "decode attention differs between the paths only in its window")
 
 
 def test_config_is_what_transformers_reads(variant):
@@ -131,31 +120,10 @@ def test_each_distinguishing_feature_moves_the_logits_far_beyond_the_tolerance(v
 def test_a_compressed_checkpoint_gives_the_original_logits_in_both_weight_modes(tmp_path):
     original, compressed = tmp_path / "bf16", tmp_path / "compressed"
     save_random_checkpoint(original, *VARIANTS["cohere2-bias-untied"])
-    to_bf16(original)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
-    compress_checkpoint(original, compressed, chunk_size=64, show_progress=False, say=lambda *_: None)
-    with torch.no_grad():
-        theirs = reference(torch.tensor([PROMPT])).logits[0].float()
-    for mode in ("decompress_on_load", "compressed_in_memory"):
-        engine = LLMEngine(compressed, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, dtype="float32",
-                                                    block_size=8, weight_mode=mode))
-        torch.testing.assert_close(engine.prompt_logits(PROMPT), theirs, rtol=1e-4, atol=1e-4, msg=mode)
+    check_compressed_copy(original, compressed)
 
 
-class _Cohere2Engines(Engines):
-    def checkpoint(self, name: str) -> Path:
-        directory = self.root / name
-        if name not in self.references:
-            factory, edits = VARIANTS[name]
-            self.references[name] = save_random_checkpoint(directory, factory, edits)
-        return directory
-
-
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = _Cohere2Engines(tmp_path_factory.mktemp("cohere2-parallel"), VARIANTS)
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("cohere2-parallel", VARIANTS)
 
 
 @pytest.mark.parallel

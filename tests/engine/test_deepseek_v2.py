@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_attention
 from engine.compression.compress import compress_checkpoint
 from engine.config import load_config, parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.moe import route_grouped
-from tests.engine.conftest import SMALL, YARN, save_random_checkpoint
+from tests.engine.conftest import SMALL, YARN
+from tests.engine.family_checks import DECODE_PATHS, check_decode_path, parallel_engines_fixture, variant_fixture
 from tests.engine.test_compression_checkpoint import to_bf16
 from tests.engine.test_mechanics import make_engine
-from tests.engine.test_moe import check_against_transformers, random_prompts
+from tests.engine.test_moe import random_prompts
 from tests.engine.test_parallel import Engines, assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -62,23 +62,15 @@ def _deepseek_v2(config: dict):
 VARIANTS = {"lite": (_deepseek_v2(LITE), PUBLISHED), "v2": (_deepseek_v2(V2), {**PUBLISHED, **V2_ROPE})}
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(f"deepseek-{request.param}")
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, save_random_checkpoint(directory, factory, edits)
+variant = variant_fixture(VARIANTS, prefix="deepseek-")
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
     """Every row of batched chunked prefill and decode steps; the C decode loop declines the latent cache (its values
     are a view of its keys), so both paths attend with the torch op: the second checks that the fallback is whole."""
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "v2":
-            pytest.skip("the decode paths differ in attention only, which one variant covers")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "v2",
+                      "the decode paths differ in attention only, which one variant covers", needs_c_attention=False)
 
 
 def test_routing_matches_transformers_router(variant):
@@ -146,11 +138,7 @@ def test_a_compressed_copy_gives_the_logits_of_its_original(variant, tmp_path):
         assert torch.equal(engine.prompt_logits(prompt), plain), mode
 
 
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = Engines(tmp_path_factory.mktemp("deepseek-v2-parallel"), {"v2": VARIANTS["v2"][0]})
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("deepseek-v2-parallel", {"v2": VARIANTS["v2"][0]}, Engines)
 
 
 @pytest.mark.parallel

@@ -21,15 +21,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import cpu_attention, loader
+from engine import loader
 from engine.compression.compress import compress_checkpoint
 from engine.config import load_config, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.moe import route_grouped
-from tests.engine.conftest import SMALL, save_random_checkpoint
+from tests.engine.conftest import SMALL
+from tests.engine.family_checks import DECODE_PATHS, check_decode_path, parallel_engines_fixture, variant_fixture
 from tests.engine.test_mechanics import make_engine
-from tests.engine.test_moe import check_against_transformers, random_prompts
-from tests.engine.test_parallel import PROMPT, Engines, assert_prompt_logits
+from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,23 +64,13 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, save_random_checkpoint(directory, factory, edits)
+variant = variant_fixture(VARIANTS)
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "ernie4.5-moe":
-            pytest.skip("the decode paths differ in attention only, which one variant covers")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    elif not cpu_attention.available():
-        pytest.skip("the C decode attention is not built")
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "ernie4.5-moe",
+                      "the decode paths differ in attention only, which one variant covers")
 
 
 def test_config_is_what_transformers_reads(variant):
@@ -211,20 +201,7 @@ def test_a_compressed_copy_keeps_the_float32_correction_bias_and_gives_the_origi
             assert torch.equal(layer.moe.correction_bias, stored.view(-1))
 
 
-class _ErnieEngines(Engines):
-    def checkpoint(self, name: str) -> Path:
-        directory = self.root / name
-        if name not in self.references:
-            factory, edits = VARIANTS[name]
-            self.references[name] = save_random_checkpoint(directory, factory, edits)
-        return directory
-
-
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = _ErnieEngines(tmp_path_factory.mktemp("ernie4.5-parallel"), VARIANTS)
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("ernie4.5-parallel", VARIANTS)
 
 
 @pytest.mark.parallel

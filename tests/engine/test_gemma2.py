@@ -17,16 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_attention
-from engine.compression.compress import compress_checkpoint
 from engine.config import parse_config
-from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, save_random_checkpoint
-from tests.engine.test_compression_checkpoint import to_bf16
-from tests.engine.test_gemma3 import _randomize_gemma
-from tests.engine.test_moe import check_against_transformers, random_prompts
-from tests.engine.test_parallel import PROMPT, Engines, assert_prompt_logits
+from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
+                                        parallel_engines_fixture, variant_fixture)
+from tests.engine.test_gemma3 import _GemmaEngines, _randomize_gemma
+from tests.engine.test_moe import random_prompts
+from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,23 +55,13 @@ def _save(directory: Path, factory, config_edits: dict):
     return save_random_checkpoint(directory, factory, config_edits, _randomize_gemma)
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, _save(directory, factory, edits)
+variant = variant_fixture(VARIANTS, _randomize_gemma)
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "gemma2":
-            pytest.skip("decode attention differs between the paths only in its scale, window and cap")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    elif not cpu_attention.available():
-        pytest.skip("the C decode attention is not built")
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "gemma2",
+                      "decode attention differs between the paths only in its scale, window and cap")
 
 
 @pytest.mark.parametrize("cap", sorted(CAPS))
@@ -130,28 +118,10 @@ def test_omitted_fields_default_as_transformers_defaults_them():
 def test_a_compressed_copy_gives_transformers_logits_in_both_weight_modes(tmp_path):
     original, compressed = tmp_path / "bf16", tmp_path / "compressed"
     _save(original, VARIANTS["gemma2"][0], PUBLISHED_SPELLING)
-    to_bf16(original)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
-    compress_checkpoint(original, compressed, chunk_size=64, show_progress=False, say=lambda *_: None)
-    prompt = random_prompts([20], seed=5)[0]
-    with torch.no_grad():
-        theirs = reference(torch.tensor([prompt])).logits[0]
-    for mode in ("decompress_on_load", "compressed_in_memory"):
-        engine = LLMEngine(compressed, EngineConfig(kv_cache_bytes=8 << 20, show_progress=False, dtype="float32",
-                                                    block_size=8, weight_mode=mode))
-        torch.testing.assert_close(engine.prompt_logits(prompt), theirs, rtol=1e-4, atol=1e-4, msg=mode)
+    check_compressed_copy(original, compressed, prompt=random_prompts([20], seed=5)[0])
 
 
-class _GemmaEngines(Engines):
-    def adjust(self, name: str, model: torch.nn.Module) -> None:
-        _randomize_gemma(model)
-
-
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = _GemmaEngines(tmp_path_factory.mktemp("gemma2-parallel"), {"gemma2": VARIANTS["gemma2"][0]})
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("gemma2-parallel", {"gemma2": VARIANTS["gemma2"][0]}, _GemmaEngines)
 
 
 @pytest.mark.parallel

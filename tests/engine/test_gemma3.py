@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_attention, ops
+from engine import ops
 from engine.compression.compress import compress_checkpoint
 from engine.config import parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, save_random_checkpoint
+from tests.engine.family_checks import DECODE_PATHS, check_decode_path, parallel_engines_fixture, variant_fixture
 from tests.engine.test_compression_checkpoint import to_bf16
-from tests.engine.test_moe import check_against_transformers, random_prompts
+from tests.engine.test_moe import random_prompts
 from tests.engine.test_reference import engine_greedy
 from tests.engine.test_parallel import Engines, assert_prompt_logits
 
@@ -69,23 +70,13 @@ def _save(directory: Path, factory, config_edits: dict):
     return save_random_checkpoint(directory, factory, config_edits, _randomize_gemma)
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, _save(directory, factory, edits)
+variant = variant_fixture(VARIANTS, _randomize_gemma)
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "gemma3":
-            pytest.skip("decode attention differs between the paths only in its scale and window")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    elif not cpu_attention.available():
-        pytest.skip("the C decode attention is not built")
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "gemma3",
+                      "decode attention differs between the paths only in its scale and window")
 
 
 def test_both_ropes_and_both_window_kinds_are_what_transformers_reads(variant):
@@ -139,11 +130,7 @@ class _GemmaEngines(Engines):
         _randomize_gemma(model)
 
 
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = _GemmaEngines(tmp_path_factory.mktemp("gemma3-parallel"), TP_CHECKPOINTS)
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("gemma3-parallel", TP_CHECKPOINTS, _GemmaEngines)
 
 
 @pytest.mark.parallel

@@ -19,15 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import cpu_attention, ops
+from engine import ops
 from engine.compression.compress import compress_checkpoint
 from engine.config import load_config, parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, save_random_checkpoint
+from tests.engine.family_checks import DECODE_PATHS, check_decode_path, parallel_engines_fixture, variant_fixture
 from tests.engine.test_compression_checkpoint import to_bf16
 from tests.engine.test_mechanics import make_engine
-from tests.engine.test_moe import check_against_transformers, random_prompts
+from tests.engine.test_moe import random_prompts
 from tests.engine.test_parallel import Engines, assert_prompt_logits
 from tests.engine.test_reference import engine_greedy
 
@@ -59,23 +60,13 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, save_random_checkpoint(directory, factory, edits)
+variant = variant_fixture(VARIANTS)
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "glm4.5":
-            pytest.skip("the decode paths differ in attention only, which one variant covers")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    elif not cpu_attention.available():
-        pytest.skip("the C decode attention is not built")
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "glm4.5",
+                      "the decode paths differ in attention only, which one variant covers")
 
 
 def test_config_reads_as_transformers_reads_it(variant):
@@ -163,11 +154,7 @@ def test_a_compressed_copy_gives_the_logits_of_its_original_in_both_weight_modes
             assert theirs[len(prompt) - 1:].argmax(-1).tolist() == tokens, mode
 
 
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = Engines(tmp_path_factory.mktemp("glm4-moe-parallel"), {"glm4.5": VARIANTS["glm4.5"][0]})
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("glm4-moe-parallel", {"glm4.5": VARIANTS["glm4.5"][0]}, Engines)
 
 
 @pytest.mark.parallel

@@ -9,22 +9,17 @@ decode rows, on the C decode loop and on the torch path, at tp=2, and from a com
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from engine import cpu_attention
-from engine.compression.compress import compress_checkpoint
 from engine.config import load_config, parse_config
-from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, save_random_checkpoint
-from tests.engine.test_compression_checkpoint import to_bf16
+from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
+                                        parallel_engines_fixture, variant_fixture)
 from tests.engine.test_mechanics import make_engine
-from tests.engine.test_moe import check_against_transformers, random_prompts
-from tests.engine.test_parallel import PROMPT, Engines, assert_prompt_logits
+from tests.engine.test_parallel import assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,23 +44,13 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    factory, edits = VARIANTS[request.param]
-    return request.param, directory, save_random_checkpoint(directory, factory, edits)
+variant = variant_fixture(VARIANTS)
 
 
-@pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+@DECODE_PATHS
 def test_logits_and_greedy_tokens_match_transformers(variant, decode_in_c, monkeypatch):
-    name, directory, reference = variant
-    if not decode_in_c:
-        if name != "seed-oss":
-            pytest.skip("the decode paths differ in attention only, which one variant covers")
-        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
-    elif not cpu_attention.available():
-        pytest.skip("the C decode attention is not built")
-    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+    check_decode_path(variant, decode_in_c, monkeypatch, "seed-oss",
+                      "the decode paths differ in attention only, which one variant covers")
 
 
 def test_config_is_what_transformers_reads(variant):
@@ -96,30 +81,10 @@ def test_a_compressed_copy_gives_the_logits_of_its_original(tmp_path):
     # compressed_in_memory: the MLP projections stay compressed and stream, their biases beside them
     original, compressed = tmp_path / "bf16", tmp_path / "compressed"
     save_random_checkpoint(original, *VARIANTS["seed-oss-all-biases"])
-    to_bf16(original)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
-    compress_checkpoint(original, compressed, chunk_size=64, show_progress=False, say=lambda *_: None)
-    with torch.no_grad():
-        theirs = reference(torch.tensor([PROMPT])).logits[0].float()
-    engine = LLMEngine(compressed, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, dtype="float32",
-                                                block_size=8, weight_mode="compressed_in_memory"))
-    torch.testing.assert_close(engine.prompt_logits(PROMPT), theirs, rtol=1e-4, atol=1e-4)
+    check_compressed_copy(original, compressed, weight_modes=("compressed_in_memory",))
 
 
-class _SeedOssEngines(Engines):
-    def checkpoint(self, name: str) -> Path:
-        directory = self.root / name
-        if name not in self.references:
-            factory, edits = VARIANTS[name]
-            self.references[name] = save_random_checkpoint(directory, factory, edits)
-        return directory
-
-
-@pytest.fixture(scope="module")
-def parallel_engines(tmp_path_factory):
-    made = _SeedOssEngines(tmp_path_factory.mktemp("seed-oss-parallel"), VARIANTS)
-    yield made
-    made.close()
+parallel_engines = parallel_engines_fixture("seed-oss-parallel", VARIANTS)
 
 
 @pytest.mark.parallel

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 from router_fake_agent import MODEL
 
-from engine.grammar import GrammarCompiler
 from router.reasoning import reasoning_format
 from router.tool_calls import FORMATS, ToolCallStream, tool_call_format
 from tests.engine.chat_checkpoints import TEMPLATES
 from tests.router.test_router_reasoning import _checkpoint, _client, _ids
+from tests.router.tool_call_checks import (deltas_joined, grammar_accepts, grammar_compiler, read_chat_stream,
+                                          replayed_conversation, stream_in_pieces)
 
 GLM = ("zai-org-GLM-4.5", "zai-org-GLM-4.6")
 WRITE = {"type": "function", "function": {"name": "write", "strict": True, "parameters": {
@@ -64,18 +65,6 @@ def test_glm_templates_and_only_they_are_the_key_value_format(template, template
         assert fmt.name == "hermes"
 
 
-def _deltas_joined(deltas: list[dict]) -> list[dict]:
-    calls: list[dict] = []
-    for delta in deltas:
-        part, = delta["tool_calls"]
-        if "id" in part:
-            assert part["index"] == len(calls) and part["function"]["arguments"] == ""
-            calls.append({"name": part["function"]["name"], "arguments": ""})
-        else:
-            calls[part["index"]]["arguments"] += part["function"]["arguments"]
-    return calls
-
-
 @pytest.mark.parametrize("step", [1, 5, 23])
 def test_two_calls_parse_to_openai_calls_whole_and_streamed(step):
     fmt = FORMATS["glm45"].with_tools(TOOLS)
@@ -83,21 +72,12 @@ def test_two_calls_parse_to_openai_calls_whole_and_streamed(step):
     content, calls = fmt.split(text, NAMES)
     assert content == WORDS
     assert [(c.name, json.loads(c.arguments)) for c in calls] == list(zip(["write", "now"], ARGUMENTS))
-    stream, sent, deltas = ToolCallStream(fmt, names=NAMES), "", []
-    name_sent_at = first_pair_sent_at = None
-    for end in range(step, len(text) + step, step):
-        sent += stream.add(text[end - step:end])
-        deltas += stream.take_deltas()
-        joined = _deltas_joined(deltas)
-        if name_sent_at is None and joined:
-            name_sent_at = end
-        if first_pair_sent_at is None and joined and joined[0]["arguments"]:
-            first_pair_sent_at = end
-    tail, streamed = stream.finish()
-    deltas += stream.take_deltas()
-    assert sent + tail == WORDS
+    words, streamed, deltas, joined = stream_in_pieces(fmt, NAMES, text, step)
+    name_sent_at = next((end for end, so_far in joined if so_far), None)
+    first_pair_sent_at = next((end for end, so_far in joined if so_far and so_far[0]["arguments"]), None)
+    assert words == WORDS
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
-    assert _deltas_joined(deltas) == [{"name": c.name, "arguments": c.arguments} for c in calls]
+    assert deltas_joined(deltas) == [{"name": c.name, "arguments": c.arguments} for c in calls]
     # the name goes out once its line ends, each pair once its value closes, long before the call closes
     assert name_sent_at - step < text.index("write\n") + len("write\n") <= name_sent_at
     first_value_end = text.index("</arg_value>") + len("</arg_value>")
@@ -125,17 +105,6 @@ def test_a_call_cut_short_keeps_the_pairs_written_and_broken_markup_is_no_call()
 # -- grammars ------------------------------------------------------------------------------------------
 
 
-def _compiler(tokenizer, template: str) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.tokenizer.to_str(), tokenizer.vocab_size,
-                           [tokenizer.token_to_id(TEMPLATES[template][1])])
-
-
-def _accepts(compiler, tokenizer, spec, text: str) -> bool:
-    matcher = compiler.matcher(spec)
-    return (all(matcher.consume(t) for t in tokenizer.encode(text, add_special_tokens=False))
-            and matcher.matcher.is_accepting())
-
-
 WRONG = {
     "a string for an integer": CALLS.replace("<arg_value>3<", "<arg_value>three<"),
     "a nested value of the wrong type": CALLS.replace('"draft": false', '"draft": "no"'),
@@ -155,7 +124,7 @@ WRONG = {
 @pytest.mark.parametrize("template", [*GLM, "Qwen-Qwen3-0.6B"])  # Qwen3's vocabulary: the tags are plain text
 def test_required_named_and_strict_grammars_accept_exactly_well_formed_calls(template, template_tokenizer):
     tokenizer = template_tokenizer(template)
-    compiler, fmt = _compiler(tokenizer, template), FORMATS["glm45"]
+    compiler, fmt = grammar_compiler(tokenizer, template), FORMATS["glm45"]
     first, second = CALLS.split("\n<tool_call>now")
     second = "<tool_call>now" + second
     required, single = fmt.grammar(TOOLS, True, tokenizer), fmt.grammar(TOOLS, False, tokenizer)
@@ -165,13 +134,13 @@ def test_required_named_and_strict_grammars_accept_exactly_well_formed_calls(tem
                        (auto, WORDS + CALLS), (auto, "Just words, no call."),
                        (required, first.replace("line one\nshe said \"hi\"", "")),
                        (named, "<tool_call>now\n</tool_call>")):  # an empty string; an optional key left out
-        assert _accepts(compiler, tokenizer, spec, text), text
-    assert not _accepts(compiler, tokenizer, single, CALLS)  # parallel_tool_calls false: one call
-    assert not _accepts(compiler, tokenizer, named, first)   # a named call: that function only
+        assert grammar_accepts(compiler, tokenizer, spec, text), text
+    assert not grammar_accepts(compiler, tokenizer, single, CALLS)  # parallel_tool_calls false: one call
+    assert not grammar_accepts(compiler, tokenizer, named, first)   # a named call: that function only
     for what, text in WRONG.items():
-        assert not _accepts(compiler, tokenizer, required, text), what
+        assert not grammar_accepts(compiler, tokenizer, required, text), what
         if "now" not in what:  # under auto only the strict function's arguments follow its schema
-            assert not _accepts(compiler, tokenizer, auto, WORDS + text), what
+            assert not grammar_accepts(compiler, tokenizer, auto, WORDS + text), what
 
 
 def test_what_the_grammar_lets_a_model_write_parses_and_follows_the_schema(template_tokenizer):
@@ -180,7 +149,7 @@ def test_what_the_grammar_lets_a_model_write_parses_and_follows_the_schema(templ
     arguments validate."""
     template = "zai-org-GLM-4.6"
     tokenizer = template_tokenizer(template)
-    compiler, fmt = _compiler(tokenizer, template), FORMATS["glm45"].with_tools(TOOLS)
+    compiler, fmt = grammar_compiler(tokenizer, template), FORMATS["glm45"].with_tools(TOOLS)
     spec = fmt.grammar(TOOLS, True, tokenizer)
     eos = tokenizer.token_to_id(TEMPLATES[template][1])
     tags = {tokenizer.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
@@ -217,14 +186,7 @@ def test_what_the_grammar_lets_a_model_write_parses_and_follows_the_schema(templ
 @pytest.mark.parametrize("template", GLM)
 def test_a_replayed_conversation_renders_through_the_template_and_its_calls_read_back(template,
                                                                                       template_tokenizer):
-    tokenizer = template_tokenizer(template)
-    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
-             for i, (name, arguments) in enumerate(zip(["write", "now"], ARGUMENTS))]
-    messages = [{"role": "user", "content": "Note it, and the time."},
-                {"role": "assistant", "content": "", "tool_calls": calls},
-                {"role": "tool", "tool_call_id": "call_0", "content": "written"},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=TOOLS)
+    rendered = replayed_conversation(template_tokenizer(template), TOOLS, ARGUMENTS)
     turn = rendered[rendered.index("<|assistant|>"):rendered.index("<|observation|>")]
     assert '<arg_value>line one\nshe said "hi"</arg_value>' in turn and "<arg_value>0150</arg_value>" in turn
     _content, read = FORMATS["glm45"].with_tools(TOOLS).split(turn, NAMES)
@@ -251,19 +213,9 @@ async def test_a_glm_site_s_reasoning_and_calls_reach_the_openai_client(cluster,
             assert whole.message.model_extra["reasoning_content"] == "Two tools to call."
             assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
                 list(zip(["write", "now"], ARGUMENTS))
-            streamed, reasoning, finish, num_argument_chunks = {}, "", None, 0
-            async for chunk in await client.chat.completions.create(stream=True, **body):
-                for choice in chunk.choices:
-                    reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
-                    assert not choice.delta.content
-                    for part in choice.delta.tool_calls or ():
-                        name, arguments = streamed.get(part.index, ("", ""))
-                        streamed[part.index] = (name + (part.function.name or ""),
-                                                arguments + (part.function.arguments or ""))
-                        num_argument_chunks += bool(part.function.arguments)
-                    finish = choice.finish_reason or finish
-            assert reasoning == "Two tools to call." and finish == "tool_calls"
-            assert list(streamed.values()) == [(c.function.name, c.function.arguments)
+            streamed, reasoning, content, finish, num_argument_chunks = await read_chat_stream(client, body)
+            assert reasoning == "Two tools to call." and not content and finish == "tool_calls"
+            assert streamed == [(c.function.name, c.function.arguments)
                                                for c in whole.message.tool_calls]
             assert num_argument_chunks >= 5  # a piece per pair, not one at the end
         replay = messages + [whole.message.model_dump(exclude_none=True)] + [

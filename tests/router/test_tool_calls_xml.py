@@ -19,11 +19,12 @@ import json
 import pytest
 from router_fake_agent import MODEL
 
-from engine.grammar import GrammarCompiler
 from router.reasoning import reasoning_format
-from router.tool_calls import FORMATS, ToolCallStream, tool_call_format
+from router.tool_calls import FORMATS, tool_call_format
 from tests.engine.chat_checkpoints import TEMPLATES
 from tests.router.test_router_reasoning import _checkpoint, _client, _ids
+from tests.router.tool_call_checks import (deltas_joined, grammar_accepts, grammar_compiler, read_chat_stream,
+                                          replayed_conversation, stream_in_pieces)
 
 CODER, SEED = "Qwen-Qwen3-Coder-30B-A3B-Instruct", "ByteDance-Seed-Seed-OSS-36B-Instruct"
 TEMPLATE = {"qwen3_coder": CODER, "seed_oss": SEED}
@@ -80,18 +81,6 @@ def test_the_templates_are_recognised_and_no_other_changes_format(template, temp
         assert fmt.name == "hermes"
 
 
-def _deltas_joined(deltas: list[dict]) -> list[dict]:
-    calls: list[dict] = []
-    for delta in deltas:
-        part, = delta["tool_calls"]
-        if "id" in part:
-            assert part["index"] == len(calls) and part["function"]["arguments"] == ""
-            calls.append({"name": part["function"]["name"], "arguments": ""})
-        else:
-            calls[part["index"]]["arguments"] += part["function"]["arguments"]
-    return calls
-
-
 @pytest.mark.parametrize("fmt_name", sorted(TEMPLATE))
 @pytest.mark.parametrize("step", [1, 4, 17, 1000])
 def test_two_calls_parse_to_openai_calls_whole_and_streamed_alike(fmt_name, step):
@@ -100,18 +89,11 @@ def test_two_calls_parse_to_openai_calls_whole_and_streamed_alike(fmt_name, step
     content, calls = fmt.split(text, NAMES)
     assert content == WORDS
     assert [(c.name, json.loads(c.arguments)) for c in calls] == list(zip(["write", "now"], ARGUMENTS))
-    stream, sent, deltas, first_pair_sent_at = ToolCallStream(fmt, names=NAMES), "", [], None
-    for end in range(step, len(text) + step, step):
-        sent += stream.add(text[end - step:end])
-        deltas += stream.take_deltas()
-        joined = _deltas_joined(deltas)
-        if first_pair_sent_at is None and joined and joined[0]["arguments"]:
-            first_pair_sent_at = end
-    tail, streamed = stream.finish()
-    deltas += stream.take_deltas()
-    assert sent + tail == WORDS
+    words, streamed, deltas, joined = stream_in_pieces(fmt, NAMES, text, step)
+    first_pair_sent_at = next((end for end, so_far in joined if so_far and so_far[0]["arguments"]), None)
+    assert words == WORDS
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
-    assert _deltas_joined(deltas) == [{"name": c.name, "arguments": c.arguments} for c in calls]
+    assert deltas_joined(deltas) == [{"name": c.name, "arguments": c.arguments} for c in calls]
     # a pair goes out once its value closes, long before the call does
     first_value_end = text.index("</parameter>") + len("</parameter>")
     assert first_pair_sent_at - step < first_value_end <= first_pair_sent_at
@@ -148,14 +130,6 @@ def test_a_call_cut_short_keeps_the_pairs_written_and_broken_markup_is_no_call(f
 # -- grammars ------------------------------------------------------------------------------------------
 
 
-def _accepts(tokenizer, template: str, spec, text: str) -> bool:
-    compiler = GrammarCompiler(tokenizer.tokenizer.to_str(), tokenizer.vocab_size,
-                               [tokenizer.token_to_id(TEMPLATES[template][1])])
-    matcher = compiler.matcher(spec)
-    return (all(matcher.consume(t) for t in tokenizer.encode(text, add_special_tokens=False))
-            and matcher.matcher.is_accepting())
-
-
 JSON_OPTIONS = '{"tags": ["a", "b"], "draft": false}'
 AS_JSON = dict(options=JSON_OPTIONS, urgent="true")  # the grammar writes non-strings as JSON
 WRONG = {
@@ -173,7 +147,8 @@ WRONG = {
                                                 ("seed_oss", SEED)])
 def test_required_named_and_strict_grammars_accept_exactly_well_formed_calls(fmt_name, template, template_tokenizer):
     tokenizer, fmt = template_tokenizer(template), FORMATS[fmt_name]
-    accepts = lambda spec, text: _accepts(tokenizer, template, spec, text)  # noqa: E731
+    compiler = grammar_compiler(tokenizer, template)
+    accepts = lambda spec, text: grammar_accepts(compiler, tokenizer, spec, text)  # noqa: E731
     calls = _calls(fmt_name, **AS_JSON)
     first, second = calls.split("\n" + _call(fmt_name, "now", [("zone", "utc")]))[0], _call(fmt_name, "now",
                                                                                              [("zone", "utc")])
@@ -209,19 +184,9 @@ def test_required_named_and_strict_grammars_accept_exactly_well_formed_calls(fmt
 # -- the real templates ------------------------------------------------------------------------------
 
 
-def _replay(tokenizer) -> str:
-    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
-             for i, (name, arguments) in enumerate(zip(["write", "now"], ARGUMENTS))]
-    messages = [{"role": "user", "content": "Note it, and the time."},
-                {"role": "assistant", "content": "", "tool_calls": calls},
-                {"role": "tool", "tool_call_id": "call_0", "content": "written"},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=TOOLS)
-
-
 @pytest.mark.parametrize("fmt_name", sorted(TEMPLATE))
 def test_a_replayed_conversation_renders_through_the_template_and_its_calls_read_back(fmt_name, template_tokenizer):
-    rendered = _replay(template_tokenizer(TEMPLATE[fmt_name]))
+    rendered = replayed_conversation(template_tokenizer(TEMPLATE[fmt_name]), TOOLS, ARGUMENTS)
     assert _calls(fmt_name) in rendered  # the shape these tests write is the template's
     turn = rendered[rendered.index("Note it, and the time."):rendered.index("written")]
     _content, read = FORMATS[fmt_name].with_tools(TOOLS).split(turn, NAMES)
@@ -251,19 +216,9 @@ async def test_a_site_s_calls_reach_the_openai_client(cluster, make_router, tmp_
         assert (whole.message.model_extra.get("reasoning_content") or "") == reasoning
         assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
             list(zip(["write", "now"], ARGUMENTS))
-        streamed, thought, content, finish, num_argument_chunks = {}, "", "", None, 0
-        async for chunk in await client.chat.completions.create(stream=True, **body):
-            for choice in chunk.choices:
-                thought += (choice.delta.model_extra or {}).get("reasoning_content") or ""
-                content += choice.delta.content or ""
-                for part in choice.delta.tool_calls or ():
-                    name, arguments = streamed.get(part.index, ("", ""))
-                    streamed[part.index] = (name + (part.function.name or ""),
-                                            arguments + (part.function.arguments or ""))
-                    num_argument_chunks += bool(part.function.arguments)
-                finish = choice.finish_reason or finish
+        streamed, thought, content, finish, num_argument_chunks = await read_chat_stream(client, body)
         assert (thought, content, finish) == (reasoning, WORDS, "tool_calls")
-        assert list(streamed.values()) == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert streamed == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         assert num_argument_chunks >= 5  # a piece per pair, not one at the end
         replay = messages + [whole.message.model_dump(exclude_none=True)] + [
             {"role": "tool", "tool_call_id": c.id, "content": "done"} for c in whole.message.tool_calls]

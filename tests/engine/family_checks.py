@@ -1,0 +1,90 @@
+"""What each model family's test module checks the same way, on its random-weight checkpoints (the module's
+VARIANTS, {name: (factory, config_edits)}): the checkpoints saved once per module, logits and greedy tokens on the
+C decode loop and on the torch path against transformers', a compressed copy's logits, and engines at tp/ep > 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import cpu_attention
+from engine.compression.compress import compress_checkpoint
+from engine.engine import EngineConfig, LLMEngine
+from tests.engine.conftest import _randomize, save_random_checkpoint
+from tests.engine.test_compression_checkpoint import to_bf16
+from tests.engine.test_moe import check_against_transformers, random_prompts
+from tests.engine.test_parallel import PROMPT, Engines
+
+DECODE_PATHS = pytest.mark.parametrize("decode_in_c", [True, False], ids=["c-decode", "torch-decode"])
+BOTH_WEIGHT_MODES = ("decompress_on_load", "compressed_in_memory")
+
+
+def variant_fixture(variants: dict, randomize=_randomize, prefix: str = ""):
+    """The module's `variant` fixture: (name, directory, transformers' model) for each of variants, its checkpoint
+    saved once per module (in a directory named prefix + name, its weights `randomize`d)."""
+
+    @pytest.fixture(scope="module", params=sorted(variants))
+    def variant(request, tmp_path_factory):
+        directory = tmp_path_factory.mktemp(prefix + request.param)
+        factory, edits = variants[request.param]
+        return request.param, directory, save_random_checkpoint(directory, factory, edits, randomize)
+
+    return variant
+
+
+def check_decode_path(variant, decode_in_c: bool, monkeypatch, torch_variant: str, why_one: str,
+                      needs_c_attention: bool = True) -> None:
+    """Batched chunked prefill and decode rows equal transformers' logits and greedy tokens, on the C decode loop or
+    (torch_variant alone, the others skipped for why_one) with the C attention declined. needs_c_attention: the C
+    path skips where the C attention is not built (False where the C loop declines the model anyway)."""
+    name, directory, reference = variant
+    if not decode_in_c:
+        if name != torch_variant:
+            pytest.skip(why_one)
+        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
+    elif needs_c_attention and not cpu_attention.available():
+        pytest.skip("the C decode attention is not built")
+    check_against_transformers(directory, reference, random_prompts([3, 9, 20, 41], seed=11), max_tokens=6)
+
+
+def check_compressed_copy(original: Path, compressed: Path, weight_modes=BOTH_WEIGHT_MODES,
+                          prompt: list[int] = PROMPT) -> None:
+    """original's checkpoint (saved in float32) rounded to bfloat16 and compressed into compressed: in each weight
+    mode the copy's logits for prompt are transformers' on the bfloat16 original."""
+    import transformers
+
+    to_bf16(original)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
+    compress_checkpoint(original, compressed, chunk_size=64, show_progress=False, say=lambda *_: None)
+    with torch.no_grad():
+        theirs = reference(torch.tensor([prompt])).logits[0].float()
+    for mode in weight_modes:
+        engine = LLMEngine(compressed, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, dtype="float32",
+                                                    block_size=8, weight_mode=mode))
+        torch.testing.assert_close(engine.prompt_logits(prompt), theirs, rtol=1e-4, atol=1e-4, msg=mode)
+
+
+class VariantEngines(Engines):
+    """Engines on a module's VARIANTS, each checkpoint saved as its `variant` fixture saves it, on first use."""
+
+    def checkpoint(self, name: str) -> Path:
+        directory = self.root / name
+        if name not in self.references:
+            factory, edits = self.checkpoints[name]
+            self.references[name] = save_random_checkpoint(directory, factory, edits)
+        return directory
+
+
+def parallel_engines_fixture(root: str, checkpoints: dict, engines: type[Engines] = VariantEngines):
+    """The module's `parallel_engines` fixture: `engines` on checkpoints, under a directory named root, stopped with
+    the module."""
+
+    @pytest.fixture(scope="module")
+    def parallel_engines(tmp_path_factory):
+        made = engines(tmp_path_factory.mktemp(root), checkpoints)
+        yield made
+        made.close()
+
+    return parallel_engines
