@@ -31,8 +31,10 @@ run: $(STAMP)
 # workers than cores pays. Each test file stays on one worker; the end-to-end files share one (tests/conftest.py).
 TEST_WORKERS ?= 3
 
+# Bytecode caches on for the run even where the environment turns them off (PYTHONDONTWRITEBYTECODE): the suite starts
+# hundreds of agents, routers, registries and CLI calls, and each compiled the project's sources afresh without them.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
