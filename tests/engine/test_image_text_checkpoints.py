@@ -92,24 +92,23 @@ def _renamed(name: str, spellings) -> str:
     return name
 
 
-# name -> (the model, its class, how its config.json is rewritten, how its tensors are renamed)
+# name -> (the model, how its config.json is rewritten, how its tensors are renamed); the models' classes are
+# named only inside the factories, so collecting this module imports no image model of transformers
 VARIANTS = {
     # Mistral Small 3.1's shape: a Mistral text model, untied, saved under language_model.* as published
-    "mistral3": (lambda: _mistral3(), transformers.Mistral3ForConditionalGeneration, None, OLDER_NAMES),
+    "mistral3": (lambda: _mistral3(), None, OLDER_NAMES),
     # ... saved as newer transformers save it (model.language_model.*, lm_head)
-    "mistral3-newer-names": (lambda: _mistral3(), transformers.Mistral3ForConditionalGeneration, None, NEWER_NAMES),
+    "mistral3-newer-names": (lambda: _mistral3(), None, NEWER_NAMES),
     # a Llama text model, tied
-    "mistral3-llama-tied": (lambda: _mistral3("llama", tie=True), transformers.Mistral3ForConditionalGeneration,
-                            None, None),
+    "mistral3-llama-tied": (lambda: _mistral3("llama", tie=True), None, None),
     # Qwen2-VL's config as published (flat, "mrope"), tensors under model.*, visual.*
-    "qwen2-vl-flat": (lambda: _qwen2_vl(), transformers.Qwen2VLForConditionalGeneration, _flat, None),
+    "qwen2-vl-flat": (lambda: _qwen2_vl(), _flat, None),
     # Qwen2.5-VL with text_config, tied (as the 3B is), tensors under model.language_model.*, model.visual.*
-    "qwen2.5-vl-tied": (lambda: _qwen2_5_vl(tie=True), transformers.Qwen2_5_VLForConditionalGeneration, None,
-                        NEWER_NAMES),
+    "qwen2.5-vl-tied": (lambda: _qwen2_5_vl(tie=True), None, NEWER_NAMES),
     # Qwen2.5-VL as published: flat, untied, model.*
-    "qwen2.5-vl-flat": (lambda: _qwen2_5_vl(), transformers.Qwen2_5_VLForConditionalGeneration, _flat, None),
+    "qwen2.5-vl-flat": (lambda: _qwen2_5_vl(), _flat, None),
     # Qwen3-VL: q/k norms, interleaved M-RoPE, deepstack (nothing for text)
-    "qwen3-vl": (lambda: _qwen3_vl(), transformers.Qwen3VLForConditionalGeneration, None, None),
+    "qwen3-vl": (lambda: _qwen3_vl(), None, None),
 }
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
                   "model.multi_modal_projector.", "model.visual.")
@@ -117,7 +116,7 @@ IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.v
 
 def _save(directory: Path, name: str):
     """The checkpoint (random weights, norms and biases too) and transformers' model loaded back from it."""
-    factory, model_class, edit_config, spellings = VARIANTS[name]
+    factory, edit_config, spellings = VARIANTS[name]
     torch.manual_seed(1234)
     model = factory().eval()
     _randomize(model)
@@ -129,7 +128,7 @@ def _save(directory: Path, name: str):
         path = directory / "model.safetensors"
         tensors = {_renamed(n, spellings): t for n, t in load_file(path).items()}
         save_file(tensors, str(path), metadata={"format": "pt"})
-    reference, info = model_class.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    reference, info = type(model).from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info   # transformers reads every name
     return reference.eval()
 
