@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 from deploy.processes import ManagedProcess, stop_together
 
@@ -15,13 +16,19 @@ def _process(tmp_path, name: str, command: str) -> ManagedProcess:
 
 
 def test_a_tier_that_ignores_sigterm_is_killed_at_one_deadline(tmp_path, caplog):
-    stubborn = [_process(tmp_path, f"stubborn{i}", "trap '' TERM; exec sleep 30") for i in range(2)]
+    # each says when its trap is set: a SIGTERM sent before would end the shell (a loaded machine starts it late)
+    stubborn = [_process(tmp_path, f"stubborn{i}", f"trap '' TERM; touch {tmp_path}/ready{i}; exec sleep 30")
+                for i in range(2)]
     polite = _process(tmp_path, "polite", "exec sleep 30")
     never = _process(tmp_path, "never", "exec sleep 30")
     gone = _process(tmp_path, "gone", "exit 0")
     for process in [*stubborn, polite, gone]:
         process.start()
     gone.popen.wait()
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline, "the stubborn processes never set their trap"
+        time.sleep(0.01)
     with caplog.at_level(logging.WARNING, logger="deploy.processes"):
         codes = stop_together([*stubborn, polite, never, gone], signal.SIGTERM, timeout_s=0.6)
     assert codes == {"stubborn0": -signal.SIGKILL, "stubborn1": -signal.SIGKILL, "polite": -signal.SIGTERM,
