@@ -645,6 +645,18 @@ def _parse_gpt_oss_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
                      scoring="softmax_topk", router_bias=True, expert_bias=True, swiglu=swiglu)
 
 
+def _nope_layers(rotates, interval: int | None, num_layers: int, path: Path) -> list[bool]:
+    """The layers that rotate nothing (SmolLM3, Llama 4): every interval-th one when an interval is given, else as
+    no_rope_layers (`rotates`) lists them: 1 where a layer rotates, 0 where it does not, an entry per layer at least."""
+    if interval is not None:
+        rotates = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    elif not (isinstance(rotates, list) and len(rotates) >= num_layers and all(
+            isinstance(flag, int) and not isinstance(flag, bool) and flag in (0, 1) for flag in rotates)):
+        raise CheckpointError(f"{path}: no_rope_layers must list 1 (rotary) or 0 (no rotary) for each of the "
+                              f"{num_layers} layers, got {rotates!r}")
+    return [not rotates[i] for i in range(num_layers)]
+
+
 def _smollm3_fields(raw: dict, num_layers: int, path: Path) -> dict:
     """SmolLM3's NoPE layers, sliding-window layers and tied default, read as transformers reads them; {} for another
     model type. no_rope_layers holds 1 where a layer rotates and 0 where it does not (at least one entry per layer);
@@ -653,14 +665,8 @@ def _smollm3_fields(raw: dict, num_layers: int, path: Path) -> dict:
     if raw.get("model_type") != "smollm3":
         return {}
     rotates = raw.get("no_rope_layers")
-    if rotates is None:
-        interval = _optional_int(raw, "no_rope_layer_interval", 4, path)
-        rotates = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    elif not (isinstance(rotates, list) and len(rotates) >= num_layers and all(
-            isinstance(flag, int) and not isinstance(flag, bool) and flag in (0, 1) for flag in rotates)):
-        raise CheckpointError(f"{path}: no_rope_layers must list 1 (rotary) or 0 (no rotary) for each of the "
-                              f"{num_layers} layers, got {rotates!r}")
-    nope = [not rotates[i] for i in range(num_layers)]
+    interval = _optional_int(raw, "no_rope_layer_interval", 4, path) if rotates is None else None
+    nope = _nope_layers(rotates, interval, num_layers, path)
     window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
     use_window = _flag(raw, "use_sliding_window", False, path)
     if raw.get("layer_types") is None:
@@ -737,15 +743,9 @@ def _llama4_fields(raw: dict, num_layers: int, path: Path) -> dict:
     its dense layers' MLP is intermediate_size_mlp wide (intermediate_size is an expert's)."""
     if raw.get("model_type") != "llama4_text":
         return {}
-    rotates = raw.get("no_rope_layers")
-    if not rotates:
-        interval = _positive_int(raw, ("no_rope_layer_interval",), path)
-        rotates = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    elif not (isinstance(rotates, list) and len(rotates) >= num_layers and all(
-            isinstance(flag, int) and not isinstance(flag, bool) and flag in (0, 1) for flag in rotates)):
-        raise CheckpointError(f"{path}: no_rope_layers must list 1 (rotary) or 0 (no rotary) for each of the "
-                              f"{num_layers} layers, got {rotates!r}")
-    nope = [not rotates[i] for i in range(num_layers)]
+    rotates = raw.get("no_rope_layers")   # empty: by the interval, as transformers reads Llama 4's
+    interval = _positive_int(raw, ("no_rope_layer_interval",), path) if not rotates else None
+    nope = _nope_layers(rotates, interval, num_layers, path)
     chunk = None if raw.get("attention_chunk_size") is None else _positive_int(raw, ("attention_chunk_size",), path)
     layer_types = raw.get("layer_types")
     if layer_types is None:
