@@ -196,10 +196,13 @@ class AsyncEngine:
                 self._pending.pop(request_id, None)
         self._added.clear()
 
-    def shared_prefix_blocks(self, token_ids: list[int]) -> int:
+    def shared_prefix_blocks(self, token_ids: list[int]) -> tuple[int, int]:
         """Leading blocks of these tokens that running sequences hold in the prefix cache
-        (BlockManager.shared_prefix_blocks): a request with them needs that many fewer free blocks."""
-        return self.engine.block_manager.shared_prefix_blocks(token_ids)
+        (BlockManager.shared_prefix_blocks): a request with them needs that many fewer free blocks; and the
+        free blocks now. Both are read live: a step in progress may have taken cached blocks that
+        latest_stats still counts free, and a block must not count as free and as shared at once."""
+        manager = self.engine.block_manager
+        return manager.shared_prefix_blocks(token_ids), manager.num_free_blocks
 
     def admission_figures(self) -> tuple[EngineStats, int, int]:
         """latest_stats, and the (requests, KV blocks they may need) handed to the engine thread that those

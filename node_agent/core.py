@@ -212,7 +212,9 @@ class AgentCore:
         needed = model.blocks_needed(num_tokens + (1 if generates else 0))
         free = stats.num_blocks_free - pending_blocks
         if needed > free and token_ids is not None:
-            needed -= model.engine.shared_prefix_blocks(token_ids)
+            shared, free_now = model.engine.shared_prefix_blocks(token_ids)
+            needed -= shared
+            free = min(free, free_now - pending_blocks)  # the shared blocks are live: so is the room beside them
         if needed > free:
             self.metrics.rejected.labels("kv").inc()
             raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {max(free, 0)} of "

@@ -6,10 +6,11 @@ draining), in a region the API key allows, and has the KV blocks free: the uncac
 prefill site (with the token it generates, counted as the agent admits it), prompt + the decode horizon
 for a decode site. A prefill-only request (`prefill_only`: an embedding, which generates nothing) needs no decode
 site: its candidates are the sites that may prefill it, each as the pair (site, site) scored by its
-ttft, and its uncached prompt alone must fit the free KV. Each model a site hosts has a KV pool
-and prefix cache of its own: the blocks free and the cached prefixes are the model's own where the
-site reports them apart (registry.wire.SnapshotCapacity.own), the site's otherwise (one model, or an
-older agent). Load and rates stay the site's: its models share its devices. The models live sites can serve at all
+ttft, and its whole prompt must fit the free KV (the agent credits no cached prefix to an embedding).
+Each model a site hosts has a KV pool and prefix cache of its own: the blocks free and the cached
+prefixes are the model's own where the site reports them apart (registry.wire.SnapshotCapacity.own),
+the site's otherwise (one model, or an older agent). Load and rates stay the site's: its models
+share its devices. The models live sites can serve at all
 (`servable_models`) are what the router offers; `model_availability` says why a key cannot use one
 (its regions exclude every site that serves it, or those sites are down for now, or none does).
 
@@ -491,7 +492,9 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
     free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
     allowed = _region_mask(sites, request.allowed_regions)
     generated = 0 if request.prefill_only else 1   # room for the generated token, as the agent admits
-    prefill_blocks = np.ceil((num_prompt - num_cached + generated) / sites.block_size)
+    # the agent credits a cached prefix to a generating request only; an embedding needs room for all its input
+    credited = 0 if request.prefill_only else num_cached
+    prefill_blocks = np.ceil((num_prompt - credited + generated) / sites.block_size)
     prefill_ok = sites.can_prefill & allowed & (prefill_blocks <= free_blocks)
     if request.prefill_only:
         nothing = np.zeros(len(sites.sites))
@@ -555,7 +558,9 @@ def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
     as some site holds the chain, so a prompt no site has seen costs one hash per block size. What
     each holder holds of a held chain (a shared prefix, then the request's own text that no site
     holds) is worked out once per snapshot and chain, not once per request.
-    The last prompt token is always recomputed: its logits pick the first output token."""
+    The last prompt token is always recomputed (its logits pick the first output token), and the engine
+    reuses whole blocks only: of a prompt of L tokens, at most the (L - 1) // block_size blocks before the
+    one holding its last token (engine.block_manager), so a prompt of whole blocks recomputes its last block."""
     num_cached = np.zeros(len(sites.sites))
     for block_size, summaries in sites.summaries.items():
         if len(prompt_ids) < block_size:
@@ -576,8 +581,8 @@ def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
             holders = _holders(summaries, hashes[0])
             runs = summaries.runs[key] = (np.array([i for i, _cached in holders], dtype=np.intp), np.array(
                 [_leading_run(held, held[:-1], cached) for _i, cached in holders], dtype=float))
-        num_cached[runs[0]] = block_size * runs[1]
-    return np.minimum(num_cached, max(0, len(prompt_ids) - 1))
+        num_cached[runs[0]] = block_size * np.minimum(runs[1], (len(prompt_ids) - 1) // block_size)
+    return num_cached
 
 
 def _holders(summaries: _Summaries, first_block: int) -> list[tuple[int, frozenset[int]]]:

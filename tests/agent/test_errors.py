@@ -14,7 +14,7 @@ from grpc import aio
 from engine.tokenizer import ChatTokenizer
 from node_agent.proto import agent_pb2
 from router.model_assets import build_assets
-from tests.agent.conftest import MODEL, collect, prompt, sampling
+from tests.agent.conftest import MODEL, collect, prompt, sampling, wait_for_free_blocks
 
 
 async def status_of(make_call) -> tuple[grpc.StatusCode, str]:
@@ -156,6 +156,43 @@ async def test_a_prefix_running_sequences_hold_takes_no_free_blocks(start_agent,
     code, message = await status_of(lambda: client.generate(agent_pb2.GenerateRequest(
         model=MODEL, prompt_ids=prompt(100, start=3), sampling=sampling())))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool is full" in message
+    assert await client.release_kv(leased.kv_handle) is True
+
+
+async def test_a_prefix_a_step_in_progress_just_took_is_not_counted_free_and_shared(start_agent, connect):
+    # Admission reads the stats of the last step, and the shared prefix live. A step in progress that just took the
+    # cached prefix (evictable, so free in those stats) for a new sequence made it both free and shared: a prompt
+    # the pool could not hold was admitted on that double count, and then waited in the engine's queue (here until a
+    # KV lease ended) instead of being refused at once for the router to try another site.
+    agent = await start_agent(kv_cache_bytes=16 * 8192, kv_lease_ttl_s=60)  # 16 blocks of 16 tokens
+    client = connect(agent)
+    system = prompt(96)  # 6 blocks
+    assert len(await collect(client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=system + prompt(4, start=5), sampling=sampling(max_tokens=1))))) == 1
+    assert await wait_for_free_blocks(client, 16) == 16   # the prefix is cached, evictable
+    leased = await client.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=prompt(90, start=3),
+                                                           sampling=sampling()))   # 6 blocks: 10 free
+    engine = agent.models[MODEL].engine.engine
+    run, entered, release = engine.executor.run, threading.Event(), threading.Event()
+
+    def held_run(inputs):  # the next step's forward holds on: it has taken its blocks, its stats are not out
+        entered.set()
+        release.wait(30)
+        return run(inputs)
+
+    engine.executor.run = held_run
+    first = asyncio.ensure_future(collect(client.generate(agent_pb2.GenerateRequest(
+        model=MODEL, prompt_ids=system + prompt(4, start=9), sampling=sampling(max_tokens=2)))))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        # 12 blocks with its first token, 6 of them the running request's: 6 more, and 3 are free (not 10)
+        code, message = await asyncio.wait_for(status_of(lambda: client.generate(agent_pb2.GenerateRequest(
+            model=MODEL, prompt_ids=system + prompt(80, start=11), sampling=sampling(max_tokens=1)))), timeout=10)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool is full" in message
+    finally:
+        engine.executor.run = run
+        release.set()
+    assert len(await first) == 2
     assert await client.release_kv(leased.kv_handle) is True
 
 
