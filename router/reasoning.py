@@ -84,6 +84,10 @@ PARSERS = {
 # thinking budget of 0 ends with `<seed:think><seed:cot_budget_reflect>`, and the model writes its note on the
 # budget, then the end tag.
 OPENING_TOKENS = {"seed": ("<seed:cot_budget_reflect>",)}
+# Special tokens a model writes inside its block, which a grammar's free reasoning text cannot hold (text never
+# matches a special token): Seed-OSS's notes on its budget, `<seed:cot_budget_reflect>...</seed:cot_budget_reflect>`,
+# every so many tokens of a budget, and the note a budget of 0 asks for.
+INNER_TOKENS = {"seed": ("<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>")}
 PARSER_ALIASES = {"deepseek_r1": "think", "deepseek_v3": "think", "qwen3": "think", "kimi_k2": "think",
                   "smollm3": "think", "glm45": "think", "cohere_command": "command", "seed_oss": "seed"}
 NO_PARSER = "none"
@@ -102,6 +106,7 @@ class ReasoningFormat:
     start_id: int
     end_id: int
     opening_ids: frozenset[int] = frozenset()  # OPENING_TOKENS
+    inner_ids: frozenset[int] = frozenset()    # INNER_TOKENS
 
     def starts_open(self, prompt_ids: list[int], tokenizer: ChatTokenizer) -> bool:
         """Whether the prompt itself opened the block: its last non-blank token is the start tag, or one of the
@@ -271,21 +276,33 @@ def with_reasoning(spec: GrammarSpec, fmt: ReasoningFormat | HarmonyFormat, prom
         return after_reasoning(spec, fmt)
     if fmt.starts_closed(prompt_ids, tokenizer) or any(template_kwargs.get(k) is False for k in THINKING_SWITCHES):
         return spec
-    return reasoning_first(spec, fmt.start_id, fmt.end_id)
+    return reasoning_first(spec, fmt.start_id, fmt.end_id, fmt.inner_ids)
 
 
 def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat) -> GrammarSpec:
     """The grammar of an output that starts inside the reasoning block: free text up to the end tag, then
     `spec`."""
-    return GrammarSpec("lark", "\n".join([f"start: REASONING <[{fmt.end_id}]> BLANK? answer", *_REASONING_RULES,
+    return GrammarSpec("lark", "\n".join([f"start: {_reasoning(fmt.inner_ids)} <[{fmt.end_id}]> BLANK? answer",
+                                          *_reasoning_rules(fmt.inner_ids), _answer_rules(spec)]))
+
+
+def reasoning_first(spec: GrammarSpec, start_id: int, end_id: int,
+                    inner_ids: frozenset[int] = frozenset()) -> GrammarSpec:
+    """The grammar of an output that may open the reasoning block itself (Qwen3 writes the start tag as its
+    first token, GLM a newline and then the tag): an optional block of free text (and `inner_ids`), then `spec`."""
+    block = f"BLANK? <[{start_id}]> {_reasoning(inner_ids)} <[{end_id}]> BLANK?"
+    return GrammarSpec("lark", "\n".join([f"start: ({block})? answer", *_reasoning_rules(inner_ids),
                                           _answer_rules(spec)]))
 
 
-def reasoning_first(spec: GrammarSpec, start_id: int, end_id: int) -> GrammarSpec:
-    """The grammar of an output that may open the reasoning block itself (Qwen3 writes the start tag as its
-    first token, GLM a newline and then the tag): an optional block of free text, then `spec`."""
-    return GrammarSpec("lark", "\n".join([f"start: (BLANK? <[{start_id}]> REASONING <[{end_id}]> BLANK?)? answer",
-                                          *_REASONING_RULES, _answer_rules(spec)]))
+def _reasoning(inner_ids: frozenset[int]) -> str:
+    """The block's content in a grammar: free text, and the special tokens the model writes inside it."""
+    return "reasoning" if inner_ids else "REASONING"
+
+
+def _reasoning_rules(inner_ids: frozenset[int]) -> list[str]:
+    inner = " | ".join(f"<[{token_id}]>" for token_id in sorted(inner_ids))
+    return [*_REASONING_RULES, *([f"reasoning: REASONING (({inner}) REASONING)*"] if inner_ids else [])]
 
 
 def harmony_grammar(spec: GrammarSpec, fmt: HarmonyFormat) -> GrammarSpec:
@@ -349,7 +366,9 @@ def _format(tokenizer: ChatTokenizer, name: str) -> ReasoningFormat | None:
     if start_id is None or end_id is None:
         return None
     opening = (tokenizer.token_to_id(token) for token in OPENING_TOKENS.get(name, ()))
-    return ReasoningFormat(name, start_id, end_id, frozenset(i for i in opening if i is not None))
+    inner = (tokenizer.token_to_id(token) for token in INNER_TOKENS.get(name, ()))
+    return ReasoningFormat(name, start_id, end_id, frozenset(i for i in opening if i is not None),
+                           frozenset(i for i in inner if i is not None))
 
 
 def _harmony_format(tokenizer: ChatTokenizer) -> HarmonyFormat | None:

@@ -145,6 +145,10 @@ class ToolCallFormat:
         """What reads a call's arguments as they are written, from `begin` (the text after its name's markup)."""
         return _JsonPrefix(begin)
 
+    def ended_arguments(self, arguments: str) -> str:
+        """A call's arguments where the answer ended (not cut by max_tokens) inside it: as far as they got."""
+        return arguments
+
     # -- parsing the output ----------------------------------------------------------------------
 
     def split(self, text: str, names: frozenset[str] | None = None,
@@ -784,6 +788,16 @@ class KeyValueCalls(ToolCallFormat):
     def arguments_scan(self, name: str, begin: int) -> _KeyValuePrefix:
         return _KeyValuePrefix(self, name, begin)
 
+    def ended_arguments(self, arguments: str) -> str:
+        """The object of the pairs read (whole pairs, `{"K": V, ...` or nothing), closed: its `}` comes with the
+        call's closing, which an answer that ended inside the call (an end of sequence, a stop string, broken
+        markup) never wrote, and its finish reason says "tool_calls", so the arguments must parse."""
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return (arguments or "{") + "}"
+        return arguments
+
     # -- parsing -----------------------------------------------------------------------------------
 
     def _one_call(self, body: str, pos: int, names: frozenset[str] | None, cut: bool) -> tuple[ToolCall, int]:
@@ -1208,9 +1222,10 @@ class ToolCallStream:
     inside its calls once one was sent (an end of sequence, a stop string) reads as one cut there by max_tokens:
     its calls as far as they got, no markup as content. One whose markup breaks (a model left free) keeps the
     calls sent, each with the arguments sent, as far as they were JSON, and the rest of its calls' text is
-    dropped (it is markup, no words for the user). Otherwise `finish` sends what each call still lacks, so the
-    streamed calls always join into the calls `finish` returns (ids included): the streamed answer and the
-    whole one are the same.
+    dropped (it is markup, no words for the user). In either, a key/value call's pairs are closed into their object
+    (`ended_arguments`): the finish reason says "tool_calls", and its arguments must parse. Otherwise `finish`
+    sends what each call still lacks, so the streamed calls always join into the calls `finish` returns (ids
+    included): the streamed answer and the whole one are the same.
 
     Once calls were sent and their markup ends (the format's closing, or words where the next call's opening
     would be) and words follow, they are final and the text after them is content again, sent as it is written
@@ -1449,6 +1464,8 @@ class ToolCallStream:
                 content, calls, dropped = "", list(sent), list(self._skipped_names)
         calls = [replace(call, id=early.id) for call, early in zip(calls, sent)] + calls[len(sent):]
         calls = (whole + calls)[:None if self.parallel else 1]
+        if not cut:
+            calls = [replace(call, arguments=self.fmt.ended_arguments(call.arguments)) for call in calls]
         self.dropped += dropped
         if self._record:
             for index, call in enumerate(calls[len(whole):], len(whole)):

@@ -15,7 +15,10 @@ import openai
 import pytest
 from router_fake_agent import MODEL
 
+from engine.grammar import json_schema_spec
+from router.reasoning import reasoning_format, template_effort, with_reasoning
 from tests.router.test_router_reasoning import USER, _both, _checkpoint, _client, _ids
+from tests.router.tool_call_checks import grammar_accepts, grammar_compiler
 
 SEED = "ByteDance-Seed-Seed-OSS-36B-Instruct"
 
@@ -50,3 +53,20 @@ async def test_an_effort_that_contradicts_the_budget_is_a_400(cluster, make_rout
         with pytest.raises(openai.BadRequestError, match="thinking_budget"):
             await client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, reasoning_effort=effort,
                                                  extra_body={"chat_template_kwargs": {"thinking_budget": budget}})
+
+
+@pytest.mark.parametrize("effort, output", [
+    ("none", "The current thinking budget is 0, so I will directly start answering the question."
+             "</seed:cot_budget_reflect>\n\n</seed:think>\n"),
+    ("high", "<seed:think>Oslo, then.<seed:cot_budget_reflect>I have used 129 tokens, and there are 383 tokens "
+             "remaining for use.</seed:cot_budget_reflect>\nSnow.</seed:think>\n")])
+def test_a_grammar_lets_the_model_write_its_notes_on_the_budget(template_tokenizer, effort, output):
+    """Under a response format (or a required call) the reasoning is free text, and Seed-OSS's notes on its budget
+    are special tokens, which text cannot hold: the grammar admits them where the model writes them (the note a
+    budget of 0 asks for, closed before the block's end tag; the notes every so many tokens of a budget)."""
+    tokenizer = template_tokenizer(SEED)
+    kwargs = template_effort({"reasoning_effort": effort}, reasoning_format(tokenizer), tokenizer.template, MODEL)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(USER, **kwargs), add_special_tokens=False)
+    spec = with_reasoning(json_schema_spec({"type": "object"}), reasoning_format(tokenizer), prompt_ids, tokenizer,
+                          kwargs)
+    assert grammar_accepts(grammar_compiler(tokenizer, SEED), tokenizer, spec, output + '{"snow": true}')

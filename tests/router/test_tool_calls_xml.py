@@ -127,6 +127,21 @@ def test_a_call_cut_short_keeps_the_pairs_written_and_broken_markup_is_no_call(f
     assert fmt.split(broken, NAMES) is None
 
 
+@pytest.mark.parametrize("fmt_name", sorted(TEMPLATE))
+@pytest.mark.parametrize("ending", ["</function> left out", "inside the next key", "inside the next call"])
+def test_an_answer_that_ends_inside_a_call_has_arguments_that_parse(fmt_name, ending):
+    """An end of sequence (not max_tokens) inside a call once its pairs were sent: the finish reason is
+    "tool_calls", so the client parses the arguments, which hold the whole pairs written, streamed and whole."""
+    fmt, call = FORMATS[fmt_name].with_tools(TOOLS), _call(fmt_name, "now", [("zone", "utc")])
+    text = {"</function> left out": call.replace("</function>\n", ""),
+            "inside the next key": call.split("</function>")[0] + "<parameter=zo",
+            "inside the next call": call + "\n" + call.split("</parameter>")[0]}[ending]
+    for step in (1, 5, len(text)):
+        _words, calls, deltas, _joined = stream_in_pieces(fmt, NAMES, text, step)
+        assert [json.loads(c.arguments) for c in calls] == [{"zone": "utc"}] + [{}] * (ending == "inside the next call")
+        assert deltas_joined(deltas) == [{"name": c.name, "arguments": c.arguments} for c in calls]
+
+
 # -- grammars ------------------------------------------------------------------------------------------
 
 
