@@ -83,7 +83,7 @@ GLM4_MOE_PARTIAL_ROTARY = 0.5
 DEEPSEEK_V2_DEFAULTS = {"max_position_embeddings": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
                         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
                         "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0,
-                        "routed_scaling_factor": 1.0, "topk_method": "greedy"}
+                        "routed_scaling_factor": 1.0, "topk_method": "greedy", "bos_token_id": 1, "eos_token_id": 2}
 # its topk_method: "greedy", the top-k of all experts; "group_limited_greedy", the top-k of the topk_group groups (of
 # n_group) whose best scores are highest
 DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -92,17 +92,17 @@ DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 COHERE_MODEL_TYPES = ("cohere", "cohere2")
 COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
 COHERE2_DEFAULTS = {**COHERE_DEFAULTS, "sliding_window": 4096}
-# Seed-OSS-36B (seed_oss): the defaults transformers gives the fields its configs may omit (q/k/v biases and 128-dim
-# heads whatever hidden_size says; a null head_dim: hidden_size / num_attention_heads)
+# Seed-OSS-36B (seed_oss): the defaults transformers gives the fields its configs may omit (q/k/v biases, 8 KV heads
+# and 128-dim heads whatever hidden_size says; a null head_dim: hidden_size / num_attention_heads)
 SEED_OSS_DEFAULTS = {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288, "bos_token_id": 0,
-                     "eos_token_id": 2}
+                     "eos_token_id": 2, "num_key_value_heads": 8}
 # ERNIE 4.5, dense (ernie4_5: ERNIE-4.5-0.3B) and mixture of experts (ernie4_5_moe: ERNIE-4.5-21B-A3B, -300B-A47B):
 # the defaults transformers gives the fields their configs may omit (the dense model's heads 128 wide whatever
-# hidden_size says; the MoE model's hidden_size / num_attention_heads)
+# hidden_size says, the MoE model's hidden_size / num_attention_heads; 2 KV heads in the dense model, 4 in the MoE one)
 ERNIE4_5_DEFAULTS = {"max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2}
-ERNIE4_5_MOE_DEFAULTS = {**ERNIE4_5_DEFAULTS, "moe_num_experts": 64, "moe_k": 6, "moe_intermediate_size": 1536,
-                         "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
-                         "moe_layer_interval": 1, "moe_norm_min": 1e-12}
+ERNIE4_5_MOE_DEFAULTS = {**ERNIE4_5_DEFAULTS, "num_key_value_heads": 4, "moe_num_experts": 64, "moe_k": 6,
+                         "moe_intermediate_size": 1536, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
+                         "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
@@ -1027,7 +1027,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     if model_type == "seed_oss":
         raw = {**SEED_OSS_DEFAULTS, **raw}
     if model_type == "ernie4_5":
-        raw = {**ERNIE4_5_DEFAULTS, "head_dim": 128, **raw}
+        raw = {**ERNIE4_5_DEFAULTS, "head_dim": 128, "num_key_value_heads": 2, **raw}
     if model_type == "ernie4_5_moe":
         raw = {**ERNIE4_5_MOE_DEFAULTS, **raw}
     hidden = _positive_int(raw, ("hidden_size",), path)

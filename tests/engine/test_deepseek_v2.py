@@ -191,3 +191,5 @@ def test_omitted_fields_default_as_transformers_defaults_them():
     assert moe.sparse_layers == [i >= their.first_k_dense_replace for i in range(2)]
     assert (cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.rope.theta) == (
         their.max_position_embeddings, their.rms_norm_eps, their.rope_parameters["rope_theta"])
+    # generation stops at transformers' eos (2) where neither config.json nor generation_config.json names one
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (their.bos_token_id, [their.eos_token_id]) == (1, [2])

@@ -251,6 +251,11 @@ def test_omitted_fields_default_as_transformers_defaults_them(model_type):
         their.rope_parameters["rope_theta"], their.rms_norm_eps, their.max_position_embeddings)
     assert (cfg.tie_word_embeddings, cfg.qkv_bias, cfg.bos_token_id, cfg.eos_token_ids) == (
         their.tie_word_embeddings, their.use_bias, their.bos_token_id, [their.eos_token_id])
+    # num_key_value_heads omitted: transformers' 2 (dense) or 4 (mixture of experts), not one per query head
+    omitted = {**{key: value for key, value in raw.items() if key != "num_key_value_heads"}, "num_attention_heads": 8}
+    their_kv_heads = make(**{key: value for key, value in omitted.items() if key != "model_type"}).num_key_value_heads
+    assert parse_config(omitted, Path("config.json")).num_kv_heads == their_kv_heads == (
+        2 if model_type == "ernie4_5" else 4)
     if model_type == "ernie4_5_moe":
         moe = cfg.moe
         assert (moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.num_shared_experts,

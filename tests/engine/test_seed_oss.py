@@ -128,3 +128,7 @@ def test_omitted_fields_default_as_transformers_defaults_them():
     their = transformers.SeedOssConfig(**{key: value for key, value in raw.items() if key != "model_type"},
                                        head_dim=None)
     assert their.head_dim == 16
+    # num_key_value_heads omitted: 8 (the published shape's), as transformers reads it, not one per query head
+    raw = {**{key: value for key, value in raw.items() if key != "num_key_value_heads"}, "num_attention_heads": 16}
+    their = transformers.SeedOssConfig(**{key: value for key, value in raw.items() if key != "model_type"})
+    assert parse_config(raw, Path("config.json")).num_kv_heads == their.num_key_value_heads == 8
