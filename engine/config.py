@@ -760,7 +760,10 @@ def _llama4_fields(raw: dict, num_layers: int, path: Path) -> dict:
             raise CheckpointError(f"{path}: layer_types marks chunked_attention layers but attention_chunk_size is "
                                   f"null; give the chunks' length")
     temperature = None
-    if _flag(raw, "attn_temperature_tuning", True, path):
+    tuning = raw.get("attn_temperature_tuning")
+    # Scout's and Maverick's published configs say 4, which transformers then read as a truth value: a number but 0 is
+    # on (true, false and absent as _flag reads them)
+    if tuning != 0 if _is_number(tuning) else _flag(raw, "attn_temperature_tuning", True, path):
         temperature = (_positive_float(raw, "floor_scale", 8192.0, path),
                        _nonnegative_float(raw, "attn_scale", 0.1, path))
     qk_norm = _flag(raw, "use_qk_norm", True, path)

@@ -229,6 +229,15 @@ def test_llama4_configs_the_engine_cannot_follow_are_refused_naming_the_key(chan
         parse_config(_raw(**changes), Path("config.json"))
 
 
+@pytest.mark.parametrize("published, meaning", [(4, True), (0, False)])
+def test_a_numeric_attn_temperature_tuning_reads_as_its_truth_value(published, meaning):
+    # Scout's and Maverick's published configs (and fine-tunes of them) say 4: transformers wrote that default then
+    # and read the key as a truth value
+    reference = transformers.Llama4TextConfig(**LLAMA4, attn_temperature_tuning=meaning)
+    cfg = parse_config(_raw(attn_temperature_tuning=published), Path("config.json"))
+    assert cfg.attn_temperature == ((reference.floor_scale, reference.attn_scale) if meaning else None)
+
+
 def test_omitted_fields_default_as_transformers_defaults_them():
     raw = {"model_type": "llama4_text", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 8,
            "num_attention_heads": 4, "num_key_value_heads": 2}
