@@ -62,6 +62,9 @@ class DraftProposer:
         if device.type == "cuda":
             self._check_fits(directory, device, dtype, num_blocks, spec.draft_kv_cache_bytes)
         model = load_model(directory, self.model_config, device, dtype, show_progress=False)
+        # its sequences are the model's (at most its pool's tokens) plus the proposals past them
+        model.serve_context(min(self.max_positions, num_target_blocks * config.block_size
+                                + spec.num_speculative_tokens))
         shard = ModelShard(model, dataclasses.replace(config, speculative=None, enable_cuda_graphs=False,
                                                       kv_cache_bytes=spec.draft_kv_cache_bytes))
         if num_blocks is None:

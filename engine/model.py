@@ -48,6 +48,9 @@ from engine.moe import MoEWeights, moe_forward
 from engine.parallel.groups import all_reduce
 from engine.parallel.layout import RankShard, whole_model
 
+# Rope positions a model's tables cover until CausalLM.serve_context sizes them to the context served
+ROPE_POSITIONS_UNSERVED = 32768
+
 
 @dataclass(slots=True)
 class LayerWeights:
@@ -104,16 +107,7 @@ class CausalLM:
         self.rotary_dim = config.rotary_dim or config.head_dim
         if config.mla is not None:
             self.rotary_dim, self.scale = config.mla.qk_rope_head_dim, mla_softmax_scale(config)
-        max_positions = config.max_position_embeddings
-        self.cos_table, self.sin_table = ops.rope_cos_sin(self.rotary_dim, config.rope, max_positions, device)
-        # each of this stage's layers' (cos, sin): Gemma 3's sliding-window layers rotate by local_rope
-        self.rope_tables = [(self.cos_table, self.sin_table)] * len(self.sliding_windows)
-        if config.local_rope is not None:
-            local = ops.rope_cos_sin(self.rotary_dim, config.local_rope, max_positions, device)
-            self.rope_tables = [local if config.local_rope_layers[i] else self.rope_tables[0] for i in shard.layers]
-        if config.nope_layers:   # SmolLM3's NoPE layers rotate nothing
-            self.rope_tables = [None if config.nope_layers[i] else table
-                                for i, table in zip(shard.layers, self.rope_tables)]
+        self._build_rope(min(config.max_position_embeddings, ROPE_POSITIONS_UNSERVED), config.max_position_embeddings)
         # Llama 4's q/k norms without weight, per layer of this stage: a float32 weight of ones (rms_norm then
         # multiplies in float32 and rounds after, as transformers' norm rounds), or None
         unit = torch.ones(config.head_dim, device=device) if any(config.l2_qk_norm_layers) else None
@@ -130,17 +124,26 @@ class CausalLM:
             self.norm_op, self.add_norm_op = "layer_norm", "add_layer_norm"
 
     def serve_context(self, max_model_len: int) -> None:
-        """Rotate by the rope of an engine whose sequences hold at most max_model_len tokens: longrope's
-        factors depend on it (RopeConfig.uses_long_factor), and that length is known only once the KV pool
-        is sized, after the weights are loaded. Written into the tables in place, so it holds for graphs
-        captured from them too."""
-        cfg = self.config
-        if cfg.rope.rope_type != "longrope":   # the only rope whose tables depend on the context served
-            return
-        cos, sin = ops.rope_cos_sin(self.rotary_dim, cfg.rope, cfg.max_position_embeddings, self.device,
-                                    max_model_len)
-        self.cos_table.copy_(cos)
-        self.sin_table.copy_(sin)
+        """Rotate by the rope of an engine whose sequences hold at most max_model_len tokens, known only once the KV
+        pool is sized, after the weights are loaded (and before graphs are captured from the tables): the tables
+        cover those positions, not every position the checkpoint could reach (Llama 4 Scout's config says
+        10,485,760: 10.7 GB of tables, taken from the KV pool), and longrope's factors depend on it
+        (RopeConfig.uses_long_factor)."""
+        self._build_rope(max_model_len, max_model_len)
+
+    def _build_rope(self, num_positions: int, max_model_len: int) -> None:
+        """The cos/sin tables of positions 0..num_positions-1 (longrope's factors chosen for max_model_len), and each
+        of this stage's layers' (cos, sin) in rope_tables: Gemma 3's sliding-window layers rotate by local_rope,
+        SmolLM3's and Llama 4's NoPE layers (None) by nothing."""
+        config, layers = self.config, self.shard.layers
+        self.cos_table, self.sin_table = ops.rope_cos_sin(self.rotary_dim, config.rope, num_positions, self.device,
+                                                          max_model_len)
+        self.rope_tables = [(self.cos_table, self.sin_table)] * len(self.sliding_windows)
+        if config.local_rope is not None:
+            local = ops.rope_cos_sin(self.rotary_dim, config.local_rope, num_positions, self.device, max_model_len)
+            self.rope_tables = [local if config.local_rope_layers[i] else self.rope_tables[0] for i in layers]
+        if config.nope_layers:
+            self.rope_tables = [None if config.nope_layers[i] else table for i, table in zip(layers, self.rope_tables)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ops.AttentionBatch,

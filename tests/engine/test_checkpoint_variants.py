@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.config import parse_config
+from engine.engine import EngineConfig, LLMEngine
 from engine.errors import UnsupportedModelError
 from tests.engine.conftest import (_deepseek_v3, _llama, _mistral, _mixtral, _qwen2, _qwen3,
                                    save_random_checkpoint)
@@ -120,3 +121,12 @@ def test_biases_under_tensor_parallelism_are_added_once(tmp_path):
     with torch.no_grad():
         theirs = reference(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_tables_cover_the_context_served_not_every_position_the_config_names(tmp_path):
+    # Llama 4 Scout's config says 10,485,760 positions: tables for all of them are 10.7 GB per rank, which the KV
+    # pool lost (and twice that of host memory while they were built). The engine serves what its pool holds.
+    reference = save_random_checkpoint(tmp_path, _llama, {"max_position_embeddings": 1 << 22})
+    engine = LLMEngine(tmp_path, EngineConfig(kv_cache_bytes=8 << 20, show_progress=False))
+    assert engine.model.cos_table.shape[0] == engine.max_model_len < 1 << 22
+    check_against_transformers(tmp_path, reference, random_prompts(LENGTHS, seed=12), max_tokens=5)
