@@ -124,6 +124,24 @@ def save_random_checkpoint(directory: Path, factory, config_edits: dict, randomi
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
+def save_and_read_back(directory: Path, factory, rewrite=None, same_weights: bool = False):
+    """factory()'s model with random weights (norms and biases too) saved to directory, `rewrite(directory)` applied
+    to the saved files, and transformers' model of the same class read back from them, which must find every
+    tensor by its name (and, with same_weights, the very weights saved: the rewrite moved, never changed, them)."""
+    torch.manual_seed(1234)
+    model = factory().eval()
+    _randomize(model)
+    model.save_pretrained(directory)
+    if rewrite:
+        rewrite(directory)
+    reference, info = type(model).from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    if same_weights:
+        for ours, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(ours, theirs)
+    return reference.eval()
+
+
 def build_checkpoint(directory, arch: str, max_shard_size: str | None = None):
     torch.manual_seed(1234)
     model = ARCHITECTURES[arch]().eval()

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.engine import EngineConfig, LLMEngine
-from tests.engine.conftest import _randomize
+from tests.engine.conftest import save_and_read_back
 from tests.engine.test_image_text_checkpoints import MROPE, QWEN3_VL_VISION, TEXT
 from tests.engine.test_moe import check_against_transformers, random_prompts
 from tests.engine.test_parallel import Engines, assert_prompt_logits
@@ -69,18 +69,7 @@ VARIANTS = {
 def _save(directory: Path, name: str):
     """The checkpoint (random weights) and transformers' model loaded back from it, which reads both layouts."""
     factory, rewrite = VARIANTS[name]
-    torch.manual_seed(1234)
-    model = factory().eval()
-    _randomize(model)
-    model.save_pretrained(directory)
-    if rewrite:
-        rewrite(directory)
-    reference, info = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
-        directory, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    for ours, theirs in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(ours, theirs)   # the rewrite kept every weight
-    return reference.eval()
+    return save_and_read_back(directory, factory, rewrite, same_weights=True)   # the rewrite kept every weight
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
