@@ -6,7 +6,8 @@ leaving it early (break, cancellation, a client that went away) aborts the reque
 its blocks. `embed` is one embedding request: its pooled vector, or the error. A command waits for
 the step in progress, which can be a long prefill chunk, so
 `latest_stats` (refreshed by the engine thread after every step and command) answers admission
-checks without that wait.
+checks without that wait; `admission_figures` adds what those stats do not count yet: the `Reservation`s
+admission made, each held from the admission until the stats count the request started on it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +69,40 @@ class EngineDeadError(EngineError):
     """The engine thread stopped (shut down or crashed); no request can be served."""
 
 
+class Reservation:
+    """The KV blocks an admission let one request count on (its size less the prefix blocks it shares), held
+    from the admission until the engine's stats count the request: in between (a decode pulling its KV, the
+    hop to the engine thread) the request is in no stats, and admissions meanwhile must not hand out its blocks.
+    A request started with it takes it over (`started`; cleared by the stats that count that request); one
+    whose start fails gives it back to its holder, which may start another on it (a refused KV import's
+    recompute). `release` (or leaving `with reservation:`) ends one no request holds; a no-op otherwise."""
+
+    __slots__ = ("num_blocks", "started", "_engine")
+
+    def __init__(self, engine: AsyncEngine, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.started = False
+        self._engine = engine
+
+    def release(self) -> None:
+        self._engine._release(self)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+class AdmissionFigures(NamedTuple):
+    """What admission adds to `stats` (those of the last step): the reservations they do not count yet."""
+
+    stats: EngineStats
+    num_pending: int          # requests handed to the engine thread: waiting, for admission
+    num_pending_blocks: int   # KV blocks of every reservation, handed over or not
+    num_reserved: int         # reservations not handed over yet (a decode pulling its KV): held sequences
+
+
 class _Inbox:
     """One stream's undelivered items and its reader's wake-up: a deque and at most one future, made only
     when the reader finds the deque empty. Lighter than an asyncio.Queue, which makes and queues a
@@ -104,12 +140,11 @@ class AsyncEngine:
         # request id -> the KV handle of its prefill, sent to its stream and not read yet: if the stream is
         # left first (a cancelled Prefill), no one else knows the handle, so the engine thread releases it
         self._unread_leases: dict[str, str] = {}
-        # request id -> the KV blocks it may need, from its hand-off to the engine thread until the stats
-        # count it: admission reads the stats of the last step, so without these a burst arriving within
-        # one step would all see the same queue and the same free blocks (admission_figures)
-        self._pending: dict[str, int] = {}
+        # admission reads the stats of the last step, so without these a burst arriving within one step,
+        # or while decodes pull their KV, would all see the same queue and the same free blocks
+        self._reservations: set[Reservation] = set()
         self._pending_lock = threading.Lock()
-        self._added: list[str] = []  # engine thread: requests added since the stats were last refreshed
+        self._added: list[Reservation] = []  # engine thread: those of requests added since the last stats
         # calls waiting for the engine thread's answer: failed at once if it stops or crashes before it ran them
         self._calls: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
         self._calls_lock = threading.Lock()
@@ -186,14 +221,13 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _refresh_stats(self) -> None:
-        """New stats, and the requests added since the last ones leave the pending admissions in the same
-        move: a request counted by the stats and still pending was counted twice (each add's command refreshes
-        the stats, so a burst being added counted its added part twice)."""
+        """New stats, and the reservations of requests added since the last ones end in the same move: a
+        request counted by the stats and still reserved was counted twice (each add's command refreshes the
+        stats, so a burst being added counted its added part twice)."""
         stats = self.engine.stats()
         with self._pending_lock:
             self.latest_stats = stats  # one reference swap: readers on other threads see a whole object
-            for request_id in self._added:
-                self._pending.pop(request_id, None)
+            self._reservations.difference_update(self._added)
         self._added.clear()
 
     def shared_prefix_blocks(self, token_ids: list[int]) -> tuple[int, int]:
@@ -204,12 +238,33 @@ class AsyncEngine:
         manager = self.engine.block_manager
         return manager.shared_prefix_blocks(token_ids), manager.num_free_blocks
 
-    def admission_figures(self) -> tuple[EngineStats, int, int]:
-        """latest_stats, and the (requests, KV blocks they may need) handed to the engine thread that those
-        stats do not count yet, read together: an admission check adds them to the stats' waiting requests
-        and subtracts them from its free blocks."""
+    def admission_figures(self) -> AdmissionFigures:
+        """latest_stats and the reservations those stats do not count, read together: an admission check adds
+        the handed-over ones to the stats' waiting requests and subtracts every one's blocks from its free
+        blocks."""
         with self._pending_lock:
-            return self.latest_stats, len(self._pending), sum(self._pending.values())
+            num_pending = sum(reservation.started for reservation in self._reservations)
+            return AdmissionFigures(self.latest_stats, num_pending,
+                                    sum(reservation.num_blocks for reservation in self._reservations),
+                                    len(self._reservations) - num_pending)
+
+    def reserve(self, num_blocks: int) -> Reservation:
+        """Holds num_blocks for a request admitted now (on the event loop, in the same turn as the check)."""
+        reservation = Reservation(self, num_blocks)
+        with self._pending_lock:
+            self._reservations.add(reservation)
+        return reservation
+
+    def _release(self, reservation: Reservation) -> None:
+        with self._pending_lock:
+            if not reservation.started:
+                self._reservations.discard(reservation)
+
+    def _hand_over(self, reservation: Reservation, started: bool) -> None:
+        """Into (started) or back out of a request's start (failed); held until the stats or its holder end it."""
+        with self._pending_lock:
+            reservation.started = started
+            self._reservations.add(reservation)  # again, when the stats that counted an earlier start ended it
 
     def _submit(self, command: Callable[[], None]) -> None:
         if self._error is not None or self._stopped:
@@ -249,23 +304,28 @@ class AsyncEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 generated_ids: list[int] | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
+                 generated_ids: list[int] | None = None, prefill_only: bool = False,
+                 reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
+        """The request's events; it starts on `reservation` (the admission's) when given, else on one of its size."""
         request_id = request_id or uuid.uuid4().hex
         return self._stream(request_id, lambda e: e.add_request(request_id, prompt_ids, params, generated_ids,
                                                                 prefill_only),
-                            len(prompt_ids) + len(generated_ids or ()))
+                            len(prompt_ids) + len(generated_ids or ()), reservation)
 
     def generate_from_kv(self, payload: KVPayload, params: SamplingParams, generated_ids: list[int],
-                         request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+                         request_id: str | None = None,
+                         reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
         """Decode a request whose prompt was prefilled elsewhere (payload from export_kv)."""
         request_id = request_id or uuid.uuid4().hex
         return self._stream(request_id, lambda e: e.import_kv(request_id, payload, params, generated_ids),
-                            len(payload.token_ids) + len(generated_ids))
+                            len(payload.token_ids) + len(generated_ids), reservation)
 
-    async def prefill(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> TokenEvent:
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                      reservation: Reservation | None = None) -> TokenEvent:
         """Prefill only: the first token, with kv_handle naming the pinned KV (release or let it expire)."""
         event = None
-        async with aclosing(self.generate(prompt_ids, params, request_id, prefill_only=True)) as events:
+        async with aclosing(self.generate(prompt_ids, params, request_id, prefill_only=True,
+                                          reservation=reservation)) as events:
             async for event in events:
                 pass
         return event
@@ -291,39 +351,49 @@ class AsyncEngine:
                     self._submit(lambda: self.engine.abort(request_id))
 
     async def _start(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int,
-                     num_new_tokens: int = 1) -> _Inbox:
+                     num_new_tokens: int = 1, reservation: Reservation | None = None) -> _Inbox:
         # The stream is registered before the request exists, so no token can miss it; a
         # request that finishes in its first step unregisters itself before we read it back.
-        # Its pending blocks hold its tokens and the first it generates (an embedding generates none).
+        # Without an admission's reservation it reserves its tokens and the first it generates (an
+        # embedding generates none).
         inbox = _Inbox(asyncio.get_running_loop())
         self._streams[request_id] = inbox
-        with self._pending_lock:
-            self._pending[request_id] = -(-(num_tokens + num_new_tokens) // self.engine.config.block_size)
+        own = reservation is None
+        if own:
+            reservation = Reservation(self, -(-(num_tokens + num_new_tokens) // self.engine.config.block_size))
+        self._hand_over(reservation, started=True)
 
         def added(engine: LLMEngine) -> None:
-            try:
-                add(engine)
-            finally:
-                self._added.append(request_id)
+            add(engine)
+            self._added.append(reservation)  # the next stats count the request
 
         try:
             await self.call(added)
         except BaseException as exc:
             self._streams.pop(request_id, None)
             if not isinstance(exc, asyncio.CancelledError):  # the add ran and failed, or never will run
-                with self._pending_lock:
-                    self._pending.pop(request_id, None)
-            if isinstance(exc, asyncio.CancelledError) and self._error is None and not self._stopped:
-                # the engine thread adds the request all the same; this abort, queued behind it, ends it
-                self._submit(lambda: self.engine.abort(request_id))
+                if own:
+                    with self._pending_lock:
+                        self._reservations.discard(reservation)
+                else:
+                    self._hand_over(reservation, started=False)  # back to its holder
+            elif self._error is None and not self._stopped:
+                # the engine thread adds the request all the same; this command, queued behind it, ends it
+                self._submit(lambda: self._abort_start(request_id, reservation))
             raise
         return inbox
 
-    async def _stream(self, request_id: str, add: Callable[[LLMEngine], None],
-                      num_tokens: int) -> AsyncIterator[TokenEvent]:
+    def _abort_start(self, request_id: str, reservation: Reservation) -> None:
+        """On the engine thread, after the add of a request whose start was cancelled: abort it, and end its
+        reservation whether the add went through or failed (its holder has left)."""
+        self._added.append(reservation)
+        self.engine.abort(request_id)
+
+    async def _stream(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int,
+                      reservation: Reservation | None) -> AsyncIterator[TokenEvent]:
         """The request's events, added and read in this one generator: each layer of generators between
         the engine and a gRPC stream costs every token of every stream a resumption."""
-        inbox = await self._start(request_id, add, num_tokens)
+        inbox = await self._start(request_id, add, num_tokens, reservation=reservation)
         items = inbox.items
         finished = False
         try:

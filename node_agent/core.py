@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from grpc import aio
 
-from engine.async_engine import TokenEvent
+from engine.async_engine import Reservation, TokenEvent
 from engine.errors import InvalidRequestError, KVTransferError, UnknownHandleError
 from engine.kv_export import KVExport
 from engine.kv_transfer import KVLayout, KVPayload
@@ -133,8 +133,6 @@ class AgentCore:
         self._peers = AgentPool(config.peer_token, channel_credentials(*tls) if config.peers_over_tls else None)
         self._peer_ssl = client_context(*tls) if config.peers_over_tls else None  # for peers' KV data ports
         self.kv_data_server: KVDataServer | None = None  # set by the daemon when the data port is on
-        # Decodes admitted but not yet held by their engine (pulling KV): they count against max_num_seqs.
-        self._decode_reserved: dict[str, int] = {}
         self._peer_info: dict[str, Peer] = {}  # peer gRPC address -> its Health answer
         self.links = LinkTable()  # measured paths to peer sites (node_agent.links)
         self.lease_traces = LeaseTraces()  # the request each open lease was made for (its export's logs)
@@ -181,27 +179,32 @@ class AgentCore:
                                       f"{model.info.context_length} including at least one new token")
 
     def _admit(self, model: HostedModel, num_tokens: int, takes_slot: bool = False, generates: bool = True,
-               token_ids: list[int] | None = None) -> None:
-        """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on). Its KV must hold
-        num_tokens and, when it `generates`, the first new token (an embedding generates none), less the leading
-        blocks of `token_ids` that running sequences hold in the prefix cache: a request with a hot shared prefix
-        (a long system prompt many requests run with) shares those blocks instead of taking free ones. They are
-        looked up only when the free blocks would not hold the whole request (hashing a long prompt costs).
-        Requests handed to the engine since its last step count whole (a burst within one step is over-counted,
-        never under).
+               token_ids: list[int] | None = None) -> Reservation:
+        """Refuses work the site cannot take now (RESOURCE_EXHAUSTED: the router moves on), or reserves the KV
+        blocks it admitted the request on. Its KV must hold num_tokens and, when it `generates`, the first new
+        token (an embedding generates none), less the leading blocks of `token_ids` that running sequences hold
+        in the prefix cache: a request with a hot shared prefix (a long system prompt many requests run with)
+        shares those blocks instead of taking free ones. They are looked up only when the free blocks would not
+        hold the whole request (hashing a long prompt costs).
 
-        `takes_slot` (Decode): the sequence must run at once, so the site must hold fewer than
-        `max_num_seqs` sequences counting decodes still pulling their KV; on success one slot is
-        reserved, to be given back with `_end_reservation` once the engine holds the sequence.
+        The engine's stats are those of its last step (no wait for the step in progress); the reservations of
+        requests admitted since, which those stats do not count yet, count as waiting requests (once handed to
+        the engine thread) and take their blocks from the free ones. The returned reservation holds the blocks
+        this check counted (the request's size less the credited prefix) from now on: through a decode's KV
+        pull and the hop to the engine thread, until the stats count the request started on it (the engine's
+        generate, prefill and generate_from_kv take it over). Its holder leaves `with reservation:` on every
+        exit, which gives it back unless a request took it over. Check and reservation are one synchronous
+        step on the event loop: concurrent admissions see each other's blocks.
+
+        `takes_slot` (Decode): the sequence must run at once, so the site must hold fewer than `max_num_seqs`
+        sequences, counting admitted requests not handed to the engine yet (decodes pulling their KV).
         """
         if self.draining:
             raise DrainingError("this agent is draining and takes no new work; use another site")
-        # stats as of the last step (no wait for the step in progress), and what was admitted since those
-        # stats, which they do not count yet (a burst within one step)
-        stats, pending, pending_blocks = model.engine.admission_figures()
+        stats, pending, pending_blocks, reserved = model.engine.admission_figures()
         waiting = stats.num_waiting + pending
         if takes_slot:
-            held = stats.num_running + waiting + self._decode_reserved.get(model.name, 0)
+            held = stats.num_running + waiting + reserved
             if held >= self.config.max_num_seqs:
                 self.metrics.rejected.labels("seqs").inc()
                 raise OverloadedError(f"decode slots are full: {held} sequences held, max_num_seqs is "
@@ -219,22 +222,19 @@ class AgentCore:
             self.metrics.rejected.labels("kv").inc()
             raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {max(free, 0)} of "
                                   f"{stats.num_blocks_total} are free")
-        if takes_slot:  # no await since the check above: concurrent admissions see each other's slots
-            self._decode_reserved[model.name] = self._decode_reserved.get(model.name, 0) + 1
-
-    def _end_reservation(self, model: HostedModel) -> None:
-        self._decode_reserved[model.name] -= 1
+        return model.engine.reserve(needed)
 
     async def _accept(self, model_name: str, step: str, prompt_ids: list[int], generated_ids: list[int],
-                      params: SamplingParams, takes_slot: bool = False) -> HostedModel:
+                      params: SamplingParams, takes_slot: bool = False) -> tuple[HostedModel, Reservation]:
+        """The model, and the reservation the request was admitted on (see _admit: hold it `with`)."""
         model = self.model(model_name)
         self._check_role(step)
         self._validate(model, prompt_ids, generated_ids, params)
         if params.grammar is not None:  # compiled off the engine thread: a large schema never stalls a step
             await model.engine.prepare_grammar(params.grammar)
-        self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot,
-                    token_ids=prompt_ids + generated_ids if generated_ids else prompt_ids)
-        return model
+        reservation = self._admit(model, len(prompt_ids) + len(generated_ids), takes_slot,
+                                  token_ids=prompt_ids + generated_ids if generated_ids else prompt_ids)
+        return model, reservation
 
     def accept_embedding(self, model_name: str, inputs: list[list[int]], dimensions: int) -> HostedModel:
         """The model an Embed call runs on, once the call is checked (check_embed_request) and admitted on a
@@ -246,7 +246,9 @@ class AgentCore:
         engine = model.engine.engine
         check_embed_request(inputs, dimensions, model.vocab_size, model.info.context_length,
                             engine.model_config.hidden_size, engine.pooling_error)
-        self._admit(model, max(len(ids) for ids in inputs), generates=False)
+        # Each input reserves its own blocks as its engine request starts, in the caller's tasks made right after
+        # this (the next turn of the event loop): nothing holds the call's blocks in between but that one turn.
+        self._admit(model, max(len(ids) for ids in inputs), generates=False).release()
         return model
 
     @contextmanager
@@ -266,11 +268,11 @@ class AgentCore:
     async def generate(self, model_name: str, prompt_ids: list[int], generated_ids: list[int],
                        params: SamplingParams, request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         with self.inflight():
-            model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
+            model, reservation = await self._accept(model_name, "decode", prompt_ids, generated_ids, params)
             log.info("generate %s: %d prompt + %d generated tokens, up to %d in all", model.name, len(prompt_ids),
                      len(generated_ids), params.max_tokens)
-            events = model.engine.generate(prompt_ids, params, request_id, generated_ids)
-            with _Observed(self.metrics, model.name, "generate", prefills=True) as observed:
+            events = model.engine.generate(prompt_ids, params, request_id, generated_ids, reservation=reservation)
+            with reservation, _Observed(self.metrics, model.name, "generate", prefills=True) as observed:
                 async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
                     async for event in events:
                         observed.token(event)
@@ -283,9 +285,10 @@ class AgentCore:
             raise LeaseReleasedError(f"lease id {lease_id!r} was released before this Prefill ran; its caller "
                                      "has given up on it")
         with self.inflight():
-            model = await self._accept(model_name, "prefill", prompt_ids, [], params)
+            model, reservation = await self._accept(model_name, "prefill", prompt_ids, [], params)
             started = time.perf_counter()
-            event = await model.engine.prefill(prompt_ids, params, request_id)
+            with reservation:
+                event = await model.engine.prefill(prompt_ids, params, request_id, reservation)
             self.metrics.ttft.labels(model.name, "prefill").observe(time.perf_counter() - started)
             self.metrics.observe_prompt(model.name, event.num_prompt_tokens, event.num_cached_tokens)
             seconds = time.perf_counter() - started
@@ -313,38 +316,38 @@ class AgentCore:
                      time_left: float | None = None) -> AsyncIterator[TokenEvent]:
         started = time.perf_counter()   # the first token's wait includes the KV pull and its import
         with self.inflight():
-            model = await self._accept(model_name, "decode", prompt_ids, generated_ids, params, takes_slot=True)
+            model, reservation = await self._accept(model_name, "decode", prompt_ids, generated_ids, params,
+                                                    takes_slot=True)
             log.info("decode %s: %d prompt + %d generated tokens, up to %d in all; %s", model.name, len(prompt_ids),
                      len(generated_ids), params.max_tokens,
                      f"KV from {source.address} (lease {source.kv_handle})" if source is not None and generated_ids
                      else "no KV source: recomputing the prompt")
-            try:
+            with reservation:  # held through the pull: admissions meanwhile must not count its blocks free
                 payload = None
                 if source is not None and generated_ids:
                     payload = await self._pull(model, source, prompt_ids, request_id, time_left)
                 if source is not None and payload is None:
                     self._release_unread(source, request_id)
-                events, first = await self._start_decode(model, payload, prompt_ids, generated_ids, params,
-                                                          request_id)
-            finally:
-                self._end_reservation(model)  # the engine holds the sequence now (or it failed to start)
-            # `first` was read already when the stream runs on imported KV (this site prefilled nothing)
-            with _Observed(self.metrics, model.name, "decode", prefills=first is None, started=started) as observed:
-                async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
-                    if first is not None:
-                        observed.token(first)
-                        yield first
-                    async for event in events:
-                        observed.token(event)
-                        yield event
+                events, first = await self._start_decode(model, reservation, payload, prompt_ids, generated_ids,
+                                                          params, request_id)
+                # `first` was read already when the stream runs on imported KV (this site prefilled nothing)
+                with _Observed(self.metrics, model.name, "decode", prefills=first is None,
+                               started=started) as observed:
+                    async with aclosing(events):  # leaving early must reach the engine's abort now, not at GC
+                        if first is not None:
+                            observed.token(first)
+                            yield first
+                        async for event in events:
+                            observed.token(event)
+                            yield event
 
-    async def _start_decode(self, model: HostedModel, payload: KVPayload | None, prompt_ids: list[int],
-                            generated_ids: list[int], params: SamplingParams,
+    async def _start_decode(self, model: HostedModel, reservation: Reservation, payload: KVPayload | None,
+                            prompt_ids: list[int], generated_ids: list[int], params: SamplingParams,
                             request_id: str | None) -> tuple[AsyncIterator[TokenEvent], TokenEvent | None]:
         """The event stream and, when it runs on the imported KV, its first event (read to learn whether
-        the engine took the import: one it refuses falls back to recompute here)."""
+        the engine took the import: one it refuses gives the reservation back, and falls back to recompute here)."""
         if payload is not None:
-            events = model.engine.generate_from_kv(payload, params, generated_ids, request_id)
+            events = model.engine.generate_from_kv(payload, params, generated_ids, request_id, reservation)
             try:
                 first = await anext(events)
             except KVTransferError as exc:
@@ -352,7 +355,7 @@ class AgentCore:
                 self.metrics.kv_fallbacks.inc()
             else:
                 return events, first
-        return model.engine.generate(prompt_ids, params, request_id, generated_ids), None
+        return model.engine.generate(prompt_ids, params, request_id, generated_ids, reservation=reservation), None
 
     def _release_unread(self, source: KVSource, request_id: str | None) -> None:
         """The source's lease, which this site recomputes instead of reading: a pull that failed before
