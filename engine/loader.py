@@ -586,7 +586,8 @@ def _read_stacked_experts(reader: _TensorReader, cfg: ModelConfig, p: str,
     stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
     read = []
     for name, (rows, cols) in stacked.items():
-        if cfg.model_type not in TRANSPOSED_EXPERT_TYPES and reader.shape(p + name) != (num_experts, cols, rows):
+        shape = reader.shape(p + name)
+        if cfg.model_type not in TRANSPOSED_EXPERT_TYPES and (shape != (num_experts, cols, rows) or rows == cols):
             read.append(reader.read(p + name, (num_experts, rows, cols), rows=experts))
             continue
         stored = reader.read(p + name, (num_experts, cols, rows), rows=experts)

@@ -63,6 +63,9 @@ VARIANTS = {
     "as-published": (_qwen3_vl_moe, _as_published),
     # every second layer sparse (only layer 1), nothing in mlp_only_layers
     "sparse-step-2": (lambda: _qwen3_vl_moe(decoder_sparse_step=2, mlp_only_layers=[]), None),
+    # experts half as wide as the model: gate_up_proj [E, 2 * inter, hidden] is square per expert, so its shape
+    # cannot tell the layout, which is then transformers' own as saved (not the transposed one published)
+    "as-saved-square": (lambda: _qwen3_vl_moe(moe_intermediate_size=TEXT["hidden_size"] // 2), None),
 }
 
 
