@@ -20,7 +20,9 @@ SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "
                          "granite": "config", "gemma2": "config", "gemma3_text": "config", "gpt_oss": "config",
                          "glm4_moe": "config_qkv", "smollm3": "config", "olmo2": "config",
                          "olmo3": "config", "cohere": "config", "cohere2": "config", "llama4_text": "config",
-                         "seed_oss": "config_qkv", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}
+                         "seed_oss": "config_qkv", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias",
+                         "glm4": "config_qkv", "glm4_moe_lite": "none", "minimax_m2": "none", "ministral3": "none",
+                         "mistral4": "none"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
 # ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
 # true; Command R: false)
@@ -77,6 +79,26 @@ GLM4_MOE_DEFAULTS = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "n
                      "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                      "norm_topk_prob": True, "num_nextn_predict_layers": 1}
 GLM4_MOE_PARTIAL_ROTARY = 0.5
+# GLM-4-0414 and GLM-Z1 (glm4: 9B, 32B), dense: grouped-query attention with q/k/v biases (o never), interleaved rotary
+# on each head's first partial_rotary_factor of dims (GLM4_MOE_PARTIAL_ROTARY unless given), gate and up stored as
+# one gate_up_proj, and four norms a layer (the attention's and the MLP's outputs normed too); the defaults
+# transformers gives the fields its configs may omit (128-dim heads whatever hidden_size says)
+GLM4_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40,
+                 "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-07, "attention_bias": True,
+                 "eos_token_id": [151329, 151336, 151338]}
+# GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's latent attention and routing (sigmoid scores, correction bias, groups,
+# shared experts), its layers dense or sparse by mlp_layer_types; the defaults transformers gives the fields its
+# configs may omit. Its published checkpoint stores a multi-token-prediction layer after the decoder's, which
+# transformers leaves unread (num_nextn_predict_layers, a key transformers does not read, says how many)
+GLM4_MOE_LITE_DEFAULTS = {"vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+                          "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+                          "n_shared_experts": 1, "n_routed_experts": 64, "routed_scaling_factor": 1.8,
+                          "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256,
+                          "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4,
+                          "norm_topk_prob": True, "max_position_embeddings": 202752, "rms_norm_eps": 1e-5,
+                          "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1}
+GLM4_MOE_LITE_MLP_TYPES = ("dense", "sparse")
 # DeepSeek-V2, V2-Lite, V2.5, Coder-V2 (deepseek_v2): DeepSeek-V3's latent attention and shared experts, routed by a
 # softmax over the router's logits, without correction bias; the defaults transformers gives the fields its configs may
 # omit (q_lora_rank: a compressed query unless the config says null, as V2-Lite's does)
@@ -103,14 +125,29 @@ ERNIE4_5_DEFAULTS = {"max_position_embeddings": 131072, "bos_token_id": 1, "eos_
 ERNIE4_5_MOE_DEFAULTS = {**ERNIE4_5_DEFAULTS, "num_key_value_heads": 4, "moe_num_experts": 64, "moe_k": 6,
                          "moe_intermediate_size": 1536, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
                          "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12}
+# MiniMax-M2 and M2.1 (minimax_m2): grouped-query attention whose q and k are each RMS-normed over the whole projection
+# (as OLMo 2's), rotary on each head's first rotary_dim dims, every layer a mixture of experts routed as DeepSeek-V3
+# routes (sigmoid scores, a correction bias steering the choice) over one group, renormalized, unscaled, no shared
+# expert; the defaults transformers gives the fields its configs may omit (128-dim heads whatever hidden_size says)
+MINIMAX_M2_DEFAULTS = {"vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+                       "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+                       "bos_token_id": 200034, "eos_token_id": 200020, "num_local_experts": 256,
+                       "num_experts_per_tok": 8}
+# ... and the keys its published configs carry that transformers does not read: the values of the variant it computes
+MINIMAX_M2_VARIANTS = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                       "qk_norm_type": "per_layer", "shared_intermediate_size": 0}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
-# engine runs. Mistral 3: Mistral Small 3.1/3.2; Qwen2-VL and Qwen2.5-VL: a Qwen2 text model; Qwen3-VL (dense):
+# engine runs. Mistral 3: Mistral Small 3.1/3.2, Ministral 3 (a ministral3 text model) and Mistral Small 4 (a
+# mistral4 one); Qwen2-VL and Qwen2.5-VL:
+# a Qwen2 text model; Qwen3-VL (dense):
 # a Qwen3 one; Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): a Qwen3-MoE one. Qwen2-VL and Qwen2.5-VL were first
 # published with their text model's fields at the top level (FLAT_TEXT_CONFIG_TYPES), later saves nest them in
 # text_config.
 IMAGE_TEXT_MODEL_TYPES = {"gemma3": {"gemma3_text": "gemma3_text"},
-                          "mistral3": {"mistral": "mistral", "llama": "llama"},
+                          "mistral3": {"mistral": "mistral", "llama": "llama", "ministral3": "ministral3",
+                                       "mistral4": "mistral4"},
                           "qwen2_vl": {"qwen2_vl_text": "qwen2"},
                           "qwen2_5_vl": {"qwen2_5_vl_text": "qwen2"},
                           "qwen3_vl": {"qwen3_vl_text": "qwen3"},
@@ -156,6 +193,33 @@ LLAMA4_TEXT_DEFAULTS = {"vocab_size": 202048, "hidden_size": 5120, "intermediate
                         "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "use_qk_norm": True,
                         "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
 LLAMA4_LAYER_TYPES = ("chunked_attention", "full_attention")
+# Ministral 3 (ministral3: Ministral-3-3B, -8B, -14B, published as the text model of the image-and-text mistral3):
+# Mistral's decoder whose queries are scaled by position (_ministral3_fields); the defaults transformers gives the
+# fields its configs may omit (128-dim heads whatever hidden_size says), its rope when neither rope_parameters nor
+# rope_scaling is given (a top-level rope_theta then changes nothing, as transformers reads it)
+MINISTRAL3_DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 34,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+                       "eos_token_id": 2}
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                   "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                   "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+# Mistral Small 4 (mistral4): DeepSeek-V3's latent attention and experts (groups ranked by their best two scores,
+# shared experts), the scores a softmax without correction bias, and Ministral 3's query scaling by position; the
+# defaults transformers gives the fields its configs may omit, its rope likewise (the rope rotating all of
+# qk_rope_head_dim: partial_rotary_factor qk_rope_head_dim / (qk_nope_head_dim + qk_rope_head_dim))
+MISTRAL4_DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 12288,
+                     "moe_intermediate_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 32,
+                     "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0, "kv_lora_rank": 256,
+                     "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 64,
+                     "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4, "first_k_dense_replace": 0,
+                     "norm_topk_prob": True, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6,
+                     "bos_token_id": 1, "eos_token_id": 2}
+MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                 "llama_4_scaling_beta": 0.1}
+# ... whose rope is yarn's alone: transformers rotates all of a head's dims (not qk_rope_head_dim) by any other
+MISTRAL4_ROPE_TYPES = ("yarn",)
 
 
 @dataclass(slots=True)
@@ -217,6 +281,9 @@ class MoEConfig:
     # (moe_norm_min; None: the sum plus 1e-20, as DeepSeek's)
     score_correction: bool = False
     norm_min: float | None = None
+    # MiniMax-M2's grouped routing: the router kept in the model's dtype and its logits computed in it (DeepSeek's and
+    # ERNIE's: a float32 router, float32 logits)
+    router_in_model_dtype: bool = False
     # gpt-oss: the router's logits carry a bias and the softmax runs over the top-k logits only ("softmax_topk"
     # scoring); each expert's projections carry biases, and its activation is the clamped SwiGLU
     # (up.clamp(-limit, limit) + 1) * gate * sigmoid(alpha * gate), gate clamped to at most limit
@@ -288,7 +355,7 @@ class ModelConfig:
     # Multi-head latent attention; then num_kv_heads and head_dim describe its cache: one "head"
     # per token of kv_lora_rank + qk_rope_head_dim dims, keys and values at once.
     mla: MLAConfig | None = None
-    # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, stored after the decoder's
+    # DeepSeek-V3's, GLM-4.5's and MiniMax-M2's multi-token-prediction layers, stored after the decoder's
     # (model.layers.{num_layers}...); the engine does not run them, so the loader knows their tensors go unread
     num_nextn_layers: int = 0
     # Phi-3's and GLM-4.5's partial_rotary_factor (Phi-4-mini: 0.75, GLM: 0.5): rotary (rotate-half) on each head's
@@ -296,6 +363,8 @@ class ModelConfig:
     rotary_dim: int | None = None
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (the loader splits them per rank)
     fused_projections: bool = False
+    # GLM-4 stores gate/up as one gate_up_proj, q/k/v apart
+    fused_gate_up: bool = False
     # Granite's scalars: embeddings times embedding_multiplier; attention_multiplier as the softmax scale
     # (None: 1/sqrt(head_dim)); each block's attention and MLP output times residual_multiplier before the
     # residual add; logits divided by logits_scaling
@@ -316,8 +385,9 @@ class ModelConfig:
     # OLMo 2 and 3 norm only those outputs (sandwich_norms' outer pair, two norms a layer): False, and the
     # attention and the MLP each take the residual stream unnormed
     input_norms: bool = True
-    # OLMo 2 and 3's q_norm and k_norm are each one RMSNorm over the whole q (k) projection, all heads together,
-    # not one over each head (qk_norm's usual shape); under TP a rank's heads' sums of squares are all-reduced
+    # OLMo 2 and 3's q_norm and k_norm (MiniMax-M2's too) are each one RMSNorm over the whole q (k) projection, all
+    # heads together, not one over each head (qk_norm's usual shape); under TP a rank's heads' sums of squares are
+    # all-reduced
     qk_norm_over_heads: bool = False
     # Gemma 3: the sliding-attention layers (True here) rotate by local_rope (rope_local_base_freq, no
     # scaling), the full-attention ones by rope
@@ -354,6 +424,9 @@ class ModelConfig:
     # Llama 4's attention temperature tuning, (floor_scale, attn_scale), or None: on the NoPE layers the query at
     # position p is multiplied by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
     attn_temperature: tuple[float, float] | None = None
+    # Ministral 3's and Mistral 4's query scaling, (original_max_position_embeddings, llama_4_scaling_beta), or None: on
+    # every layer the query at position p is multiplied, after the rotary, by 1 + beta * log(1 + floor(p / original))
+    position_query_scale: tuple[int, float] | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -773,6 +846,49 @@ def _llama4_fields(raw: dict, num_layers: int, path: Path) -> dict:
             "intermediate_size": _positive_int(raw, ("intermediate_size_mlp",), path)}
 
 
+def _ministral3_defaulted(raw: dict) -> dict:
+    """Ministral 3's config with transformers' defaults for the keys it omits (MINISTRAL3_DEFAULTS, MINISTRAL3_ROPE)."""
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        raw = {**raw, "rope_parameters": MINISTRAL3_ROPE}
+    return {**MINISTRAL3_DEFAULTS, **raw}
+
+
+def _mistral4_defaulted(raw: dict, path: Path) -> dict:
+    """Mistral 4's config with transformers' defaults for the keys it omits (MISTRAL4_DEFAULTS, MISTRAL4_ROPE; no
+    num_key_value_heads: its latent attention has one K/V per query head), its rope's partial_rotary_factor checked:
+    transformers rotates int((qk_nope_head_dim + qk_rope_head_dim) * factor) dims, which must be qk_rope_head_dim."""
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        raw = {**raw, "rope_parameters": MISTRAL4_ROPE}
+    raw = {**MISTRAL4_DEFAULTS, **raw}
+    factor = {**_mapping(raw, "rope_scaling", path), **_mapping(raw, "rope_parameters", path)}.get(
+        "partial_rotary_factor")
+    rope_dims = _positive_int(raw, ("qk_rope_head_dim",), path)
+    head_dim = _positive_int(raw, ("qk_nope_head_dim",), path) + rope_dims
+    if factor is not None and (not _is_number(factor) or int(head_dim * factor) != rope_dims):
+        raise CheckpointError(f"{path}: rope_parameters: partial_rotary_factor must rotate qk_rope_head_dim "
+                              f"({rope_dims} of {head_dim} dims: {rope_dims / head_dim}), got {factor!r}")
+    return raw
+
+
+def _ministral3_fields(raw: dict, rope: RopeConfig, path: Path) -> dict:
+    """Ministral 3's and Mistral 4's query scaling by position, read from the rope's parameters as transformers reads
+    it: its beta (llama_4_scaling_beta) and the length of its steps (original_max_position_embeddings: a yarn or
+    llama3 rope's own, a top-level one winning, as the rope reads it); transformers computes nothing without either.
+    {} for another model type."""
+    model_type = raw.get("model_type")
+    if model_type not in ("ministral3", "mistral4"):
+        return {}
+    merged = {**_mapping(raw, "rope_scaling", path), **_mapping(raw, "rope_parameters", path)}
+    rope_path = Path(f"{path}: rope_parameters")
+    if merged.get("llama_4_scaling_beta") is None:
+        raise CheckpointError(f"{rope_path}: llama_4_scaling_beta is missing; {model_type} scales its queries by "
+                              f"1 + llama_4_scaling_beta * log(1 + floor(position / original_max_position_embeddings))")
+    beta = _nonnegative_float(merged, "llama_4_scaling_beta", 0.0, rope_path)
+    if rope.rope_type in ("yarn", "llama3"):
+        return {"position_query_scale": (rope.original_max_position_embeddings, beta)}
+    return {"position_query_scale": (_positive_int(merged, ("original_max_position_embeddings",), rope_path), beta)}
+
+
 def _seed_oss_fields(raw: dict, path: Path) -> dict:
     """Seed-OSS's o_proj bias, by its own key attention_out_bias (q, k and v follow attention_bias); {} for another
     model type. Its attention and residual dropouts apply in training only."""
@@ -822,6 +938,92 @@ def _parse_ernie4_5_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
                      norm_min=_positive_float(raw, "moe_norm_min", 1e-12, path))
 
 
+def _glm4_fields(raw: dict, path: Path) -> dict:
+    """GLM-4's fields (glm4), read as transformers reads them: its rotary dims interleaved pairs (the loader reorders
+    each q and k head's rotary rows to the halves the engine rotates), gate and up one gate_up_proj, the attention's
+    and the MLP's outputs normed before their residual adds. GLM-4.7-Flash's (glm4_moe_lite) checked: rope_interleave
+    a flag, and the rope all of qk_rope_head_dim (transformers rotates no part of it alone). {} for another model
+    type."""
+    model_type = raw.get("model_type")
+    if model_type == "glm4":
+        return {"rope_interleaved": True, "fused_gate_up": True, "sandwich_norms": True}
+    if model_type == "glm4_moe_lite":
+        _flag(raw, "rope_interleave", True, path)
+        rope_dims = _positive_int(raw, ("qk_rope_head_dim",), path)
+        if _rotary_dim(raw, rope_dims, path) is not None:
+            raise UnsupportedModelError(f"{path}: partial_rotary_factor below 1 is not supported for glm4_moe_lite "
+                                        f"(its rope rotates all {rope_dims} qk_rope_head_dim dims)")
+    return {}
+
+
+def _glm4_moe_lite_sparse_layers(raw: dict, num_layers: int, path: Path) -> list[bool]:
+    """GLM-4.7-Flash's MoE layers: those mlp_layer_types marks sparse (the others dense), or without it all but the
+    first, as transformers reads them."""
+    kinds = raw.get("mlp_layer_types")
+    if kinds is None:
+        return [i > 0 for i in range(num_layers)]
+    if (not isinstance(kinds, list) or len(kinds) < num_layers
+            or not all(kind in GLM4_MOE_LITE_MLP_TYPES for kind in kinds)):
+        raise CheckpointError(f"{path}: mlp_layer_types must list one of {', '.join(GLM4_MOE_LITE_MLP_TYPES)} per "
+                              f"layer ({num_layers}), got {kinds!r}")
+    return [kind == "sparse" for kind in kinds[:num_layers]]
+
+
+def _minimax_m2_defaulted(raw: dict, path: Path) -> dict:
+    """MiniMax-M2's config with transformers' defaults for the keys it omits (num_experts: its other name for
+    num_local_experts), its variant keys checked: values other than the published ones (MINIMAX_M2_VARIANTS), or
+    linear-attention layers in attn_type_list, describe a model transformers does not compute."""
+    for key, value in MINIMAX_M2_VARIANTS.items():
+        if key in raw and raw[key] != value:
+            raise UnsupportedModelError(f"{path}: {key} {json.dumps(raw[key])} is not supported for minimax_m2 "
+                                        f"(only {json.dumps(value)}, as MiniMax-M2's checkpoints say)")
+    kinds = raw.get("attn_type_list")
+    if kinds is not None and (not isinstance(kinds, list) or any(kind != 1 for kind in kinds)):
+        raise UnsupportedModelError(f"{path}: attn_type_list must mark every layer 1 (full softmax attention, the "
+                                    f"only kind minimax_m2 has), got {kinds!r}")
+    if raw.get("num_experts") is not None and raw.get("num_local_experts") is None:
+        raw = {**raw, "num_local_experts": raw["num_experts"]}
+    return {**MINIMAX_M2_DEFAULTS, **raw}
+
+
+def _minimax_m2_rotary_factor(raw: dict, head_dim: int, path: Path) -> float | None:
+    """The partial_rotary_factor MiniMax-M2's rotary_dim stands for (rotary_dim / head_dim), which a
+    partial_rotary_factor of the rope's parameters or the top level overrides, as transformers reads them; None
+    without rotary_dim."""
+    if raw.get("rotary_dim") is None:
+        return None
+    rotary_dim = _positive_int(raw, ("rotary_dim",), path)
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise CheckpointError(f"{path}: rotary_dim must be an even number of dims at most head_dim {head_dim}, got "
+                              f"{rotary_dim}")
+    return rotary_dim / head_dim
+
+
+def _minimax_m2_fields(raw: dict, path: Path) -> dict:
+    """MiniMax-M2's q/k norms, over the whole q and k projections, and its multi-token-prediction modules
+    (num_mtp_modules layers after the decoder's), which transformers does not load, nor does the engine; {} for
+    another model type."""
+    if raw.get("model_type") != "minimax_m2":
+        return {}
+    modules = raw.get("num_mtp_modules") or 0
+    if isinstance(modules, bool) or not isinstance(modules, int) or modules < 0:
+        raise CheckpointError(f"{path}: num_mtp_modules must be a non-negative integer, got {modules!r}")
+    return {"qk_norm": True, "qk_norm_over_heads": True, "num_nextn_layers": modules}
+
+
+def _parse_minimax_m2_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """MiniMax-M2's experts, every layer sparse: the top-k of the router's sigmoid scores plus a correction bias
+    (DeepSeek's grouped routing with one group), weighted by their scores renormalized, unscaled; no shared expert.
+    Its router multiplies in the model's dtype, as transformers' does."""
+    num_experts = _positive_int(raw, ("num_local_experts",), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {num_experts} experts "
+                              f"(num_local_experts)")
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True, [True] * num_layers,
+                     scoring="sigmoid", grouped=True, group_score_experts=1, router_in_model_dtype=True)
+
+
 def _parse_llama4_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
     """Llama 4's experts: the layers moe_layers lists (without it every interleave_moe_layer_step-th) sparse, each
     with one shared expert of an expert's size; a token's top-k experts by the router's logits, each taking the
@@ -847,7 +1049,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int, path: Path) -> list[int | None]:
     window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
-    if model_type in ("mistral", "mixtral", "phi3"):
+    if model_type in ("mistral", "mixtral", "phi3", "ministral3"):
         return [window] * num_layers
     # Qwen: sliding_window applies only with use_sliding_window (transformers drops it otherwise), to the
     # layers layer_types marks, or else to those from max_window_layers (default 28) on
@@ -887,7 +1089,7 @@ def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
 
 
 def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
-    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "mistral4"):
         return _parse_deepseek_moe(raw, model_type, num_layers, path)
     if model_type == "gpt_oss":
         return _parse_gpt_oss_moe(raw, num_layers, path)
@@ -895,6 +1097,8 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
         return _parse_llama4_moe(raw, num_layers, path)
     if model_type == "ernie4_5_moe":
         return _parse_ernie4_5_moe(raw, num_layers, path)
+    if model_type == "minimax_m2":
+        return _parse_minimax_m2_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
@@ -930,6 +1134,7 @@ def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path)
     num_experts = _positive_int(raw, ("n_routed_experts", "num_local_experts"), path)
     top_k = _positive_int(raw, ("num_experts_per_tok",), path)
     v2 = model_type == "deepseek_v2"
+    softmax = v2 or model_type == "mistral4"   # Mistral 4: softmax scores ranked in groups as V3's, no bias
     if v2 and _deepseek_v2_routing(raw, path) == "greedy":
         num_groups = topk_groups = 1   # transformers reads neither n_group nor topk_group then
     else:
@@ -946,15 +1151,20 @@ def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path)
         raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {usable} experts of the "
                               f"topk_group {topk_groups} groups a token may use")
     first_sparse = raw.get("first_k_dense_replace") or 0
+    if model_type == "glm4_moe_lite":   # transformers reads mlp_layer_types, not first_k_dense_replace
+        first_sparse = 0
     if not isinstance(first_sparse, int) or first_sparse < 0:
         raise CheckpointError(f"{path}: first_k_dense_replace must be a non-negative integer, got {first_sparse!r}")
     shared = raw.get("n_shared_experts") or 0
     if not isinstance(shared, int) or shared < 0:
         raise CheckpointError(f"{path}: n_shared_experts must be a non-negative integer, got {shared!r}")
     return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
-                     not v2 and bool(raw.get("norm_topk_prob", True)), [i >= first_sparse for i in range(num_layers)],
-                     scoring="softmax" if v2 else "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
-                     routed_scaling_factor=_positive_float(raw, "routed_scaling_factor", 1.0 if v2 else 2.5, path),
+                     not v2 and bool(raw.get("norm_topk_prob", True)),
+                     _glm4_moe_lite_sparse_layers(raw, num_layers, path) if model_type == "glm4_moe_lite"
+                     else [i >= first_sparse for i in range(num_layers)],
+                     scoring="softmax" if softmax else "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+                     routed_scaling_factor=_positive_float(raw, "routed_scaling_factor", 1.0 if softmax else 2.5,
+                                                           path),
                      num_shared_experts=shared, grouped=True, group_score_experts=group_score_experts)
 
 
@@ -1025,6 +1235,10 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raw = {**DEEPSEEK_V2_DEFAULTS, **raw}
     if model_type == "llama4_text":
         raw = {**LLAMA4_TEXT_DEFAULTS, **raw}
+    if model_type == "ministral3":
+        raw = _ministral3_defaulted(raw)
+    if model_type == "mistral4":
+        raw = _mistral4_defaulted(raw, path)
     if model_type in COHERE_MODEL_TYPES:
         raw = {**(COHERE2_DEFAULTS if model_type == "cohere2" else COHERE_DEFAULTS), **raw}
     if model_type == "seed_oss":
@@ -1033,6 +1247,12 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raw = {**ERNIE4_5_DEFAULTS, "head_dim": 128, "num_key_value_heads": 2, **raw}
     if model_type == "ernie4_5_moe":
         raw = {**ERNIE4_5_MOE_DEFAULTS, **raw}
+    if model_type == "glm4":
+        raw = {**GLM4_DEFAULTS, **raw}
+    if model_type == "glm4_moe_lite":
+        raw = {**GLM4_MOE_LITE_DEFAULTS, **raw}
+    if model_type == "minimax_m2":
+        raw = _minimax_m2_defaulted(raw, path)
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -1053,13 +1273,16 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     if attention_bias == "use_bias":
         attention_bias = "config" if _flag(raw, "use_bias", False, path) else "none"
     rotary_dim, gemma = None, model_type in GEMMA_MODEL_TYPES
-    if model_type in ("deepseek_v3", "deepseek_v2"):
-        mla, rope_types = _parse_mla(raw, model_type, num_heads, path), MLA_ROPE_TYPES
+    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"):
+        mla = _parse_mla(raw, model_type, num_heads, path)
+        rope_types = MISTRAL4_ROPE_TYPES if model_type == "mistral4" else MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
     if model_type == "phi3":
         rope_types, rotary_dim = PHI3_ROPE_TYPES, _rotary_dim(raw, head_dim, path)
-    if model_type == "glm4_moe":
+    if model_type in ("glm4_moe", "glm4"):
         rotary_dim = _rotary_dim(raw, head_dim, path, GLM4_MOE_PARTIAL_ROTARY)
+    if model_type == "minimax_m2":
+        rotary_dim = _rotary_dim(raw, head_dim, path, _minimax_m2_rotary_factor(raw, head_dim, path))
     fields = dict(
         model_type=model_type,
         vocab_size=_positive_int(raw, ("vocab_size",), path),
@@ -1096,8 +1319,11 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_olmo_fields(raw, num_layers, path))
     fields.update(_cohere_fields(raw, num_layers, path))
     fields.update(_llama4_fields(raw, num_layers, path))
+    fields.update(_ministral3_fields(raw, fields["rope"], path))
     fields.update(_seed_oss_fields(raw, path))
     fields.update(_ernie4_5_fields(raw, path))
+    fields.update(_glm4_fields(raw, path))
+    fields.update(_minimax_m2_fields(raw, path))
     return ModelConfig(**fields)
 
 
@@ -1158,7 +1384,7 @@ def _mrope_as_rope(text: dict, path: Path) -> None:
 
 
 def _nextn_layers(raw: dict, model_type: str, path: Path) -> int:
-    if model_type not in ("deepseek_v3", "glm4_moe") or not raw.get("num_nextn_predict_layers"):
+    if model_type not in ("deepseek_v3", "glm4_moe", "glm4_moe_lite") or not raw.get("num_nextn_predict_layers"):
         return 0
     return _positive_int(raw, ("num_nextn_predict_layers",), path)
 

@@ -385,9 +385,9 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
     if cfg.rope_interleaved:   # q's and k's rows, whole heads of this rank's, in the order the engine rotates
-        qkv[:len(q_part) + len(kv_part)] = _rotary_halves(qkv[:len(q_part) + len(kv_part)], head_dim)
+        qkv[:len(q_part) + len(kv_part)] = _rotary_rows(qkv[:len(q_part) + len(kv_part)], cfg)
         if qkv_bias is not None:
-            qkv_bias[:len(q_part) + len(kv_part)] = _rotary_halves(qkv_bias[:len(q_part) + len(kv_part)], head_dim)
+            qkv_bias[:len(q_part) + len(kv_part)] = _rotary_rows(qkv_bias[:len(q_part) + len(kv_part)], cfg)
     q_norm = k_norm = None
     if cfg.qk_norm and cfg.qk_norm_over_heads:   # OLMo 2: over the whole projections, of which this rank's heads'
         q_norm = _read_norm(reader, cfg, p + "self_attn.q_norm.weight", q_rows, rows=q_part)
@@ -413,7 +413,10 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
     )
     if cfg.attention_sinks:   # gpt-oss: this rank's heads' sinks
         layer.sinks = reader.read(p + "self_attn.sinks", (cfg.num_heads,), rows=shard.heads, dtype=torch.float32)
-    if cfg.sandwich_norms:   # Gemma 3: post_attention_layernorm norms the attention's output; the MLP's input
+    if cfg.sandwich_norms and cfg.model_type == "glm4":   # GLM-4: post_attention_layernorm norms the MLP's input
+        layer.attn_out_norm = _read_norm(reader, cfg, p + "post_self_attn_layernorm.weight", hidden)
+        layer.mlp_out_norm = _read_norm(reader, cfg, p + "post_mlp_layernorm.weight", hidden)
+    elif cfg.sandwich_norms:   # Gemma 3: post_attention_layernorm norms the attention's output; the MLP's input
         layer.attn_out_norm = layer.post_norm   # is pre_feedforward_layernorm's, its output post_feedforward's
         layer.post_norm = None   # OLMo 2 (no input norms): the MLP takes the residual stream unnormed
         if cfg.input_norms:
@@ -438,6 +441,17 @@ def _rotary_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return heads.transpose(1, 2).reshape(rows.shape)
 
 
+def _rotary_rows(rows: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """q's and k's rows of whole heads in the order the engine rotates (_rotary_halves); under partial rotary (GLM-4)
+    each head's first rotary_dim dims reordered, the others kept as stored."""
+    if cfg.rotary_dim is None:
+        return _rotary_halves(rows, cfg.head_dim)
+    rotary_dim, shape = cfg.rotary_dim, rows.shape[1:]
+    heads = rows.reshape(-1, cfg.head_dim, *shape)
+    rotary = _rotary_halves(heads[:, :rotary_dim].reshape(-1, *shape), rotary_dim).reshape(-1, rotary_dim, *shape)
+    return torch.cat([rotary, heads[:, rotary_dim:]], dim=1).reshape(rows.shape)
+
+
 def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard, layer: LayerWeights,
               keep_mlp_compressed: bool) -> tuple[LayerWeights, CompressedMLP | None]:
     p, hidden = f"model.layers.{i}.{MLP_PREFIXES.get(cfg.model_type, 'mlp.')}", cfg.hidden_size
@@ -447,10 +461,11 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
     else:
         inter = cfg.intermediate_size
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-        stored = {"gate_up": (2 * inter, hidden), "down": shapes["down"]} if cfg.fused_projections else shapes
+        fused = cfg.fused_projections or cfg.fused_gate_up
+        stored = {"gate_up": (2 * inter, hidden), "down": shapes["down"]} if fused else shapes
         # Kept compressed, StreamedLayers points gate_up and down at its decode buffers.
         mlp = reader.read_compressed_mlp(p, stored) if keep_mlp_compressed else None
-        if mlp is None and cfg.fused_projections:   # Phi-3's gate_up_proj: gate rows, then up rows; this rank's of each
+        if mlp is None and fused:   # Phi-3's and GLM-4's gate_up_proj: gate rows, then up rows; this rank's of each
             layer.gate_up = reader.read(p + "gate_up_proj.weight", (2 * inter, hidden),
                                         rows=[shard.mlp, _shifted(shard.mlp, inter)])
             layer.down = reader.read(p + "down_proj.weight", shapes["down"], cols=shard.mlp)
@@ -503,12 +518,15 @@ def _expert_of(name: str) -> int | None:
 
 # Per model type: the MoE block's prefix in a layer and its experts' (gate, up, down) tensor names.
 MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+             "minimax_m2": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "deepseek_v2": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "llama4_text": ("feed_forward.", ("gate_proj", "up_proj", "down_proj")),
-             "ernie4_5_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "ernie4_5_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "glm4_moe_lite": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "mistral4": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 # ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
 MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert.")}
 # Stacked experts always stored transposed ([E, hidden, 2 * inter], [E, inter, hidden]), as transformers keeps them
@@ -532,8 +550,9 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
     router_name, shared_name = MOE_ROUTER_SHARED_NAMES.get(cfg.model_type, ("gate.", "shared_experts."))
     # grouped routing (DeepSeek-V2 and V3, GLM-4.5) scores in float32 by a float32 router, as transformers keeps it
+    # (MiniMax-M2's router: in the model's dtype)
     router = reader.read(p + router_name + "weight", (num_experts, hidden),
-                         dtype=torch.float32 if moe.grouped else None)
+                         dtype=torch.float32 if moe.grouped and not moe.router_in_model_dtype else None)
     if reader.has(p + "experts.gate_up_proj"):
         gate_up, down = _read_stacked_experts(reader, cfg, p + "experts.", experts)
     else:
@@ -565,6 +584,8 @@ def _read_correction_bias(reader: _TensorReader, cfg: ModelConfig, p: str) -> to
     or ERNIE 4.5's [1, num_experts] under the block's moe_statics (as published and as transformers saves it), or
     under its router's (gate.moe_statics, as transformers names it in memory)."""
     num_experts = cfg.moe.num_experts
+    if cfg.model_type == "minimax_m2":   # beside the router, as published and as transformers saves it
+        return reader.read(p + "e_score_correction_bias", (num_experts,), dtype=torch.float32)
     if cfg.model_type != "ernie4_5_moe":
         return reader.read(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
     name = p + "moe_statics.e_score_correction_bias"

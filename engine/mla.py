@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2 and V3) over a paged cache of compressed latents.
+"""Multi-head latent attention (DeepSeek-V2 and V3, GLM-4.7-Flash) over a paged cache of compressed latents.
 
 Per token the cache holds one vector: the RMS-normed latent c (kv_lora_rank dims) followed by the
 rotated key part k_pe shared by every head (qk_rope_head_dim dims); nothing per head. Per head h,
@@ -59,9 +59,10 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 def mla_attention(weights: MLAWeights, mla: MLAConfig, x: torch.Tensor, positions: torch.Tensor,
                   batch: reference_ops.AttentionBatch, layer_cache: torch.Tensor, cos_table: torch.Tensor,
-                  sin_table: torch.Tensor, scale: float, ops) -> torch.Tensor:
+                  sin_table: torch.Tensor, scale: float, ops, query_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The layer's attention output [T, hidden] for normed x [T, hidden]; layer_cache is
-    [1, blocks, block_size, 1, kv_lora_rank + rope] and gets the new tokens' latents."""
+    [1, blocks, block_size, 1, kv_lora_rank + rope] and gets the new tokens' latents. query_scales [T] (Mistral 4's
+    scaling by position, float32) multiply each token's query, rounded to its dtype first."""
     num_tokens, rank, rope = x.shape[0], mla.kv_lora_rank, mla.qk_rope_head_dim
     if weights.q_proj is not None:
         q = ops.linear(x, weights.q_proj)
@@ -82,6 +83,8 @@ def mla_attention(weights: MLAWeights, mla: MLAConfig, x: torch.Tensor, position
     # absorbed: each head's query in latent space, [H, T, nope] @ [H, nope, rank]
     q_latent = torch.bmm(q_nope.transpose(0, 1), weights.k_up).transpose(0, 1)
     query = torch.cat((q_latent, q_pe), dim=-1)
+    if query_scales is not None:   # the whole query's scaling, applied to its absorbed form (linear in q)
+        query = query * query_scales.to(query.dtype)[:, None, None]
     out_latent = reference_ops.paged_attention(query, cache, cache[..., :rank], batch, scale, None)
     out = torch.bmm(out_latent.transpose(0, 1), weights.v_up.transpose(1, 2)).transpose(0, 1)
     return ops.linear(out.reshape(num_tokens, -1), weights.o_proj)

@@ -1,15 +1,17 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3, Cohere,
-and the MoE Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss and Llama 4) over a flat batch of tokens and a paged
-KV cache.
+GLM-4, Ministral 3, and the MoE Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, gpt-oss, Llama 4 and
+Mistral 4) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
 engine.moe's block; DeepSeek-V3's multi-head latent attention replaces the attention with engine.mla's,
-whose cache holds one latent per token. Phi-3 and GLM-4.5 may rotate only each head's first dims (partial rotary:
-the rope tables are that narrow) and scale its rope by longrope (engine.config.RopeConfig says which
-factors). Granite scales the embeddings, the softmax, each block's output before its residual add
-and the logits by scalars of its config. Gemma 3 norms each attention and MLP output too before its
-residual add (four norms a layer, each scaling by 1 + weight: engine.ops.rms_norm's float32 weights),
+whose cache holds one latent per token (GLM-4.7-Flash's too). Phi-3, GLM-4.5 and GLM-4 may rotate only each head's
+first dims (partial rotary: the rope tables are that narrow; GLM-4's interleaved pairs made rotate-half by the
+loader), and Phi-3 scales its rope by longrope (engine.config.RopeConfig says which factors). GLM-4 norms each
+attention and MLP output too before its residual add, as Gemma 3 does but by the weights themselves. Granite scales
+the embeddings, the softmax, each block's output before its residual add and the logits by scalars of its config.
+Gemma 3 norms each attention and MLP output too before its residual add (four norms a layer, each scaling by
+1 + weight: engine.ops.rms_norm's float32 weights),
 scales the embeddings by sqrt(hidden_size), activates its MLP by GELU (tanh approximation), and alternates
 sliding-window layers, which rotate by a rope of their own (local_rope), with full-attention ones. gpt-oss
 adds a learned sink per head to each attention softmax (engine.ops.paged_attention's sinks) and alternates
@@ -20,10 +22,12 @@ output (the blocks take the residual stream unnormed) and norms q and k over the
 together (under TP the ranks' sums of squares are all-reduced); OLMo 3 adds Gemma 3's sliding layers with their own
 rope. Llama 4 (its interleaved rotary made rotate-half by the loader) norms q and k without weight after the rotary
 and attends by chunks on its rotary layers (a negative window: engine.ops.window_start), and scales the queries of
-its NoPE layers by a temperature that grows with the position. Cohere's models (Command R, R+, R7B, A) run a parallel
-block: one LayerNorm (engine.ops.layer_norm: the row's mean subtracted) of the residual stream feeds both the attention
-and the MLP, both outputs join the stream; their interleaved rotary is made rotate-half by the loader, and Command R7B
-and A rotate only on their sliding-window layers. Every op goes through engine.ops so kernels can replace them.
+its NoPE layers by a temperature that grows with the position; Ministral 3 scales the queries of every layer by a
+factor of its own that grows with the position, as Mistral 4 (DeepSeek-V3's latent attention) does. Cohere's models
+(Command R, R+, R7B, A) run a parallel block: one LayerNorm (engine.ops.layer_norm: the row's mean subtracted) of
+the residual stream feeds both the attention and the MLP, both outputs join the stream; their interleaved rotary is
+made rotate-half by the loader, and Command R7B and A rotate only on their sliding-window layers. Every op goes
+through engine.ops so kernels can replace them.
 
 Under tensor/pipeline/expert parallelism (engine.parallel) one CausalLM is one rank's part: its
 stage's layers and its share of the heads, MLP, experts and vocabulary (a RankShard). A TP rank's
@@ -160,7 +164,7 @@ class CausalLM:
             normed, residual = self._add_norm(hidden, residual, layer.input_norm)
             if layer.mla is not None:
                 attn = mla_attention(layer.mla, cfg.mla, normed, positions, batch, kv_cache[index], self.cos_table,
-                                     self.sin_table, self.scale, self.ops)
+                                     self.sin_table, self.scale, self.ops, self._position_scales(positions))
                 if self.tp_group is not None:   # this rank's heads' part of o_proj
                     all_reduce(self.tp_group, attn)
             else:
@@ -245,6 +249,8 @@ class CausalLM:
             k = self.ops.rms_norm(k, self.l2_qk_norms[index], cfg.rms_norm_eps)
         if cfg.attn_temperature is not None and self.rope_tables[index] is None:
             q = self._tuned_temperature(q, positions)
+        if cfg.position_query_scale is not None:   # Ministral 3: on every layer
+            q = q * self._position_scales(positions).to(q.dtype)[:, None, None]
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index], layer.sinks,
@@ -261,12 +267,22 @@ class CausalLM:
         scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
         return (q * scales[:, None, None]).to(q.dtype)
 
+    def _position_scales(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's and Mistral 4's query scaling: each token's query times 1 + beta * log(1 + floor(position /
+        original)), computed in float32 (rounded to q's dtype before it multiplies, as transformers computes it);
+        None for other models."""
+        if self.config.position_query_scale is None:
+            return None
+        original, beta = self.config.position_query_scale
+        return 1.0 + beta * torch.log(1.0 + torch.floor(positions.float() / original))
+
     def _qk_norm_over_heads(self, q: torch.Tensor, k: torch.Tensor,
                             layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H * D] and k [T, Hkv * D] each RMS-normed over the whole projection (OLMo 2). A TP rank holds only
         its heads' columns: the ranks' sums of squares are all-reduced (q's and k's in one call) and each divided by
         all ranks' columns, so a KV head replicated on several ranks counts as often in the count as in the sum.
-        Multiplied by the weight in float32 and rounded after, as transformers' norm computes it."""
+        The weight's dtype says where the rounding falls, as in ops.rms_norm: OLMo 2's float32 weight multiplies the
+        float32 row, MiniMax-M2's (in the model's dtype) the row rounded, as transformers' norms compute them."""
         eps = self.config.rms_norm_eps
         if self.tp_group is None:
             return self.ops.rms_norm(q, layer.q_norm, eps), self.ops.rms_norm(k, layer.k_norm, eps)
@@ -276,6 +292,8 @@ class CausalLM:
         tp = self.shard.tp_size
         q_rstd = torch.rsqrt(sums[:, :1] / (tp * q.shape[-1]) + eps)
         k_rstd = torch.rsqrt(sums[:, 1:] / (tp * k.shape[-1]) + eps)
+        if layer.q_norm.dtype != torch.float32:
+            return layer.q_norm * (q32 * q_rstd).to(q.dtype), layer.k_norm * (k32 * k_rstd).to(k.dtype)
         return (q32 * q_rstd * layer.q_norm).to(q.dtype), (k32 * k_rstd * layer.k_norm).to(k.dtype)
 
     @torch.inference_mode()

@@ -1,6 +1,6 @@
-"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4.5, ERNIE 4.5, gpt-oss, Llama 4):
-route each token to its top-k experts, run the experts, combine with the router's weights, add the shared experts if
-any.
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4.5, GLM-4.7-Flash, ERNIE 4.5,
+MiniMax-M2, gpt-oss, Llama 4): route each token to its top-k experts, run the experts, combine with the router's
+weights, add the shared experts if any.
 
 Routing is computed as the reference implementations compute it, in one of four ways:
 - softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE;
@@ -8,7 +8,9 @@ Routing is computed as the reference implementations compute it, in one of four 
   bias that steers the choice but not the weights, the choice restricted to the best groups of experts, and
   weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor;
   DeepSeek-V2's the same over softmax scores, with no bias, groups ranked by their best score, and no renormalizing;
-  ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled.
+  Mistral 4's over softmax scores, with no bias, groups ranked by their best two;
+  ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled; MiniMax-M2's over
+  sigmoid scores with a correction bias, in one group, renormalized, unscaled, its logits in the model's dtype.
 - gpt-oss's (`route_topk_softmax`): a biased router, the top-k logits, a softmax over those k; its experts
   carry biases and activate by a clamped SwiGLU (engine.ops.clamped_swiglu).
 - Llama 4's (`route_sigmoid_topk`): the top-k logits, each expert's weight its logit's sigmoid, applied to the
@@ -67,7 +69,7 @@ def route_grouped(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     biased scores among their experts (V2-Lite's greedy top-k is one group; ERNIE 4.5's too, over softmax scores
     with a correction bias)."""
     num_tokens = x.shape[0]
-    logits = x.float() @ router.float().T
+    logits = (x @ router.T).float() if cfg.router_in_model_dtype else x.float() @ router.float().T
     scores = torch.sigmoid(logits) if cfg.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     biased = scores if correction_bias is None else scores + correction_bias
     # explicit sizes: under expert parallelism a rank's slice of the batch may hold no token

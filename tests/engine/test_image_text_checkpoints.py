@@ -272,8 +272,8 @@ def test_omitted_text_fields_default_as_transformers_defaults_them(model_type, c
 
 
 @pytest.mark.parametrize("raw, error, message", [
-    ({**MISTRAL_SMALL_3_1, "text_config": {**MISTRAL_SMALL_3_1["text_config"], "model_type": "ministral3"}},
-     UnsupportedModelError, "text_config's model_type 'ministral3' is not supported for model_type 'mistral3'"),
+    ({**MISTRAL_SMALL_3_1, "text_config": {**MISTRAL_SMALL_3_1["text_config"], "model_type": "mixtral"}},
+     UnsupportedModelError, "text_config's model_type 'mixtral' is not supported for model_type 'mistral3'"),
     ({**QWEN3_VL_8B, "model_type": "qwen3_vl_moe"}, UnsupportedModelError,
      "text_config's model_type 'qwen3_vl_text' is not supported for model_type 'qwen3_vl_moe'"),
     ({**QWEN2_5_VL_7B, "rope_scaling": {"type": "mrope", "mrope_section": [64]}}, CheckpointError,
