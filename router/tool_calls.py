@@ -59,7 +59,8 @@ A call's arguments are its JSON text as the model wrote it (OpenAI's are the mod
 and written again: a stream sends them as they are written (ToolCallStream), and its pieces join into exactly
 the arguments the whole answer returns. GLM, Qwen3-Coder and Seed-OSS write no JSON object but a key/value pair
 per argument: their arguments are the object built from the pairs (each value read by the function's schema,
-KeyValueCalls), sent pair by pair as each value closes.
+KeyValueCalls), sent pair by pair as each value closes; Qwen3-Coder's slips (a call without its `<tool_call>`, a
+value without its `</parameter>`) are read as the calls it meant.
 With `auto` and a `strict` function (OpenAI's promise that its calls follow its schema) the output is
 constrained too, but loosely: free text, in which the marker's text cannot appear, or from the marker on
 calls of the offered functions (strict ones' arguments follow their schema, the others' are any JSON
@@ -182,7 +183,7 @@ class ToolCallFormat:
                 return None
         content, calls, rest = "", [], text
         while True:
-            start = rest.find(self.marker) if self.marker else (-1 if calls else 0)
+            start = self.calls_start(rest, names) if self.marker else (-1 if calls else 0)
             if start < 0 and rest.strip() and self.marker.startswith(rest.lstrip()):
                 return content, calls  # ended inside the next marker (a required call's, or after calls)
             if start < 0:
@@ -214,18 +215,37 @@ class ToolCallFormat:
                 pos += 1
             pos = _expect(body, pos, "]")
         else:
-            begin, separator = self.call_begin.strip(), self.separator.strip()
+            separator = self.separator.strip()
             while True:
                 call, pos = self._one_call(body, pos, names, cut)
                 calls.append(call)
                 pos = _skip_space(body, pos)
                 following = _skip_space(body, pos + len(separator)) if separator and body.startswith(separator, pos) else pos
-                if begin and following < len(body) and begin.startswith(body[following:]):
+                opens = self._call_opens(body, following)
+                if opens is None:
                     raise _Ended()  # ended inside the next call's opening
-                if not begin or not body.startswith(begin, following):
+                if not opens:
                     break
                 pos = following
         return _expect(body, _skip_space(body, pos), self.section_end)
+
+    def calls_start(self, text: str, names: frozenset[str] | None) -> int:
+        """Where the first call in `text` opens (the format's marker), -1 where none does."""
+        return text.find(self.marker)
+
+    def held_back(self, text: str, names: frozenset[str] | None) -> int:
+        """How many characters at the end of `text`, which holds no call's opening, may still grow into one (a
+        stream holds them back from the content)."""
+        marker = self.marker
+        return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
+
+    def _call_opens(self, body: str, pos: int) -> bool | None:
+        """Whether the next call of the same calls opens at `pos`, where the call before ended; None where the text
+        ends inside its opening."""
+        begin = self.call_begin.strip()
+        if not begin or pos == len(body):
+            return False
+        return None if begin.startswith(body[pos:]) else body.startswith(begin, pos)
 
     def _one_call(self, body: str, pos: int, names: frozenset[str] | None, cut: bool) -> tuple[ToolCall, int]:
         pos = _skip_space(body, _expect(body, _skip_space(body, pos), self.call_begin))
@@ -432,8 +452,8 @@ class ToolCallFormat:
         the marker without a call that parses following it, so whatever the parser takes for calls parses.
         A reasoning model's block goes in front as for any grammar (router.reasoning.with_reasoning)."""
         lit = _Literals(tokenizer)
-        rules = [*self._free_text_rules(lit), *self._calls_rules(_as_enforced(tools), parallel and self.parallel, lit)]
-        return GrammarSpec("lark", "\n".join(rules))
+        calls = self._calls_rules(_as_enforced(tools), parallel and self.parallel, lit)
+        return GrammarSpec("lark", "\n".join([*self._free_text_rules(lit, tools), *calls]))
 
     def answer_or_calls_grammar(self, answer: GrammarSpec, tools: list[dict], parallel: bool,
                                 tokenizer: ChatTokenizer) -> GrammarSpec:
@@ -450,19 +470,26 @@ class ToolCallFormat:
                  *self._calls_rules(_as_enforced(tools), parallel and self.parallel, lit)]
         return GrammarSpec("lark", "\n".join(rules))
 
-    def _free_text_rules(self, lit: _Literals) -> list[str]:
+    def _free_text_rules(self, lit: _Literals, tools: list[dict]) -> list[str]:
         """The `start` rule of an `auto` answer: text, or text up to the marker and then `calls`."""
         if not self.marker:  # bare JSON: the answer is a call exactly when it starts with "{" (after spaces)
             return ["start: TEXT | calls", r"TEXT: /\s*([^{\s](.|\n)*)?/"]
-        # Text never holds the marker's text: the parser would read a call there that the grammar never shaped.
+        # Text never holds the marker's text: the parser would read a call there that the grammar never shaped;
+        # nor (KeyValueCalls) the opening of a call written without its marker.
         trigger = self.marker.rstrip()
-        text = [f"TEXT: ANY & ~(ANY {json.dumps(trigger)} ANY)", r"ANY: /(.|\n)*/"]
+        unshaped = " | ".join(json.dumps(t) for t in (trigger, *self._bare_openings(tools)))
+        text = [f"TEXT: ANY & ~(ANY ({unshaped}) ANY)", r"ANY: /(.|\n)*/"]
         opening = lit(self.marker)
         if opening.startswith("<["):  # the marker opens with a special token, which text cannot hold
             return [f"start: TEXT ({opening} calls)?", *text]
         # A marker in plain text: the lazy lexeme ends at its first occurrence.
+        head = "ANY" if unshaped == json.dumps(trigger) else "TEXT"  # nor, where there are any, a bare opening
         return [f"start: TEXT | head {lit(self.marker[len(trigger):])} calls",
-                f"head[lazy]: ANY {json.dumps(trigger)}", *text]
+                f"head[lazy]: {head} {json.dumps(trigger)}", *text]
+
+    def _bare_openings(self, tools: list[dict]) -> list[str]:
+        """The text that opens a call of one of these tools without the format's marker (KeyValueCalls)."""
+        return []
 
     def _calls_rules(self, tools: list[dict], several: bool, lit: _Literals) -> list[str]:
         """Lark rules for `calls`: what follows the format's marker, to the end of the last call."""
@@ -756,6 +783,16 @@ class KeyValueCalls(ToolCallFormat):
       (no layout newlines), and every value but a string with Jinja's `string`: Python's text of a dict or list
       (`{'a': 1, 'b': False}`).
 
+    Two slips of the models that write `<function=NAME>` are read as the calls they were meant to be:
+    - `bare_calls`: a call written without its opening (`<function=NAME>` in the answer's text, no `<tool_call>`) is
+      a call where the request offers a function of that name (another name's markup stays words); its closing
+      (`</tool_call>`) may be left out too, `</function>` then ends it. A stream holds back a tail that may grow
+      into such an opening as it does one of the marker, and `auto`'s grammar keeps the opening out of free text.
+    - `unclosed_values`: a value whose closing tag is left out ends at a line that opens the next key
+      (`\n<parameter=`) or closes the pairs (`\n</function>`), where it would otherwise run on to a later pair's
+      closing and swallow that pair's markup. Text such as `a < b`, or a tag inside a line, stays in the value; the
+      grammar writes no string value holding such a line, so what it accepts reads back as written.
+
     The arguments sent to the client are the JSON object built from the pairs, by one rule (`_value_json`): a value
     whose property the function's schema admits only strings for (`type: string`, an enum or const of strings) is
     that string, as written; any other value (another type, a union with strings, a property or a function the
@@ -779,6 +816,8 @@ class KeyValueCalls(ToolCallFormat):
     value_newlines: bool = False            # a newline after the value's opening and before its closing is layout
     pairs_end: str = ""                     # closes the pairs, before the call's closing (`</function>`)
     python_values: bool = False             # the template writes non-strings as Python's text (Jinja's `string`)
+    bare_calls: bool = False                # a call may open at its name's markup, its call_begin left out
+    unclosed_values: bool = False           # a value may end at a line opening the next key or the pairs' closing
     schemas: dict | None = field(default=None, compare=False)  # function name -> its parameters (with_tools)
 
     def with_tools(self, tools: list[dict]) -> KeyValueCalls:
@@ -801,7 +840,8 @@ class KeyValueCalls(ToolCallFormat):
     # -- parsing -----------------------------------------------------------------------------------
 
     def _one_call(self, body: str, pos: int, names: frozenset[str] | None, cut: bool) -> tuple[ToolCall, int]:
-        pos = _expect(body, _skip_space(body, pos), self.call_begin)
+        at = _skip_space(body, pos)
+        pos = at if self._bare_at(body, at) else _expect(body, at, self.call_begin)
         head = self._name_at(body, pos)
         if head is None:
             name = None if self.name_tags[0].strip() else _KV_NAME.match(body, _skip_space(body, pos))
@@ -820,6 +860,51 @@ class KeyValueCalls(ToolCallFormat):
         if cut:
             raise _Ended(ToolCall(head[0], scan.arguments(body), new_call_id(self.short_ids)))
         raise ValueError("the call does not close")
+
+    @property
+    def _name_opening(self) -> str:
+        return self.name_tags[0].strip()
+
+    def _bare_at(self, text: str, pos: int) -> bool:
+        """Whether a call written without its opening (`bare_calls`) opens at `pos`."""
+        return self.bare_calls and bool(self._name_opening) and text.startswith(self._name_opening, pos)
+
+    @property
+    def _bare_pattern(self) -> re.Pattern:
+        """A bare call's opening: the name's markup (re's cache keeps it compiled)."""
+        return re.compile(re.escape(self._name_opening) + "(" + _KV_NAME.pattern + ")" + re.escape(self.name_tags[1]))
+
+    def calls_start(self, text: str, names: frozenset[str] | None) -> int:
+        """The marker, or before it the name's markup of an offered function's call written without it."""
+        start = text.find(self.marker)
+        if self.bare_calls and names:
+            for match in self._bare_pattern.finditer(text, 0, len(text) if start < 0 else start):
+                if match.group(1) in names:
+                    return match.start()
+        return start
+
+    def held_back(self, text: str, names: frozenset[str] | None) -> int:
+        held = ToolCallFormat.held_back(self, text, names)
+        if not (self.bare_calls and names):
+            return held
+        openings = [self._name_opening + name + self.name_tags[1] for name in names]
+        pos = text.find("<", len(text) - min(max(map(len, openings)) - 1, len(text)))
+        while 0 <= pos < len(text) - held:
+            if any(opening.startswith(text[pos:]) for opening in openings):
+                return len(text) - pos
+            pos = text.find("<", pos + 1)
+        return held
+
+    def _call_opens(self, body: str, pos: int) -> bool | None:
+        opens = ToolCallFormat._call_opens(self, body, pos)
+        if opens is not False or not self.bare_calls or pos == len(body):
+            return opens
+        return None if self._name_opening.startswith(body[pos:]) else self._bare_at(body, pos)
+
+    def _bare_openings(self, tools: list[dict]) -> list[str]:
+        if not self.bare_calls:
+            return []
+        return [self._name_opening + tool["function"]["name"] + self.name_tags[1] for tool in tools]
 
     def _name_at(self, text: str, pos: int) -> tuple[str, int] | None:
         """(the call's name, the end of its markup) at `pos`, once what follows it shows it whole (its closing tag;
@@ -848,6 +933,28 @@ class KeyValueCalls(ToolCallFormat):
         """The pieces that close a call's pairs, blanks allowed before each."""
         return [piece.strip() for piece in (self.pairs_end, self.call_end) if piece.strip()]
 
+    def _closing_end(self, text: str, pos: int) -> int | None:
+        """The end of the call's closing at `pos` (`_through`'s answers); with `bare_calls` the pairs' closing may
+        end the call alone, where anything but the call's closing follows it."""
+        closing = self._closing
+        if not self.bare_calls or len(closing) < 2:
+            return _through(text, pos, closing)
+        end = _through(text, pos, closing[:1])
+        if end is None:
+            return None
+        try:
+            return _through(text, end, closing[1:])
+        except ValueError:
+            return end
+
+    @property
+    def _value_breaks(self) -> tuple[str, ...]:
+        """What ends a value left without its closing tag (`unclosed_values`): a line opening the next key or
+        closing the pairs."""
+        if not self.unclosed_values:
+            return ()
+        return tuple(NL + tag.strip() for tag in (self.key_tags[0], self.pairs_end) if tag.strip())
+
     def _schema_of(self, name: str) -> tuple[dict, dict]:
         """(the function's parameters, the schemas of its properties by name), {} where the request gave none."""
         parameters = (self.schemas or {}).get(name)
@@ -873,8 +980,17 @@ class KeyValueCalls(ToolCallFormat):
 
     def call_head(self, text: str, pos: int, first: bool) -> tuple[str, int] | None:
         """(name, where its pairs begin) once the name is whole: its arguments are read from the pairs."""
+        at = _skip_space(text, pos)
+        if self._bare_at(text, at):
+            return self._name_at(text, at)
+        if self.bare_calls and self._name_opening.startswith(text[at:]):
+            return None
         pos = _through(text, pos, [self.call_begin.strip()])
         return None if pos is None else self._name_at(text, pos)
+
+    def next_opening(self, text: str, pos: int) -> bool:
+        at = _skip_space(text, pos)
+        return at == len(text) or self._call_opens(text, at) is not False
 
     def call_tail(self, text: str, pos: int) -> int | None:
         return pos  # the scan of the pairs read the call's closing
@@ -902,12 +1018,18 @@ class KeyValueCalls(ToolCallFormat):
         """The terminal of a string value's text (`regex`), never holding the value's closing tag, where the parser
         would end it. With the layout newline before the tag: the newline ends the terminal where the tag is a
         special token (text cannot hold it); where the tag is text, the lazy lexeme ends at the newline and the tag,
-        so the text must not hold the tag alone."""
-        if not self.value_newlines:
-            return f"/{regex}/"
-        if lit(self.value_tags[1]).startswith("<["):
-            return f"/{regex}\\n/"
-        return f'/{regex}/ & ~(/(.|\\n)*/ {json.dumps(self.value_tags[1])} /(.|\\n)*/)'
+        so the text must not hold the tag alone. Nor a line at which `unclosed_values` would end the value (the
+        layout newline after the value's opening begins one too)."""
+        special = lit(self.value_tags[1]).startswith("<[")
+        unread = []
+        if self.value_newlines and not special:
+            unread.append(f"/(.|\\n)*/ {json.dumps(self.value_tags[1])} /(.|\\n)*/")
+        if self._value_breaks:
+            line_start = r"/((.|\n)*\n)?/" if self.value_newlines else r"/(.|\n)*\n/"
+            tags = " | ".join(json.dumps(tag[len(NL):]) for tag in self._value_breaks)
+            unread.append(f"{line_start} ({tags}) /(.|\\n)*/")
+        text = f"/{regex}\\n/" if self.value_newlines and special else f"/{regex}/"
+        return f"{text} & ~({' | '.join(unread)})" if unread else text
 
     def _call_body(self, tool: dict, index: int, lit: _Literals) -> str:
         """NAME in its markup, a newline, its pairs (absent where it takes none) and the closing."""
@@ -1026,7 +1148,7 @@ class _KeyValuePrefix:
                 self.broken = True
                 return False
             try:  # no key: the call's closing
-                end = _through(text, pos, self.fmt._closing)
+                end = self.fmt._closing_end(text, pos)
             except ValueError:
                 self.broken = True
                 return False
@@ -1034,13 +1156,15 @@ class _KeyValuePrefix:
                 self.end, self._json, self.whole = end, self.closed(), True
             return end is not None
         closing = key_end if self._expect == "key" else value_end
-        found = text.find(closing, self._searched)
+        ends = [closing, *(self.fmt._value_breaks if self._expect == "value" else ())]
+        found, end = min(((text.find(e, self._searched), e) for e in ends), key=lambda hit: (hit[0] < 0, hit[0]))
         if found < 0:
-            self._searched = max(self.end, len(text) - len(closing) + 1)
+            self._searched = max(self.end, len(text) - max(map(len, ends)) + 1)
             # A key is a name: a tag or a line inside it is no key/value call.
             self.broken = self._expect == "key" and bool(re.search(r"[<\n]", text[self.end:self._searched]))
             return False
-        piece, self.end = text[self.end:found], found + len(closing)
+        # A value's closing tag is read; a line that ends a value left unclosed is the next piece's.
+        piece, self.end = text[self.end:found], found + len(closing) if end == closing else found
         if self._expect == "key":
             if re.search(r"[<\n]", piece):
                 self.broken = True
@@ -1149,11 +1273,11 @@ FORMATS = {f.name: f for f in (
     KeyValueCalls("qwen3_coder", ("<tool_call>", "<function=", "<parameter="), call_begin="<tool_call>",
                   call_end="</tool_call>", separator="\n", name_key="", name_tags=("\n<function=", ">"),
                   key_tags=("<parameter=", ">"), value_tags=("", "</parameter>"), value_newlines=True,
-                  pairs_end="</function>", python_values=True),
+                  pairs_end="</function>", python_values=True, bare_calls=True, unclosed_values=True),
     KeyValueCalls("seed_oss", ("<seed:tool_call>", "<function=", "<parameter="), call_begin="<seed:tool_call>",
                   call_end="</seed:tool_call>", separator="\n", name_key="", name_tags=("\n<function=", ">"),
                   key_tags=("<parameter=", ">"), value_tags=("", "</parameter>"), pairs_end="</function>",
-                  python_values=True),
+                  python_values=True, bare_calls=True, unclosed_values=True),
     ToolCallFormat("hermes", ("<tool_call>", "</tool_call>"), call_begin="<tool_call>\n", call_end="\n</tool_call>",
                    separator="\n"),
     # Replayed turns carry `[CALL_ID]id` after the name; the model writes only name and arguments.
@@ -1199,7 +1323,7 @@ class ToolCallStream:
     """One answer's text split into content and tool calls as it streams.
 
     `add(text)` returns the content safe to send now: text before the format's marker, holding back a
-    tail that could still be the start of the marker. From the marker on, text is kept until `finish`,
+    tail that could still be the start of the marker (or of a call written without it: KeyValueCalls). From the marker on, text is kept until `finish`,
     which parses the calls; calls that do not parse come back as content. With `forced` (a required
     call) the whole answer is the calls. Without `parallel` (`parallel_tool_calls: false`) an answer holds
     at most one call: the first, when a model left free (`auto`) writes several. With `answer_or_calls`
@@ -1290,14 +1414,11 @@ class ToolCallStream:
             return self._take(len(self._pending))
         if not self.fmt.marker or self.answer_or_calls:
             return self._decide_at_start()
-        marker = self.fmt.marker
-        start = self._pending.find(marker)
+        start = self.fmt.calls_start(self._pending, self.names)
         if start >= 0:
             self._in_calls, self._calls_text = True, self._pending[start:]
             return self._take(start, keep=False)
-        hold = next((n for n in range(min(len(marker) - 1, len(self._pending)), 0, -1)
-                     if marker.startswith(self._pending[-n:])), 0)
-        return self._take(len(self._pending) - hold)
+        return self._take(len(self._pending) - self.fmt.held_back(self._pending, self.names))
 
     def _decide_at_start(self) -> str:
         """Calls only at the answer's start (after blanks): its opening, the marker or a bare call's "{"."""
