@@ -22,8 +22,10 @@ SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "
                          "olmo3": "config", "cohere": "config", "cohere2": "config", "llama4_text": "config",
                          "seed_oss": "config_qkv", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias",
                          "glm4": "config_qkv", "glm4_moe_lite": "none", "minimax_m2": "none", "ministral3": "none",
-                         "mistral4": "none"}
-QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
+                         "mistral4": "none", "exaone4": "none",
+                         "hunyuan_v1_dense": "config", "hunyuan_v1_moe": "config"}
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "hunyuan_v1_dense",
+                       "hunyuan_v1_moe"}
 # ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
 # true; Command R: false)
 USE_QK_NORM_MODEL_TYPES = {"glm4_moe", "cohere"}
@@ -114,6 +116,12 @@ DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 COHERE_MODEL_TYPES = ("cohere", "cohere2")
 COHERE_DEFAULTS = {"max_position_embeddings": 8192, "bos_token_id": 5, "eos_token_id": 255001}
 COHERE2_DEFAULTS = {**COHERE_DEFAULTS, "sliding_window": 4096}
+# EXAONE 4.0 (exaone4: EXAONE-4.0-32B, -1.2B): the defaults transformers gives the fields its configs may omit (as many
+# KV heads as its default query heads, 32, whatever num_attention_heads says)
+EXAONE4_DEFAULTS = {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
+                    "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "sliding_window": 4096,
+                    "sliding_window_pattern": 4}
 # Seed-OSS-36B (seed_oss): the defaults transformers gives the fields its configs may omit (q/k/v biases, 8 KV heads
 # and 128-dim heads whatever hidden_size says; a null head_dim: hidden_size / num_attention_heads)
 SEED_OSS_DEFAULTS = {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288, "bos_token_id": 0,
@@ -137,6 +145,15 @@ MINIMAX_M2_DEFAULTS = {"vocab_size": 200064, "hidden_size": 3072, "intermediate_
 # ... and the keys its published configs carry that transformers does not read: the values of the variant it computes
 MINIMAX_M2_VARIANTS = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
                        "qk_norm_type": "per_layer", "shared_intermediate_size": 0}
+# Hunyuan (hunyuan_v1_dense: Hunyuan-0.5B/1.8B/4B/7B; hunyuan_v1_moe: Hunyuan-A13B): Llama's decoder whose q and k
+# are each RMS-normed over each head after the rotary (query_layernorm, key_layernorm), q/k/v/o biased by
+# attention_bias, and whose "dynamic" rope with an alpha is NTK's base stretched once (_hunyuan_fields); A13B's every
+# MLP a mixture of experts (_parse_hunyuan_moe). The defaults transformers gives the fields its configs may omit
+# (head_dim: hidden_size / num_attention_heads, which transformers' rotary assumes; its attention needs one)
+HUNYUAN_MODEL_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                    "bos_token_id": 1, "eos_token_id": 2, "num_experts": 1, "moe_topk": 1}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2, Ministral 3 (a ministral3 text model) and Mistral Small 4 (a
@@ -427,6 +444,8 @@ class ModelConfig:
     # Ministral 3's and Mistral 4's query scaling, (original_max_position_embeddings, llama_4_scaling_beta), or None: on
     # every layer the query at position p is multiplied, after the rotary, by 1 + beta * log(1 + floor(p / original))
     position_query_scale: tuple[int, float] | None = None
+    # Hunyuan: the per-head q and k norms apply after the rotary, not before it
+    qk_norm_after_rope: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -807,6 +826,34 @@ def _cohere_fields(raw: dict, num_layers: int, path: Path) -> dict:
             "nope_layers": [not layer for layer in sliding]}
 
 
+def _exaone4_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """EXAONE 4.0's fields, read as transformers reads them (defaulted by EXAONE4_DEFAULTS); {} for another model type.
+    Its norms are OLMo 2's places (each attention and MLP output normed, neither input) with q and k normed over each
+    head. With a sliding_window, layer_types' sliding_attention layers (without layer_types: all but every
+    sliding_window_pattern-th, an integer) attend that window and rotate, and the full-attention ones rotate nothing;
+    with a null one every layer rotates and attends in full (1.2B)."""
+    if raw.get("model_type") != "exaone4":
+        return {}
+    fields = {"sandwich_norms": True, "input_norms": False, "qk_norm": True}
+    window = raw["sliding_window"]
+    if window is None and raw.get("layer_types") is None:   # transformers' pattern 0: no sliding layer
+        return fields
+    if raw.get("layer_types") is None:
+        pattern = raw.get("sliding_window_pattern")
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise CheckpointError(f"{path}: sliding_window_pattern must be a positive integer (every how many layers "
+                                  f"one attends in full) when layer_types is not given, got {pattern!r}")
+    sliding = _gemma3_layer_types(raw, num_layers, path)
+    if window is None:
+        if any(sliding):   # transformers would have no window to give those layers
+            raise CheckpointError(f"{path}: sliding_window is null but layer_types marks sliding_attention layers; "
+                                  f"give the window's length")
+        return fields
+    window = _positive_int(raw, ("sliding_window",), path)
+    return {**fields, "sliding_windows": [window if layer else None for layer in sliding],
+            "nope_layers": [not layer for layer in sliding]}
+
+
 def _llama4_fields(raw: dict, num_layers: int, path: Path) -> dict:
     """Llama 4's fields, read as transformers reads them (defaulted by LLAMA4_TEXT_DEFAULTS); {} for another model
     type. Its NoPE layers (0 in no_rope_layers; without it, or with it empty, every no_rope_layer_interval-th layer)
@@ -936,6 +983,42 @@ def _parse_ernie4_5_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
     return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path), True, sparse,
                      num_shared_experts=shared, grouped=True, group_score_experts=1, score_correction=True,
                      norm_min=_positive_float(raw, "moe_norm_min", 1e-12, path))
+
+
+def _hunyuan_fields(raw: dict, head_dim: int, rope: RopeConfig, path: Path) -> dict:
+    """Hunyuan's fields (HUNYUAN_MODEL_TYPES), read as transformers reads them; {} for another model type. Its q/k
+    norms come after the rotary. Its published ropes say type "dynamic" with an alpha: a fixed NTK stretch of the base
+    (rope_theta * alpha ** (head_dim / (head_dim - 2))), the same at every length, not dynamic NTK's (which with no
+    alpha, or alpha 0, computes as the default rope within the context the engine serves)."""
+    if raw.get("model_type") not in HUNYUAN_MODEL_TYPES:
+        return {}
+    fields: dict = {"qk_norm_after_rope": True}
+    for key in ("rope_parameters", "rope_scaling"):
+        scaling = _mapping(raw, key, path)
+        if scaling.get("rope_type", scaling.get("type")) == "dynamic" and scaling.get("alpha"):
+            alpha = _positive_float(scaling, "alpha", 1.0, Path(f"{path}: {key}"))
+            if head_dim <= 2:
+                raise CheckpointError(f"{path}: {key}: an alpha needs heads wider than 2 dims, got head_dim {head_dim}")
+            fields["rope"] = RopeConfig(theta=rope.theta * alpha ** (head_dim / (head_dim - 2)))
+            break
+    return fields
+
+
+def _parse_hunyuan_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """Hunyuan-A13B's experts, read as transformers reads them: every layer sparse, num_experts experts and one shared
+    MLP, all intermediate_size wide (transformers reads neither moe_intermediate_size nor num_shared_expert); a
+    float32 router (as transformers builds it) whose softmax's moe_topk best experts are weighted by their scores
+    renormalized, unscaled: DeepSeek's grouped routing in one group, without a correction bias. moe_topk may list a
+    top-k per layer, which the engine follows when they agree."""
+    num_experts = _positive_int(raw, ("num_experts", "num_local_experts"), path)
+    top_k = raw.get("moe_topk", 1)
+    if isinstance(top_k, list) and len(top_k) == num_layers and len(set(map(repr, top_k))) == 1:
+        top_k = top_k[0]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise CheckpointError(f"{path}: moe_topk must be a number of experts in [1, {num_experts}] (num_experts), or "
+                              f"one such number per layer, all equal; got {top_k!r}")
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True, [True] * num_layers,
+                     num_shared_experts=1, grouped=True, group_score_experts=1)
 
 
 def _glm4_fields(raw: dict, path: Path) -> dict:
@@ -1099,6 +1182,8 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
         return _parse_ernie4_5_moe(raw, num_layers, path)
     if model_type == "minimax_m2":
         return _parse_minimax_m2_moe(raw, num_layers, path)
+    if model_type == "hunyuan_v1_moe":
+        return _parse_hunyuan_moe(raw, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe"):
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
@@ -1253,6 +1338,10 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raw = {**GLM4_MOE_LITE_DEFAULTS, **raw}
     if model_type == "minimax_m2":
         raw = _minimax_m2_defaulted(raw, path)
+    if model_type in HUNYUAN_MODEL_TYPES:
+        raw = {**HUNYUAN_DEFAULTS, **raw}
+    if model_type == "exaone4":
+        raw = {**EXAONE4_DEFAULTS, **raw}
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -1324,6 +1413,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_ernie4_5_fields(raw, path))
     fields.update(_glm4_fields(raw, path))
     fields.update(_minimax_m2_fields(raw, path))
+    fields.update(_hunyuan_fields(raw, head_dim, fields["rope"], path))
+    fields.update(_exaone4_fields(raw, num_layers, path))
     return ModelConfig(**fields)
 
 

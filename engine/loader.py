@@ -36,7 +36,7 @@ from engine.compression.checkpoint import CompressedCheckpoint, open_checkpoint
 from engine.compression.decode import needs_pair_tables, uses_kernel
 from engine.compression.streamed import CompressedMLP, StreamedLayers
 from engine.compression.tables import pair_table
-from engine.config import ModelConfig, load_config
+from engine.config import HUNYUAN_MODEL_TYPES, ModelConfig, load_config
 from engine.errors import CheckpointError
 from engine.mla import MLAWeights, split_kv_b
 from engine.model import CausalLM, LayerWeights, ModelWeights
@@ -395,9 +395,11 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
     elif cfg.qk_norm and cfg.qk_norm_weight_per_head:   # Command R+: a row of weights per head, of this rank's heads
         q_norm = _read_head_norms(reader, cfg, p + "self_attn.q_norm.weight", cfg.num_heads, shard.heads)
         k_norm = _read_head_norms(reader, cfg, p + "self_attn.k_norm.weight", cfg.num_kv_heads, shard.kv_heads)
-    elif cfg.qk_norm:
-        q_norm = _read_norm(reader, cfg, p + "self_attn.q_norm.weight", head_dim)
-        k_norm = _read_norm(reader, cfg, p + "self_attn.k_norm.weight", head_dim)
+    elif cfg.qk_norm:   # Hunyuan's are named query_layernorm and key_layernorm
+        q_name, k_name = ("query_layernorm", "key_layernorm") if cfg.model_type in HUNYUAN_MODEL_TYPES else \
+            ("q_norm", "k_norm")
+        q_norm = _read_norm(reader, cfg, f"{p}self_attn.{q_name}.weight", head_dim)
+        k_norm = _read_norm(reader, cfg, f"{p}self_attn.{k_name}.weight", head_dim)
     layer = LayerWeights(
         input_norm=_read_norm(reader, cfg, p + "input_layernorm.weight", hidden) if cfg.input_norms else None,
         qkv=qkv,
@@ -526,9 +528,10 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "llama4_text": ("feed_forward.", ("gate_proj", "up_proj", "down_proj")),
              "ernie4_5_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "glm4_moe_lite": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-             "mistral4": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "mistral4": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "hunyuan_v1_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 # ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
-MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert.")}
+MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert."), "hunyuan_v1_moe": ("gate.wg.", "shared_mlp.")}
 # Stacked experts always stored transposed ([E, hidden, 2 * inter], [E, inter, hidden]), as transformers keeps them
 TRANSPOSED_EXPERT_TYPES = ("llama4_text",)
 

@@ -239,11 +239,15 @@ class CausalLM:
         q = q.reshape(num_tokens, num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and not cfg.qk_norm_over_heads:   # Command R+'s: LayerNorms, a weight row per head
+        per_head_norms = layer.q_norm is not None and not cfg.qk_norm_over_heads
+        if per_head_norms and not cfg.qk_norm_after_rope:   # Command R+'s: LayerNorms, a weight row per head
             q = getattr(self.ops, self.norm_op)(q, layer.q_norm, cfg.rms_norm_eps)
             k = getattr(self.ops, self.norm_op)(k, layer.k_norm, cfg.rms_norm_eps)
         if self.rope_tables[index] is not None:   # None: a NoPE layer (SmolLM3)
             q, k = self.ops.apply_rotary(q, k, positions, *self.rope_tables[index])
+        if per_head_norms and cfg.qk_norm_after_rope:   # Hunyuan: over each rotated head
+            q = getattr(self.ops, self.norm_op)(q, layer.q_norm, cfg.rms_norm_eps)
+            k = getattr(self.ops, self.norm_op)(k, layer.k_norm, cfg.rms_norm_eps)
         if self.l2_qk_norms[index] is not None:   # Llama 4: after the rotary, over each head
             q = self.ops.rms_norm(q, self.l2_qk_norms[index], cfg.rms_norm_eps)
             k = self.ops.rms_norm(k, self.l2_qk_norms[index], cfg.rms_norm_eps)

@@ -9,8 +9,9 @@ Routing is computed as the reference implementations compute it, in one of four 
   weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor;
   DeepSeek-V2's the same over softmax scores, with no bias, groups ranked by their best score, and no renormalizing;
   Mistral 4's over softmax scores, with no bias, groups ranked by their best two;
-  ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled; MiniMax-M2's over
-  sigmoid scores with a correction bias, in one group, renormalized, unscaled, its logits in the model's dtype.
+  ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled (Hunyuan-A13B's the
+  same without the bias); MiniMax-M2's over sigmoid scores with a correction bias, in one group, renormalized,
+  unscaled, its logits in the model's dtype.
 - gpt-oss's (`route_topk_softmax`): a biased router, the top-k logits, a softmax over those k; its experts
   carry biases and activate by a clamped SwiGLU (engine.ops.clamped_swiglu).
 - Llama 4's (`route_sigmoid_topk`): the top-k logits, each expert's weight its logit's sigmoid, applied to the
