@@ -383,7 +383,7 @@ class CompletionRun:
         # Tool-call markers may be special tokens, which plain detokenization drops; the end-of-sequence
         # tokens are then left out by id instead.
         self.text = TextStream(assets.tokenizer, stop, skip_special_tokens=self.tool_calls is None,
-                               calls_marker=assets.tool_calls.marker if self.tool_calls is not None else "")
+                               calls=assets.tool_calls if self.tool_calls is not None else None, names=names)
         self._hidden_ids = frozenset(assets.eos_token_ids) if self.tool_calls is not None else frozenset()
         self.reasoning = (ReasoningStream(assets.reasoning, assets.reasoning.starts_open(generation.prompt_ids,
                                                                                        assets.tokenizer),

@@ -2,14 +2,17 @@
 
 Text that could still be the start of a stop string is held back until the next tokens show it
 is not; a stop string found ends the text right before it, even when it spans several tokens. Stop
-strings end words: given the marker that opens an answer's tool calls (`calls_marker`), they are looked
-for only before it, so a stop string that the calls' arguments happen to hold does not cut a call into
-JSON that does not parse.
+strings end words: given the answer's tool-call format (`calls`) and the functions the request offers (`names`),
+they are looked for only before the first call opens (the format's `calls_start`: its marker, or a call written
+without it), so a stop string that the calls' arguments happen to hold does not cut a call into arguments that do
+not parse. Text that may still grow into a call's opening is held back, and searched, once the next tokens show
+whether it does.
 """
 
 from __future__ import annotations
 
 from engine.tokenizer import ChatTokenizer
+from router.tool_calls import ToolCallFormat
 
 
 class WindowDetokenizer:
@@ -59,10 +62,11 @@ class WindowDetokenizer:
 
 class TextStream:
     def __init__(self, tokenizer: ChatTokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 calls_marker: str = "") -> None:
+                 calls: ToolCallFormat | None = None, names: frozenset[str] | None = None) -> None:
         self._detokenizer = WindowDetokenizer(tokenizer, skip_special_tokens)
         self._stop = [s for s in stop if s]
-        self._calls_marker = calls_marker if self._stop else ""
+        self._calls = calls if self._stop and calls is not None and calls.marker else None
+        self._names = names
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self.stopped = False
@@ -81,14 +85,22 @@ class TextStream:
         if self.stopped:
             return ""
         self._pending += self._detokenizer.flush()
-        return self._cut_or_emit(len(self._pending))
+        return self._cut_or_emit(len(self._pending), ended=True)
 
-    def _cut_or_emit(self, upto: int) -> str:
-        """The pending text before a stop string (setting `stopped`), else its first `upto` characters."""
+    def _cut_or_emit(self, upto: int, ended: bool = False) -> str:
+        """The pending text before a stop string (setting `stopped`), else its first `upto` characters. Before the
+        calls, a tail that may grow into a call's opening is neither searched nor sent (unless the answer `ended`):
+        no opening then begins in text already sent."""
         if not self._stop:
             return self._emit(len(self._pending))
         calls = self._calls_start()
-        searched = self._pending if calls is None else self._pending[:calls]
+        if calls is None:
+            held = 0 if ended or self._calls is None else self._calls.held_back(self._pending, self._names)
+            searched = self._pending[:len(self._pending) - held]
+            if held:  # nor the start of a stop string that may run on into that tail
+                upto = min(upto, max(0, len(searched) - self._hold))
+        else:
+            searched = self._pending[:calls]
         cut = min((i for i in (searched.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut < 0 and calls is not None:  # the calls begin: no stop string from here on
             self._stop = []
@@ -102,14 +114,11 @@ class TextStream:
         return self._emit(upto)
 
     def _calls_start(self) -> int | None:
-        """Where the tool calls' marker begins in the pending text (0 when it began in text already sent),
-        None while it has not been written."""
-        marker = self._calls_marker
-        if not marker:
+        """Where the first tool call opens in the pending text, None while none has."""
+        if self._calls is None:
             return None
-        sent = self.text[-(len(marker) - 1):] if len(marker) > 1 else ""
-        found = (sent + self._pending).find(marker)
-        return None if found < 0 else max(0, found - len(sent))
+        found = self._calls.calls_start(self._pending, self._names)
+        return None if found < 0 else found
 
     def _emit(self, upto: int) -> str:
         delta, self._pending = self._pending[:upto], self._pending[upto:]

@@ -97,3 +97,23 @@ def test_a_character_cut_by_the_last_token_ends_the_text_as_a_full_decode_does(t
     stream = TextStream(tokenizer, stop)
     assert "".join(stream.add([token_id]) for token_id in cut) + stream.flush() == expected
     assert stream.text == expected
+
+
+BARE_CALL = "<function=now>\n<parameter=zone>\nutc}\n</parameter>\n</function>"
+
+
+@pytest.mark.parametrize("fmt_name", ["qwen3_coder", "seed_oss"])
+@pytest.mark.parametrize("stop, called, expected", [
+    (["utc", "}"], "now", "Let me check. " + BARE_CALL),              # in the arguments: the call is whole
+    (["<func", "=now"], "now", "Let me check. " + BARE_CALL),         # in the call's opening, token by token
+    (["check."], "now", "Let me "),                                   # in the words before it: cut there
+    (["utc"], "rm", "Let me check. <function=rm>\n<parameter=zone>\n"),  # a function not offered: words, cut
+])
+def test_a_stop_string_does_not_cut_a_call_written_without_its_marker(tokenizer, fmt_name, stop, called, expected):
+    """Qwen3-Coder and Seed-OSS sometimes write a call as a bare `<function=NAME>` (no `<tool_call>`); where the
+    request offers NAME it is a call, and the stop strings, which end words, stop looking where it opens."""
+    from router.tool_calls import FORMATS
+    text = "Let me check. " + BARE_CALL.replace("=now>", f"={called}>")
+    stream = TextStream(tokenizer, stop, calls=FORMATS[fmt_name], names=frozenset({"now", "write"}))
+    assert feed(stream, tokenizer, text) == expected
+    assert stream.stopped == (expected != text)

@@ -168,3 +168,10 @@ async def test_a_site_s_slipped_call_reaches_the_openai_client(cluster, make_rou
         assert (read.function.name, json.loads(read.function.arguments)) == ("write", {"text": CODE, "count": 3})
         streamed, _thought, content, finish, _num_chunks = await read_chat_stream(client, body)
         assert (streamed, content, finish) == ([(read.function.name, read.function.arguments)], WORDS, "tool_calls")
+        # Stop strings end words: the arguments' `print` and the call's own `</function>` do not cut the call.
+        stopped = dict(body, stop=["print", "</function>"])
+        choice = (await client.chat.completions.create(**stopped)).choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", WORDS)
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            (read.function.name, read.function.arguments)]
+        assert (await read_chat_stream(client, stopped))[:4] == (streamed, _thought, WORDS, "tool_calls")
