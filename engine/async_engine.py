@@ -330,11 +330,13 @@ class AsyncEngine:
                 pass
         return event
 
-    async def embed(self, prompt_ids: list[int], request_id: str | None = None) -> EmbeddingEvent:
-        """One embedding request (LLMEngine.add_embedding_request). Cancelling the wait aborts it."""
+    async def embed(self, prompt_ids: list[int], request_id: str | None = None,
+                    reservation: Reservation | None = None) -> EmbeddingEvent:
+        """One embedding request (LLMEngine.add_embedding_request), started on `reservation` (an admission's) when
+        given, else on one of its size. Cancelling the wait aborts it."""
         request_id = request_id or uuid.uuid4().hex
         inbox = await self._start(request_id, lambda e: e.add_embedding_request(request_id, prompt_ids),
-                                  len(prompt_ids), num_new_tokens=0)
+                                  len(prompt_ids), num_new_tokens=0, reservation=reservation)
         finished = False
         try:
             while not inbox.items:

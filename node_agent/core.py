@@ -236,20 +236,20 @@ class AgentCore:
                                   token_ids=prompt_ids + generated_ids if generated_ids else prompt_ids)
         return model, reservation
 
-    def accept_embedding(self, model_name: str, inputs: list[list[int]], dimensions: int) -> HostedModel:
-        """The model an Embed call runs on, once the call is checked (check_embed_request) and admitted on a
-        site that prefills: when the queue has room and the KV free now holds its longest input. Its inputs
-        then queue in the engine together and run as blocks allow (each one's KV is freed once it is pooled),
-        so a call larger than the whole pool is served, as that many prompts sent at once would be."""
+    def accept_embedding(self, model_name: str, inputs: list[list[int]],
+                         dimensions: int) -> tuple[HostedModel, Reservation]:
+        """The model an Embed call runs on and the reservation it was admitted on, once the call is checked
+        (check_embed_request) and admitted on a site that prefills: when the queue has room and the KV free now
+        holds its longest input. Its inputs then queue in the engine together and run as blocks allow (each one's
+        KV is freed once it is pooled), so a call larger than the whole pool is served, as that many prompts sent
+        at once would be. The longest input's engine request starts on the reservation (the others each on one of
+        their own); its holder leaves `with reservation:` on every exit, as for the other requests."""
         model = self.model(model_name)
         self._check_role("prefill")
         engine = model.engine.engine
         check_embed_request(inputs, dimensions, model.vocab_size, model.info.context_length,
                             engine.model_config.hidden_size, engine.pooling_error)
-        # Each input reserves its own blocks as its engine request starts, in the caller's tasks made right after
-        # this (the next turn of the event loop): nothing holds the call's blocks in between but that one turn.
-        self._admit(model, max(len(ids) for ids in inputs), generates=False).release()
-        return model
+        return model, self._admit(model, max(len(ids) for ids in inputs), generates=False)
 
     @contextmanager
     def inflight(self):

@@ -213,14 +213,19 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             core = self.core
             with core.inflight():
                 inputs = [list(item.token_ids) for item in request.inputs]
-                model = core.accept_embedding(request.model, inputs, request.dimensions)
-                tasks = [asyncio.ensure_future(model.engine.embed(ids, f"{request_id}.{i}"))
-                         for i, ids in enumerate(inputs)]
-                try:
-                    events = await asyncio.gather(*tasks)
-                finally:
-                    for task in tasks:   # the others, when one failed or the caller left: aborted in the engine
-                        task.cancel()
+                model, reservation = core.accept_embedding(request.model, inputs, request.dimensions)
+                # The longest input, which the call was admitted on, starts on the admission's reservation: held
+                # until then, no admission in between (these tasks run from the next turn) takes its blocks.
+                longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
+                with reservation:
+                    tasks = [asyncio.ensure_future(model.engine.embed(
+                        ids, f"{request_id}.{i}", reservation=reservation if i == longest else None))
+                        for i, ids in enumerate(inputs)]
+                    try:
+                        events = await asyncio.gather(*tasks)
+                    finally:
+                        for task in tasks:   # the others, when one failed or the caller left: aborted in the engine
+                            task.cancel()
             normalized = model.engine.engine.pooling.normalize
             for event in events:
                 core.metrics.observe_prompt(model.name, event.num_prompt_tokens, event.num_cached_tokens)
