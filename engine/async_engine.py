@@ -366,7 +366,13 @@ class AsyncEngine:
         self._hand_over(reservation, started=True)
 
         def added(engine: LLMEngine) -> None:
-            add(engine)
+            try:
+                add(engine)
+            except BaseException:
+                # an add that failed part way (an import whose KV write failed after its blocks were taken) left
+                # a sequence no stream reads and nothing ends: its blocks would stay taken for good
+                engine.abort(request_id)
+                raise
             self._added.append(reservation)  # the next stats count the request
 
         try:
@@ -386,10 +392,11 @@ class AsyncEngine:
         return inbox
 
     def _abort_start(self, request_id: str, reservation: Reservation) -> None:
-        """On the engine thread, after the add of a request whose start was cancelled: abort it, and end its
-        reservation whether the add went through or failed (its holder has left)."""
+        """On the engine thread, after the add of a request whose start was cancelled: abort it (and end the
+        lease of a prefill that finished meanwhile, as for any stream left early), and end its reservation
+        whether the add went through or failed (its holder has left)."""
         self._added.append(reservation)
-        self.engine.abort(request_id)
+        self._abandon(request_id)
 
     async def _stream(self, request_id: str, add: Callable[[LLMEngine], None], num_tokens: int,
                       reservation: Reservation | None) -> AsyncIterator[TokenEvent]:

@@ -12,6 +12,7 @@ import pytest
 from grpc import aio
 
 from engine.errors import InvalidRequestError, KVTransferError
+from engine.sampling import SamplingParams
 from node_agent.proto import agent_pb2
 from tests.agent.conftest import MODEL, collect, prompt, sampling, wait_for_free_blocks
 
@@ -196,3 +197,53 @@ async def test_every_exit_gives_the_reservation_back(start_agent, connect):
     assert len(await collect(client_a.generate(agent_pb2.GenerateRequest(
         model=MODEL, prompt_ids=prompt(30), sampling=params)))) == 4
     assert engine_a.admission_figures().num_pending_blocks == 0
+
+
+async def test_a_prefill_cancelled_before_it_heard_its_start_ends_its_lease(start_agent, connect):
+    """A Prefill whose caller leaves after the engine ran it but before the agent read the answer to its start (the
+    event loop busy meanwhile): its lease, whose handle no one will learn, ends at once rather than at its TTL."""
+    agent = await start_agent()
+    client, engine = connect(agent), agent.models[MODEL].engine
+    total = (await client.health()).kv_blocks_free
+    dispatch, dispatched = engine._dispatch, threading.Event()
+
+    def watched(outputs) -> None:
+        dispatch(outputs)
+        if any(out.kv_handle for out in outputs):
+            dispatched.set()
+
+    engine._dispatch = watched
+    task = asyncio.ensure_future(agent.core.prefill(MODEL, prompt(20), SamplingParams(max_tokens=4, ignore_eos=True)))
+    await asyncio.sleep(0)           # admitted, and waiting for the engine thread's add
+    assert dispatched.wait(30)       # the loop is held: the add's answer and the first token wait behind this
+    task.cancel()
+    assert (await asyncio.gather(task, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+    assert await wait_for_free_blocks(client, total) == total
+    figures = engine.admission_figures()
+    assert (figures.num_pending, figures.num_pending_blocks, figures.num_reserved) == (0, 0, 0)
+
+
+async def test_an_import_failing_in_its_kv_write_frees_its_blocks(start_agent, connect):
+    """An import whose KV write fails after it took its blocks (a device error): the Decode fails, and the blocks
+    are free again, so the site keeps taking work."""
+    a, b = await start_agent("site-a"), await start_agent("site-b", kv_cache_bytes=POOL * 8192)
+    client_a, client_b = connect(a), connect(b)
+    engine_b = b.models[MODEL].engine
+    params = sampling(max_tokens=4)
+    ids = prompt(20)
+    lease = await client_a.prefill(agent_pb2.PrefillRequest(model=MODEL, prompt_ids=ids, sampling=params))
+
+    def failing_write(*args, **kwargs):
+        raise RuntimeError("out of device memory (test)")
+
+    engine_b.engine._write_payload = failing_write
+    with pytest.raises(aio.AioRpcError):
+        await collect(client_b.decode(agent_pb2.DecodeRequest(
+            model=MODEL, prompt_ids=ids, generated_ids=[lease.first_token.token_id], sampling=params,
+            kv_source=agent_pb2.KVSource(address=a.address, kv_handle=lease.kv_handle))))
+    assert await wait_for_free_blocks(client_b, POOL) == POOL
+    figures = engine_b.admission_figures()
+    assert (figures.num_pending, figures.num_pending_blocks, figures.num_reserved) == (0, 0, 0)
+    whole_pool = agent_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt(POOL * 16 - 1, start=3),
+                                           sampling=sampling(max_tokens=1))
+    assert len(await collect(client_b.generate(whole_pool))) == 1
