@@ -12,8 +12,9 @@ from engine.errors import CheckpointError, UnsupportedModelError
 # model_type -> which attention projections carry a bias, as transformers builds them: "config" (q, k, v
 # and o when `attention_bias` is true), "qkv" (q, k, v always, o never: Qwen2), "config_qkv" (q, k, v when
 # `attention_bias` is true, o never: GLM-4.5; Seed-OSS's o by `attention_out_bias`: _seed_oss_fields), "use_bias"
-# (q, k, v and o when `use_bias` is true: ERNIE 4.5), "none" (the key is ignored); DeepSeek-V3's latent attention
-# refuses attention_bias (config._parse_mla)
+# (q, k, v and o when `use_bias` is true: ERNIE 4.5), "qkv_bias" (q, k, v when `qkv_bias` is true, its default; o
+# never: Qwen2-MoE), "none" (the key is ignored); DeepSeek-V3's latent attention refuses attention_bias
+# (config._parse_mla)
 SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "qwen3": "config",
                          "mixtral": "none", "qwen3_moe": "config", "deepseek_v3": "none", "deepseek_v2": "none",
                          "phi3": "none",
@@ -23,9 +24,10 @@ SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "
                          "seed_oss": "config_qkv", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias",
                          "glm4": "config_qkv", "glm4_moe_lite": "none", "minimax_m2": "none", "ministral3": "none",
                          "mistral4": "none", "exaone4": "none",
-                         "hunyuan_v1_dense": "config", "hunyuan_v1_moe": "config"}
+                         "hunyuan_v1_dense": "config", "hunyuan_v1_moe": "config", "qwen2_moe": "qkv_bias",
+                         "olmoe": "config"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "hunyuan_v1_dense",
-                       "hunyuan_v1_moe"}
+                       "hunyuan_v1_moe", "olmoe"}
 # ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
 # true; Command R: false)
 USE_QK_NORM_MODEL_TYPES = {"glm4_moe", "cohere"}
@@ -36,7 +38,7 @@ MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3", "seed_oss"}
 DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0, "smollm3": 2000000.0,
                       "olmo3": 500000.0, "cohere": 500000.0, "ernie4_5": 500000.0, "ernie4_5_moe": 500000.0}
 DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5,
-                        "ernie4_5": 1e-5, "ernie4_5_moe": 1e-5}
+                        "ernie4_5": 1e-5, "ernie4_5_moe": 1e-5, "olmoe": 1e-5}
 # Rope scalings of every model type but DeepSeek-V2 and V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
 # transformers computes them. "dynamic" (NTK) changes the frequencies only past max_position_embeddings,
 # which no sequence here reaches (the context is capped there), so it computes as "default" does.
@@ -154,6 +156,21 @@ HUNYUAN_MODEL_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                     "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
                     "bos_token_id": 1, "eos_token_id": 2, "num_experts": 1, "moe_topk": 1}
+# Qwen2-MoE (qwen2_moe: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biased by qkv_bias, true unless
+# it says false) with Qwen3-MoE's layers (sparse by decoder_sparse_step and mlp_only_layers, a float32 softmax's
+# top-k, renormalized by norm_topk_prob), and beside the routed experts one shared expert of its own width, its output
+# times the sigmoid of shared_expert_gate's one logit. The defaults transformers gives the fields its configs may omit
+QWEN2_MOE_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
+                      "sliding_window": 4096, "max_window_layers": 28, "moe_intermediate_size": 1408,
+                      "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60}
+# OLMoE (olmoe: OLMoE-1B-7B): OLMo 2's q/k norms over the whole projections (their weights multiplying the row rounded
+# to the model's dtype, as Llama's norms do) in Llama's layer (normed inputs), every MLP a mixture of experts routed by
+# a float32 softmax's top-k (renormalized by norm_topk_prob), q/k/v/o biased by attention_bias. The defaults
+# transformers gives the fields its configs may omit
+OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
+                  "num_attention_heads": 16, "max_position_embeddings": 4096, "eos_token_id": 50279,
+                  "num_experts": 64, "num_experts_per_tok": 8}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2, Ministral 3 (a ministral3 text model) and Mistral Small 4 (a
@@ -288,6 +305,10 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0  # a dense MLP of num_shared_experts * intermediate_size every token also takes
+    # Qwen2-MoE: the shared expert's own width (None: num_shared_experts * intermediate_size), and its output weighed
+    # by the sigmoid of a one-row gate's logit (shared_expert_gate)
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
     # DeepSeek's group-limited routing (engine.moe.route_grouped) as above, with sigmoid scoring (DeepSeek-V3, GLM-4.5)
     # or softmax scoring and no correction bias (DeepSeek-V2); a group ranks by the sum of its best
     # group_score_experts scores (V3: 2; V2: 1, its best)
@@ -307,6 +328,11 @@ class MoEConfig:
     router_bias: bool = False
     expert_bias: bool = False
     swiglu: tuple[float, float] | None = None   # (alpha, limit); None: SiLU(gate) * up
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' intermediate width, all of them as one dense MLP (0: none)."""
+        return self.shared_intermediate_size or self.num_shared_experts * self.intermediate_size
 
     @property
     def has_correction_bias(self) -> bool:
@@ -802,6 +828,21 @@ def _olmo_fields(raw: dict, num_layers: int, path: Path) -> dict:
             "local_rope": local_rope, "local_rope_layers": sliding}
 
 
+def _olmoe_fields(raw: dict, hidden: int, num_heads: int, head_dim: int, path: Path) -> dict:
+    """OLMoE's fields, read as transformers reads them (defaulted by OLMOE_DEFAULTS); {} for another model type. Its
+    q norm is hidden_size wide, so its heads must be hidden_size / num_attention_heads wide; clip_qkv (which clamps
+    q, k and v) is not computed."""
+    if raw.get("model_type") != "olmoe":
+        return {}
+    if head_dim * num_heads != hidden:
+        raise CheckpointError(f"{path}: head_dim must be hidden_size / num_attention_heads ({hidden // num_heads}: "
+                              f"OLMoE's q norm is hidden_size wide), got {head_dim}")
+    if raw.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{path}: clip_qkv {raw['clip_qkv']!r} is not supported for olmoe (only null: "
+                                    f"OLMoE's published checkpoints clamp nothing)")
+    return {"qk_norm_over_heads": True}
+
+
 def _cohere_fields(raw: dict, num_layers: int, path: Path) -> dict:
     """Cohere's fields, read and defaulted as transformers reads them; {} for another model type. Its norms multiply
     the float32 row by their weight, rounded after. Command R7B's and Command A's (cohere2) sliding-window layers (by
@@ -1130,7 +1171,29 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _qwen2_moe_sliding_windows(raw: dict, num_layers: int, path: Path) -> list[int | None]:
+    """Qwen2-MoE's windows, read as transformers reads them: with use_sliding_window, layer_types' sliding_attention
+    layers (without layer_types: every other layer from the first, below max_window_layers) attend the last
+    sliding_window tokens; without it none does (its configs then say sliding_window 0)."""
+    if not _flag(raw, "use_sliding_window", False, path):
+        return [None] * num_layers
+    window = _positive_int(raw, ("sliding_window",), path)
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        below = raw.get("max_window_layers")
+        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+            raise CheckpointError(f"{path}: max_window_layers must be a non-negative integer, got {below!r}")
+        return [window if i % 2 == 0 and i < below else None for i in range(num_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or \
+            not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{path}: layer_types must list one attention type per layer ({num_layers}), "
+                              f"sliding_attention or full_attention, got {layer_types!r}")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
 def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int, path: Path) -> list[int | None]:
+    if model_type == "qwen2_moe":
+        return _qwen2_moe_sliding_windows(raw, num_layers, path)
     window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
     if model_type in ("mistral", "mixtral", "phi3", "ministral3"):
         return [window] * num_layers
@@ -1184,7 +1247,9 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
         return _parse_minimax_m2_moe(raw, num_layers, path)
     if model_type == "hunyuan_v1_moe":
         return _parse_hunyuan_moe(raw, num_layers, path)
-    if model_type not in ("mixtral", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
+        return None
+    if model_type == "qwen2_moe" and raw.get("num_experts") == 0:   # transformers: every layer the dense MLP
         return None
     num_experts = _positive_int(raw, ("num_local_experts", "num_experts"), path)
     top_k = _positive_int(raw, ("num_experts_per_tok",), path)
@@ -1193,14 +1258,21 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
     if model_type == "mixtral":
         return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True,
                          [True] * num_layers)
-    # Qwen3-MoE: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+    if model_type == "olmoe":
+        return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path),
+                         _flag(raw, "norm_topk_prob", False, path), [True] * num_layers)
+    # Qwen3-MoE and Qwen2-MoE: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
         raise CheckpointError(f"{path}: mlp_only_layers must list layer indices in [0, {num_layers}), got {dense!r}")
     step = _positive_int(raw, ("decoder_sparse_step",), path) if "decoder_sparse_step" in raw else 1
     sparse = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-    return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
-                     bool(raw.get("norm_topk_prob", False)), sparse)
+    moe = MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
+                    _flag(raw, "norm_topk_prob", False, path), sparse)
+    if model_type == "qwen2_moe":   # one shared expert, gated
+        moe.num_shared_experts, moe.shared_expert_gate = 1, True
+        moe.shared_intermediate_size = _positive_int(raw, ("shared_expert_intermediate_size",), path)
+    return moe
 
 
 # DeepSeek checkpoint fields that choose a variant: per model type, the values of the one implemented
@@ -1342,6 +1414,10 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raw = {**HUNYUAN_DEFAULTS, **raw}
     if model_type == "exaone4":
         raw = {**EXAONE4_DEFAULTS, **raw}
+    if model_type == "qwen2_moe":
+        raw = {**QWEN2_MOE_DEFAULTS, **raw}
+    if model_type == "olmoe":
+        raw = {**OLMOE_DEFAULTS, **raw}
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
@@ -1361,6 +1437,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         attention_bias = "none"
     if attention_bias == "use_bias":
         attention_bias = "config" if _flag(raw, "use_bias", False, path) else "none"
+    if attention_bias == "qkv_bias":
+        attention_bias = "qkv" if _flag(raw, "qkv_bias", True, path) else "none"
     rotary_dim, gemma = None, model_type in GEMMA_MODEL_TYPES
     if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"):
         mla = _parse_mla(raw, model_type, num_heads, path)
@@ -1415,6 +1493,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_minimax_m2_fields(raw, path))
     fields.update(_hunyuan_fields(raw, head_dim, fields["rope"], path))
     fields.update(_exaone4_fields(raw, num_layers, path))
+    fields.update(_olmoe_fields(raw, hidden, num_heads, head_dim, path))
     return ModelConfig(**fields)
 
 

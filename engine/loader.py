@@ -529,9 +529,12 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "ernie4_5_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "glm4_moe_lite": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "mistral4": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-             "hunyuan_v1_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "hunyuan_v1_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "qwen2_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 # ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
-MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert."), "hunyuan_v1_moe": ("gate.wg.", "shared_mlp.")}
+MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert."), "hunyuan_v1_moe": ("gate.wg.", "shared_mlp."),
+                           "qwen2_moe": ("gate.", "shared_expert.")}
 # Stacked experts always stored transposed ([E, hidden, 2 * inter], [E, inter, hidden]), as transformers keeps them
 TRANSPOSED_EXPERT_TYPES = ("llama4_text",)
 
@@ -575,10 +578,12 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
         # it would rank near ties differently
         weights.correction_bias = _read_correction_bias(reader, cfg, p)
     if moe.num_shared_experts:
-        shared, s = moe.num_shared_experts * inter, p + shared_name
+        shared, s = moe.shared_width, p + shared_name
         weights.shared_gate_up = torch.cat([reader.read(s + "gate_proj.weight", (shared, hidden)),
                                             reader.read(s + "up_proj.weight", (shared, hidden))])
         weights.shared_down = reader.read(s + "down_proj.weight", (hidden, shared))
+    if moe.shared_expert_gate:   # Qwen2-MoE: beside the shared expert, one row
+        weights.shared_gate = reader.read(p + "shared_expert_gate.weight", (1, hidden))
     return weights
 
 

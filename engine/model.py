@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3, Cohere,
-GLM-4, Ministral 3, and the MoE Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, gpt-oss, Llama 4 and
-Mistral 4) over a flat batch of tokens and a paged KV cache.
+GLM-4, Ministral 3, and the MoE Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, gpt-oss,
+Llama 4 and Mistral 4) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
@@ -19,9 +19,10 @@ sliding-window and full-attention layers; its experts are engine.moe's with bias
 does, with one rope for all layers and no q/k norms, and soft-caps its attention scores (engine.ops.paged_attention's
 softcap) and its logits by tanh. SmolLM3's NoPE layers rotate nothing. OLMo 2 norms only each attention and MLP
 output (the blocks take the residual stream unnormed) and norms q and k over their whole projections, all heads
-together (under TP the ranks' sums of squares are all-reduced); OLMo 3 adds Gemma 3's sliding layers with their own
-rope. Llama 4 (its interleaved rotary made rotate-half by the loader) norms q and k without weight after the rotary
-and attends by chunks on its rotary layers (a negative window: engine.ops.window_start), and scales the queries of
+together (under TP the ranks' sums of squares are all-reduced; OLMoE's q and k likewise, in Llama's layer); OLMo 3
+adds Gemma 3's sliding layers with their own rope. Llama 4 (its interleaved rotary made rotate-half by the loader)
+norms q and k without weight after the rotary and attends by chunks on its rotary layers (a negative window:
+engine.ops.window_start), and scales the queries of
 its NoPE layers by a temperature that grows with the position; Ministral 3 scales the queries of every layer by a
 factor of its own that grows with the position, as Mistral 4 (DeepSeek-V3's latent attention) does. Cohere's models
 (Command R, R+, R7B, A) run a parallel block: one LayerNorm (engine.ops.layer_norm: the row's mean subtracted) of

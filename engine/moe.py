@@ -1,9 +1,10 @@
-"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4.5, GLM-4.7-Flash, ERNIE 4.5,
-MiniMax-M2, gpt-oss, Llama 4): route each token to its top-k experts, run the experts, combine with the router's
-weights, add the shared experts if any.
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2 and V3, GLM-4.5, GLM-4.7-Flash,
+ERNIE 4.5, MiniMax-M2, gpt-oss, Llama 4): route each token to its top-k experts, run the experts, combine with the
+router's weights, add the shared experts if any.
 
 Routing is computed as the reference implementations compute it, in one of four ways:
-- softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE;
+- softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE,
+  Qwen2-MoE, OLMoE;
 - DeepSeek's grouped routing (`route_grouped`): DeepSeek-V3's (GLM-4.5's too) sigmoid scores, a per-expert correction
   bias that steers the choice but not the weights, the choice restricted to the best groups of experts, and
   weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor;
@@ -18,7 +19,7 @@ Routing is computed as the reference implementations compute it, in one of four 
   expert's input rather than its output (`run_experts_on_weighted_inputs`).
 All are whole-batch tensor ops. The expert compute is `ops.fused_moe`: the torch version groups
 tokens by expert with one sort (engine.ops), the Triton kernel on CUDA is its twin. Shared experts
-are a dense MLP every token takes, added to the routed output.
+are a dense MLP every token takes, added to the routed output (Qwen2-MoE's weighed by a gate of their own).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class MoEWeights:
     correction_bias: torch.Tensor | None = None   # [num_experts] float32, added to the scores for the choice only (V3)
     shared_gate_up: torch.Tensor | None = None    # [2 * shared inter, hidden]
     shared_down: torch.Tensor | None = None       # [hidden, shared inter]
+    shared_gate: torch.Tensor | None = None       # [1, hidden]: Qwen2-MoE's, the shared output times sigmoid(x @ it)
     # gpt-oss: the router's bias (softmax over the top-k biased logits), the experts' biases, the clamped SwiGLU
     router_bias: torch.Tensor | None = None       # [num_experts]
     gate_up_bias: torch.Tensor | None = None      # [num_experts, 2 * inter], gate first
@@ -137,7 +139,8 @@ def shared_experts(moe: MoEWeights, x: torch.Tensor, ops) -> torch.Tensor | None
     """The shared experts' output [T, hidden] for x, None when the block has none."""
     if moe.shared_gate_up is None:
         return None
-    return ops.linear(ops.silu_and_mul(ops.linear(x, moe.shared_gate_up)), moe.shared_down)
+    out = ops.linear(ops.silu_and_mul(ops.linear(x, moe.shared_gate_up)), moe.shared_down)
+    return out if moe.shared_gate is None else torch.sigmoid(ops.linear(x, moe.shared_gate)) * out
 
 
 def moe_forward(moe: MoEWeights, x: torch.Tensor, ops) -> torch.Tensor:

@@ -231,7 +231,8 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
             attention += num_heads
     if cfg.is_sparse(layer):
         moe = cfg.moe
-        mlp = (num_experts + moe.num_shared_experts) * 3 * hidden * moe.intermediate_size + moe.num_experts * hidden
+        mlp = (num_experts * moe.intermediate_size + moe.shared_width) * 3 * hidden + moe.num_experts * hidden
+        mlp += hidden if moe.shared_expert_gate else 0   # Qwen2-MoE's shared expert's gate
         mlp += moe.num_experts if moe.has_correction_bias else 0   # the routing correction bias
         mlp += moe.num_experts if moe.router_bias else 0
         mlp += num_experts * (2 * moe.intermediate_size + hidden) if moe.expert_bias else 0   # gpt-oss's experts' biases
