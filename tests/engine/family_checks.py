@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine import cpu_attention
 from engine.compression.compress import compress_checkpoint
@@ -88,3 +89,23 @@ def parallel_engines_fixture(root: str, checkpoints: dict, engines: type[Engines
         made.close()
 
     return parallel_engines
+
+
+def save_per_expert(directory: Path, published: Path) -> None:
+    """directory's checkpoint as mixture-of-experts checkpoints are published, into `published`: one tensor per expert
+    projection (`experts.{e}.gate_proj/up_proj/down_proj.weight`) where transformers saves them stacked."""
+    published.mkdir()
+    tensors = {}
+    for key, tensor in load_file(directory / "model.safetensors").items():
+        prefix, _, kind = key.rpartition("experts.")
+        if kind == "gate_up_proj":
+            for e, stacked in enumerate(tensor):
+                gate, up = stacked.chunk(2)
+                tensors[f"{prefix}experts.{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{prefix}experts.{e}.up_proj.weight"] = up.contiguous()
+        elif kind == "down_proj":
+            tensors.update({f"{prefix}experts.{e}.down_proj.weight": t.contiguous() for e, t in enumerate(tensor)})
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(published / "model.safetensors"), metadata={"format": "pt"})
+    (published / "config.json").write_text((directory / "config.json").read_text())

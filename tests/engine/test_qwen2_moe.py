@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine.config import load_config, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import SMALL, save_random_checkpoint
 from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, variant_fixture)
+                                        parallel_engines_fixture, save_per_expert, variant_fixture)
 from tests.engine.test_mechanics import make_engine
 from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
@@ -90,30 +90,11 @@ def test_config_is_what_transformers_reads(variant):
     assert cfg.num_parameters() == sum(p.numel() for p in reference.parameters())
 
 
-def _published(directory: Path, published: Path) -> None:
-    """directory's checkpoint as published: one tensor per expert projection (transformers saves them stacked)."""
-    published.mkdir()
-    tensors = {}
-    for key, tensor in load_file(directory / "model.safetensors").items():
-        prefix, _, kind = key.rpartition("experts.")
-        if kind == "gate_up_proj":
-            for e, stacked in enumerate(tensor):
-                gate, up = stacked.chunk(2)
-                tensors[f"{prefix}experts.{e}.gate_proj.weight"] = gate.contiguous()
-                tensors[f"{prefix}experts.{e}.up_proj.weight"] = up.contiguous()
-        elif kind == "down_proj":
-            tensors.update({f"{prefix}experts.{e}.down_proj.weight": t.contiguous() for e, t in enumerate(tensor)})
-        else:
-            tensors[key] = tensor
-    save_file(tensors, str(published / "model.safetensors"), metadata={"format": "pt"})
-    (published / "config.json").write_text((directory / "config.json").read_text())
-
-
 def test_the_published_tensor_names_load(variant, tmp_path):
     name, directory, reference = variant
     if name not in ("qwen2-moe", "olmoe"):
         pytest.skip("one checkpoint of each family's")
-    _published(directory, tmp_path / "published")
+    save_per_expert(directory, tmp_path / "published")
     names = load_file(tmp_path / "published" / "model.safetensors").keys()
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
     with torch.no_grad():
