@@ -1365,6 +1365,21 @@ def _parse_mla(raw: dict, model_type: str, num_heads: int, path: Path) -> MLACon
     return mla
 
 
+# model_type -> the defaults transformers gives the fields its configs may omit, under the keys config.json would give
+MODEL_TYPE_DEFAULTS = {
+    "gemma3_text": GEMMA3_TEXT_DEFAULTS, "gemma2": GEMMA2_DEFAULTS, "glm4_moe": GLM4_MOE_DEFAULTS,
+    "deepseek_v2": DEEPSEEK_V2_DEFAULTS, "llama4_text": LLAMA4_TEXT_DEFAULTS, "cohere": COHERE_DEFAULTS,
+    "cohere2": COHERE2_DEFAULTS, "seed_oss": SEED_OSS_DEFAULTS,
+    "ernie4_5": {**ERNIE4_5_DEFAULTS, "head_dim": 128, "num_key_value_heads": 2},
+    "ernie4_5_moe": ERNIE4_5_MOE_DEFAULTS, "glm4": GLM4_DEFAULTS, "glm4_moe_lite": GLM4_MOE_LITE_DEFAULTS,
+    **dict.fromkeys(HUNYUAN_MODEL_TYPES, HUNYUAN_DEFAULTS), "exaone4": EXAONE4_DEFAULTS,
+    "qwen2_moe": QWEN2_MOE_DEFAULTS, "olmoe": OLMOE_DEFAULTS}
+# model_type -> (raw, path) -> raw with the defaults whose values depend on the config's other fields
+DEFAULTED_MODEL_TYPES = {
+    "gpt_oss": lambda raw, path: _gpt_oss_defaulted(raw), "ministral3": lambda raw, path: _ministral3_defaulted(raw),
+    "mistral4": _mistral4_defaulted, "minimax_m2": _minimax_m2_defaulted}
+
+
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES and model_type not in IMAGE_TEXT_MODEL_TYPES:
@@ -1380,44 +1395,9 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
                                     f"{method!r}); use the model's float32, float16 or bfloat16 weights")
     if model_type in IMAGE_TEXT_MODEL_TYPES:
         return _parse_text_model(raw, path)
-    if model_type == "gemma3_text":
-        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
-    if model_type == "gemma2":
-        raw = {**GEMMA2_DEFAULTS, **raw}
-    if model_type == "gpt_oss":
-        raw = _gpt_oss_defaulted(raw)
-    if model_type == "glm4_moe":
-        raw = {**GLM4_MOE_DEFAULTS, **raw}
-    if model_type == "deepseek_v2":
-        raw = {**DEEPSEEK_V2_DEFAULTS, **raw}
-    if model_type == "llama4_text":
-        raw = {**LLAMA4_TEXT_DEFAULTS, **raw}
-    if model_type == "ministral3":
-        raw = _ministral3_defaulted(raw)
-    if model_type == "mistral4":
-        raw = _mistral4_defaulted(raw, path)
-    if model_type in COHERE_MODEL_TYPES:
-        raw = {**(COHERE2_DEFAULTS if model_type == "cohere2" else COHERE_DEFAULTS), **raw}
-    if model_type == "seed_oss":
-        raw = {**SEED_OSS_DEFAULTS, **raw}
-    if model_type == "ernie4_5":
-        raw = {**ERNIE4_5_DEFAULTS, "head_dim": 128, "num_key_value_heads": 2, **raw}
-    if model_type == "ernie4_5_moe":
-        raw = {**ERNIE4_5_MOE_DEFAULTS, **raw}
-    if model_type == "glm4":
-        raw = {**GLM4_DEFAULTS, **raw}
-    if model_type == "glm4_moe_lite":
-        raw = {**GLM4_MOE_LITE_DEFAULTS, **raw}
-    if model_type == "minimax_m2":
-        raw = _minimax_m2_defaulted(raw, path)
-    if model_type in HUNYUAN_MODEL_TYPES:
-        raw = {**HUNYUAN_DEFAULTS, **raw}
-    if model_type == "exaone4":
-        raw = {**EXAONE4_DEFAULTS, **raw}
-    if model_type == "qwen2_moe":
-        raw = {**QWEN2_MOE_DEFAULTS, **raw}
-    if model_type == "olmoe":
-        raw = {**OLMOE_DEFAULTS, **raw}
+    raw = {**MODEL_TYPE_DEFAULTS.get(model_type, {}), **raw}
+    if model_type in DEFAULTED_MODEL_TYPES:
+        raw = DEFAULTED_MODEL_TYPES[model_type](raw, path)
     hidden = _positive_int(raw, ("hidden_size",), path)
     num_heads = _positive_int(raw, ("num_attention_heads",), path)
     num_layers = _positive_int(raw, ("num_hidden_layers",), path)
