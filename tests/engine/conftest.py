@@ -95,7 +95,7 @@ def _randomize(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif name.endswith(".gate.weight"):
+            elif name.endswith((".gate.weight", ".router.weight")):
                 # An MoE router: logits far apart, so float rounding never flips a token's top-k.
                 param.copy_(0.5 * torch.randn_like(param))
             elif name.endswith("bias"):

@@ -23,7 +23,7 @@ from engine.config import load_config, parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.sampling import SamplingParams
-from tests.engine.conftest import save_random_checkpoint
+from tests.engine.conftest import _randomize, save_random_checkpoint
 from tests.engine.family_checks import DECODE_PATHS, check_compressed_copy, check_decode_path, variant_fixture
 from tests.engine.test_moe import check_against_transformers, random_prompts
 from tests.engine.test_parallel import PROMPT, Engines, assert_prompt_logits
@@ -52,18 +52,6 @@ def _llama4_image_text():
     return transformers.Llama4ForConditionalGeneration(config)
 
 
-def _randomize(model) -> None:
-    # norms and biases away from 1 and 0; routers' logits far apart, so float rounding never flips a token's top-k
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif name.endswith("router.weight"):
-                param.copy_(0.5 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.1 * torch.randn_like(param))
-
-
 VARIANTS = {
     # Scout's shape: every layer MoE, q/k norms, llama3 rope; the saved no_rope_layers, layer_types and moe_layers
     # removed, so the engine derives them from the intervals as transformers does
@@ -77,10 +65,10 @@ VARIANTS = {
 
 def _save(directory: Path, name: str):
     factory, edits = VARIANTS[name]
-    return save_random_checkpoint(directory, factory, edits, _randomize)
+    return save_random_checkpoint(directory, factory, edits)
 
 
-variant = variant_fixture(VARIANTS, _randomize)
+variant = variant_fixture(VARIANTS)
 
 
 @DECODE_PATHS
@@ -184,7 +172,7 @@ def test_the_kernels_compute_what_the_torch_ops_compute(tmp_path):
     if not torch.cuda.is_available() and not kernels.interpreting():
         pytest.skip("no GPU, and triton's interpreter was not chosen before triton was imported")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    save_random_checkpoint(tmp_path, lambda: _llama4(num_hidden_layers=2), {}, _randomize)
+    save_random_checkpoint(tmp_path, lambda: _llama4(num_hidden_layers=2), {})
     config = EngineConfig(device=device, dtype="float32", kv_cache_bytes=1 << 20, block_size=4, show_progress=False)
     prompt, params = PROMPT[:14], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     results = []
