@@ -6,8 +6,8 @@ One site in each of the 300 most populous cities below (real latitude and longit
 synthetic load drawn per snapshot, a fleet at moderate and uneven use: running sequences (0-32,
 median 4), in-flight prefill and decode tokens, KV in use, measured prefill and decode rates
 (three hardware classes within ±20% of each other) with the load they were measured under, a
-prefix-cache summary of some of the shared system prompts, and measured links between some sites
-of one region. One site in ten serves only prefill, one in ten only decode. A fresh
+prefix-cache summary of some of the shared system prompts (those of the first running sequences held,
+the rest evictable), and measured links between some sites of one region. One site in ten serves only prefill, one in ten only decode. A fresh
 snapshot is drawn every `--refresh-every` placements (a router refreshes about once a second), so
 whatever `rank()` prepares per snapshot is paid again.
 
@@ -271,6 +271,8 @@ def site_doc(index: int, city: tuple, rng: random.Random, now: float) -> dict:
     decode_rate = num_running * lone_decode_rate * (fixed + 1) / (fixed + max(1, num_running)) or lone_decode_rate
     cached = rng.sample(SYSTEM_PROMPTS, rng.randint(0, 6))
     hashes = [f"{h:016x}" for prompt in cached for h in prefix_hashes(prompt, BLOCK_SIZE)]
+    # running sequences hold the prompts they opened with, one each (drawn without the rng: the same fleet)
+    num_held = sum(len(prefix_hashes(prompt, BLOCK_SIZE)) for prompt in cached[:num_running])
     return {
         "name": name, "region": region, "country": None, "lat": lat, "lon": lon,
         "grpc_address": f"{name.lower().replace(' ', '-')}.sites.example:50051", "state": "active",
@@ -284,7 +286,8 @@ def site_doc(index: int, city: tuple, rng: random.Random, now: float) -> dict:
             "prefill_tokens_per_s": prefill_rate * rng.uniform(0.8, 1.2), "decode_tokens_per_s": decode_rate,
             # The load the rate was measured under (an idle site: its last request, alone).
             "decode_batch_size": float(max(1, num_running)), "decode_kv_tokens": float(max(1, num_running) * context),
-            "draining": False, "prefix_cache_summary": {"block_size": BLOCK_SIZE, "hashes": hashes},
+            "draining": False,
+            "prefix_cache_summary": {"block_size": BLOCK_SIZE, "hashes": hashes, "num_held": num_held},
             "reported_at": now - 1.0,
         },
     }

@@ -167,10 +167,14 @@ class BlockManager:
 
     # -- summary for routers -----------------------------------------------------------------
 
-    def cached_hashes(self, limit: int | None = None) -> list[int]:
-        """Hashes of published blocks, most recently used first (in-use blocks, then evictable newest first)."""
+    def cache_listing(self, limit: int | None = None) -> tuple[list[int], int]:
+        """Hashes of published blocks, most recently used first (in-use blocks, then evictable newest first),
+        and how many of them lead as in use (held by running sequences or KV leases): a request reusing those
+        takes no free block, while reusing an evictable one takes it from the free pool. Both cut to `limit`."""
         in_use = [b.hash for b in self.blocks if b.ref_count and b.hash is not None
                   and self.hash_to_block.get(b.hash) == b.block_id]
         idle = [self.blocks[i].hash for i in reversed(self.evictable)]
         hashes = in_use + idle
-        return hashes if limit is None else hashes[:limit]
+        if limit is None:
+            return hashes, len(in_use)
+        return hashes[:limit], min(len(in_use), limit)

@@ -863,9 +863,10 @@ class LLMEngine:
     # -- state for routers and operators -----------------------------------------------------
 
     def cache_summary(self, max_hashes: int = 4096) -> dict:
-        """Compact prefix-cache summary: block size and the most recently used block hashes (hex)."""
-        hashes = self.block_manager.cached_hashes(max_hashes)
-        return {"block_size": self.config.block_size, "hashes": [f"{h:016x}" for h in hashes]}
+        """Compact prefix-cache summary: block size, the most recently used block hashes (hex), and how many of
+        them lead as held by running sequences or KV leases (`num_held`; the rest are evictable)."""
+        hashes, num_held = self.block_manager.cache_listing(max_hashes)
+        return {"block_size": self.config.block_size, "hashes": [f"{h:016x}" for h in hashes], "num_held": num_held}
 
     def gpu_indices(self) -> tuple[int, ...]:
         """The GPUs this engine's ranks run on: a parallel engine's where its executor placed them, a single

@@ -282,7 +282,8 @@ class Agent:
                 continue
             model_stats = await model.engine.stats()
             self.metrics.observe_stats(model.name, model_stats)
-            figures[model.name] = ModelFigures(model_stats, (await model.engine.cache_summary())["hashes"])
+            summary = await model.engine.cache_summary()
+            figures[model.name] = ModelFigures(model_stats, summary["hashes"], summary["num_held"])
         return site_capacity_report(self.config.block_size, self.core.draining, figures)
 
     async def refresh_metrics(self) -> None:

@@ -9,7 +9,9 @@ included, is retried as ever.
 The heartbeat body is the wire contract's `CapacityReport` (registry.wire), built by
 `site_capacity_report` from each hosted model's engine figures, so what the agent sends is what the
 registry accepts: the site's sums, and with several models each model's own KV pool and prefix cache,
-the cap on cache hashes shared fairly among them (`hash_shares`).
+the cap on cache hashes shared fairly among them (`hash_shares`). Each summary says how many of its
+leading hashes are held (`num_held`: by running sequences or KV leases; the rest are evictable), cut with
+the hashes, so a router credits only those against the free KV blocks (registry.wire).
 A registry older than the agent refuses the fields it does not know (422): those are left out of
 the heartbeats from then on, once each, so an agent can be upgraded before its registry.
 """
@@ -27,7 +29,7 @@ import httpx
 
 from registry.client import RegistryClient, RegistryError
 from registry.retry import Backoff
-from registry.wire import MAX_CACHE_HASHES, CapacityReport, ModelCapacity, PrefixCacheSummary
+from registry.wire import MAX_CACHE_HASHES, SUMMARY_FIELDS, CapacityReport, ModelCapacity, PrefixCacheSummary
 
 if TYPE_CHECKING:  # the agent's engines; only their figures are read here
     from engine.engine import EngineStats
@@ -53,12 +55,19 @@ def registry_failure(exc: RegistryError | httpx.HTTPError) -> str:
 
 def unknown_field(exc: RegistryError) -> str | None:
     """The optional heartbeat field a registry refused as not one of its fields (its 422 names the first
-    such field: registry.http_errors), or None for any other refusal."""
+    such field: registry.http_errors), or None for any other refusal. An optional field of a prefix-cache
+    summary, the site's or a model's ("models.<model>.prefix_cache_summary.num_held"), is named as the
+    site's (registry.wire.SUMMARY_FIELDS): it is left out of every summary."""
     if exc.status != 422:
         return None
     name, found, _ = exc.message.partition(UNKNOWN_FIELD)
+    if not found:
+        return None
+    head, _, tail = name.rpartition("prefix_cache_summary.")
+    if f"prefix_cache_summary.{tail}" in SUMMARY_FIELDS and (head == "" or head.startswith("models.")):
+        return f"prefix_cache_summary.{tail}"
     field = CapacityReport.model_fields.get(name)
-    return name if found and field is not None and not field.is_required() else None
+    return name if field is not None and not field.is_required() else None
 
 
 def is_site_deleted(exc: BaseException) -> bool:
@@ -104,10 +113,12 @@ def widest_layout(engines: Sequence[EngineStats]) -> tuple[int, int, int]:
 @dataclass(slots=True)
 class ModelFigures:
     """One hosted model's engine, as a heartbeat reads it: its figures and its prefix-cache hashes
-    (16 hex digits each, most recently used first)."""
+    (16 hex digits each, most recently used first), the first `num_held` of them held (engine
+    cache_summary; None: not known, read as all held)."""
 
     stats: EngineStats
     cached_hashes: Sequence[str] = ()
+    num_held: int | None = None
 
 
 def hash_shares(counts: Sequence[int], budget: int) -> list[int]:
@@ -127,25 +138,27 @@ def site_capacity_report(block_size: int, draining: bool, models: Mapping[str, M
     it); the cap on hashes is shared among the models, so none is cut off."""
     engines = [figures.stats for figures in models.values()]
     if len(models) <= 1:
-        hashes = next(iter(models.values())).cached_hashes if models else ()
-        return capacity_report(block_size, draining, engines, hashes)
+        only = next(iter(models.values()), None)
+        return capacity_report(block_size, draining, engines, only.cached_hashes if only else (),
+                               num_held=only.num_held if only else None)
     shares = hash_shares([len(figures.cached_hashes) for figures in models.values()], MAX_CACHE_HASHES)
     own = {name: ModelCapacity(kv_blocks_total=figures.stats.num_blocks_total,
                                kv_blocks_free=figures.stats.num_blocks_free,
-                               prefix_cache_summary=PrefixCacheSummary(block_size=block_size,
-                                                                       hashes=list(figures.cached_hashes[:share])))
+                               prefix_cache_summary=cache_summary(block_size, figures.cached_hashes, figures.num_held,
+                                                                  share))
            for (name, figures), share in zip(models.items(), shares)}
     return capacity_report(block_size, draining, engines, (), own)
 
 
 def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineStats],
-                    cached_hashes: Sequence[str], models: dict[str, ModelCapacity] | None = None) -> CapacityReport:
+                    cached_hashes: Sequence[str], models: dict[str, ModelCapacity] | None = None,
+                    num_held: int | None = None) -> CapacityReport:
     """The site's heartbeat: every engine's load and KV figures summed (each engine has a KV pool of
     its own), the distinct GPUs its engines run on (each engine's `gpu_indices`, as it placed its ranks:
     models of one agent start from the same configured device, so engines sharing a GPU count it once)
     and the widest engine's layout; `models`: each model's own figures (site_capacity_report).
-    The prefix-cache hashes (most recently used first, per engine) are cut to the contract's maximum
-    rather than refused for the lot."""
+    The prefix-cache hashes (most recently used first, per engine; the first `num_held` held) are cut to
+    the contract's maximum rather than refused for the lot."""
     tp, pp, ep = widest_layout(engines)
     return CapacityReport(
         kv_blocks_total=sum(e.num_blocks_total for e in engines), kv_blocks_free=sum(e.num_blocks_free for e in engines),
@@ -157,7 +170,7 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         decode_tokens_per_s=float(sum(e.decode_tokens_per_s for e in engines)),
         decode_batch_size=float(sum(e.decode_batch_size for e in engines)),
         decode_kv_tokens=float(sum(e.decode_kv_tokens for e in engines)),
-        prefix_cache_summary=PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:MAX_CACHE_HASHES])),
+        prefix_cache_summary=cache_summary(block_size, cached_hashes, num_held, MAX_CACHE_HASHES),
         draining=draining,
         num_gpus=len({index for e in engines for index in e.gpu_indices}),
         tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
@@ -165,6 +178,14 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
         / max(1, sum(e.num_draft_tokens for e in engines)),
         models=models,
     )
+
+
+def cache_summary(block_size: int, cached_hashes: Sequence[str], num_held: int | None,
+                  limit: int) -> PrefixCacheSummary:
+    """A prefix-cache summary of the first `limit` hashes: the held ones lead, so the cut keeps `num_held`
+    true of what is sent."""
+    return PrefixCacheSummary(block_size=block_size, hashes=list(cached_hashes[:limit]),
+                              num_held=None if num_held is None else min(num_held, len(cached_hashes), limit))
 
 
 class HeartbeatLoop:

@@ -47,8 +47,11 @@ Wire shape:
    "role_offer": {"roles": [...], "by_model": {model: [...]}, "flexible": bool}, "alive": bool,
    "heartbeat_age_s": float | null, "capacity": {...capacity fields, "reported_at", "models"?} | null}],
    "links": [{"src", "dst", "rtt_ms", "bandwidth_mbps", "measured_at"}]}
-A capacity's and each of its models' "prefix_cache_summary" is {"block_size", "hashes": [hex, ...]}, or in
-the packed format {"block_size", "packed_hashes": base64}.
+A capacity's and each of its models' "prefix_cache_summary" is {"block_size", "hashes": [hex, ...],
+"num_held"?}, or in the packed format {"block_size", "packed_hashes": base64, "num_held"?}: the hashes most
+recently used first, the first `num_held` of them held by running sequences or KV leases and the rest
+evictable (registry.wire: "Held and evictable cached blocks"); without `num_held` (an agent older than the
+field) a reader takes them all as held. Readers older than the field ignore it.
 `role_offer` is registry.wire.RoleOffer: the roles the site takes work in now, per model and in all,
 and whether the pool planner may move it; every reader of a site's role reads it from here.
 """
@@ -314,9 +317,11 @@ def capacity_json(cap: dict, packed: bool = False) -> str:
 
 
 def _packed_summary(summary: dict | None) -> dict | None:
+    """A stored summary in the packed format: its other fields (`num_held`) as they are."""
     if summary is None:
         return None
-    return {"block_size": summary["block_size"], "packed_hashes": pack_cache_hashes(summary["hashes"])}
+    fields = {name: value for name, value in summary.items() if name != "hashes"}
+    return {**fields, "packed_hashes": pack_cache_hashes(summary["hashes"])}
 
 
 def _capacity_tail(cap: tuple) -> tuple[bytes, dict]:

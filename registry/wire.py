@@ -39,6 +39,18 @@ takes 19 bytes for 8 of information. A router that asks for `PACKED_SNAPSHOT_MED
 hashes in the same order, as base64 of 8-byte big-endian words (`pack_cache_hashes`);
 `SnapshotCacheSummary` reads either shape, so a router reads a registry older than the format too.
 
+Held and evictable cached blocks. A summary lists first the blocks that running sequences or KV leases
+hold, then the evictable ones (no user left: the engine counts them in `kv_blocks_free` and reuses them
+for new blocks); `num_held` says how many of its leading hashes are held. A request reusing a held block
+takes no free block for it, while reusing an evictable one takes it out of the free pool, so a router
+credits only held hits against the free blocks a request needs (the agent's admission does the same:
+engine BlockManager.shared_prefix_blocks), and every hit against its prefill time. A summary without
+`num_held` (an agent older than the field) is read as all held: the credit routers gave every cached
+block before. That errs towards trying a site the agent then refuses (RESOURCE_EXHAUSTED, and the
+router moves on), never towards passing over a site that would take the request. A registry older than
+the field refuses it inside a summary; the agent then leaves it out of every summary
+(`CapacityReport.to_json`, `SUMMARY_FIELDS`).
+
 Standard library and pydantic only: the router and the agent import this without the engine.
 """
 
@@ -50,7 +62,7 @@ import struct
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, zip_longest
+from itertools import chain, product, zip_longest
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
@@ -83,21 +95,40 @@ class WireModel(BaseModel):
 
 
 class PrefixCacheSummary(WireModel):
-    """The blocks a site's prefix cache holds, most recently used first."""
+    """The blocks a site's prefix cache holds, most recently used first: the held ones, then the evictable
+    ones (see "Held and evictable cached blocks" above)."""
 
     block_size: BlockSize = Field(description="tokens per hashed block")
     hashes: list[CacheHash] = Field(default_factory=list, max_length=MAX_CACHE_HASHES,
                                     description="engine.prefix_hash block hashes, 16 lower-case hex digits each")
+    num_held: int | None = Field(None, ge=0, le=MAX_CACHE_HASHES, exclude_if=lambda value: value is None,
+                                 description="how many of the leading hashes running sequences or KV leases hold; "
+                                             "the rest are evictable. Absent: all of them")
 
-    def hash_values(self) -> frozenset[int]:
+    @model_validator(mode="after")
+    def _checked(self) -> PrefixCacheSummary:
+        return self._held_within_hashes()
+
+    def _held_within_hashes(self) -> PrefixCacheSummary:
+        if self.num_held is not None and self.num_held > self.num_hashes:
+            raise ValueError(f"num_held must be at most the number of hashes ({self.num_hashes}), got {self.num_held}")
+        return self
+
+    def hash_words(self) -> tuple[int, ...]:
+        """The hashes as integers, in order."""
         # Each hash is 16 hex digits (CacheHash checks it), so all of them are one run of big-endian
         # 8-byte words: read in C, 2.4x faster than an int() per hash (a router reads every site's
         # summary on each snapshot refresh).
-        return frozenset(struct.unpack(f">{len(self.hashes)}Q", bytes.fromhex("".join(self.hashes))))
+        return struct.unpack(f">{len(self.hashes)}Q", bytes.fromhex("".join(self.hashes)))
 
     @property
     def num_hashes(self) -> int:
         return len(self.hashes)
+
+
+# Optional fields of a summary that an older registry may refuse, each left out of every summary once it
+# does (CapacityReport.to_json): named as the registry's 422 names the site's, "prefix_cache_summary.<field>".
+SUMMARY_FIELDS = ("prefix_cache_summary.num_held",)
 
 
 def _num_hashes(summary: PrefixCacheSummary | None) -> int:
@@ -120,9 +151,9 @@ class SnapshotCacheSummary(PrefixCacheSummary):
     _packed: bytes | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _unpacked(self) -> SnapshotCacheSummary:
+    def _checked(self) -> SnapshotCacheSummary:  # in place of the base's: num_held is checked once unpacked
         if self.packed_hashes is None:
-            return self
+            return self._held_within_hashes()
         if self.hashes:
             raise ValueError("a prefix-cache summary carries either hashes or packed_hashes, not both")
         try:
@@ -133,16 +164,16 @@ class SnapshotCacheSummary(PrefixCacheSummary):
             raise ValueError(f"packed_hashes decodes to {len(packed)} bytes, not a whole number of "
                              f"{CACHE_HASH_BYTES}-byte hashes")
         self._packed = packed
-        return self
+        return self._held_within_hashes()
 
     @property
     def num_hashes(self) -> int:
         return len(self.hashes) if self._packed is None else len(self._packed) // CACHE_HASH_BYTES
 
-    def hash_values(self) -> frozenset[int]:
+    def hash_words(self) -> tuple[int, ...]:
         if self._packed is None:
-            return super().hash_values()
-        return frozenset(struct.unpack(f">{self.num_hashes}Q", self._packed))
+            return super().hash_words()
+        return struct.unpack(f">{self.num_hashes}Q", self._packed)
 
 
 class ModelCapacity(WireModel):
@@ -208,23 +239,44 @@ class CapacityReport(WireModel):
         summary instead, one list for all models as agents sent it before: an older registry and its routers
         keep the site's prefix-cache affinity."""
         body = self.model_dump(mode="json", exclude={"models", *left_out})
-        if self.models is None:
-            return body
-        if "models" not in left_out:
-            body["models"] = {name: own.model_dump(mode="json") for name, own in self.models.items()}
-        elif "prefix_cache_summary" not in left_out:
-            body["prefix_cache_summary"] = self._folded_summary().model_dump(mode="json")
+        if self.models is not None:
+            if "models" not in left_out:
+                body["models"] = {name: own.model_dump(mode="json") for name, own in self.models.items()}
+            elif "prefix_cache_summary" not in left_out:
+                body["prefix_cache_summary"] = self._folded_summary().model_dump(mode="json")
+        summary_fields = [name.partition(".")[2] for name in left_out if name in SUMMARY_FIELDS]
+        if summary_fields:
+            summaries = [body.get("prefix_cache_summary"),
+                         *(own.get("prefix_cache_summary") for own in (body.get("models") or {}).values())]
+            for summary, name in product(summaries, summary_fields):
+                if summary is not None:
+                    summary.pop(name, None)
         return body
 
     def _folded_summary(self) -> PrefixCacheSummary:
-        """The site's summary with every model's hashes (within the cap already): the models' lists
-        interleaved, so the most recently used of each come first as in one engine's list; equal hashes once."""
-        summaries = [own.prefix_cache_summary for own in self.models.values() if own.prefix_cache_summary]
+        """The site's summary with every model's hashes (within the cap already): the models' held hashes
+        interleaved, then their evictable ones, so the most recently used of each come first as in one
+        engine's list, and the held ones lead as `num_held` says; equal hashes once. Unknown (None: all held)
+        where a summary with hashes does not say."""
         site = self.prefix_cache_summary
-        lists = [summary.hashes for summary in summaries]
-        interleaved = chain.from_iterable(zip_longest(*lists))
-        hashes = dict.fromkeys(chain(site.hashes if site else (), (h for h in interleaved if h is not None)))
-        return PrefixCacheSummary(block_size=site.block_size if site else self.block_size, hashes=list(hashes))
+        summaries = [own.prefix_cache_summary for own in self.models.values() if own.prefix_cache_summary]
+
+        def held(summary: PrefixCacheSummary | None) -> list[str]:
+            return summary.hashes[:summary.num_held] if summary else []
+
+        def evictable(summary: PrefixCacheSummary | None) -> list[str]:
+            return summary.hashes[summary.num_held:] if summary and summary.num_held is not None else []
+
+        def interleaved(lists: list[list[str]]) -> Iterable[str]:
+            return (h for h in chain.from_iterable(zip_longest(*lists)) if h is not None)
+
+        held_hashes = dict.fromkeys(chain(held(site), interleaved([held(summary) for summary in summaries])))
+        hashes = dict.fromkeys(chain(held_hashes, evictable(site),
+                                     interleaved([evictable(summary) for summary in summaries])))
+        unknown = any(summary.num_held is None and summary.hashes for summary in (site, *summaries)
+                      if summary is not None)
+        return PrefixCacheSummary(block_size=site.block_size if site else self.block_size, hashes=list(hashes),
+                                  num_held=None if unknown else len(held_hashes))
 
 
 class _CacheLookup:
@@ -237,10 +289,27 @@ class _CacheLookup:
         summary = self.prefix_cache_summary
         return summary.block_size if summary is not None and summary.num_hashes else 0
 
-    @cached_property
+    @property
     def cached_hashes(self) -> frozenset[int]:
+        """Every block hash the summary lists."""
+        return self._cache_sets[0]
+
+    @property
+    def held_hashes(self) -> frozenset[int]:
+        """Those of `cached_hashes` that running sequences or KV leases hold (all of them where the summary
+        does not say): a request reusing one takes no free block for it."""
+        return self._cache_sets[1]
+
+    @cached_property
+    def _cache_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         summary = self.prefix_cache_summary
-        return summary.hash_values() if summary is not None else frozenset()
+        if summary is None:
+            return frozenset(), frozenset()
+        words = summary.hash_words()
+        cached = frozenset(words)
+        if summary.num_held is None or summary.num_held >= len(words):
+            return cached, cached
+        return cached, frozenset(words[:summary.num_held])
 
 
 class SnapshotModelCapacity(_CacheLookup, ModelCapacity):

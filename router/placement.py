@@ -2,9 +2,13 @@
 
 Filter. A site can take a role for a request when it serves the model in that role (site roles and
 the model's role), is live (`active`, alive with a heartbeat younger than `heartbeat_max_age_s`, not
-draining), in a region the API key allows, and has the KV blocks free: the uncached prompt for a
-prefill site (with the token it generates, counted as the agent admits it), prompt + the decode horizon
-for a decode site. A prefill-only request (`prefill_only`: an embedding, which generates nothing) needs no decode
+draining), in a region the API key allows, and has the KV blocks free: the prompt less its cached
+prefix blocks that running sequences or KV leases hold there for a prefill site (with the token it
+generates, counted as the agent admits it), prompt + the decode horizon for a decode site. A cached
+prefix block that is evictable is counted in the site's free blocks already, and reusing it takes it
+from them, so it earns no room (registry.wire: "Held and evictable cached blocks"; a summary that does
+not say which are held, from an older agent, has them all held); it still saves its prefill time.
+A prefill-only request (`prefill_only`: an embedding, which generates nothing) needs no decode
 site: its candidates are the sites that may prefill it, each as the pair (site, site) scored by its
 ttft, and its whole prompt must fit the free KV (the agent credits no cached prefix to an embedding).
 Each model a site hosts has a KV pool and prefix cache of its own: the blocks free and the cached
@@ -30,7 +34,8 @@ Cost model, in milliseconds (the router sits near its clients, so router↔site 
   client_rtt(s)   fresh measured link from the router's own site when present, else from distance
   queue(s)        (in-flight prefill tokens + pending prefill tokens) ÷ prefill rate
   prefill(s)      uncached prompt tokens ÷ prefill rate; cached tokens come from the site's
-                  prefix-cache summary (the leading run of prompt block hashes it holds)
+                  prefix-cache summary (the leading run of prompt block hashes it holds, held
+                  or evictable alike: either saves the compute)
   tpot(d)         the time of one decode step on d once this request has joined it:
                     step(b, k) = unit(d) × (step_fixed + b + k × kv_bytes_per_token ÷ seq_kv_bytes)
                   b sequences reading k KV tokens: each sequence costs one unit, a step's fixed
@@ -303,11 +308,13 @@ def model_availability(snapshot: Snapshot, cost: CostModel, model: str,
 
 @dataclass(slots=True)
 class _Summaries:
-    sites: list[tuple[int, frozenset[int]]]   # (position, cached block hashes) of the sites with one
+    # (position, cached block hashes, those of them held by running sequences or leases) of the sites with one
+    sites: list[tuple[int, frozenset[int], frozenset[int]]]
     any_site: frozenset[int]                  # every hash any of them holds
-    holders: dict[int, list[tuple[int, frozenset[int]]]] = field(default_factory=dict)  # by first block
-    # by a held chain of block hashes: (positions of its first block's holders, blocks each holds from its start)
-    runs: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    holders: dict[int, list[tuple[int, frozenset[int], frozenset[int]]]] = field(default_factory=dict)  # by first block
+    # by a held chain of block hashes: positions of its first block's holders, the blocks each holds from its
+    # start, and how many of those are held, of them all and of all but the last
+    runs: dict[tuple[int, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -399,11 +406,11 @@ def _decoding_kv_tokens(cap) -> float:
 
 def _summaries(caps: list) -> dict[int, _Summaries]:
     """The prefix-cache summaries of the sites (each the model's own, where the site reports it apart)."""
-    by_block_size: dict[int, list[tuple[int, frozenset[int]]]] = {}
+    by_block_size: dict[int, list[tuple[int, frozenset[int], frozenset[int]]]] = {}
     for i, cap in enumerate(caps):
         if cap.cached_hashes and cap.cache_block_size > 0:
-            by_block_size.setdefault(cap.cache_block_size, []).append((i, cap.cached_hashes))
-    return {block_size: _Summaries(sites, frozenset().union(*(cached for _i, cached in sites)))
+            by_block_size.setdefault(cap.cache_block_size, []).append((i, cap.cached_hashes, cap.held_hashes))
+    return {block_size: _Summaries(sites, frozenset().union(*(cached for _i, cached, _held in sites)))
             for block_size, sites in by_block_size.items()}
 
 
@@ -486,14 +493,15 @@ def _site_costs(sites: _ModelSites, request: PlacementRequest, cost: CostModel, 
     prefill_tokens, num_seqs, decode_tokens, kv_tokens = _pending_arrays(sites, request.model, pending)
     num_prompt = len(request.prompt_ids)
     client_rtt = _client_rtt_ms(sites, request)
-    num_cached = _cached_tokens(sites, request.prompt_ids)
+    num_cached, num_held = _cached_tokens(sites, request.prompt_ids)
     ttft = (client_rtt + prefill_queue_ms(sites.inflight_prefill_tokens + prefill_tokens, sites.prefill_rate)
             + prefill_ms(num_prompt - num_cached, sites.prefill_rate))
     free_blocks = sites.kv_blocks_free - np.ceil(kv_tokens / sites.block_size)
     allowed = _region_mask(sites, request.allowed_regions)
     generated = 0 if request.prefill_only else 1   # room for the generated token, as the agent admits
-    # the agent credits a cached prefix to a generating request only; an embedding needs room for all its input
-    credited = 0 if request.prefill_only else num_cached
+    # the agent credits a cached prefix to a generating request only, and only its held blocks (an evictable
+    # one is among the free blocks already); an embedding needs room for all its input
+    credited = 0 if request.prefill_only else num_held
     prefill_blocks = np.ceil((num_prompt - credited + generated) / sites.block_size)
     prefill_ok = sites.can_prefill & allowed & (prefill_blocks <= free_blocks)
     if request.prefill_only:
@@ -550,8 +558,9 @@ def _region_mask(sites: _ModelSites, allowed_regions: frozenset[str]) -> np.ndar
         (region in allowed_regions for region in sites.regions), bool, len(sites.regions)))
 
 
-def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
-    """Prompt tokens each site's prefix cache holds: the leading run of prompt blocks in its summary.
+def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt tokens each site's prefix cache holds: the leading run of prompt blocks in its summary; and of
+    those, the tokens of blocks that running sequences or KV leases hold there (the rest are evictable).
 
     Only sites holding the prompt's first block count (found once per snapshot for each first
     block: a shared system prompt or a conversation's opening), and blocks are hashed only as deep
@@ -561,7 +570,7 @@ def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
     The last prompt token is always recomputed (its logits pick the first output token), and the engine
     reuses whole blocks only: of a prompt of L tokens, at most the (L - 1) // block_size blocks before the
     one holding its last token (engine.block_manager), so a prompt of whole blocks recomputes its last block."""
-    num_cached = np.zeros(len(sites.sites))
+    num_cached, num_held = np.zeros(len(sites.sites)), np.zeros(len(sites.sites))
     for block_size, summaries in sites.summaries.items():
         if len(prompt_ids) < block_size:
             continue
@@ -579,19 +588,27 @@ def _cached_tokens(sites: _ModelSites, prompt_ids: list[int]) -> np.ndarray:
             if len(summaries.runs) >= MAX_FIRST_BLOCKS:
                 summaries.runs.clear()
             holders = _holders(summaries, hashes[0])
-            runs = summaries.runs[key] = (np.array([i for i, _cached in holders], dtype=np.intp), np.array(
-                [_leading_run(held, held[:-1], cached) for _i, cached in holders], dtype=float))
-        num_cached[runs[0]] = block_size * np.minimum(runs[1], (len(prompt_ids) - 1) // block_size)
-    return num_cached
+            lengths = [_leading_run(held, held[:-1], cached) for _i, cached, _held in holders]
+            held_hits = [_held_hits(held, length, cached, held_cached)
+                         for length, (_i, cached, held_cached) in zip(lengths, holders)]
+            held_all, held_but_last = np.array(held_hits, dtype=float).reshape(-1, 2).T
+            runs = summaries.runs[key] = (np.array([i for i, _cached, _held in holders], dtype=np.intp),
+                                          np.array(lengths, dtype=float), held_all, held_but_last)
+        positions, lengths, held_all, held_but_last = runs
+        # the chain ends at the prompt's last whole block, so the cap takes at most one block off a run
+        num_blocks = np.minimum(lengths, (len(prompt_ids) - 1) // block_size)
+        num_cached[positions] = block_size * num_blocks
+        num_held[positions] = block_size * np.where(num_blocks < lengths, held_but_last, held_all)
+    return num_cached, num_held
 
 
-def _holders(summaries: _Summaries, first_block: int) -> list[tuple[int, frozenset[int]]]:
+def _holders(summaries: _Summaries, first_block: int) -> list[tuple[int, frozenset[int], frozenset[int]]]:
     """The sites holding a first block, with their summaries (found once per snapshot for each)."""
     holders = summaries.holders.get(first_block)
     if holders is None:
         if len(summaries.holders) >= MAX_FIRST_BLOCKS:
             summaries.holders.clear()
-        holders = summaries.holders[first_block] = [(i, c) for i, c in summaries.sites if first_block in c]
+        holders = summaries.holders[first_block] = [site for site in summaries.sites if first_block in site[1]]
     return holders
 
 
@@ -604,6 +621,17 @@ def _leading_run(hashes: list[int], all_but_last: list[int], cached: frozenset[i
     elif cached.issuperset(hashes):
         return len(hashes)
     return sum(1 for _h in takewhile(cached.__contains__, hashes))
+
+
+def _held_hits(chain: list[int], length: int, cached: frozenset[int], held: frozenset[int]) -> tuple[int, int]:
+    """Of the first `length` blocks of chain (all cached), how many are held, and how many of all but the
+    last: set operations in C (`held is cached` where the summary holds every block, or does not say)."""
+    if held is cached:
+        return length, max(length - 1, 0)
+    if not held or not length:
+        return 0, 0
+    num_held = len(held.intersection(chain[:length]))
+    return num_held, num_held - (chain[length - 1] in held)
 
 
 def _pairs(sites: _ModelSites, costs: _SiteCosts, cost: CostModel, horizon: int, kv_bytes: np.ndarray) -> _Pairs:
