@@ -238,6 +238,12 @@ class AsyncEngine:
         manager = self.engine.block_manager
         return manager.shared_prefix_blocks(token_ids), manager.num_free_blocks
 
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks the scheduler leaves free when it admits a waiting request beside running ones, and a KV
+        import always (SchedulerConfig.watermark_blocks): admission keeps them out of what it hands out."""
+        return self.engine.scheduler.config.watermark_blocks
+
     def admission_figures(self) -> AdmissionFigures:
         """latest_stats and the reservations those stats do not count, read together: an admission check adds
         the handed-over ones to the stats' waiting requests and subtracts every one's blocks from its free

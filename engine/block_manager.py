@@ -75,11 +75,16 @@ class BlockManager:
             return 0
         return sum(1 for block_id in self._hits(token_ids) if self.blocks[block_id].ref_count > 0)
 
+    def blocks_to_admit(self, seq: Sequence, num_tokens: int) -> int:
+        """Free blocks a waiting seq takes when allocate gives it blocks for num_tokens: fresh ones, and its cached
+        prefix blocks revived from the evictable LRU (counted free; reviving uses them up), but not the leading
+        blocks running sequences or KV leases hold, which it shares. A waiting seq holds no blocks (preemption
+        frees them all)."""
+        shared = sum(1 for block_id in self._cache_hits(seq) if self.blocks[block_id].ref_count > 0)
+        return self.blocks_needed(num_tokens) - shared
+
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        hits = self._cache_hits(seq)
-        revived = sum(1 for b in hits if b in self.evictable)
-        num_new = self.blocks_needed(seq.num_tokens) - len(hits)
-        return num_new + reserve <= self.num_free_blocks - revived
+        return self.blocks_to_admit(seq, seq.num_tokens) + reserve <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give seq blocks for all its tokens, reusing cached prefix blocks; sets its computed count."""

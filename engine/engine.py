@@ -155,6 +155,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_hit_tokens: int
     steps: StepTotals = field(default_factory=StepTotals)  # running totals since start
+    # Free blocks the waiting requests will take when the scheduler admits them (Scheduler.num_blocks_waiting):
+    # counted free until then, yet no new request can have them
+    num_blocks_waiting: int = 0
     num_kv_blocks_from_compression: int = 0   # KV blocks paid for by compressed_in_memory's savings
     num_gpus: int = 0                    # GPUs the engine's ranks run on (0: CPU)
     gpu_indices: tuple[int, ...] = ()    # their device indices, as placed (a site counts shared ones once)
@@ -797,7 +800,8 @@ class LLMEngine:
         payload.validate(self.kv_layout(payload.layout.num_tokens))
         seq = self._new_sequence(request_id, payload.token_ids, params, list(generated_ids), prefill_only=False)
         self.sequences[request_id] = seq
-        if not self.scheduler.has_free_slot() or not self.block_manager.can_allocate(seq, reserve=1):
+        if not self.scheduler.has_free_slot() or not self.block_manager.can_allocate(
+                seq, reserve=self.scheduler.config.watermark_blocks):
             log.info("request %s: no room to import KV now; it will recompute its prefill", request_id)
             self.scheduler.add(seq)
             if self.speculator is not None:
@@ -883,6 +887,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_running=len(running),
             num_waiting=len(waiting),
+            num_blocks_waiting=self.scheduler.num_blocks_waiting(),
             num_pinned_handles=len(self.leases),
             inflight_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in [*running, *waiting]
                                         if s.num_tokens - s.num_computed_tokens > 1),

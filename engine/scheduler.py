@@ -53,6 +53,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.num_blocks_to_admit = None
         self.waiting.append(seq)
 
     def has_free_slot(self) -> bool:
@@ -64,6 +65,21 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.running.sort(key=lambda s: s.arrival)
+
+    def num_blocks_waiting(self) -> int:
+        """Free blocks the waiting sequences will take once admitted: each one's tokens and, if it decodes here,
+        the first token it generates (a prefill-only sequence's lease keeps its prompt; an embedding generates
+        none), less the prefix blocks running sequences hold (BlockManager.blocks_to_admit, as `_admit`
+        checks). The watermark is not in it: it is no one's, and `_admit` applies it to each admission.
+        Figured once per stay in the queue (hashing a long prompt every step would cost) and kept on the
+        sequence: the prefix cache may change meanwhile, and admission checks again when it allocates."""
+        total = 0
+        for seq in self.waiting:
+            if seq.num_blocks_to_admit is None:
+                generates = seq.pooling is None and not seq.prefill_only
+                seq.num_blocks_to_admit = self.block_manager.blocks_to_admit(seq, seq.num_tokens + generates)
+            total += seq.num_blocks_to_admit
+        return total
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -154,5 +170,6 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_blocks_to_admit = None   # longer now, and its freed blocks are no one's to share
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -187,6 +187,13 @@ class AgentCore:
         shares those blocks instead of taking free ones. They are looked up only when the free blocks would not
         hold the whole request (hashing a long prompt costs).
 
+        The free blocks it can have are those the engine's stats count free less those claimed already: the
+        blocks the engine's waiting requests will take once scheduled (`num_blocks_waiting`: a queued request
+        takes its blocks only then, so without this a burst of long prompts would be admitted on the same free
+        blocks and queue here, or churn through preemption, instead of going to a site with room), and the
+        scheduler's watermark, which it keeps free when it admits a request beside others (and a KV import
+        always): a request that leaves less would wait in the queue too.
+
         The engine's stats are those of its last step (no wait for the step in progress); the reservations of
         requests admitted since, which those stats do not count yet, count as waiting requests (once handed to
         the engine thread) and take their blocks from the free ones. The returned reservation holds the blocks
@@ -213,15 +220,20 @@ class AgentCore:
             self.metrics.rejected.labels("queue").inc()
             raise OverloadedError(f"queue is full ({waiting} waiting, limit {self.config.max_waiting})")
         needed = model.blocks_needed(num_tokens + (1 if generates else 0))
-        free = stats.num_blocks_free - pending_blocks
+        queued = stats.num_blocks_waiting + pending_blocks
+        kept = model.engine.watermark_blocks if takes_slot or stats.num_running + waiting + reserved else 0
+        free = stats.num_blocks_free - queued - kept
         if needed > free and token_ids is not None:
             shared, free_now = model.engine.shared_prefix_blocks(token_ids)
             needed -= shared
-            free = min(free, free_now - pending_blocks)  # the shared blocks are live: so is the room beside them
+            free = min(free, free_now - queued - kept)  # the shared blocks are live: so is the room beside them
         if needed > free:
             self.metrics.rejected.labels("kv").inc()
+            claimed = [f"queued requests will take {queued} as they start"] if queued else []
+            claimed += [f"{kept} is kept free for running sequences to grow"] if kept else []
             raise OverloadedError(f"KV pool is full: the request needs {needed} blocks, {max(free, 0)} of "
-                                  f"{stats.num_blocks_total} are free")
+                                  f"{stats.num_blocks_total} are free for it"
+                                  + (f" ({' and '.join(claimed)})" if claimed else ""))
         return model.engine.reserve(needed)
 
     async def _accept(self, model_name: str, step: str, prompt_ids: list[int], generated_ids: list[int],

@@ -157,6 +157,10 @@ def capacity_report(block_size: int, draining: bool, engines: Sequence[EngineSta
     its own), the distinct GPUs its engines run on (each engine's `gpu_indices`, as it placed its ranks:
     models of one agent start from the same configured device, so engines sharing a GPU count it once)
     and the widest engine's layout; `models`: each model's own figures (site_capacity_report).
+    kv_blocks_free counts the blocks queued requests will take (EngineStats.num_blocks_waiting) as free, as the pool
+    does: routers filter sites by it and answer 503 at once when none passes, while the agent's refusal of a
+    request those queued ones leave no room for is waited on (router.generation); the queue itself reaches
+    routers as num_waiting and inflight_prefill_tokens, which their cost model prices.
     The prefix-cache hashes (most recently used first, per engine; the first `num_held` held) are cut to
     the contract's maximum rather than refused for the lot."""
     tp, pp, ep = widest_layout(engines)
