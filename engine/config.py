@@ -25,18 +25,22 @@ SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "
                          "glm4": "config_qkv", "glm4_moe_lite": "none", "minimax_m2": "none", "ministral3": "none",
                          "mistral4": "none", "exaone4": "none",
                          "hunyuan_v1_dense": "config", "hunyuan_v1_moe": "config", "qwen2_moe": "qkv_bias",
-                         "olmoe": "config"}
+                         "olmoe": "config", "cwm": "none", "granitemoe": "config", "granitemoeshared": "config",
+                         "starcoder2": "use_bias", "dots1": "config", "exaone_moe": "none",
+                         "solar_open": "config_qkv", "youtu": "none", "arcee": "config", "nemotron": "config",
+                         "apertus": "config"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "hunyuan_v1_dense",
-                       "hunyuan_v1_moe", "olmoe"}
+                       "hunyuan_v1_moe", "olmoe", "dots1", "apertus"}
 # ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
 # true; Command R: false)
 USE_QK_NORM_MODEL_TYPES = {"glm4_moe", "cohere"}
 # Only Llama's, Granite's, SmolLM3's and Seed-OSS's MLPs have `mlp_bias` (ERNIE 4.5's follow `use_bias`:
 # _ernie4_5_fields); the others' never carry a bias, whatever the key says
-MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3", "seed_oss"}
+MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3", "seed_oss", "cwm", "arcee", "nemotron"}
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
 DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0, "smollm3": 2000000.0,
-                      "olmo3": 500000.0, "cohere": 500000.0, "ernie4_5": 500000.0, "ernie4_5_moe": 500000.0}
+                      "olmo3": 500000.0, "cohere": 500000.0, "ernie4_5": 500000.0, "ernie4_5_moe": 500000.0,
+                      "cwm": 1000000.0, "apertus": 12000000.0}
 DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5,
                         "ernie4_5": 1e-5, "ernie4_5_moe": 1e-5, "olmoe": 1e-5}
 # Rope scalings of every model type but DeepSeek-V2 and V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
@@ -171,6 +175,94 @@ QWEN2_MOE_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_s
 OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
                   "num_attention_heads": 16, "max_position_embeddings": 4096, "eos_token_id": 50279,
                   "num_experts": 64, "num_experts_per_tok": 8}
+# dots.llm1 (dots1: dots.llm1.base, .inst): Qwen3's attention (per-head q/k norms, q/k/v/o biased by attention_bias)
+# with DeepSeek-V3's layers (the first first_k_dense_replace dense, the others sigmoid-routed experts in groups beside
+# shared experts), sliding-window layers by layer_types (without it: those from max_window_layers on, when
+# sliding_window is set). The defaults transformers gives the fields its configs may omit (unrenormalized, unscaled
+# weights; no routed experts nor shared ones: those must be given)
+DOTS1_DEFAULTS = {"vocab_size": 152064, "hidden_size": 4608, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                  "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 32, "n_group": 1,
+                  "topk_group": 1, "first_k_dense_replace": 0, "norm_topk_prob": False, "max_position_embeddings": 2048,
+                  "routed_scaling_factor": 1.0, "sliding_window": 4096, "max_window_layers": 62}
+# K-EXAONE (exaone_moe: K-EXAONE-236B-A23B): EXAONE 4.0's attention (per-head q/k norms, sliding-window layers that
+# rotate beside global ones that do not) in Llama's layer (the attention's and the MLP's inputs normed, not their
+# outputs), dense or sparse MLPs by mlp_layer_types (without it: the first first_k_dense_replace dense), the sparse
+# ones DeepSeek-V3's sigmoid-routed experts beside num_shared_experts shared ones. The defaults transformers gives the
+# fields its configs may omit
+EXAONE_MOE_DEFAULTS = {**EXAONE4_DEFAULTS, "bos_token_id": 1, "eos_token_id": 53, "first_k_dense_replace": 1,
+                       "moe_intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
+                       "num_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 1,
+                       "topk_group": 1}
+# Solar Open (solar_open: Solar-Open-100B): GLM-4.5's every layer a mixture of experts (DeepSeek-V3's sigmoid routing
+# beside shared experts; transformers reads no first_k_dense_replace, nor use_qk_norm) under Llama's attention (q/k/v
+# biased by attention_bias, o never; rotary on every dim of each head). The defaults transformers gives the fields its
+# configs may omit (128-dim heads whatever hidden_size says)
+SOLAR_OPEN_DEFAULTS = {"vocab_size": 196608, "hidden_size": 4096, "num_hidden_layers": 48, "num_attention_heads": 64,
+                       "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+                       "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "moe_intermediate_size": 1280,
+                       "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128,
+                       "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True}
+# Youtu-LLM (youtu: Youtu-LLM-2B): DeepSeek-V3's latent attention with a dense MLP on every layer; the defaults
+# transformers gives the fields its configs may omit (tied embeddings)
+YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
+                  "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                  "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                  "max_position_embeddings": 131072, "bos_token_id": 128000, "eos_token_id": 128001,
+                  "tie_word_embeddings": True}
+# Code World Model (cwm: CWM-32B): Llama's decoder without attention biases whose layers attend a window
+# (sliding_window) but for the full-attention ones layer_types names (without it: every CWM_FULL_ATTENTION_EVERY-th,
+# the first included); the defaults transformers gives the fields its configs may omit (128-dim heads whatever
+# hidden_size says), its rope when neither rope_parameters nor rope_scaling is given (a top-level rope_theta then
+# changes nothing, as transformers reads it)
+CWM_DEFAULTS = {"vocab_size": 128256, "hidden_size": 6144, "intermediate_size": 21504, "num_hidden_layers": 64,
+                "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+                "sliding_window": 8192}
+CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+CWM_FULL_ATTENTION_EVERY = 4
+# Granite 3.x MoE (granitemoe: granite-3.1-1b-a400m, -3b-a800m; granitemoeshared: beside the experts one shared MLP of
+# shared_intermediate_size, 0: none): Granite's multipliers, every MLP a mixture of experts of intermediate_size
+# each, a token's top-k router logits weighted by a softmax over those k (_parse_granitemoe_moe); the defaults
+# transformers gives the fields their configs may omit
+GRANITE_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared")
+GRANITEMOE_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                       "num_attention_heads": 32, "max_position_embeddings": 2048, "bos_token_id": 1,
+                       "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2}
+# StarCoder2 (starcoder2: StarCoder2-3B/7B/15B): LayerNorms with biases (norm_epsilon), an MLP of one GELU-tanh
+# activated projection (c_fc, c_proj), a bias on every projection with use_bias, every layer attending sliding_window
+# tokens (null: all); the defaults transformers gives the fields its configs may omit, and the activations it computes
+STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288, "num_hidden_layers": 30,
+                       "num_attention_heads": 24, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                       "bos_token_id": 50256, "eos_token_id": 50256, "use_bias": True}
+STARCODER2_ACTIVATIONS = ("gelu_pytorch_tanh",)
+# Model types whose MLP is one activated projection (up_proj) into down_proj, no gate, and the activation each computes
+# (transformers' name): Arcee AFM-4.5B and Nemotron-4/Minitron (nemotron) square a ReLU, Apertus applies xIELU, whose
+# parameters each layer learns (act_fn.alpha_p, alpha_n, beta, eps beside up_proj and down_proj)
+UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "nemotron": ("relu2",), "apertus": ("xielu",)}
+# Arcee AFM-4.5B (arcee): Llama's decoder with that MLP; the defaults transformers gives the fields its configs may omit
+ARCEE_DEFAULTS = {"vocab_size": 32000, "hidden_size": 2560, "intermediate_size": 18432, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "relu2"}
+# Nemotron-4 and Minitron (nemotron): LayerNorms with a bias, each scaling by 1 + weight (eps: norm_eps), rotary on each
+# head's first partial_rotary_factor of dims (NEMOTRON_PARTIAL_ROTARY unless given), q/k/v/o biased by attention_bias,
+# the MLP's by mlp_bias; the defaults transformers gives the fields its configs may omit (transformers builds no
+# attention without num_key_value_heads: the engine reads one KV head per query head then)
+NEMOTRON_DEFAULTS = {"vocab_size": 256000, "hidden_size": 6144, "intermediate_size": 24576, "num_hidden_layers": 32,
+                     "num_attention_heads": 48, "max_position_embeddings": 4096, "norm_eps": 1e-5, "bos_token_id": 2,
+                     "eos_token_id": 3, "hidden_act": "relu2"}
+NEMOTRON_PARTIAL_ROTARY = 0.5
+# Apertus-8B and -70B (apertus): Llama's attention with q and k RMS-normed over each head before the rotary, the MLP
+# above by xIELU, its norms named attention_layernorm and feedforward_layernorm; the defaults transformers gives the
+# fields its configs may omit, its rope when neither rope_parameters nor rope_scaling is given (a top-level rope_theta
+# then changes nothing, as transformers reads it), and the keys its published configs carry that transformers does not
+# read: the values of the variant it computes
+APERTUS_DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "max_position_embeddings": 65536, "rms_norm_eps": 1e-5,
+                    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "xielu"}
+APERTUS_ROPE = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+APERTUS_VARIANTS = {"qk_norm": True, "post_norm": False}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2, Ministral 3 (a ministral3 text model) and Mistral Small 4 (a
@@ -421,7 +513,8 @@ class ModelConfig:
     # The MLP's activation: "silu", or Gemma 3's "gelu_pytorch_tanh" (GELU, tanh approximation)
     hidden_act: str = "silu"
     # Gemma 3's norms scale by 1 + weight in float32 and round after: the loader stores 1 + weight as
-    # float32, which engine.ops.rms_norm multiplies before rounding to the activations' dtype
+    # float32, which engine.ops.rms_norm multiplies before rounding to the activations' dtype. Nemotron's biased
+    # LayerNorms (norm_bias) scale by 1 + weight computed in the model's dtype, as transformers adds it
     norm_weight_offset: bool = False
     # Gemma 3 also norms each attention and MLP output before its residual add: four norms a layer
     sandwich_norms: bool = False
@@ -458,6 +551,10 @@ class ModelConfig:
     # its own: their weights are [heads, head_dim] (qk_norm_weight_per_head)
     parallel_block: bool = False
     layer_norms: bool = False
+    # StarCoder2: every LayerNorm also adds a bias (the norms computed as torch's layer_norm), and the MLP is one
+    # activated projection (gate_up holds c_fc's rows alone) into down, not a gated pair
+    norm_bias: bool = False
+    gated_mlp: bool = True
     rope_interleaved: bool = False
     logit_scale: float = 1.0
     qk_norm_weight_per_head: bool = False
@@ -656,8 +753,9 @@ def _rotary_dim(raw: dict, head_dim: int, path: Path, default: float | None = No
 
 
 def _granite_scalars(raw: dict, path: Path) -> dict:
-    """Granite's multipliers, defaulted as transformers defaults them (attention_multiplier too: 1.0)."""
-    if raw.get("model_type") != "granite":
+    """Granite's multipliers (GRANITE_MODEL_TYPES), defaulted as transformers defaults them (attention_multiplier too:
+    1.0)."""
+    if raw.get("model_type") not in GRANITE_MODEL_TYPES:
         return {}
     return {key: _positive_float(raw, key, 1.0, path)
             for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
@@ -843,6 +941,98 @@ def _olmoe_fields(raw: dict, hidden: int, num_heads: int, head_dim: int, path: P
     return {"qk_norm_over_heads": True}
 
 
+def _cwm_defaulted(raw: dict) -> dict:
+    """CWM's config with transformers' defaults for the keys it omits (CWM_DEFAULTS, CWM_ROPE)."""
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        raw = {**raw, "rope_parameters": CWM_ROPE}
+    return {**CWM_DEFAULTS, **raw}
+
+
+def _cwm_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """CWM's windows, read as transformers reads them: layer_types' sliding_attention layers (without layer_types all
+    but every CWM_FULL_ATTENTION_EVERY-th, the first included) attend the last sliding_window tokens, which must be a
+    positive number as transformers requires; {} for another model type."""
+    if raw.get("model_type") != "cwm":
+        return {}
+    window = _positive_int(raw, ("sliding_window",), path)
+    if raw.get("layer_types") is None:
+        sliding = [i % CWM_FULL_ATTENTION_EVERY != 0 for i in range(num_layers)]
+    else:
+        sliding = _gemma3_layer_types(raw, num_layers, path)
+    return {"sliding_windows": [window if layer else None for layer in sliding]}
+
+
+def _starcoder2_fields(raw: dict, path: Path) -> dict:
+    """StarCoder2's fields, read as transformers reads them (defaulted by STARCODER2_DEFAULTS); {} for another model
+    type. Its norms are LayerNorms with a bias (eps: norm_epsilon), its MLP one activated projection (c_fc) into c_proj,
+    each biased with use_bias (as are q, k, v and o), its embeddings tied unless the config says otherwise."""
+    if raw.get("model_type") != "starcoder2":
+        return {}
+    activation = raw.get("hidden_act") or STARCODER2_ACTIVATIONS[0]
+    if activation not in STARCODER2_ACTIVATIONS:
+        raise UnsupportedModelError(f"{path}: hidden_act {activation!r} is not supported for starcoder2 (supported: "
+                                    f"{', '.join(STARCODER2_ACTIVATIONS)})")
+    return {"layer_norms": True, "norm_bias": True, "gated_mlp": False, "hidden_act": activation,
+            "mlp_bias": _flag(raw, "use_bias", False, path),
+            "rms_norm_eps": _positive_float(raw, "norm_epsilon", 1e-5, path),
+            "tie_word_embeddings": _flag(raw, "tie_word_embeddings", True, path)}
+
+
+def _apertus_defaulted(raw: dict, path: Path) -> dict:
+    """Apertus's config with its rope when it gives none (APERTUS_ROPE), its variant keys checked: values other than the
+    published ones (APERTUS_VARIANTS) describe a model transformers does not compute (it norms q and k, and norms no
+    block's output, whatever they say)."""
+    for key, value in APERTUS_VARIANTS.items():
+        if key in raw and raw[key] != value:
+            raise UnsupportedModelError(f"{path}: {key} {json.dumps(raw[key])} is not supported for apertus (only "
+                                        f"{json.dumps(value)}, as Apertus's checkpoints say)")
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        return {**raw, "rope_parameters": APERTUS_ROPE}
+    return raw
+
+
+def _ungated_mlp_fields(raw: dict, head_dim: int, path: Path) -> dict:
+    """Arcee's, Nemotron's and Apertus's fields (UNGATED_ACTIVATIONS), read as transformers reads them; {} for another
+    model type. Their MLP activates one projection, no gate. Nemotron's norms are LayerNorms with a bias, each scaling
+    by 1 + weight (eps: norm_eps; rms_norm_eps is not read). Arcee and Apertus rotate every dim of each head (Llama's
+    rotary), and compute nothing with a partial_rotary_factor below 1."""
+    model_type = raw.get("model_type")
+    if model_type not in UNGATED_ACTIVATIONS:
+        return {}
+    activation = raw.get("hidden_act")
+    if activation not in UNGATED_ACTIVATIONS[model_type]:
+        raise UnsupportedModelError(f"{path}: hidden_act {activation!r} is not supported for {model_type} (supported: "
+                                    f"{', '.join(UNGATED_ACTIVATIONS[model_type])})")
+    fields = {"gated_mlp": False, "hidden_act": activation}
+    if model_type == "nemotron":
+        return {**fields, "layer_norms": True, "norm_bias": True, "norm_weight_offset": True,
+                "rms_norm_eps": _positive_float(raw, "norm_eps", 1e-5, path)}
+    if _rotary_dim(raw, head_dim, path) is not None:
+        raise UnsupportedModelError(f"{path}: partial_rotary_factor below 1 is not supported for {model_type} (its "
+                                    f"attention rotates all {head_dim} dims of each head)")
+    return fields
+
+
+def _parse_granitemoe_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig:
+    """Granite MoE's experts, every layer sparse, each intermediate_size wide: a token's top-k router logits (computed
+    in float32) weighted by a softmax over those k, which is the float32 softmax over all experts' top-k renormalized
+    (the two differ in float rounding only); granitemoeshared's shared MLP beside them, shared_intermediate_size wide
+    (0: none), its output added unweighted."""
+    num_experts = _positive_int(raw, ("num_local_experts",), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {num_experts} experts "
+                              f"(num_local_experts)")
+    moe = MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True, [True] * num_layers)
+    shared = raw.get("shared_intermediate_size", 0) if model_type == "granitemoeshared" else 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise CheckpointError(f"{path}: shared_intermediate_size must be a non-negative integer (0: no shared MLP), "
+                              f"got {shared!r}")
+    if shared:
+        moe.num_shared_experts, moe.shared_intermediate_size = 1, shared
+    return moe
+
+
 def _cohere_fields(raw: dict, num_layers: int, path: Path) -> dict:
     """Cohere's fields, read and defaulted as transformers reads them; {} for another model type. Its norms multiply
     the float32 row by their weight, rounded after. Command R7B's and Command A's (cohere2) sliding-window layers (by
@@ -872,10 +1062,13 @@ def _exaone4_fields(raw: dict, num_layers: int, path: Path) -> dict:
     Its norms are OLMo 2's places (each attention and MLP output normed, neither input) with q and k normed over each
     head. With a sliding_window, layer_types' sliding_attention layers (without layer_types: all but every
     sliding_window_pattern-th, an integer) attend that window and rotate, and the full-attention ones rotate nothing;
-    with a null one every layer rotates and attends in full (1.2B)."""
-    if raw.get("model_type") != "exaone4":
+    with a null one every layer rotates and attends in full (1.2B). K-EXAONE's (exaone_moe) alike, but in Llama's layer:
+    the attention's and the MLP's inputs normed, not their outputs."""
+    model_type = raw.get("model_type")
+    if model_type not in ("exaone4", "exaone_moe"):
         return {}
-    fields = {"sandwich_norms": True, "input_norms": False, "qk_norm": True}
+    fields = {"sandwich_norms": True, "input_norms": False, "qk_norm": True} if model_type == "exaone4" else \
+        {"qk_norm": True}
     window = raw["sliding_window"]
     if window is None and raw.get("layer_types") is None:   # transformers' pattern 0: no sliding layer
         return fields
@@ -1062,6 +1255,49 @@ def _parse_hunyuan_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
                      num_shared_experts=1, grouped=True, group_score_experts=1)
 
 
+def _dots1_defaulted(raw: dict) -> dict:
+    """dots.llm1's config (defaulted by DOTS1_DEFAULTS) with a null n_group or topk_group read as one group:
+    transformers cannot route by a null count of groups, and its one-group default is how other runtimes read
+    dots.llm1's published configs, reported to say null."""
+    return {**raw, **{key: 1 for key in ("n_group", "topk_group") if raw.get(key) is None}}
+
+
+def _dots1_sliding_windows(raw: dict, num_layers: int, path: Path) -> list[int | None]:
+    """dots.llm1's windows, read as transformers reads them whatever use_sliding_window says: layer_types'
+    sliding_attention layers (without layer_types: those from max_window_layers on, when sliding_window is set) attend
+    the last sliding_window tokens."""
+    window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
+    if raw.get("layer_types") is None:
+        if window is None:
+            return [None] * num_layers
+        first = raw.get("max_window_layers")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise CheckpointError(f"{path}: max_window_layers must be a non-negative integer, got {first!r}")
+        return [window if i >= first else None for i in range(num_layers)]
+    sliding = _gemma3_layer_types(raw, num_layers, path)
+    if window is None and any(sliding):
+        raise CheckpointError(f"{path}: sliding_window is null but layer_types marks sliding_attention layers; give "
+                              f"the window's length")
+    return [window if layer else None for layer in sliding]
+
+
+def _solar_open_defaulted(raw: dict) -> dict:
+    """Solar Open's config (defaulted by SOLAR_OPEN_DEFAULTS) with, where it gives no intermediate_size (transformers
+    reads none: no layer is dense), an expert's width in its place, never used."""
+    if raw.get("intermediate_size") is None:
+        return {**raw, "intermediate_size": raw.get("moe_intermediate_size")}
+    return raw
+
+
+def _solar_open_fields(raw: dict, head_dim: int, path: Path) -> dict:
+    """Solar Open's rotary checked: transformers rotates every dim of each head with Llama's attention, and computes
+    nothing with a partial_rotary_factor below 1 (Solar-Open-100B's config says 1.0). {} always."""
+    if raw.get("model_type") == "solar_open" and _rotary_dim(raw, head_dim, path) is not None:
+        raise UnsupportedModelError(f"{path}: partial_rotary_factor below 1 is not supported for solar_open (its "
+                                    f"attention rotates all {head_dim} dims of each head)")
+    return {}
+
+
 def _glm4_fields(raw: dict, path: Path) -> dict:
     """GLM-4's fields (glm4), read as transformers reads them: its rotary dims interleaved pairs (the loader reorders
     each q and k head's rotary rows to the halves the engine rotates), gate and up one gate_up_proj, the attention's
@@ -1080,12 +1316,12 @@ def _glm4_fields(raw: dict, path: Path) -> dict:
     return {}
 
 
-def _glm4_moe_lite_sparse_layers(raw: dict, num_layers: int, path: Path) -> list[bool]:
-    """GLM-4.7-Flash's MoE layers: those mlp_layer_types marks sparse (the others dense), or without it all but the
-    first, as transformers reads them."""
+def _mlp_layer_types(raw: dict, num_layers: int, path: Path, first_sparse: int) -> list[bool]:
+    """GLM-4.7-Flash's and K-EXAONE's MoE layers: those mlp_layer_types marks sparse (the others dense), or without it
+    all from first_sparse on, as transformers reads them."""
     kinds = raw.get("mlp_layer_types")
     if kinds is None:
-        return [i > 0 for i in range(num_layers)]
+        return [i >= first_sparse for i in range(num_layers)]
     if (not isinstance(kinds, list) or len(kinds) < num_layers
             or not all(kind in GLM4_MOE_LITE_MLP_TYPES for kind in kinds)):
         raise CheckpointError(f"{path}: mlp_layer_types must list one of {', '.join(GLM4_MOE_LITE_MLP_TYPES)} per "
@@ -1194,8 +1430,10 @@ def _qwen2_moe_sliding_windows(raw: dict, num_layers: int, path: Path) -> list[i
 def _parse_sliding_windows(raw: dict, model_type: str, num_layers: int, path: Path) -> list[int | None]:
     if model_type == "qwen2_moe":
         return _qwen2_moe_sliding_windows(raw, num_layers, path)
+    if model_type == "dots1":
+        return _dots1_sliding_windows(raw, num_layers, path)
     window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
-    if model_type in ("mistral", "mixtral", "phi3", "ministral3"):
+    if model_type in ("mistral", "mixtral", "phi3", "ministral3", "starcoder2"):
         return [window] * num_layers
     # Qwen: sliding_window applies only with use_sliding_window (transformers drops it otherwise), to the
     # layers layer_types marks, or else to those from max_window_layers (default 28) on
@@ -1235,7 +1473,8 @@ def _positive_int(raw: dict, keys: tuple[str, ...], path: Path) -> int:
 
 
 def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig | None:
-    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "mistral4"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "mistral4", "dots1", "exaone_moe",
+                      "solar_open"):
         return _parse_deepseek_moe(raw, model_type, num_layers, path)
     if model_type == "gpt_oss":
         return _parse_gpt_oss_moe(raw, num_layers, path)
@@ -1247,6 +1486,8 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
         return _parse_minimax_m2_moe(raw, num_layers, path)
     if model_type == "hunyuan_v1_moe":
         return _parse_hunyuan_moe(raw, num_layers, path)
+    if model_type in ("granitemoe", "granitemoeshared"):
+        return _parse_granitemoe_moe(raw, model_type, num_layers, path)
     if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         return None
     if model_type == "qwen2_moe" and raw.get("num_experts") == 0:   # transformers: every layer the dense MLP
@@ -1277,18 +1518,22 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
 
 # DeepSeek checkpoint fields that choose a variant: per model type, the values of the one implemented
 DEEPSEEK_VARIANTS = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
-                     "deepseek_v2": {"scoring_func": "softmax", "moe_layer_freq": 1}}
-DEEPSEEK_VARIANT_NAMES = {"deepseek_v3": "DeepSeek-V3's", "deepseek_v2": "DeepSeek-V2's"}
+                     "deepseek_v2": {"scoring_func": "softmax", "moe_layer_freq": 1},
+                     "dots1": {"scoring_func": "sigmoid"},
+                     "exaone_moe": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
+DEEPSEEK_VARIANT_NAMES = {"deepseek_v3": "DeepSeek-V3's", "deepseek_v2": "DeepSeek-V2's", "dots1": "dots.llm1's",
+                          "exaone_moe": "K-EXAONE's"}
 
 
 def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig:
-    """DeepSeek-V3's experts, and GLM-4.5's, routed alike (their configs defaulted: GLM4_MOE_DEFAULTS), and
-    DeepSeek-V2's (_deepseek_v2_routing): the first first_k_dense_replace layers dense, every later one sparse."""
+    """DeepSeek-V3's experts, and GLM-4.5's, dots.llm1's, K-EXAONE's and Solar Open's, routed alike (their configs
+    defaulted: GLM4_MOE_DEFAULTS, ...), and DeepSeek-V2's (_deepseek_v2_routing): the first first_k_dense_replace layers
+    dense, every later one sparse (GLM-4.7-Flash's and K-EXAONE's by mlp_layer_types; Solar Open's all sparse)."""
     for key, value in DEEPSEEK_VARIANTS.get(model_type, {}).items():
         if key in raw and raw[key] != value:
             raise UnsupportedModelError(f"{path}: {key} {raw[key]!r} is not supported "
                                         f"(only {DEEPSEEK_VARIANT_NAMES[model_type]} {value!r})")
-    num_experts = _positive_int(raw, ("n_routed_experts", "num_local_experts"), path)
+    num_experts = _positive_int(raw, ("n_routed_experts", "num_local_experts", "num_experts"), path)
     top_k = _positive_int(raw, ("num_experts_per_tok",), path)
     v2 = model_type == "deepseek_v2"
     softmax = v2 or model_type == "mistral4"   # Mistral 4: softmax scores ranked in groups as V3's, no bias
@@ -1308,17 +1553,19 @@ def _parse_deepseek_moe(raw: dict, model_type: str, num_layers: int, path: Path)
         raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {usable} experts of the "
                               f"topk_group {topk_groups} groups a token may use")
     first_sparse = raw.get("first_k_dense_replace") or 0
-    if model_type == "glm4_moe_lite":   # transformers reads mlp_layer_types, not first_k_dense_replace
+    if model_type in ("glm4_moe_lite", "solar_open"):   # transformers reads mlp_layer_types, or all layers sparse
         first_sparse = 0
     if not isinstance(first_sparse, int) or first_sparse < 0:
         raise CheckpointError(f"{path}: first_k_dense_replace must be a non-negative integer, got {first_sparse!r}")
-    shared = raw.get("n_shared_experts") or 0
+    shared_key = "num_shared_experts" if model_type == "exaone_moe" else "n_shared_experts"
+    shared = raw.get(shared_key) or 0
     if not isinstance(shared, int) or shared < 0:
-        raise CheckpointError(f"{path}: n_shared_experts must be a non-negative integer, got {shared!r}")
+        raise CheckpointError(f"{path}: {shared_key} must be a non-negative integer, got {shared!r}")
+    sparse = [i >= first_sparse for i in range(num_layers)]
+    if model_type in ("glm4_moe_lite", "exaone_moe"):   # GLM-4.7-Flash's first layer dense unless they say otherwise
+        sparse = _mlp_layer_types(raw, num_layers, path, 1 if model_type == "glm4_moe_lite" else first_sparse)
     return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path),
-                     not v2 and bool(raw.get("norm_topk_prob", True)),
-                     _glm4_moe_lite_sparse_layers(raw, num_layers, path) if model_type == "glm4_moe_lite"
-                     else [i >= first_sparse for i in range(num_layers)],
+                     not v2 and bool(raw.get("norm_topk_prob", True)), sparse,
                      scoring="softmax" if softmax else "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
                      routed_scaling_factor=_positive_float(raw, "routed_scaling_factor", 1.0 if softmax else 2.5,
                                                            path),
@@ -1373,11 +1620,16 @@ MODEL_TYPE_DEFAULTS = {
     "ernie4_5": {**ERNIE4_5_DEFAULTS, "head_dim": 128, "num_key_value_heads": 2},
     "ernie4_5_moe": ERNIE4_5_MOE_DEFAULTS, "glm4": GLM4_DEFAULTS, "glm4_moe_lite": GLM4_MOE_LITE_DEFAULTS,
     **dict.fromkeys(HUNYUAN_MODEL_TYPES, HUNYUAN_DEFAULTS), "exaone4": EXAONE4_DEFAULTS,
-    "qwen2_moe": QWEN2_MOE_DEFAULTS, "olmoe": OLMOE_DEFAULTS}
+    "qwen2_moe": QWEN2_MOE_DEFAULTS, "olmoe": OLMOE_DEFAULTS, "cwm": CWM_DEFAULTS, "starcoder2": STARCODER2_DEFAULTS,
+    **dict.fromkeys(("granitemoe", "granitemoeshared"), GRANITEMOE_DEFAULTS), "dots1": DOTS1_DEFAULTS,
+    "exaone_moe": EXAONE_MOE_DEFAULTS, "solar_open": SOLAR_OPEN_DEFAULTS, "youtu": YOUTU_DEFAULTS,
+    "arcee": ARCEE_DEFAULTS, "nemotron": NEMOTRON_DEFAULTS, "apertus": APERTUS_DEFAULTS}
 # model_type -> (raw, path) -> raw with the defaults whose values depend on the config's other fields
 DEFAULTED_MODEL_TYPES = {
     "gpt_oss": lambda raw, path: _gpt_oss_defaulted(raw), "ministral3": lambda raw, path: _ministral3_defaulted(raw),
-    "mistral4": _mistral4_defaulted, "minimax_m2": _minimax_m2_defaulted}
+    "mistral4": _mistral4_defaulted, "minimax_m2": _minimax_m2_defaulted, "cwm": lambda raw, path: _cwm_defaulted(raw),
+    "dots1": lambda raw, path: _dots1_defaulted(raw), "solar_open": lambda raw, path: _solar_open_defaulted(raw),
+    "apertus": _apertus_defaulted}
 
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
@@ -1409,7 +1661,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
                               f"is given")
     if num_heads % num_kv_heads:
         raise CheckpointError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    if model_type not in GEMMA_MODEL_TYPES and raw.get("hidden_act", "silu") != "silu":
+    if (model_type not in (*GEMMA_MODEL_TYPES, "starcoder2", *UNGATED_ACTIVATIONS)
+            and raw.get("hidden_act", "silu") != "silu"):
         raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
     mla, rope_types = None, ROPE_TYPES
     attention_bias = SUPPORTED_MODEL_TYPES[model_type]
@@ -1420,7 +1673,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     if attention_bias == "qkv_bias":
         attention_bias = "qkv" if _flag(raw, "qkv_bias", True, path) else "none"
     rotary_dim, gemma = None, model_type in GEMMA_MODEL_TYPES
-    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "youtu"):
         mla = _parse_mla(raw, model_type, num_heads, path)
         rope_types = MISTRAL4_ROPE_TYPES if model_type == "mistral4" else MLA_ROPE_TYPES
         num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim   # the latent cache's geometry
@@ -1430,6 +1683,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         rotary_dim = _rotary_dim(raw, head_dim, path, GLM4_MOE_PARTIAL_ROTARY)
     if model_type == "minimax_m2":
         rotary_dim = _rotary_dim(raw, head_dim, path, _minimax_m2_rotary_factor(raw, head_dim, path))
+    if model_type == "nemotron":
+        rotary_dim = _rotary_dim(raw, head_dim, path, NEMOTRON_PARTIAL_ROTARY)
     fields = dict(
         model_type=model_type,
         vocab_size=_positive_int(raw, ("vocab_size",), path),
@@ -1473,7 +1728,11 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_minimax_m2_fields(raw, path))
     fields.update(_hunyuan_fields(raw, head_dim, fields["rope"], path))
     fields.update(_exaone4_fields(raw, num_layers, path))
+    fields.update(_solar_open_fields(raw, head_dim, path))
     fields.update(_olmoe_fields(raw, hidden, num_heads, head_dim, path))
+    fields.update(_cwm_fields(raw, num_layers, path))
+    fields.update(_starcoder2_fields(raw, path))
+    fields.update(_ungated_mlp_fields(raw, head_dim, path))
     return ModelConfig(**fields)
 
 

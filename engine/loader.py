@@ -114,8 +114,9 @@ TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                   "visual.", "model.visual.", "vision_model.")
 # Tensors a model type's checkpoints store that transformers does not load, nor does the engine: ERNIE 4.5's
-# multi-token-prediction block (model.mtp_block.0.*, mtp_emb_norm, mtp_hidden_norm, mtp_linear_proj)
-UNREAD_PREFIXES = {"ernie4_5_moe": ("model.mtp_",)}
+# multi-token-prediction block (model.mtp_block.0.*, mtp_emb_norm, mtp_hidden_norm, mtp_linear_proj), K-EXAONE's
+# (mtp.*)
+UNREAD_PREFIXES = {"ernie4_5_moe": ("model.mtp_",), "exaone_moe": ("mtp.", "model.mtp.")}
 
 
 def is_bare_backbone(names) -> bool:
@@ -206,7 +207,7 @@ class _TensorReader:
         model's)."""
         if not self.has(name):
             raise CheckpointError(f"checkpoint is missing tensor {self.stored_name(name)!r}")
-        parts = _joined(rows if isinstance(rows, list) else [rows], shape[0])
+        parts = _joined(rows if isinstance(rows, list) else [rows], shape[0]) if shape else [None]   # () a scalar
         cols = None if cols is None or len(cols) == shape[1] else cols
         if self.compressed is not None:
             tensor = self.compressed.read(self.stored[name], self.device)
@@ -352,6 +353,8 @@ def _read_norm(reader: _TensorReader, cfg: ModelConfig, name: str, size: int,
         return reader.read(name, (size,), rows=rows, dtype=torch.float32)
     if not cfg.norm_weight_offset:
         return reader.read(name, (size,), rows=rows)
+    if cfg.norm_bias:   # Nemotron's LayerNorm1P: 1 + weight in the model's dtype, rounded as transformers rounds it
+        return reader.read(name, (size,), rows=rows) + 1.0
     return reader.read(name, (size,), rows=rows, dtype=torch.float32) + 1.0
 
 
@@ -400,15 +403,17 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             ("q_norm", "k_norm")
         q_norm = _read_norm(reader, cfg, f"{p}self_attn.{q_name}.weight", head_dim)
         k_norm = _read_norm(reader, cfg, f"{p}self_attn.{k_name}.weight", head_dim)
+    input_name, post_name = LAYER_NORM_NAMES.get(cfg.model_type, ("input_layernorm.", "post_attention_layernorm."))
     layer = LayerWeights(
-        input_norm=_read_norm(reader, cfg, p + "input_layernorm.weight", hidden) if cfg.input_norms else None,
+        input_norm=_read_norm(reader, cfg, p + input_name + "weight", hidden) if cfg.input_norms else None,
+        input_norm_bias=reader.read(p + input_name + "bias", (hidden,)) if cfg.norm_bias else None,
+        post_norm_bias=reader.read(p + post_name + "bias", (hidden,)) if cfg.norm_bias else None,
         qkv=qkv,
         qkv_bias=qkv_bias,
         q_norm=q_norm,
         k_norm=k_norm,
         o_proj=reader.read(p + "self_attn.o_proj.weight", (hidden, q_rows), cols=q_part),
-        post_norm=None if cfg.parallel_block else _read_norm(reader, cfg, p + "post_attention_layernorm.weight",
-                                                             hidden),
+        post_norm=None if cfg.parallel_block else _read_norm(reader, cfg, p + post_name + "weight", hidden),
         gate_up=None,
         down=None,
         o_bias=reader.read(p + "self_attn.o_proj.bias", (hidden,)) if cfg.o_bias else None,
@@ -425,6 +430,10 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             layer.post_norm = _read_norm(reader, cfg, p + "pre_feedforward_layernorm.weight", hidden)
         layer.mlp_out_norm = _read_norm(reader, cfg, p + "post_feedforward_layernorm.weight", hidden)
     return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
+
+
+# A layer's two norms' names where they are not input_layernorm and post_attention_layernorm (Apertus's)
+LAYER_NORM_NAMES = {"apertus": ("attention_layernorm.", "feedforward_layernorm.")}
 
 
 def _read_head_norms(reader: _TensorReader, cfg: ModelConfig, name: str, num_heads: int, heads: range) -> torch.Tensor:
@@ -460,6 +469,21 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
     mlp = None
     if cfg.is_sparse(i):
         layer.moe = _read_moe(reader, cfg, i, shard.experts)
+    elif not cfg.gated_mlp:   # StarCoder2: c_fc's rows (this rank's) activated into c_proj (the others: up, down)
+        inter = cfg.intermediate_size
+        up_name, down_name = UNGATED_MLP_NAMES.get(cfg.model_type, ("up_proj.", "down_proj."))
+        # Kept compressed (up_proj and down_proj, as read_compressed_mlp names them), StreamedLayers points gate_up and
+        # down at its decode buffers.
+        if keep_mlp_compressed and cfg.model_type not in UNGATED_MLP_NAMES:
+            mlp = reader.read_compressed_mlp(p, {"up": (inter, hidden), "down": (hidden, inter)})
+        if mlp is None:
+            layer.gate_up = reader.read(p + up_name + "weight", (inter, hidden), rows=shard.mlp)
+            layer.down = reader.read(p + down_name + "weight", (hidden, inter), cols=shard.mlp)
+        if cfg.mlp_bias:
+            layer.gate_up_bias = reader.read(p + up_name + "bias", (inter,), rows=shard.mlp)
+            layer.down_bias = reader.read(p + down_name + "bias", (hidden,))
+        if cfg.hidden_act == "xielu":
+            layer.act_params = _read_xielu(reader, p + "act_fn.")
     else:
         inter = cfg.intermediate_size
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
@@ -486,6 +510,19 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
 
 # A layer's MLP block's name where it is not `mlp.` (Llama 4's, dense or mixture of experts)
 MLP_PREFIXES = {"llama4_text": "feed_forward."}
+# An ungated MLP's projections' names where they are not up_proj and down_proj (StarCoder2's)
+UNGATED_MLP_NAMES = {"starcoder2": ("c_fc.", "c_proj.")}
+
+
+def _read_xielu(reader: _TensorReader, p: str) -> torch.Tensor:
+    """Apertus's xIELU parameters of one layer (under p, the activation's prefix) as engine.ops.xielu takes them, in the
+    model's dtype: softplus(alpha_p), beta + softplus(alpha_n), beta, eps, each computed in that dtype as transformers
+    computes them (alpha_p and alpha_n stored [1], beta and eps as scalars; a checkpoint lacking beta or eps leaves
+    transformers' uninitialized, so they are required here)."""
+    alpha_p, alpha_n = (reader.read(p + name, (1,))[0] for name in ("alpha_p", "alpha_n"))
+    beta, eps = (reader.read(p + name, ()) for name in ("beta", "eps"))
+    softplus = torch.nn.functional.softplus
+    return torch.stack([softplus(alpha_p), beta + softplus(alpha_n), beta, eps])
 
 
 # Tensors some checkpoints store that a model recomputes rather than loads (older transformers saved rope's).
@@ -531,10 +568,17 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "mistral4": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "hunyuan_v1_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "qwen2_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-             "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "granitemoe": ("block_sparse_moe.", ()), "granitemoeshared": ("block_sparse_moe.", ()),
+             **dict.fromkeys(("dots1", "exaone_moe", "solar_open"), ("mlp.", ("gate_proj", "up_proj", "down_proj")))}
 # ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
 MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert."), "hunyuan_v1_moe": ("gate.wg.", "shared_mlp."),
-                           "qwen2_moe": ("gate.", "shared_expert.")}
+                           "qwen2_moe": ("gate.", "shared_expert."),
+                           **dict.fromkeys(("granitemoe", "granitemoeshared"), ("router.layer.", "shared_mlp."))}
+# Model types whose experts are only ever stored stacked, under these names (gate_up, down) in the block: Granite MoE's
+# input_linear [E, 2 * inter, hidden] (each expert's gate rows, then its up rows) and output_linear [E, hidden, inter]
+STACKED_EXPERT_NAMES = dict.fromkeys(("granitemoe", "granitemoeshared"),
+                                     ("input_linear.weight", "output_linear.weight"))
 # Stacked experts always stored transposed ([E, hidden, 2 * inter], [E, inter, hidden]), as transformers keeps them
 TRANSPOSED_EXPERT_TYPES = ("llama4_text",)
 
@@ -551,7 +595,7 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     moe = cfg.moe
     if cfg.model_type == "gpt_oss":
         return _read_gpt_oss_moe(reader, cfg, i, experts)
-    prefix, (gate_name, up_name, down_name) = MOE_NAMES[cfg.model_type]
+    prefix, names = MOE_NAMES[cfg.model_type]
     p = f"model.layers.{i}.{prefix}"
     hidden, inter, num_experts = cfg.hidden_size, moe.intermediate_size, moe.num_experts
     router_name, shared_name = MOE_ROUTER_SHARED_NAMES.get(cfg.model_type, ("gate.", "shared_experts."))
@@ -559,9 +603,12 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
     # (MiniMax-M2's router: in the model's dtype)
     router = reader.read(p + router_name + "weight", (num_experts, hidden),
                          dtype=torch.float32 if moe.grouped and not moe.router_in_model_dtype else None)
-    if reader.has(p + "experts.gate_up_proj"):
+    if cfg.model_type in STACKED_EXPERT_NAMES:
+        gate_up, down = _read_stacked_experts(reader, cfg, p, experts, STACKED_EXPERT_NAMES[cfg.model_type])
+    elif reader.has(p + "experts.gate_up_proj"):
         gate_up, down = _read_stacked_experts(reader, cfg, p + "experts.", experts)
     else:
+        gate_name, up_name, down_name = names
         gate_up = torch.empty((len(experts), 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
         down = torch.empty((len(experts), hidden, inter), dtype=reader.dtype, device=reader.device)
         for local, expert in enumerate(experts):
@@ -577,7 +624,11 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
         # kept in float32, as the reference keeps it: it only ranks experts, and rounded to bfloat16
         # it would rank near ties differently
         weights.correction_bias = _read_correction_bias(reader, cfg, p)
-    if moe.num_shared_experts:
+    if moe.num_shared_experts and cfg.model_type == "granitemoeshared":   # gate and up fused, beside the block
+        shared, s = moe.shared_width, f"model.layers.{i}.{shared_name}"
+        weights.shared_gate_up = reader.read(s + "input_linear.weight", (2 * shared, hidden))
+        weights.shared_down = reader.read(s + "output_linear.weight", (hidden, shared))
+    elif moe.num_shared_experts:
         shared, s = moe.shared_width, p + shared_name
         weights.shared_gate_up = torch.cat([reader.read(s + "gate_proj.weight", (shared, hidden)),
                                             reader.read(s + "up_proj.weight", (shared, hidden))])
@@ -590,10 +641,12 @@ def _read_moe(reader: _TensorReader, cfg: ModelConfig, i: int, experts: range) -
 def _read_correction_bias(reader: _TensorReader, cfg: ModelConfig, p: str) -> torch.Tensor:
     """A MoE block's (prefix p) routing correction bias [num_experts], float32: the router's e_score_correction_bias,
     or ERNIE 4.5's [1, num_experts] under the block's moe_statics (as published and as transformers saves it), or
-    under its router's (gate.moe_statics, as transformers names it in memory)."""
+    under its router's (gate.moe_statics, as transformers names it in memory). MiniMax-M2's and K-EXAONE's lie beside
+    the router (K-EXAONE's also under it, as transformers names it in memory)."""
     num_experts = cfg.moe.num_experts
-    if cfg.model_type == "minimax_m2":   # beside the router, as published and as transformers saves it
-        return reader.read(p + "e_score_correction_bias", (num_experts,), dtype=torch.float32)
+    beside = p + "e_score_correction_bias"
+    if cfg.model_type == "minimax_m2" or (cfg.model_type == "exaone_moe" and reader.has(beside)):
+        return reader.read(beside, (num_experts,), dtype=torch.float32)
     if cfg.model_type != "ernie4_5_moe":
         return reader.read(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
     name = p + "moe_statics.e_score_correction_bias"
@@ -602,17 +655,18 @@ def _read_correction_bias(reader: _TensorReader, cfg: ModelConfig, p: str) -> to
     return reader.read(name, (1, num_experts), dtype=torch.float32).view(num_experts)
 
 
-def _read_stacked_experts(reader: _TensorReader, cfg: ModelConfig, p: str,
-                          experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_stacked_experts(reader: _TensorReader, cfg: ModelConfig, p: str, experts: range,
+                          names: tuple[str, str] = ("gate_up_proj", "down_proj")) -> tuple[torch.Tensor, torch.Tensor]:
     """`experts` of a layer's stacked expert projections, in the engine's layout: gate_up_proj [E, 2 * inter, hidden]
     (each expert's gate rows, then its up rows) and down_proj [E, hidden, inter], as transformers keeps them in
     memory and saves them now. Qwen3-VL-MoE's checkpoints as published store both transposed (gate_up_proj
     [E, hidden, 2 * inter], gate columns first; down_proj [E, inter, hidden]); those are read and transposed one
     expert at a time into a preallocated stack. The layout is told by the shapes, as transformers tells it: where
     both fit (hidden == 2 * inter or hidden == inter), the engine's; Llama 4's (TRANSPOSED_EXPERT_TYPES) always the
-    transposed one."""
+    transposed one. names: the two tensors' names after p (Granite MoE's input_linear.weight and
+    output_linear.weight: STACKED_EXPERT_NAMES)."""
     hidden, inter, num_experts = cfg.hidden_size, cfg.moe.intermediate_size, cfg.moe.num_experts
-    stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+    stacked = {names[0]: (2 * inter, hidden), names[1]: (hidden, inter)}
     read = []
     for name, (rows, cols) in stacked.items():
         shape = reader.shape(p + name)
@@ -757,9 +811,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         full = (cfg.vocab_size, cfg.hidden_size)
         embed = reader.read("model.embed_tokens.weight", full, rows=shard.vocab) if shard.is_first_stage else None
         read = [_read_layer(reader, cfg, i, shard, keep_compressed) for i in shard.layers]
-        norm = lm_head = None
+        norm = norm_bias = lm_head = None
         if shard.is_last_stage:
             norm = _read_norm(reader, cfg, "model.norm.weight", cfg.hidden_size)
+            norm_bias = reader.read("model.norm.bias", (cfg.hidden_size,)) if cfg.norm_bias else None
         if shard.computes_logits:
             lm_head = _read_lm_head(reader, cfg, shard, embed)
         _check_all_read(reader, cfg, shard)
@@ -772,4 +827,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                     "included, are expanded at load); loading them plainly", model_dir)
     log.info("loaded %s: %d of %d layers, %s on %s%s", model_dir, len(layers), cfg.num_layers, dtype, device,
              " (compressed checkpoint)" if compressed else "")
-    return CausalLM(cfg, ModelWeights(embed, layers, norm, lm_head), device, dtype, shard, tp_group, expert_group)
+    weights = ModelWeights(embed, layers, norm, lm_head, norm_bias)
+    return CausalLM(cfg, weights, device, dtype, shard, tp_group, expert_group)

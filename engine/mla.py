@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2 and V3, GLM-4.7-Flash) over a paged cache of compressed latents.
+"""Multi-head latent attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Youtu-LLM) over a paged cache of compressed latents.
 
 Per token the cache holds one vector: the RMS-normed latent c (kv_lora_rank dims) followed by the
 rotated key part k_pe shared by every head (qk_rope_head_dim dims); nothing per head. Per head h,

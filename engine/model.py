@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3, Cohere,
-GLM-4, Ministral 3, and the MoE Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, gpt-oss,
-Llama 4 and Mistral 4) over a flat batch of tokens and a paged KV cache.
+GLM-4, Ministral 3, CWM, StarCoder2, Nemotron, Arcee, Apertus, Youtu-LLM, and the MoE Mixtral, Qwen3-MoE, Qwen2-MoE,
+OLMoE, Granite MoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, dots.llm1, K-EXAONE, Solar Open, gpt-oss, Llama 4 and
+Mistral 4) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
@@ -8,8 +9,11 @@ engine.moe's block; DeepSeek-V3's multi-head latent attention replaces the atten
 whose cache holds one latent per token (GLM-4.7-Flash's too). Phi-3, GLM-4.5 and GLM-4 may rotate only each head's
 first dims (partial rotary: the rope tables are that narrow; GLM-4's interleaved pairs made rotate-half by the
 loader), and Phi-3 scales its rope by longrope (engine.config.RopeConfig says which factors). GLM-4 norms each
-attention and MLP output too before its residual add, as Gemma 3 does but by the weights themselves. Granite scales
-the embeddings, the softmax, each block's output before its residual add and the logits by scalars of its config.
+attention and MLP output too before its residual add, as Gemma 3 does but by the weights themselves. Granite (and
+Granite MoE) scales the embeddings, the softmax, each block's output before its residual add and the logits by scalars
+of its config. StarCoder2's LayerNorms add a bias, and its MLP activates one projection (no gate) by GELU-tanh;
+Nemotron's and Arcee's by ReLU squared (Nemotron's LayerNorms, biased, scale by 1 + weight; its rotary is partial),
+Apertus's by xIELU, whose parameters each layer learns (its q and k normed per head, as Qwen3's).
 Gemma 3 norms each attention and MLP output too before its residual add (four norms a layer, each scaling by
 1 + weight: engine.ops.rms_norm's float32 weights),
 scales the embeddings by sqrt(hidden_size), activates its MLP by GELU (tanh approximation), and alternates
@@ -83,6 +87,11 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None
     # gpt-oss's attention sinks: per query head (under TP this rank's), float32
     sinks: torch.Tensor | None = None
+    # StarCoder2's LayerNorms' biases, beside input_norm's and post_norm's weights
+    input_norm_bias: torch.Tensor | None = None
+    post_norm_bias: torch.Tensor | None = None
+    # Apertus's xIELU parameters, learned per layer: engine.ops.xielu's params, in the model's dtype
+    act_params: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +100,7 @@ class ModelWeights:
     layers: list[LayerWeights]         # this stage's; or engine.compression.streamed.StreamedLayers (compressed_in_memory)
     norm: torch.Tensor | None          # last stage only
     lm_head: torch.Tensor | None       # last stage only, this rank's vocab rows; the embedding itself when tied
+    norm_bias: torch.Tensor | None = None   # StarCoder2's final LayerNorm's bias
 
 
 class CausalLM:
@@ -122,7 +132,8 @@ class CausalLM:
         if config.embedding_multiplier_in_dtype:
             self.embedding_multiplier = torch.tensor(config.embedding_multiplier, dtype=dtype).item()
         self.ops = ops.for_device(device)  # Triton kernels on CUDA, engine.ops elsewhere
-        self.act_and_mul = ops.ACT_AND_MUL[config.hidden_act]   # the op's name, looked up in self.ops per call
+        # the op's name, looked up in self.ops per call (StarCoder2's activates its ungated projection alone)
+        self.act_and_mul = ops.ACT_AND_MUL[config.hidden_act] if config.gated_mlp else ops.ACT[config.hidden_act]
         # the norms' ops, by name likewise: Cohere's LayerNorms subtract the row's mean, the others' RMSNorms do not
         self.norm_op, self.add_norm_op = "rms_norm", "add_rms_norm"
         if config.layer_norms:
@@ -162,7 +173,7 @@ class CausalLM:
             hidden = self._embed(input_ids)
         residual = None
         for index, layer in enumerate(self.weights.layers):
-            normed, residual = self._add_norm(hidden, residual, layer.input_norm)
+            normed, residual = self._add_norm(hidden, residual, layer.input_norm, layer.input_norm_bias)
             if layer.mla is not None:
                 attn = mla_attention(layer.mla, cfg.mla, normed, positions, batch, kv_cache[index], self.cos_table,
                                      self.sin_table, self.scale, self.ops, self._position_scales(positions))
@@ -177,7 +188,7 @@ class CausalLM:
             if cfg.parallel_block:   # Cohere: the MLP takes the attention's input too, both outputs join the stream
                 residual = residual + attn
             else:
-                normed, residual = self._add_norm(attn, residual, layer.post_norm)
+                normed, residual = self._add_norm(attn, residual, layer.post_norm, layer.post_norm_bias)
             if layer.moe is None:
                 hidden = self._mlp(layer, normed)
             elif self.experts is not None:
@@ -190,14 +201,17 @@ class CausalLM:
                 hidden = self.ops.rms_norm(hidden, layer.mlp_out_norm, cfg.rms_norm_eps)
         if self.weights.norm is None:
             return residual + hidden  # what add_rms_norm's sum would be: the next stage's input
-        normed, _ = self._add_norm(hidden, residual, self.weights.norm)
+        normed, _ = self._add_norm(hidden, residual, self.weights.norm, self.weights.norm_bias)
         return normed
 
-    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream after adding x (x itself at a stage's first layer) and its norm by weight, the next
-        block's input; OLMo 2's blocks take the stream unnormed (weight None)."""
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding x (x itself at a stage's first layer) and its norm by weight (and bias:
+        StarCoder2's LayerNorms), the next block's input; OLMo 2's blocks take the stream unnormed (weight None)."""
         eps = self.config.rms_norm_eps
+        if bias is not None:
+            residual = x if residual is None else residual + x
+            return self.ops.biased_layer_norm(residual, weight, bias, eps), residual
         if residual is not None and weight is not None:
             return getattr(self.ops, self.add_norm_op)(x, residual, weight, eps)
         residual = x if residual is None else residual + x
@@ -220,7 +234,9 @@ class CausalLM:
         gate_up = self.ops.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up = gate_up + layer.gate_up_bias
-        out = self.ops.linear(getattr(self.ops, self.act_and_mul)(gate_up), layer.down)
+        activate = getattr(self.ops, self.act_and_mul)
+        activated = activate(gate_up) if layer.act_params is None else activate(gate_up, layer.act_params)
+        out = self.ops.linear(activated, layer.down)
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)
         return out if layer.down_bias is None else out + layer.down_bias

@@ -1,13 +1,14 @@
 """The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2 and V3, GLM-4.5, GLM-4.7-Flash,
-ERNIE 4.5, MiniMax-M2, gpt-oss, Llama 4): route each token to its top-k experts, run the experts, combine with the
-router's weights, add the shared experts if any.
+ERNIE 4.5, MiniMax-M2, dots.llm1, K-EXAONE, Solar Open, gpt-oss, Granite MoE, Llama 4): route each token to its
+top-k experts, run the experts, combine with the router's weights, add the shared experts if any.
 
 Routing is computed as the reference implementations compute it, in one of four ways:
 - softmax over the router's logits in float32 and a top-k (renormalized when the model says so): Mixtral, Qwen3-MoE,
-  Qwen2-MoE, OLMoE;
-- DeepSeek's grouped routing (`route_grouped`): DeepSeek-V3's (GLM-4.5's too) sigmoid scores, a per-expert correction
-  bias that steers the choice but not the weights, the choice restricted to the best groups of experts, and
-  weights that are the chosen sigmoid scores (renormalized when the model says so) times a scaling factor;
+  Qwen2-MoE, OLMoE; Granite MoE's softmax over its top-k logits alone is the same renormalized top-k;
+- DeepSeek's grouped routing (`route_grouped`): DeepSeek-V3's (GLM-4.5's, dots.llm1's, K-EXAONE's, Solar Open's
+  too) sigmoid scores, a per-expert correction bias that steers the choice but not the weights, the choice
+  restricted to the best groups of experts, and weights that are the chosen sigmoid scores (renormalized when the
+  model says so) times a scaling factor;
   DeepSeek-V2's the same over softmax scores, with no bias, groups ranked by their best score, and no renormalizing;
   Mistral 4's over softmax scores, with no bias, groups ranked by their best two;
   ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled (Hunyuan-A13B's the

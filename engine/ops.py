@@ -1,5 +1,5 @@
-"""The model's hot ops in plain torch: RMSNorm (and Cohere's LayerNorm), rotary embedding, KV-cache write, paged
-attention.
+"""The model's hot ops in plain torch: RMSNorm (and Cohere's LayerNorm, StarCoder2's with a bias), rotary embedding,
+KV-cache write, paged attention.
 
 Each op is one function with a fixed signature so a faster kernel (engine/kernels) can replace it
 on CUDA while this version stays the reference and the CPU path.
@@ -44,6 +44,12 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return weight * x32.to(orig_dtype)
 
 
+def biased_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """StarCoder2's LayerNorm: layer_norm's, plus a bias, computed as torch's layer_norm (in float32 for every dtype,
+    rounded once after the bias), as transformers computes it."""
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -64,8 +70,31 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def gelu_tanh(up: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of an ungated projection: StarCoder2's MLP activation."""
+    return F.gelu(up, approximate="tanh")
+
+
+def relu_squared(up: torch.Tensor) -> torch.Tensor:
+    """ReLU(up) squared, of an ungated projection: Nemotron's and Arcee's MLP activation."""
+    return torch.square(F.relu(up))
+
+
+def xielu(up: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """xIELU of an ungated projection (Apertus), by one layer's learned parameters in up's dtype: params holds
+    (softplus(alpha_p), beta + softplus(alpha_n), beta, eps), which the loader computed from the stored ones.
+    Positive inputs give alpha_p x^2 + beta x, the others (expm1(min(x, eps)) - x) alpha_n + beta x, computed in up's
+    dtype as transformers computes it."""
+    alpha_p, alpha_n, beta, eps = params
+    return torch.where(up > 0, alpha_p * up * up + beta * up,
+                       (torch.expm1(torch.minimum(up, eps)) - up) * alpha_n + beta * up)
+
+
 # hidden_act -> the name of the op applying it to a fused gate/up projection (here and in engine.kernels.ops)
 ACT_AND_MUL = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+# ... and to an ungated one (ModelConfig.gated_mlp false); xielu also takes its layer's parameters
+# (LayerWeights.act_params)
+ACT = {"gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu_squared", "xielu": "xielu"}
 
 
 # A CPU matmul with this many rows or fewer runs on one thread whatever torch's thread count, so

@@ -20,7 +20,8 @@ from engine.compression.format import CompressedTensor
 @dataclass(slots=True)
 class CompressedMLP:
     # The rows of the fused gate/up weight, in order, on the model's device: (gate, up) as most families store
-    # them, or (gate_up,) where the checkpoint stores them fused (Phi-3's gate_up_proj).
+    # them, or (gate_up,) where the checkpoint stores them fused (Phi-3's gate_up_proj), or (up,) where the MLP has no
+    # gate (Nemotron's, Arcee's, Apertus's).
     gate_up: tuple[CompressedTensor, ...]
     down: CompressedTensor
     tables: tuple[torch.Tensor, ...] | None   # pair tables (decode.needs_pair_tables): gate_up's, then down's
@@ -45,8 +46,9 @@ class StreamedLayers:
         self.dtype = dtype
         first = next(m for m in mlps if m is not None)
         intermediate, hidden = first.down.shape[1], first.down.shape[0]
+        gate_up_rows = sum(part.shape[0] for part in first.gate_up)   # 2 * intermediate, or intermediate: no gate
         num_sets = 2 if device.type == "cuda" else 1
-        self.buffers = [(torch.empty(2 * intermediate, hidden, dtype=dtype, device=device),
+        self.buffers = [(torch.empty(gate_up_rows, hidden, dtype=dtype, device=device),
                          torch.empty(hidden, intermediate, dtype=dtype, device=device)) for _ in range(num_sets)]
         # Decoded bf16 bits land here first when the engine computes in another dtype.
         largest = max(t.numel for m in mlps if m is not None for t in m.parts) + 1

@@ -10,9 +10,13 @@ from engine.kernels.fused_moe import fused_moe
 from engine.kernels.kv_write import write_kv
 from engine.kernels.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from engine.kernels.rotary import apply_rotary
+# StarCoder2's biased LayerNorm (Nemotron's too) and the ungated activations (StarCoder2's GELU, Nemotron's and Arcee's
+# ReLU squared, Apertus's xIELU): torch's own ops already run fused on the GPU
+from engine.ops import biased_layer_norm, gelu_tanh, relu_squared, xielu
 
-__all__ = ["add_layer_norm", "add_rms_norm", "apply_rotary", "fused_moe", "gelu_tanh_and_mul", "layer_norm", "linear",
-           "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
+__all__ = ["add_layer_norm", "add_rms_norm", "apply_rotary", "biased_layer_norm", "fused_moe", "gelu_tanh",
+           "gelu_tanh_and_mul", "layer_norm", "linear", "paged_attention", "relu_squared", "rms_norm", "silu_and_mul",
+           "write_kv", "xielu"]
 
 
 def linear(x, weight):

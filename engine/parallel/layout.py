@@ -236,10 +236,13 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
         mlp += moe.num_experts if moe.has_correction_bias else 0   # the routing correction bias
         mlp += moe.num_experts if moe.router_bias else 0
         mlp += num_experts * (2 * moe.intermediate_size + hidden) if moe.expert_bias else 0   # gpt-oss's experts' biases
+    elif not cfg.gated_mlp:   # StarCoder2's c_fc and c_proj (the others' up_proj and down_proj)
+        mlp = 2 * hidden * num_mlp_rows + (num_mlp_rows + hidden if cfg.mlp_bias else 0)
+        mlp += 4 if cfg.hidden_act == "xielu" else 0   # Apertus's activation's parameters
     else:
         mlp = 3 * hidden * num_mlp_rows + (2 * num_mlp_rows + hidden if cfg.mlp_bias else 0)
     num_norms = 4 if cfg.sandwich_norms and cfg.input_norms else 1 if cfg.parallel_block else 2   # the layer's
-    return attention + mlp + num_norms * hidden
+    return attention + mlp + num_norms * hidden * (2 if cfg.norm_bias else 1)
 
 
 def layer_cost(cfg: ModelConfig, layer: int, expert_split: int = 1) -> int:
