@@ -28,9 +28,9 @@ SUPPORTED_MODEL_TYPES = {"llama": "config", "mistral": "none", "qwen2": "qkv", "
                          "olmoe": "config", "cwm": "none", "granitemoe": "config", "granitemoeshared": "config",
                          "starcoder2": "use_bias", "dots1": "config", "exaone_moe": "none",
                          "solar_open": "config_qkv", "youtu": "none", "arcee": "config", "nemotron": "config",
-                         "apertus": "config"}
+                         "apertus": "config", "afmoe": "config", "flex_olmo": "config", "nanochat": "config"}
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "hunyuan_v1_dense",
-                       "hunyuan_v1_moe", "olmoe", "dots1", "apertus"}
+                       "hunyuan_v1_moe", "olmoe", "dots1", "apertus", "afmoe", "flex_olmo"}
 # ... and those with q/k norms only when `use_qk_norm` is true (GLM-4.5 and 4.6: true; GLM-4.5-Air: false; Command R+:
 # true; Command R: false)
 USE_QK_NORM_MODEL_TYPES = {"glm4_moe", "cohere"}
@@ -40,7 +40,7 @@ MLP_BIAS_MODEL_TYPES = {"llama", "granite", "smollm3", "seed_oss", "cwm", "arcee
 # Defaults that differ from the usual ones (rope_theta 10000, rms_norm_eps 1e-6), for configs that omit the key
 DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "gemma3_text": 1000000.0, "gpt_oss": 150000.0, "smollm3": 2000000.0,
                       "olmo3": 500000.0, "cohere": 500000.0, "ernie4_5": 500000.0, "ernie4_5_moe": 500000.0,
-                      "cwm": 1000000.0, "apertus": 12000000.0}
+                      "cwm": 1000000.0, "apertus": 12000000.0, "flex_olmo": 500000.0}
 DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5,
                         "ernie4_5": 1e-5, "ernie4_5_moe": 1e-5, "olmoe": 1e-5}
 # Rope scalings of every model type but DeepSeek-V2 and V3 (MLA_ROPE_TYPES) and Phi-3 (PHI3_ROPE_TYPES), as
@@ -175,6 +175,21 @@ QWEN2_MOE_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_s
 OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
                   "num_attention_heads": 16, "max_position_embeddings": 4096, "eos_token_id": 50279,
                   "num_experts": 64, "num_experts_per_tok": 8}
+# FlexOlmo (flex_olmo: FlexOlmo-7x7B-1T, the Flex-*-2x7B-1T): OLMo 2's layer (norms of each attention and MLP output
+# only, q/k norms over the whole projections, the weights multiplying the float32 row) with OLMoE's experts on every
+# layer, routed by a float32 softmax's top-k (renormalized by norm_topk_prob), q/k/v/o biased by attention_bias. The
+# defaults transformers gives the fields its configs may omit (clip_qkv, which some configs carry, it does not read)
+FLEX_OLMO_DEFAULTS = {"vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                      "num_attention_heads": 32, "max_position_embeddings": 4096, "eos_token_id": 100257,
+                      "num_experts": 7, "num_experts_per_tok": 5}
+# nanochat (nanochat: nanochat-d20, -d32): Llama's layer whose every norm is an RMSNorm without a weight (the inputs of
+# the attention and the MLP, the final one, and the embeddings before the first layer), q and k so normed over each
+# head after the rotary, which turns each pair the other way (rotate-half's signs flipped), an ungated MLP (fc1
+# activated into fc2), q/k/v/o biased by attention_bias, and the logits soft-capped by tanh
+# (final_logit_softcapping, null: none). The defaults transformers gives the fields its configs may omit
+NANOCHAT_DEFAULTS = {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192, "num_hidden_layers": 12,
+                     "num_attention_heads": 6, "max_position_embeddings": 2048, "hidden_act": "relu2",
+                     "final_logit_softcapping": 15.0, "bos_token_id": 0, "eos_token_id": 1}
 # dots.llm1 (dots1: dots.llm1.base, .inst): Qwen3's attention (per-head q/k norms, q/k/v/o biased by attention_bias)
 # with DeepSeek-V3's layers (the first first_k_dense_replace dense, the others sigmoid-routed experts in groups beside
 # shared experts), sliding-window layers by layer_types (without it: those from max_window_layers on, when
@@ -238,8 +253,9 @@ STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_s
 STARCODER2_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # Model types whose MLP is one activated projection (up_proj) into down_proj, no gate, and the activation each computes
 # (transformers' name): Arcee AFM-4.5B and Nemotron-4/Minitron (nemotron) square a ReLU, Apertus applies xIELU, whose
-# parameters each layer learns (act_fn.alpha_p, alpha_n, beta, eps beside up_proj and down_proj)
-UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "nemotron": ("relu2",), "apertus": ("xielu",)}
+# parameters each layer learns (act_fn.alpha_p, alpha_n, beta, eps beside up_proj and down_proj); nanochat's squares a
+# ReLU of fc1 into fc2
+UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "nemotron": ("relu2",), "apertus": ("xielu",), "nanochat": ("relu2",)}
 # Arcee AFM-4.5B (arcee): Llama's decoder with that MLP; the defaults transformers gives the fields its configs may omit
 ARCEE_DEFAULTS = {"vocab_size": 32000, "hidden_size": 2560, "intermediate_size": 18432, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
@@ -263,6 +279,22 @@ APERTUS_DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "intermediate_siz
 APERTUS_ROPE = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
                 "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 APERTUS_VARIANTS = {"qk_norm": True, "post_norm": False}
+# Arcee Trinity Nano, Mini and Large (afmoe): q and k RMS-normed over each head, the attention's output times the
+# sigmoid of gate_proj of the layer's input (attn_output_gate), four norms a layer (the attention's and the MLP's
+# inputs and outputs; their weights multiplying the float32 row, as gpt-oss's), sliding-window layers by layer_types
+# (without it all but every global_attn_every_n_layers-th) that rotate beside full-attention ones that do not, the
+# embeddings times sqrt(hidden_size) with mup_enabled, the first num_dense_layers MLPs dense and the others experts
+# routed as MiniMax-M2's (sigmoid scores plus expert_bias choosing, renormalized) times route_scale, beside
+# num_shared_experts shared ones. The defaults transformers gives the fields its configs may omit (128-dim heads
+# whatever hidden_size says), and the keys its published configs carry that transformers does not read: the values of
+# the variant it computes
+AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 1408,
+                  "num_hidden_layers": 32, "num_dense_layers": 1, "num_attention_heads": 16, "head_dim": 128,
+                  "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "num_experts": 64,
+                  "num_experts_per_tok": 6, "num_shared_experts": 2, "route_scale": 1.0,
+                  "global_attn_every_n_layers": 4, "sliding_window": 1024}
+AFMOE_VARIANTS = {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1, "num_expert_groups": 1,
+                  "num_limited_groups": 1}
 # Image-and-text checkpoints whose text model the engine serves (alone: images are not): for each, the model_types
 # its text_config may name (the first is the one transformers assumes when it names none) -> the text model the
 # engine runs. Mistral 3: Mistral Small 3.1/3.2, Ministral 3 (a ministral3 text model) and Mistral Small 4 (a
@@ -569,6 +601,15 @@ class ModelConfig:
     position_query_scale: tuple[int, float] | None = None
     # Hunyuan: the per-head q and k norms apply after the rotary, not before it
     qk_norm_after_rope: bool = False
+    # nanochat: its norms have no weight (each an RMSNorm of weight 1: the loader gives them float32 ones, which the
+    # engine keeps but the checkpoint does not store), the embeddings are normed so before the first layer, and its
+    # rotary turns each pair the other way (rotate-half's signs flipped: the sin tables negated)
+    norm_weights: bool = True
+    embedding_norm: bool = False
+    rope_reversed: bool = False
+    # Trinity (afmoe): the attention's output, each element of each head, times the sigmoid of the gate_proj row of
+    # the layer's input before o_proj (gate_proj's rows fused after q, k and v's, sharded with the query heads)
+    attn_output_gate: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -905,15 +946,16 @@ OLMO3_SLIDING_WINDOW = 4096
 
 
 def _olmo_fields(raw: dict, num_layers: int, path: Path) -> dict:
-    """OLMo 2's and OLMo 3's norms: of each attention and MLP output only, q/k norms over the whole projections,
-    weights multiplying the float32 row as transformers' norms multiply it. OLMo 3 adds sliding-window layers (by
-    layer_types, else three in four) that rotate by a rope of their own: rope_parameters by layer type, or in the
-    older spelling unscaled at 500000 whatever rope_theta says, as transformers reads it. {} for another model type."""
+    """OLMo 2's, OLMo 3's and FlexOlmo's norms: of each attention and MLP output only, q/k norms over the whole
+    projections, weights multiplying the float32 row as transformers' norms multiply it. OLMo 3 adds sliding-window
+    layers (by layer_types, else three in four) that rotate by a rope of their own: rope_parameters by layer type, or in
+    the older spelling unscaled at 500000 whatever rope_theta says, as transformers reads it. {} for another model
+    type."""
     model_type = raw.get("model_type")
-    if model_type not in ("olmo2", "olmo3"):
+    if model_type not in ("olmo2", "olmo3", "flex_olmo"):
         return {}
     fields = {"sandwich_norms": True, "input_norms": False, "qk_norm_over_heads": True, "norms_in_float32": True}
-    if model_type == "olmo2":
+    if model_type != "olmo3":   # OLMo 2 and FlexOlmo: every layer attends all tokens
         return fields
     sliding = _gemma3_layer_types({**raw, "sliding_window_pattern": 4}, num_layers, path)
     window = raw.get("sliding_window", OLMO3_SLIDING_WINDOW)
@@ -992,10 +1034,10 @@ def _apertus_defaulted(raw: dict, path: Path) -> dict:
 
 
 def _ungated_mlp_fields(raw: dict, head_dim: int, path: Path) -> dict:
-    """Arcee's, Nemotron's and Apertus's fields (UNGATED_ACTIVATIONS), read as transformers reads them; {} for another
-    model type. Their MLP activates one projection, no gate. Nemotron's norms are LayerNorms with a bias, each scaling
-    by 1 + weight (eps: norm_eps; rms_norm_eps is not read). Arcee and Apertus rotate every dim of each head (Llama's
-    rotary), and compute nothing with a partial_rotary_factor below 1."""
+    """Arcee's, Nemotron's, Apertus's and nanochat's fields (UNGATED_ACTIVATIONS), read as transformers reads them; {}
+    for another model type. Their MLP activates one projection, no gate. Nemotron's norms are LayerNorms with a bias,
+    each scaling by 1 + weight (eps: norm_eps; rms_norm_eps is not read). The others rotate every dim of each head
+    (Llama's rotary), and compute nothing with a partial_rotary_factor below 1."""
     model_type = raw.get("model_type")
     if model_type not in UNGATED_ACTIVATIONS:
         return {}
@@ -1011,6 +1053,17 @@ def _ungated_mlp_fields(raw: dict, head_dim: int, path: Path) -> dict:
         raise UnsupportedModelError(f"{path}: partial_rotary_factor below 1 is not supported for {model_type} (its "
                                     f"attention rotates all {head_dim} dims of each head)")
     return fields
+
+
+def _nanochat_fields(raw: dict, num_layers: int, path: Path) -> dict:
+    """nanochat's fields, read as transformers reads them (defaulted by NANOCHAT_DEFAULTS; its MLP by
+    _ungated_mlp_fields); {} for another model type. Its q and k are normed over each head after the rotary by an
+    RMSNorm without a weight, as Llama 4's are on its rotary layers; its logits capped by final_logit_softcapping."""
+    if raw.get("model_type") != "nanochat":
+        return {}
+    return {"norm_weights": False, "embedding_norm": True, "rope_reversed": True,
+            "l2_qk_norm_layers": [True] * num_layers,
+            "final_logit_softcapping": _positive_float(raw, "final_logit_softcapping", None, path)}
 
 
 def _parse_granitemoe_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoEConfig:
@@ -1384,6 +1437,57 @@ def _parse_minimax_m2_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
                      scoring="sigmoid", grouped=True, group_score_experts=1, router_in_model_dtype=True)
 
 
+def _afmoe_checked(raw: dict, path: Path) -> dict:
+    """Trinity's config (defaulted by AFMOE_DEFAULTS), its variant keys checked: values other than the published ones
+    (AFMOE_VARIANTS) describe routing transformers does not compute (it reads none of those keys)."""
+    for key, value in AFMOE_VARIANTS.items():
+        if raw.get(key) is not None and raw[key] != value:
+            raise UnsupportedModelError(f"{path}: {key} {json.dumps(raw[key])} is not supported for afmoe (only "
+                                        f"{json.dumps(value)}, as Trinity's checkpoints say)")
+    return raw
+
+
+def _afmoe_fields(raw: dict, num_layers: int, hidden: int, path: Path) -> dict:
+    """Trinity's fields, read as transformers reads them (AFMOE_DEFAULTS says what it describes); {} for another model
+    type. Its sliding_attention layers (layer_types', or without it all but every global_attn_every_n_layers-th)
+    attend the last sliding_window tokens and rotate, its full-attention ones rotate nothing."""
+    if raw.get("model_type") != "afmoe":
+        return {}
+    fields = {"sandwich_norms": True, "norms_in_float32": True, "attn_output_gate": True}
+    if _flag(raw, "mup_enabled", False, path):   # muP: the embeddings only (the logits are not scaled)
+        fields["embedding_multiplier"] = hidden ** 0.5
+    if raw.get("layer_types") is None:
+        every = _positive_int(raw, ("global_attn_every_n_layers",), path)
+        sliding = [(i + 1) % every != 0 for i in range(num_layers)]
+    else:
+        sliding = _gemma3_layer_types(raw, num_layers, path)
+    window = None if raw.get("sliding_window") is None else _positive_int(raw, ("sliding_window",), path)
+    if window is None and any(sliding):   # transformers would have no window to give those layers
+        raise CheckpointError(f"{path}: sliding_window is null but sliding_attention layers attend a window; give the "
+                              f"window's length")
+    return {**fields, "sliding_windows": [window if layer else None for layer in sliding],
+            "nope_layers": [not layer for layer in sliding]}
+
+
+def _parse_afmoe_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
+    """Trinity's experts: the first num_dense_layers layers dense, the others sparse; a token's top-k of the router's
+    sigmoid scores plus expert_bias (MiniMax-M2's one-group routing, its logits in the model's dtype), weighted by
+    their scores renormalized times route_scale, beside num_shared_experts shared experts as one MLP."""
+    num_experts = _positive_int(raw, ("num_experts",), path)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), path)
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok {top_k} exceeds the {num_experts} experts (num_experts)")
+    counts = {key: raw.get(key) for key in ("num_dense_layers", "num_shared_experts")}
+    for key, count in counts.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise CheckpointError(f"{path}: {key} must be a non-negative integer, got {count!r}")
+    return MoEConfig(num_experts, top_k, _positive_int(raw, ("moe_intermediate_size",), path), True,
+                     [i >= counts["num_dense_layers"] for i in range(num_layers)], scoring="sigmoid",
+                     routed_scaling_factor=_positive_float(raw, "route_scale", 1.0, path),
+                     num_shared_experts=counts["num_shared_experts"], grouped=True, group_score_experts=1,
+                     router_in_model_dtype=True)
+
+
 def _parse_llama4_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
     """Llama 4's experts: the layers moe_layers lists (without it every interleave_moe_layer_step-th) sparse, each
     with one shared expert of an expert's size; a token's top-k experts by the router's logits, each taking the
@@ -1484,11 +1588,13 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
         return _parse_ernie4_5_moe(raw, num_layers, path)
     if model_type == "minimax_m2":
         return _parse_minimax_m2_moe(raw, num_layers, path)
+    if model_type == "afmoe":
+        return _parse_afmoe_moe(raw, num_layers, path)
     if model_type == "hunyuan_v1_moe":
         return _parse_hunyuan_moe(raw, num_layers, path)
     if model_type in ("granitemoe", "granitemoeshared"):
         return _parse_granitemoe_moe(raw, model_type, num_layers, path)
-    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
+    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"):
         return None
     if model_type == "qwen2_moe" and raw.get("num_experts") == 0:   # transformers: every layer the dense MLP
         return None
@@ -1499,7 +1605,7 @@ def _parse_moe(raw: dict, model_type: str, num_layers: int, path: Path) -> MoECo
     if model_type == "mixtral":
         return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path), True,
                          [True] * num_layers)
-    if model_type == "olmoe":
+    if model_type in ("olmoe", "flex_olmo"):
         return MoEConfig(num_experts, top_k, _positive_int(raw, ("intermediate_size",), path),
                          _flag(raw, "norm_topk_prob", False, path), [True] * num_layers)
     # Qwen3-MoE and Qwen2-MoE: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
@@ -1620,16 +1726,17 @@ MODEL_TYPE_DEFAULTS = {
     "ernie4_5": {**ERNIE4_5_DEFAULTS, "head_dim": 128, "num_key_value_heads": 2},
     "ernie4_5_moe": ERNIE4_5_MOE_DEFAULTS, "glm4": GLM4_DEFAULTS, "glm4_moe_lite": GLM4_MOE_LITE_DEFAULTS,
     **dict.fromkeys(HUNYUAN_MODEL_TYPES, HUNYUAN_DEFAULTS), "exaone4": EXAONE4_DEFAULTS,
-    "qwen2_moe": QWEN2_MOE_DEFAULTS, "olmoe": OLMOE_DEFAULTS, "cwm": CWM_DEFAULTS, "starcoder2": STARCODER2_DEFAULTS,
+    "qwen2_moe": QWEN2_MOE_DEFAULTS, "olmoe": OLMOE_DEFAULTS, "flex_olmo": FLEX_OLMO_DEFAULTS,
+    "nanochat": NANOCHAT_DEFAULTS, "cwm": CWM_DEFAULTS, "starcoder2": STARCODER2_DEFAULTS,
     **dict.fromkeys(("granitemoe", "granitemoeshared"), GRANITEMOE_DEFAULTS), "dots1": DOTS1_DEFAULTS,
     "exaone_moe": EXAONE_MOE_DEFAULTS, "solar_open": SOLAR_OPEN_DEFAULTS, "youtu": YOUTU_DEFAULTS,
-    "arcee": ARCEE_DEFAULTS, "nemotron": NEMOTRON_DEFAULTS, "apertus": APERTUS_DEFAULTS}
+    "arcee": ARCEE_DEFAULTS, "nemotron": NEMOTRON_DEFAULTS, "apertus": APERTUS_DEFAULTS, "afmoe": AFMOE_DEFAULTS}
 # model_type -> (raw, path) -> raw with the defaults whose values depend on the config's other fields
 DEFAULTED_MODEL_TYPES = {
     "gpt_oss": lambda raw, path: _gpt_oss_defaulted(raw), "ministral3": lambda raw, path: _ministral3_defaulted(raw),
     "mistral4": _mistral4_defaulted, "minimax_m2": _minimax_m2_defaulted, "cwm": lambda raw, path: _cwm_defaulted(raw),
     "dots1": lambda raw, path: _dots1_defaulted(raw), "solar_open": lambda raw, path: _solar_open_defaulted(raw),
-    "apertus": _apertus_defaulted}
+    "apertus": _apertus_defaulted, "afmoe": _afmoe_checked}
 
 
 def parse_config(raw: dict, path: Path) -> ModelConfig:
@@ -1733,6 +1840,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     fields.update(_cwm_fields(raw, num_layers, path))
     fields.update(_starcoder2_fields(raw, path))
     fields.update(_ungated_mlp_fields(raw, head_dim, path))
+    fields.update(_nanochat_fields(raw, num_layers, path))
+    fields.update(_afmoe_fields(raw, num_layers, hidden, path))
     return ModelConfig(**fields)
 
 

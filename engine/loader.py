@@ -257,11 +257,14 @@ class _TensorReader:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
-    def read_compressed_mlp(self, prefix: str, shapes: dict[str, tuple[int, ...]]) -> CompressedMLP | None:
+    def read_compressed_mlp(self, prefix: str, shapes: dict[str, tuple[int, ...]],
+                            stems: dict[str, str] | None = None) -> CompressedMLP | None:
         """The layer's MLP projections (under `prefix`, the MLP block's) still compressed, on the device (each
         decoded once here and checked), or None unless all of them are compressed. `shapes` names the projections
-        as the checkpoint stores them: gate, up and down, or gate_up and down (fused)."""
-        names = {proj: f"{prefix}{proj}_proj.weight" for proj in shapes}
+        as the checkpoint stores them: gate, up and down, or gate_up and down (fused); `stems` the stored names where
+        they are not {proj}_proj. (an ungated MLP's: UNGATED_MLP_NAMES)."""
+        stems = stems or {}
+        names = {proj: f"{prefix}{stems.get(proj, proj + '_proj.')}weight" for proj in shapes}
         if self.compressed is None or not all(self.compressed.is_compressed(self.stored.get(n, n))
                                               for n in names.values()):
             return None
@@ -348,7 +351,10 @@ def _read_norm(reader: _TensorReader, cfg: ModelConfig, name: str, size: int,
                rows: range | None = None) -> torch.Tensor:
     """A norm's weight (or its `rows`: a TP rank's heads' part of OLMo 2's q/k norms); Gemma 3's (which scales by
     1 + weight) as 1 + weight in float32, computed as transformers computes it, so that engine.ops.rms_norm
-    multiplies in float32 and rounds after, as transformers does."""
+    multiplies in float32 and rounds after, as transformers does. nanochat's norms store no weight: float32 ones, read
+    from nothing (the float32 row times 1, rounded after, is transformers' weightless norm)."""
+    if not cfg.norm_weights:
+        return torch.ones(size if rows is None else len(rows), dtype=torch.float32, device=reader.device)
     if cfg.norms_in_float32:   # gpt-oss, OLMo 2: the weight itself, in float32 (transformers multiplies these so)
         return reader.read(name, (size,), rows=rows, dtype=torch.float32)
     if not cfg.norm_weight_offset:
@@ -387,6 +393,10 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
             reader.read(p + "self_attn.k_proj.bias", (kv_rows,), rows=kv_part),
             reader.read(p + "self_attn.v_proj.bias", (kv_rows,), rows=kv_part),
         ])
+    if cfg.attn_output_gate:   # Trinity's gate_proj (unbiased): this rank's heads' rows, after v's
+        qkv = torch.cat([qkv, reader.read(p + "self_attn.gate_proj.weight", (q_rows, hidden), rows=q_part)])
+        if qkv_bias is not None:
+            qkv_bias = torch.cat([qkv_bias, qkv_bias.new_zeros(len(q_part))])
     if cfg.rope_interleaved:   # q's and k's rows, whole heads of this rank's, in the order the engine rotates
         qkv[:len(q_part) + len(kv_part)] = _rotary_rows(qkv[:len(q_part) + len(kv_part)], cfg)
         if qkv_bias is not None:
@@ -426,14 +436,18 @@ def _read_layer(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShar
     elif cfg.sandwich_norms:   # Gemma 3: post_attention_layernorm norms the attention's output; the MLP's input
         layer.attn_out_norm = layer.post_norm   # is pre_feedforward_layernorm's, its output post_feedforward's
         layer.post_norm = None   # OLMo 2 (no input norms): the MLP takes the residual stream unnormed
+        pre_mlp, post_mlp = MLP_NORM_NAMES.get(cfg.model_type, ("pre_feedforward_layernorm.",
+                                                                "post_feedforward_layernorm."))
         if cfg.input_norms:
-            layer.post_norm = _read_norm(reader, cfg, p + "pre_feedforward_layernorm.weight", hidden)
-        layer.mlp_out_norm = _read_norm(reader, cfg, p + "post_feedforward_layernorm.weight", hidden)
+            layer.post_norm = _read_norm(reader, cfg, p + pre_mlp + "weight", hidden)
+        layer.mlp_out_norm = _read_norm(reader, cfg, p + post_mlp + "weight", hidden)
     return _read_mlp(reader, cfg, i, shard, layer, keep_mlp_compressed)
 
 
 # A layer's two norms' names where they are not input_layernorm and post_attention_layernorm (Apertus's)
 LAYER_NORM_NAMES = {"apertus": ("attention_layernorm.", "feedforward_layernorm.")}
+# Four norms a layer: the MLP's input's and output's names where they are not Gemma 3's (Trinity's)
+MLP_NORM_NAMES = {"afmoe": ("pre_mlp_layernorm.", "post_mlp_layernorm.")}
 
 
 def _read_head_norms(reader: _TensorReader, cfg: ModelConfig, name: str, num_heads: int, heads: range) -> torch.Tensor:
@@ -472,10 +486,10 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
     elif not cfg.gated_mlp:   # StarCoder2: c_fc's rows (this rank's) activated into c_proj (the others: up, down)
         inter = cfg.intermediate_size
         up_name, down_name = UNGATED_MLP_NAMES.get(cfg.model_type, ("up_proj.", "down_proj."))
-        # Kept compressed (up_proj and down_proj, as read_compressed_mlp names them), StreamedLayers points gate_up and
-        # down at its decode buffers.
-        if keep_mlp_compressed and cfg.model_type not in UNGATED_MLP_NAMES:
-            mlp = reader.read_compressed_mlp(p, {"up": (inter, hidden), "down": (hidden, inter)})
+        # Kept compressed, StreamedLayers points gate_up and down at its decode buffers.
+        if keep_mlp_compressed:
+            mlp = reader.read_compressed_mlp(p, {"up": (inter, hidden), "down": (hidden, inter)},
+                                             {"up": up_name, "down": down_name})
         if mlp is None:
             layer.gate_up = reader.read(p + up_name + "weight", (inter, hidden), rows=shard.mlp)
             layer.down = reader.read(p + down_name + "weight", (hidden, inter), cols=shard.mlp)
@@ -510,8 +524,8 @@ def _read_mlp(reader: _TensorReader, cfg: ModelConfig, i: int, shard: RankShard,
 
 # A layer's MLP block's name where it is not `mlp.` (Llama 4's, dense or mixture of experts)
 MLP_PREFIXES = {"llama4_text": "feed_forward."}
-# An ungated MLP's projections' names where they are not up_proj and down_proj (StarCoder2's)
-UNGATED_MLP_NAMES = {"starcoder2": ("c_fc.", "c_proj.")}
+# An ungated MLP's projections' names where they are not up_proj and down_proj (StarCoder2's, nanochat's)
+UNGATED_MLP_NAMES = {"starcoder2": ("c_fc.", "c_proj."), "nanochat": ("fc1.", "fc2.")}
 
 
 def _read_xielu(reader: _TensorReader, p: str) -> torch.Tensor:
@@ -569,11 +583,13 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
              "hunyuan_v1_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "qwen2_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "flex_olmo": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
              "granitemoe": ("block_sparse_moe.", ()), "granitemoeshared": ("block_sparse_moe.", ()),
-             **dict.fromkeys(("dots1", "exaone_moe", "solar_open"), ("mlp.", ("gate_proj", "up_proj", "down_proj")))}
+             **dict.fromkeys(("dots1", "exaone_moe", "solar_open", "afmoe"),
+                             ("mlp.", ("gate_proj", "up_proj", "down_proj")))}
 # ... and its router's and shared experts' names where they are not `gate.` and `shared_experts.`
 MOE_ROUTER_SHARED_NAMES = {"llama4_text": ("router.", "shared_expert."), "hunyuan_v1_moe": ("gate.wg.", "shared_mlp."),
-                           "qwen2_moe": ("gate.", "shared_expert."),
+                           "qwen2_moe": ("gate.", "shared_expert."), "afmoe": ("router.gate.", "shared_experts."),
                            **dict.fromkeys(("granitemoe", "granitemoeshared"), ("router.layer.", "shared_mlp."))}
 # Model types whose experts are only ever stored stacked, under these names (gate_up, down) in the block: Granite MoE's
 # input_linear [E, 2 * inter, hidden] (each expert's gate rows, then its up rows) and output_linear [E, hidden, inter]
@@ -642,8 +658,10 @@ def _read_correction_bias(reader: _TensorReader, cfg: ModelConfig, p: str) -> to
     """A MoE block's (prefix p) routing correction bias [num_experts], float32: the router's e_score_correction_bias,
     or ERNIE 4.5's [1, num_experts] under the block's moe_statics (as published and as transformers saves it), or
     under its router's (gate.moe_statics, as transformers names it in memory). MiniMax-M2's and K-EXAONE's lie beside
-    the router (K-EXAONE's also under it, as transformers names it in memory)."""
+    the router (K-EXAONE's also under it, as transformers names it in memory); Trinity's, its expert_bias, too."""
     num_experts = cfg.moe.num_experts
+    if cfg.model_type == "afmoe":
+        return reader.read(p + "expert_bias", (num_experts,), dtype=torch.float32)
     beside = p + "e_score_correction_bias"
     if cfg.model_type == "minimax_m2" or (cfg.model_type == "exaone_moe" and reader.has(beside)):
         return reader.read(beside, (num_experts,), dtype=torch.float32)

@@ -41,7 +41,7 @@ def shard_parameters(cfg: ModelConfig, shard: RankShard, lm_head_stored: bool = 
     # loader keeps that one apart when it differs (as transformers does), and holds both while comparing them.
     tied = cfg.tie_word_embeddings and not lm_head_stored
     lm_head = vocab_rows if shard.computes_logits and not (tied and shard.is_first_stage) else 0
-    final_norm = hidden * (2 if cfg.norm_bias else 1)   # StarCoder2's has a bias
+    final_norm = hidden * (2 if cfg.norm_bias else 1) if cfg.norm_weights else 0   # StarCoder2's has a bias
     return total + embed + lm_head + (final_norm if shard.is_last_stage else 0)
 
 

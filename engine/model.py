@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2, Gemma 3, SmolLM3, OLMo 2 and 3, Cohere,
-GLM-4, Ministral 3, CWM, StarCoder2, Nemotron, Arcee, Apertus, Youtu-LLM, and the MoE Mixtral, Qwen3-MoE, Qwen2-MoE,
-OLMoE, Granite MoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, dots.llm1, K-EXAONE, Solar Open, gpt-oss, Llama 4 and
-Mistral 4) over a flat batch of tokens and a paged KV cache.
+GLM-4, Ministral 3, CWM, StarCoder2, Nemotron, Arcee, Apertus, Youtu-LLM, nanochat, and the MoE Mixtral, Qwen3-MoE,
+Qwen2-MoE, OLMoE, FlexOlmo, Granite MoE, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, dots.llm1, K-EXAONE, Solar Open, gpt-oss,
+Llama 4, Mistral 4 and Trinity) over a flat batch of tokens and a paged KV cache.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused at load time (Phi-3's checkpoints
 store them fused) so a dense layer is four matmuls. A mixture-of-experts layer replaces the MLP with
@@ -13,7 +13,9 @@ attention and MLP output too before its residual add, as Gemma 3 does but by the
 Granite MoE) scales the embeddings, the softmax, each block's output before its residual add and the logits by scalars
 of its config. StarCoder2's LayerNorms add a bias, and its MLP activates one projection (no gate) by GELU-tanh;
 Nemotron's and Arcee's by ReLU squared (Nemotron's LayerNorms, biased, scale by 1 + weight; its rotary is partial),
-Apertus's by xIELU, whose parameters each layer learns (its q and k normed per head, as Qwen3's).
+Apertus's by xIELU, whose parameters each layer learns (its q and k normed per head, as Qwen3's). Trinity multiplies
+each attention output by the sigmoid of a gate projection of the layer's input (gate rows fused after q, k and v's)
+before o_proj, and norms its four places as GLM-4 does.
 Gemma 3 norms each attention and MLP output too before its residual add (four norms a layer, each scaling by
 1 + weight: engine.ops.rms_norm's float32 weights),
 scales the embeddings by sqrt(hidden_size), activates its MLP by GELU (tanh approximation), and alternates
@@ -23,8 +25,11 @@ sliding-window and full-attention layers; its experts are engine.moe's with bias
 does, with one rope for all layers and no q/k norms, and soft-caps its attention scores (engine.ops.paged_attention's
 softcap) and its logits by tanh. SmolLM3's NoPE layers rotate nothing. OLMo 2 norms only each attention and MLP
 output (the blocks take the residual stream unnormed) and norms q and k over their whole projections, all heads
-together (under TP the ranks' sums of squares are all-reduced; OLMoE's q and k likewise, in Llama's layer); OLMo 3
-adds Gemma 3's sliding layers with their own rope. Llama 4 (its interleaved rotary made rotate-half by the loader)
+together (under TP the ranks' sums of squares are all-reduced; OLMoE's q and k likewise, in Llama's layer; FlexOlmo is
+OLMo 2's layer with OLMoE's experts); OLMo 3 adds Gemma 3's sliding layers with their own rope. nanochat's norms have
+no weight (float32 ones), norm the embeddings too, and q and k after the rotary (Llama 4's), which turns the other way
+(its sin tables negated); its ungated MLP squares a ReLU and its logits are capped as Gemma 2's. Llama 4 (its
+interleaved rotary made rotate-half by the loader)
 norms q and k without weight after the rotary and attends by chunks on its rotary layers (a negative window:
 engine.ops.window_start), and scales the queries of
 its NoPE layers by a temperature that grows with the position; Ministral 3 scales the queries of every layer by a
@@ -64,7 +69,8 @@ ROPE_POSITIONS_UNSERVED = 32768
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor | None   # None: OLMo 2 (config.input_norms), as is post_norm
-    qkv: torch.Tensor | None      # [(H + 2 Hkv) * D, hidden]; None under multi-head latent attention
+    # [(H + 2 Hkv) * D, hidden] (Trinity's: H * D gate rows after v's); None under multi-head latent attention
+    qkv: torch.Tensor | None
     qkv_bias: torch.Tensor | None
     # Qwen3: RMSNorm over head_dim before rotary; OLMo 2: over H * D (whole q); Command R+: LayerNorm over head_dim,
     # weights [H, D] (a row per head)
@@ -128,6 +134,8 @@ class CausalLM:
         unit = torch.ones(config.head_dim, device=device) if any(config.l2_qk_norm_layers) else None
         self.l2_qk_norms = [unit if config.l2_qk_norm_layers and config.l2_qk_norm_layers[i] else None
                             for i in shard.layers]
+        # nanochat norms the embeddings (without a weight) before the first layer
+        self.embedding_norm = torch.ones(config.hidden_size, device=device) if config.embedding_norm else None
         self.embedding_multiplier = config.embedding_multiplier
         if config.embedding_multiplier_in_dtype:
             self.embedding_multiplier = torch.tensor(config.embedding_multiplier, dtype=dtype).item()
@@ -154,6 +162,8 @@ class CausalLM:
         config, layers = self.config, self.shard.layers
         self.cos_table, self.sin_table = ops.rope_cos_sin(self.rotary_dim, config.rope, num_positions, self.device,
                                                           max_model_len)
+        if config.rope_reversed:   # nanochat: each pair turned by -angle (rotate-half's signs flipped)
+            self.sin_table = -self.sin_table
         self.rope_tables = [(self.cos_table, self.sin_table)] * len(self.sliding_windows)
         if config.local_rope is not None:
             local = ops.rope_cos_sin(self.rotary_dim, config.local_rope, num_positions, self.device, max_model_len)
@@ -171,6 +181,8 @@ class CausalLM:
         cfg = self.config
         if hidden is None:
             hidden = self._embed(input_ids)
+            if self.embedding_norm is not None:
+                hidden = self.ops.rms_norm(hidden, self.embedding_norm, cfg.rms_norm_eps)
         residual = None
         for index, layer in enumerate(self.weights.layers):
             normed, residual = self._add_norm(hidden, residual, layer.input_norm, layer.input_norm_bias)
@@ -250,7 +262,11 @@ class CausalLM:
             qkv = qkv + layer.qkv_bias
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         q_size, kv_size = num_heads * cfg.head_dim, num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        gate = None
+        if cfg.attn_output_gate:
+            q, k, v, gate = qkv.split([q_size, kv_size, kv_size, q_size], dim=-1)
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if cfg.qk_norm_over_heads:   # OLMo 2: each norm over its whole projection, before the heads are apart
             q, k = self._qk_norm_over_heads(q, k, layer)
         q = q.reshape(num_tokens, num_heads, cfg.head_dim)
@@ -276,7 +292,10 @@ class CausalLM:
         self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_windows[index], layer.sinks,
                                        cfg.attn_logit_softcapping)
-        out = self.ops.linear(out.reshape(num_tokens, q_size), layer.o_proj)
+        out = out.reshape(num_tokens, q_size)
+        if gate is not None:   # Trinity: after either decode path's attention (the C loop's output too)
+            out = out * torch.sigmoid(gate)
+        out = self.ops.linear(out, layer.o_proj)
         if self.tp_group is not None:
             all_reduce(self.tp_group, out)
         return out if layer.o_bias is None else out + layer.o_bias

@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP block (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2 and V3, GLM-4.5, GLM-4.7-Flash,
-ERNIE 4.5, MiniMax-M2, dots.llm1, K-EXAONE, Solar Open, gpt-oss, Granite MoE, Llama 4): route each token to its
+ERNIE 4.5, MiniMax-M2, dots.llm1, K-EXAONE, Solar Open, gpt-oss, Granite MoE, Llama 4, Trinity): route each token to its
 top-k experts, run the experts, combine with the router's weights, add the shared experts if any.
 
 Routing is computed as the reference implementations compute it, in one of four ways:
@@ -13,7 +13,7 @@ Routing is computed as the reference implementations compute it, in one of four 
   Mistral 4's over softmax scores, with no bias, groups ranked by their best two;
   ERNIE 4.5's over softmax scores with a correction bias, in one group, renormalized, unscaled (Hunyuan-A13B's the
   same without the bias); MiniMax-M2's over sigmoid scores with a correction bias, in one group, renormalized,
-  unscaled, its logits in the model's dtype.
+  unscaled, its logits in the model's dtype (Trinity's the same, scaled by its route_scale).
 - gpt-oss's (`route_topk_softmax`): a biased router, the top-k logits, a softmax over those k; its experts
   carry biases and activate by a clamped SwiGLU (engine.ops.clamped_swiglu).
 - Llama 4's (`route_sigmoid_topk`): the top-k logits, each expert's weight its logit's sigmoid, applied to the

@@ -21,7 +21,7 @@ from engine.compression.format import CompressedTensor
 class CompressedMLP:
     # The rows of the fused gate/up weight, in order, on the model's device: (gate, up) as most families store
     # them, or (gate_up,) where the checkpoint stores them fused (Phi-3's gate_up_proj), or (up,) where the MLP has no
-    # gate (Nemotron's, Arcee's, Apertus's).
+    # gate (Nemotron's, Arcee's, Apertus's, StarCoder2's c_fc, nanochat's fc1).
     gate_up: tuple[CompressedTensor, ...]
     down: CompressedTensor
     tables: tuple[torch.Tensor, ...] | None   # pair tables (decode.needs_pair_tables): gate_up's, then down's

@@ -229,6 +229,8 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
             attention += (num_heads + num_kv_heads) * head_dim if per_head else 2 * head_dim
         if cfg.attention_sinks:   # gpt-oss: one per query head
             attention += num_heads
+        if cfg.attn_output_gate:   # Trinity's gate_proj: a row per query head's dim
+            attention += hidden * head_dim * num_heads
     if cfg.is_sparse(layer):
         moe = cfg.moe
         mlp = (num_experts * moe.intermediate_size + moe.shared_width) * 3 * hidden + moe.num_experts * hidden
@@ -242,6 +244,7 @@ def layer_parameters(cfg: ModelConfig, layer: int, num_heads: int, num_kv_heads:
     else:
         mlp = 3 * hidden * num_mlp_rows + (2 * num_mlp_rows + hidden if cfg.mlp_bias else 0)
     num_norms = 4 if cfg.sandwich_norms and cfg.input_norms else 1 if cfg.parallel_block else 2   # the layer's
+    num_norms = num_norms if cfg.norm_weights else 0   # nanochat's store no weight
     return attention + mlp + num_norms * hidden * (2 if cfg.norm_bias else 1)
 
 
