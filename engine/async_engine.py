@@ -240,8 +240,8 @@ class AsyncEngine:
 
     @property
     def watermark_blocks(self) -> int:
-        """Blocks the scheduler leaves free when it admits a waiting request beside running ones, and a KV
-        import always (SchedulerConfig.watermark_blocks): admission keeps them out of what it hands out."""
+        """Blocks the engine leaves free when it admits a waiting request or imports KV beside running ones
+        (SchedulerConfig.watermark_blocks): admission keeps them out of what it hands out."""
         return self.engine.scheduler.config.watermark_blocks
 
     def admission_figures(self) -> AdmissionFigures:

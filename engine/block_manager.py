@@ -10,9 +10,19 @@ the wrong keys.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from engine.prefix_hash import ROOT_HASH, block_hash
 from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class WaitingPrefix:
+    """A waiting sequence's figure of held prefix blocks (BlockManager.held_prefix_blocks), and what it rests on."""
+
+    hashes: list[int]          # its leading blocks' hashes, as far as a walk hashed them
+    watched: frozenset[int]    # the same, to test the hashes changed since against
+    num_held: int
 
 
 class Block:
@@ -33,6 +43,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self.hash_to_block: dict[int, int] = {}
+        self._changes: set[int] | None = set()   # see take_changes
 
     @property
     def num_blocks(self) -> int:
@@ -83,6 +94,51 @@ class BlockManager:
         shared = sum(1 for block_id in self._cache_hits(seq) if self.blocks[block_id].ref_count > 0)
         return self.blocks_needed(num_tokens) - shared
 
+    def held_prefix_blocks(self, seq: Sequence, changed: set[int] | None, walked: dict[int, int]) -> int:
+        """How many of a waiting seq's leading cached blocks running sequences or KV leases hold now: the blocks
+        blocks_to_admit does not count (a hash collision, which its token check catches, is too rare to matter
+        here). Asked every step of every waiting seq, as the cache changes under it (a lease on its prefix ends, a
+        request ahead computes the same prompt), so it is cheap: the figure kept on the seq stands while none of
+        the hashes it read is among those `changed` since (take_changes; None: any may have), and a walk hashes
+        each block once, only as far as hits reach; `walked`, shared by one pass over the queue, has the held
+        count at the end of each prefix walked in it (a chained hash names its whole prefix, so the walked ones
+        lead this chain), and a queue sharing a long system prompt walks it once."""
+        figure = seq.waiting_prefix
+        if figure is not None and changed is not None and changed.isdisjoint(figure.watched):
+            return figure.num_held
+        if not self.enable_prefix_caching or (seq.pooling is not None and seq.pooling.pooling.every_row):
+            return 0
+        chain = figure.hashes if figure is not None else []
+        low, high = 0, len(chain)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (middle + 1, high) if chain[middle] in walked else (low, middle)
+        held = walked[chain[low - 1]] if low else 0
+        bs, num_hashable, num_hashed = self.block_size, (len(seq.token_ids) - 1) // self.block_size, len(chain)
+        for index in range(low, num_hashable):
+            if index == len(chain):
+                chain.append(block_hash(chain[-1] if chain else ROOT_HASH, seq.token_ids[index * bs:(index + 1) * bs]))
+            block_id = self.hash_to_block.get(chain[index])
+            if block_id is None:
+                break
+            held += self.blocks[block_id].ref_count > 0
+            walked[chain[index]] = held
+        watched = figure.watched if figure is not None and len(chain) == num_hashed else frozenset(chain)
+        seq.waiting_prefix = WaitingPrefix(chain, watched, held)
+        return held
+
+    def take_changes(self) -> set[int] | None:
+        """The hashes whose block was published, evicted, or moved between held and evictable since the last
+        call (None: more than the pool's worth went by untaken: take any as changed)."""
+        changes, self._changes = self._changes, set()
+        return changes
+
+    def _changed(self, block_hash: int) -> None:
+        if self._changes is not None:
+            self._changes.add(block_hash)
+            if len(self._changes) > len(self.blocks):  # no one took them for long: stop counting
+                self._changes = None
+
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         return self.blocks_to_admit(seq, seq.num_tokens) + reserve <= self.num_free_blocks
 
@@ -101,6 +157,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             self.evictable.pop(block_id)
+            self._changed(block.hash)
         block.ref_count += 1
 
     def _allocate_fresh(self) -> int:
@@ -110,6 +167,7 @@ class BlockManager:
             block_id, _ = self.evictable.popitem(last=False)
             block = self.blocks[block_id]
             del self.hash_to_block[block.hash]
+            self._changed(block.hash)
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -149,7 +207,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[index]]
             block.hash, block.token_ids = parent, tokens
             # If another block already holds this prefix, keep that one published.
-            self.hash_to_block.setdefault(parent, block.block_id)
+            if self.hash_to_block.setdefault(parent, block.block_id) == block.block_id:
+                self._changed(parent)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
     # -- release -----------------------------------------------------------------------------
@@ -163,6 +222,7 @@ class BlockManager:
                 continue
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                 self.evictable[block_id] = None
+                self._changed(block.hash)
             else:
                 block.hash, block.token_ids = None, ()
                 self.free_ids.append(block_id)

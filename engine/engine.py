@@ -800,8 +800,9 @@ class LLMEngine:
         payload.validate(self.kv_layout(payload.layout.num_tokens))
         seq = self._new_sequence(request_id, payload.token_ids, params, list(generated_ids), prefill_only=False)
         self.sequences[request_id] = seq
-        if not self.scheduler.has_free_slot() or not self.block_manager.can_allocate(
-                seq, reserve=self.scheduler.config.watermark_blocks):
+        # the watermark is kept for others' growth, as the scheduler keeps it: alone, the import may fill the pool
+        reserve = self.scheduler.config.watermark_blocks if self.scheduler.running else 0
+        if not self.scheduler.has_free_slot() or not self.block_manager.can_allocate(seq, reserve=reserve):
             log.info("request %s: no room to import KV now; it will recompute its prefill", request_id)
             self.scheduler.add(seq)
             if self.speculator is not None:

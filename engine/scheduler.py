@@ -53,7 +53,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        seq.num_blocks_to_admit = None
+        seq.waiting_prefix = None
         self.waiting.append(seq)
 
     def has_free_slot(self) -> bool:
@@ -69,16 +69,19 @@ class Scheduler:
     def num_blocks_waiting(self) -> int:
         """Free blocks the waiting sequences will take once admitted: each one's tokens and, if it decodes here,
         the first token it generates (a prefill-only sequence's lease keeps its prompt; an embedding generates
-        none), less the prefix blocks running sequences hold (BlockManager.blocks_to_admit, as `_admit`
-        checks). The watermark is not in it: it is no one's, and `_admit` applies it to each admission.
-        Figured once per stay in the queue (hashing a long prompt every step would cost) and kept on the
-        sequence: the prefix cache may change meanwhile, and admission checks again when it allocates."""
+        none), less the leading prefix blocks running sequences or KV leases hold now (as `_admit` checks).
+        The watermark is not in it: it is no one's, and the agent's admission applies it to each admission.
+        Current on every call: a figure kept from the sequence's arrival went wrong as the cache changed while it
+        waited (a lease on its prefix ending left its blocks to revive from the free ones; a request ahead
+        computing the same prompt left it only its own tail to take). BlockManager.held_prefix_blocks keeps that
+        cheap: a sequence's figure is walked again only when a block its prefix reads changed."""
+        manager, walked = self.block_manager, {}
+        changed = manager.take_changes()
         total = 0
         for seq in self.waiting:
-            if seq.num_blocks_to_admit is None:
-                generates = seq.pooling is None and not seq.prefill_only
-                seq.num_blocks_to_admit = self.block_manager.blocks_to_admit(seq, seq.num_tokens + generates)
-            total += seq.num_blocks_to_admit
+            generates = seq.pooling is None and not seq.prefill_only
+            total += manager.blocks_needed(seq.num_tokens + generates) - manager.held_prefix_blocks(seq, changed,
+                                                                                                     walked)
         return total
 
     def has_work(self) -> bool:
@@ -170,6 +173,6 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_blocks_to_admit = None   # longer now, and its freed blocks are no one's to share
+        seq.waiting_prefix = None   # longer now: figured again
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -21,7 +21,7 @@ class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "num_hashed_blocks", "block_table", "params", "seed", "status", "prefill_only", "arrival",
                  "finish_reason", "max_total_tokens", "admitted_once", "matcher", "spec", "prediction", "pooling",
-                 "num_blocks_to_admit")
+                 "waiting_prefix")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
                  max_total_tokens: int, prefill_only: bool = False):
@@ -44,8 +44,9 @@ class Sequence:
         self.spec = None     # engine.speculative.SpecState once the sequence has speculated
         self.prediction = None  # engine.ngram.PredictionLookup once its predicted output has been looked up
         self.pooling = None     # engine.pooling.PoolingState: an embedding request, pooled instead of sampled
-        # While waiting: the free blocks its admission will take (Scheduler.num_blocks_waiting); None: not figured yet
-        self.num_blocks_to_admit: int | None = None
+        # While waiting: engine.block_manager.WaitingPrefix, its figure of held prefix blocks
+        # (BlockManager.held_prefix_blocks); None until figured, and again whenever it joins the queue
+        self.waiting_prefix = None
 
     @property
     def num_tokens(self) -> int:

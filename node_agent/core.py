@@ -191,8 +191,11 @@ class AgentCore:
         blocks the engine's waiting requests will take once scheduled (`num_blocks_waiting`: a queued request
         takes its blocks only then, so without this a burst of long prompts would be admitted on the same free
         blocks and queue here, or churn through preemption, instead of going to a site with room), and the
-        scheduler's watermark, which it keeps free when it admits a request beside others (and a KV import
-        always): a request that leaves less would wait in the queue too.
+        engine's watermark, which it keeps free when it admits a request or imports KV beside others: a request
+        that leaves less would wait in the queue too. The engine admits on the blocks of the request's tokens
+        plus the watermark, so a first generated token that opens a block of its own is counted in the
+        watermark, not beside it; and alone on an idle engine a request may fill the pool, as the context
+        (capped at the pool's size) allows.
 
         The engine's stats are those of its last step (no wait for the step in progress); the reservations of
         requests admitted since, which those stats do not count yet, count as waiting requests (once handed to
@@ -221,7 +224,8 @@ class AgentCore:
             raise OverloadedError(f"queue is full ({waiting} waiting, limit {self.config.max_waiting})")
         needed = model.blocks_needed(num_tokens + (1 if generates else 0))
         queued = stats.num_blocks_waiting + pending_blocks
-        kept = model.engine.watermark_blocks if takes_slot or stats.num_running + waiting + reserved else 0
+        kept = model.engine.watermark_blocks if stats.num_running + waiting + reserved else 0
+        kept = max(kept - (needed - model.blocks_needed(num_tokens)), 0)  # a first token opening a block takes it
         free = stats.num_blocks_free - queued - kept
         if needed > free and token_ids is not None:
             shared, free_now = model.engine.shared_prefix_blocks(token_ids)
