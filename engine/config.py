@@ -302,7 +302,8 @@ AFMOE_VARIANTS = {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "to
 # a Qwen2 text model; Qwen3-VL (dense):
 # a Qwen3 one; Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): a Qwen3-MoE one. Qwen2-VL and Qwen2.5-VL were first
 # published with their text model's fields at the top level (FLAT_TEXT_CONFIG_TYPES), later saves nest them in
-# text_config.
+# text_config. GLM-4.1V (glm4v: GLM-4.1V-9B-Thinking, -Base): a GLM-4 one; GLM-4.5V and GLM-4.6V (glm4v_moe): a
+# GLM-4.5 one (_glm4v_text).
 IMAGE_TEXT_MODEL_TYPES = {"gemma3": {"gemma3_text": "gemma3_text"},
                           "mistral3": {"mistral": "mistral", "llama": "llama", "ministral3": "ministral3",
                                        "mistral4": "mistral4"},
@@ -310,15 +311,16 @@ IMAGE_TEXT_MODEL_TYPES = {"gemma3": {"gemma3_text": "gemma3_text"},
                           "qwen2_5_vl": {"qwen2_5_vl_text": "qwen2"},
                           "qwen3_vl": {"qwen3_vl_text": "qwen3"},
                           "qwen3_vl_moe": {"qwen3_vl_moe_text": "qwen3_moe"},
-                          "llama4": {"llama4_text": "llama4_text"}}
+                          "llama4": {"llama4_text": "llama4_text"},
+                          "glm4v": {"glm4v_text": "glm4"}, "glm4v_moe": {"glm4v_moe_text": "glm4_moe"}}
 FLAT_TEXT_CONFIG_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # Their rope is M-RoPE (_mrope_as_rope)
-MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
 # Tied embeddings when either the top level or text_config says so, as transformers reads Qwen2-VL and Qwen2.5-VL
 # (older saves kept the key in text_config; Qwen3-VL's published configs carry it in both). For the others the
 # top-level key decides when present, else text_config's; a stored lm_head.weight that differs from the
 # embeddings is used all the same (loader._read_lm_head), as transformers uses it
-TIED_BY_EITHER_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TIED_BY_EITHER_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe")
 # The Qwen VL text models' fields as transformers defaults them for configs that omit them (rope_theta, rms_norm_eps,
 # max_window_layers and the shape differ from a text-only Qwen2/Qwen3 config's defaults)
 QWEN2_VL_TEXT_DEFAULTS = {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
@@ -335,7 +337,21 @@ QWEN3_VL_MOE_TEXT_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "interm
                               "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
                               "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60,
                               "decoder_sparse_step": 1}
-IMAGE_TEXT_DEFAULTS = {"qwen2_vl_text": QWEN2_VL_TEXT_DEFAULTS, "qwen2_5_vl_text": QWEN2_VL_TEXT_DEFAULTS,
+# GLM-4.1V's and GLM-4.5V's text models as transformers defaults their omitted fields (not GLM-4's nor GLM-4.5's
+# defaults: no eos_token_id, other shapes, q/k/v biases whatever attention_bias says in GLM-4.1V)
+GLM4V_TEXT_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40,
+                       "num_attention_heads": 32, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                       "rms_norm_eps": 1e-5, "eos_token_id": None}
+GLM4V_MOE_TEXT_DEFAULTS = {"vocab_size": 151424, "hidden_size": 4096, "intermediate_size": 10944,
+                           "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+                           "max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "attention_bias": True,
+                           "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                           "n_routed_experts": 128, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                           "first_k_dense_replace": 1, "norm_topk_prob": True}
+# The M-RoPE sections transformers assumes when a GLM-4.xV config names none
+GLM4V_MROPE_SECTION = [8, 12, 12]
+IMAGE_TEXT_DEFAULTS = {"glm4v_text": GLM4V_TEXT_DEFAULTS, "glm4v_moe_text": GLM4V_MOE_TEXT_DEFAULTS,
+                       "qwen2_vl_text": QWEN2_VL_TEXT_DEFAULTS, "qwen2_5_vl_text": QWEN2_VL_TEXT_DEFAULTS,
                        "qwen3_vl_text": QWEN3_VL_TEXT_DEFAULTS, "qwen3_vl_moe_text": QWEN3_VL_MOE_TEXT_DEFAULTS}
 # Text models whose router always renormalizes its top-k weights, whatever norm_topk_prob says (transformers'
 # Qwen3-VL-MoE reads no such key)
@@ -1871,11 +1887,43 @@ def _parse_text_model(raw: dict, path: Path) -> ModelConfig:
         text["tie_word_embeddings"] = tied or (image_type in TIED_BY_EITHER_TYPES
                                                and _flag(text, "tie_word_embeddings", False, text_path))
     text["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    if text_type in ("glm4v_text", "glm4v_moe_text"):
+        _glm4v_text(text, text_type, text_path)
     if image_type in MROPE_MODEL_TYPES:
         _mrope_as_rope(text, text_path)
     cfg = parse_config(text, text_path)
     cfg.image_text_checkpoint = True
     return cfg
+
+
+def _glm4v_text(text: dict, text_type: str, path: Path) -> None:
+    """GLM-4.1V's text model read as a GLM-4 (glm4), GLM-4.5V's as a GLM-4.5 (glm4_moe), where transformers reads them
+    otherwise: GLM-4.1V's heads are hidden_size // num_attention_heads dims and carry q/k/v biases whatever head_dim
+    and attention_bias say, its rotary all of each head unless partial_rotary_factor says less; GLM-4.5V has no q/k
+    norms. Both rotate interleaved pairs (GLM-4.1V) or halves (GLM-4.5V) of each head's first rotary dims by M-RoPE,
+    whose sections must count those dims' frequencies (transformers cannot split them otherwise)."""
+    hidden = _positive_int(text, ("hidden_size",), path)
+    num_heads = _positive_int(text, ("num_attention_heads",), path)
+    if text_type == "glm4v_text":
+        head_dim = hidden // num_heads
+        if text.get("head_dim") is not None and text["head_dim"] != head_dim:
+            raise UnsupportedModelError(f"{path}: head_dim {text['head_dim']!r} is not supported for glm4v_text (its "
+                                        f"attention's heads are hidden_size // num_attention_heads = {head_dim} dims)")
+        text.update(head_dim=head_dim, attention_bias=True)
+        if _rotary_dim(text, head_dim, path) is None:
+            text["partial_rotary_factor"] = 1.0   # transformers' default here, where GLM-4's is a half
+    else:
+        text["use_qk_norm"] = False
+        if text.get("num_local_experts") is not None and text.get("n_routed_experts") is None:
+            text["n_routed_experts"] = text["num_local_experts"]   # transformers' other name
+        head_dim = _optional_int(text, "head_dim", hidden // num_heads, path)
+    rotary_dim = _rotary_dim(text, head_dim, path, GLM4_MOE_PARTIAL_ROTARY if text_type == "glm4v_moe_text" else None)
+    num_frequencies = (rotary_dim or head_dim) // 2
+    rope = {**_mapping(text, "rope_scaling", path), **_mapping(text, "rope_parameters", path)}
+    section = rope.get("mrope_section", GLM4V_MROPE_SECTION)
+    if isinstance(section, list) and sum(n for n in section if isinstance(n, int)) != num_frequencies:
+        raise CheckpointError(f"{path}: mrope_section {section!r} must count the {num_frequencies} rotary "
+                              f"frequencies of each head ({rotary_dim or head_dim} rotary dims)")
 
 
 def _mrope_as_rope(text: dict, path: Path) -> None:

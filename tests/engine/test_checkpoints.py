@@ -81,7 +81,7 @@ def test_unsupported_architecture(copy):
     config["model_type"] = "gpt2"
     config["architectures"] = ["GPT2LMHeadModel"]
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: afmoe, apertus, arcee, cohere, cohere2, cwm, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone4, exaone_moe, flex_olmo, gemma2, gemma3, gemma3_text, glm4, glm4_moe, glm4_moe_lite, gpt_oss, granite, granitemoe, granitemoeshared, hunyuan_v1_dense, hunyuan_v1_moe, llama, llama4, llama4_text, minimax_m2, ministral3, mistral, mistral3, mistral4, mixtral, nanochat, nemotron, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, seed_oss, smollm3, solar_open, starcoder2, youtu"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: afmoe, apertus, arcee, cohere, cohere2, cwm, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone4, exaone_moe, flex_olmo, gemma2, gemma3, gemma3_text, glm4, glm4_moe, glm4_moe_lite, glm4v, glm4v_moe, gpt_oss, granite, granitemoe, granitemoeshared, hunyuan_v1_dense, hunyuan_v1_moe, llama, llama4, llama4_text, minimax_m2, ministral3, mistral, mistral3, mistral4, mixtral, nanochat, nemotron, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, seed_oss, smollm3, solar_open, starcoder2, youtu"):
         LLMEngine(copy, CONFIG)
 
 

@@ -2,7 +2,8 @@
 Qwen3-VL (dense). The engine computes on text prompts what transformers' ForConditionalGeneration computes, from
 each one's config as it was published (Qwen2-VL's and Qwen2.5-VL's text fields at the top level, M-RoPE's 'mrope')
 and as transformers saves it now (text_config), its text tensors under either of their saved names; the image
-encoder is never read. Gemma 3's are tested in test_gemma3_multimodal.py, Qwen3-VL-MoE's in test_qwen3_vl_moe.py.
+encoder is never read. Gemma 3's are tested in test_gemma3_multimodal.py, Qwen3-VL-MoE's in test_qwen3_vl_moe.py,
+GLM-4.1V's and GLM-4.5V's in test_glm4v.py.
 """
 
 from __future__ import annotations
