@@ -1327,8 +1327,12 @@ def _parse_hunyuan_moe(raw: dict, num_layers: int, path: Path) -> MoEConfig:
 def _dots1_defaulted(raw: dict) -> dict:
     """dots.llm1's config (defaulted by DOTS1_DEFAULTS) with a null n_group or topk_group read as one group:
     transformers cannot route by a null count of groups, and its one-group default is how other runtimes read
-    dots.llm1's published configs, reported to say null."""
-    return {**raw, **{key: 1 for key in ("n_group", "topk_group") if raw.get(key) is None}}
+    dots.llm1's published configs, reported to say null. A scoring_func of "noaux_tc" (the topk_method's name, which
+    GGUF converters of the published checkpoints require there) is its sigmoid routing: transformers never reads the
+    key and routes by sigmoid scores whatever it says."""
+    groups = {key: 1 for key in ("n_group", "topk_group") if raw.get(key) is None}
+    scoring = {"scoring_func": "sigmoid"} if raw.get("scoring_func") == "noaux_tc" else {}
+    return {**raw, **groups, **scoring}
 
 
 def _dots1_sliding_windows(raw: dict, num_layers: int, path: Path) -> list[int | None]:

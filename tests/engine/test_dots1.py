@@ -120,6 +120,16 @@ def test_the_published_config_reads_as_transformers_reads_it():
                                                    for kind in their.layer_types]
 
 
+def test_scoring_func_noaux_tc_reads_as_the_sigmoid_routing_transformers_runs():
+    """GGUF converters written against the published dots.llm1 checkpoints require scoring_func "noaux_tc" (the
+    topk_method's name); transformers never reads the key and routes by sigmoid scores, so the engine serves such a
+    config as it serves "sigmoid" instead of refusing it."""
+    raw = _raw(scoring_func="noaux_tc", topk_method="noaux_tc")
+    cfg = parse_config(raw, Path("config.json"))
+    assert cfg.moe.scoring == "sigmoid"
+    assert cfg == parse_config({**raw, "scoring_func": "sigmoid"}, Path("config.json"))
+
+
 def test_a_compressed_copy_gives_the_logits_of_its_original(tmp_path):
     # compressed_in_memory streams the dense layer's MLP and expands the experts of the MoE layers
     original, compressed = tmp_path / "bf16", tmp_path / "compressed"
