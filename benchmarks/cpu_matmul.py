@@ -55,8 +55,8 @@ def main() -> None:
                 for weight in weights:
                     ops.linear(x, weight)
 
-            (c_s, torch_s, floor_s), _, _ = c_loop_vs_torch(cpu_matmul, "_cpu_matmul", run, flat.sum, args.rounds,
-                                                             args.repeats)
+            times, _ = c_loop_vs_torch(cpu_matmul, "_cpu_matmul", run, flat.sum, args.rounds, args.repeats)
+            c_s, torch_s, floor_s = times["c"], times["torch"], times["floor"]
             print(f"| {name} ({count} x {out_features} x {in_features}) | {rows} | {flat.numel() * 4 / 2**20:.0f} MiB | "
                   f"{c_s * 1e3:.2f} ms | {torch_s * 1e3:.2f} ms | {torch_s / c_s:.2f}x | {c_s / floor_s:.2f}x |")
         loads.append(load_average())

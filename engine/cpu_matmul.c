@@ -1,12 +1,13 @@
 /* A matmul of a few rows on the CPU, built as engine._cpu_matmul (cpu_matmul.py says why).
 
-   matmul(x, w, out, rows, n, k, num_threads): out[rows, n] = x[rows, k] @ w[n, k]^T in float32, for the
-   few rows of a decode step (rows <= 16) against a large weight. Each weight row is read once, from
-   memory, with the next rows prefetched while these are multiplied; up to 8 input rows are kept in
-   registers' reach per pass (16 rows: two passes over each weight row while it is still in L1). The
-   weight's rows are shared out over OpenMP threads in contiguous slabs; the extension is linked
-   against libgomp.so.1 and imported after torch, whose wheel ships that library, so these are
-   torch's own threads (engine/cpu_attention.c does the same).
+   matmul(x, w, out, bias, rows, n, k, num_threads): out[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n] where bias is
+   not None) in float32, for the few rows of a decode step (rows <= 16) against a large weight. The bias joins each
+   sum after its lanes are totalled, the one float32 addition torch's `out + bias` would make after the matmul.
+   Each weight row is read once, from memory, with the next rows prefetched while these are multiplied; up to 8
+   input rows are kept in registers' reach per pass (16 rows: two passes over each weight row while it is still in
+   L1). The weight's rows are shared out over OpenMP threads in contiguous slabs; the extension is linked against
+   libgomp.so.1 and imported after torch, whose wheel ships that library, so these are torch's own threads
+   (engine/cpu_attention.c does the same).
 
    Sizes are checked against the buffers before the loop runs (with the GIL released). */
 
@@ -41,8 +42,8 @@ static inline float total(vec v) {
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-static void slab(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int64_t first,
-                 int64_t last) {
+static void slab(const float *x, const float *w, const float *bias, float *out, int64_t rows, int64_t n, int64_t k,
+                 int64_t first, int64_t last) {
     for (int64_t j = first; j < last; j += 2) {
         const float *w0 = w + j * k;
         const int two = j + 1 < last;
@@ -66,31 +67,39 @@ static void slab(const float *x, const float *w, float *out, int64_t rows, int64
                 }
             }
             for (int64_t i = 0; i < block; i++) {
-                out[(m0 + i) * n + j] = total(acc0[i]);
-                if (two) out[(m0 + i) * n + j + 1] = total(acc1[i]);
+                float sum0 = total(acc0[i]), sum1 = total(acc1[i]);
+                if (bias) {
+                    sum0 += bias[j];
+                    sum1 += bias[two ? j + 1 : j];
+                }
+                out[(m0 + i) * n + j] = sum0;
+                if (two) out[(m0 + i) * n + j + 1] = sum1;
             }
         }
     }
 }
 
 static PyObject *matmul(PyObject *self, PyObject *args) {
-    static const char *const names[] = {"x", "w", "out"};
-    PyObject *objects[3];
+    static const char *const names[] = {"x", "w", "out", "bias"};
+    PyObject *objects[4];
     long long rows, n, k;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "OOOLLLi", &objects[0], &objects[1], &objects[2], &rows, &n, &k, &num_threads))
+    if (!PyArg_ParseTuple(args, "OOOOLLLi", &objects[0], &objects[1], &objects[2], &objects[3], &rows, &n, &k,
+                          &num_threads))
         return NULL;
-    Py_buffer views[3];
-    const int got = get_buffers(objects, views, 3, 2, names);
+    const int count = objects[3] == Py_None ? 3 : 4;
+    Py_buffer views[4];
+    const int got = get_buffers(objects, views, count, 2, names);
     PyObject *result = NULL;
-    if (got == 3) {
+    if (got == count) {
         if (rows < 1 || rows > MAX_ROWS || n < 1 || k < LANES || k % LANES) {
             PyErr_Format(PyExc_ValueError, "unsupported shape: %lld rows (1-%d), k %lld (a multiple of %d)", rows,
                          MAX_ROWS, k, LANES);
-        } else if (views[0].len != rows * k * 4 || views[1].len != n * k * 4 || views[2].len != rows * n * 4) {
-            PyErr_SetString(PyExc_ValueError, "x, w and out disagree with rows, n and k");
+        } else if (views[0].len != rows * k * 4 || views[1].len != n * k * 4 || views[2].len != rows * n * 4 ||
+                   (count == 4 && views[3].len != n * 4)) {
+            PyErr_SetString(PyExc_ValueError, "x, w, out and bias disagree with rows, n and k");
         } else {
-            const float *x = views[0].buf, *w = views[1].buf;
+            const float *x = views[0].buf, *w = views[1].buf, *bias = count == 4 ? views[3].buf : NULL;
             float *out = views[2].buf;
             const int64_t pairs = (n + 1) / 2;
             if (num_threads < 1) num_threads = 1;
@@ -103,7 +112,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
                 const int64_t part = 0, parts = 1;
 #endif
                 const int64_t first = 2 * (pairs * part / parts), last = 2 * (pairs * (part + 1) / parts);
-                slab(x, w, out, rows, n, k, first, last < n ? last : n);
+                slab(x, w, bias, out, rows, n, k, first, last < n ? last : n);
             }
             Py_END_ALLOW_THREADS
             result = Py_None;
@@ -116,8 +125,9 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
-     "matmul(x, w, out, rows, n, k, num_threads): out[rows, n] = x[rows, k] @ w[n, k]^T (float32, rows <= 16, k a "
-     "multiple of 16) on num_threads OpenMP threads. Raises ValueError on sizes that disagree."},
+     "matmul(x, w, out, bias, rows, n, k, num_threads): out[rows, n] = x[rows, k] @ w[n, k]^T + bias[n] (bias None: "
+     "none; float32, rows <= 16, k a multiple of 16) on num_threads OpenMP threads. Raises ValueError on sizes that "
+     "disagree."},
     {NULL, NULL, 0, NULL},
 };
 

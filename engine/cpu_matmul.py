@@ -37,17 +37,20 @@ def available() -> bool:
     return _cpu_matmul is not None
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether matmul() takes x [rows, in] and weight [out, in]."""
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether matmul() takes x [rows, in], weight [out, in] and bias (None or [out])."""
     return (_cpu_matmul is not None and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] % LANES == 0
-            and weight.numel() >= MIN_WEIGHT_ELEMENTS and weight.is_contiguous() and x.shape[0] >= MIN_ROWS)
+            and weight.numel() >= MIN_WEIGHT_ELEMENTS and weight.is_contiguous() and x.shape[0] >= MIN_ROWS
+            and (bias is None or bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ weight [out, in].T on torch's threads (takes() must hold)."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in].T (+ bias [out], float32: added to each total as `+ bias` after the matmul
+    would add it) on torch's threads (takes() must hold)."""
     x = x.contiguous()
     rows, k = x.shape
     out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-    _cpu_matmul.matmul(x.numpy(), weight.numpy(), out.numpy(), rows, weight.shape[0], k, torch.get_num_threads())
+    _cpu_matmul.matmul(x.numpy(), weight.numpy(), out.numpy(), None if bias is None else bias.contiguous().numpy(),
+                       rows, weight.shape[0], k, torch.get_num_threads())
     return out

@@ -243,23 +243,26 @@ class CausalLM:
         return hidden if multiplier == 1 else hidden * multiplier
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, layer.gate_up)
-        if layer.gate_up_bias is not None:
-            gate_up = gate_up + layer.gate_up_bias
+        gate_up = self.ops.linear(x, layer.gate_up, layer.gate_up_bias)
         activate = getattr(self.ops, self.act_and_mul)
         activated = activate(gate_up) if layer.act_params is None else activate(gate_up, layer.act_params)
-        out = self.ops.linear(activated, layer.down)
-        if self.tp_group is not None:
-            all_reduce(self.tp_group, out)
-        return out if layer.down_bias is None else out + layer.down_bias
+        return self._row_parallel_linear(activated, layer.down, layer.down_bias)
+
+    def _row_parallel_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """o_proj's and down's x @ weight.T + bias. Alone the bias joins the product before its rounding, as
+        transformers' F.linear adds it; under TP each rank's product is a part, so the whole bias is added once,
+        after the all-reduce."""
+        if self.tp_group is None:
+            return self.ops.linear(x, weight, bias)
+        out = self.ops.linear(x, weight)
+        all_reduce(self.tp_group, out)
+        return out if bias is None else out + bias
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
                    batch: ops.AttentionBatch, layer_cache: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = self.ops.linear(x, layer.qkv)
-        if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias
+        qkv = self.ops.linear(x, layer.qkv, layer.qkv_bias)
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         q_size, kv_size = num_heads * cfg.head_dim, num_kv_heads * cfg.head_dim
         gate = None
@@ -295,10 +298,7 @@ class CausalLM:
         out = out.reshape(num_tokens, q_size)
         if gate is not None:   # Trinity: after either decode path's attention (the C loop's output too)
             out = out * torch.sigmoid(gate)
-        out = self.ops.linear(out, layer.o_proj)
-        if self.tp_group is not None:
-            all_reduce(self.tp_group, out)
-        return out if layer.o_bias is None else out + layer.o_bias
+        return self._row_parallel_linear(out, layer.o_proj, layer.o_bias)
 
     def _tuned_temperature(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Llama 4's attention temperature tuning on a NoPE layer: each query times 1 + attn_scale * log(1 +

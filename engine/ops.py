@@ -105,8 +105,12 @@ LINEAR_SPLIT_ROWS = 32
 LINEAR_SPLIT_MIN_ELEMENTS = 1 << 18
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, in] @ weight [out, in].T.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in].T (+ bias [out]).
+
+    In bfloat16 or float16 the bias joins the float32 products before their one rounding to x's dtype, as
+    torch.nn.functional.linear adds it (added after, each biased projection would be rounded twice); in float32 the
+    product is already float32 and the bias is added after it, the sum the engine always computed.
 
     On a CPU, up to 16 rows against a large float32 weight go to the C loop (engine.cpu_matmul). Where
     it is not built or does not take the shapes, with several threads, few rows and a large weight, the
@@ -115,14 +119,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     small-batch decode step then streams its weights on every core (about 1.5x less time per matmul
     on 2 cores at 1-4 rows; no loss up to 32 rows, where torch's own threading takes over).
     """
-    if cpu_matmul.takes(x, weight):
-        return cpu_matmul.matmul(x, weight)
+    if cpu_matmul.takes(x, weight, bias):
+        return cpu_matmul.matmul(x, weight, bias)
+    if bias is not None and x.dtype == torch.float32:
+        return linear(x, weight) + bias
     rows, num_threads = x.shape[0], torch.get_num_threads()
     if (rows > LINEAR_SPLIT_ROWS or num_threads == 1 or x.device.type != "cpu"
             or weight.numel() < LINEAR_SPLIT_MIN_ELEMENTS or weight.shape[0] % num_threads):
-        return x @ weight.T
-    slabs = weight.view(num_threads, weight.shape[0] // num_threads, weight.shape[1])
-    return torch.matmul(x, slabs.transpose(1, 2)).transpose(0, 1).reshape(rows, weight.shape[0])
+        return x @ weight.T if bias is None else F.linear(x, weight, bias)
+    slabs = weight.view(num_threads, weight.shape[0] // num_threads, weight.shape[1]).transpose(1, 2)
+    if bias is None:
+        out = torch.matmul(x, slabs)
+    else:   # each slab's bias rows join its products before the rounding, as F.linear adds them
+        out = torch.baddbmm(bias.view(num_threads, 1, -1), x.expand(num_threads, *x.shape), slabs)
+    return out.transpose(0, 1).reshape(rows, weight.shape[0])
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig, max_model_len: int) -> torch.Tensor:

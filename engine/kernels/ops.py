@@ -4,6 +4,8 @@ engine.ops.for_device returns this module in place of engine.ops on CUDA, so the
 `self.ops.rms_norm(...)` and never branches per call.
 """
 
+import torch
+
 from engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from engine.kernels.attention import paged_attention
 from engine.kernels.fused_moe import fused_moe
@@ -19,6 +21,12 @@ __all__ = ["add_layer_norm", "add_rms_norm", "apply_rotary", "biased_layer_norm"
            "write_kv", "xielu"]
 
 
-def linear(x, weight):
-    """x @ weight.T: cuBLAS already spreads a matmul of any row count over the whole GPU."""
-    return x @ weight.T
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias): cuBLAS already spreads a matmul of any row count over the whole GPU. In bfloat16 or
+    float16 the bias joins before the one rounding, in cuBLAS's epilogue (torch.nn.functional.linear); in float32
+    it is added after, as engine.ops.linear adds it."""
+    if bias is None:
+        return x @ weight.T
+    if x.dtype != torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
+    return x @ weight.T + bias

@@ -55,6 +55,9 @@ def test_shapes_it_does_not_take_stay_with_torch():
 def test_sizes_that_disagree_raise():
     x, weight, out = torch.randn(4, 256), torch.randn(512, 256), torch.empty(4, 511)
     with pytest.raises(ValueError, match="disagree"):
-        cpu_matmul._cpu_matmul.matmul(x.numpy(), weight.numpy(), out.numpy(), 4, 512, 256, 1)
+        cpu_matmul._cpu_matmul.matmul(x.numpy(), weight.numpy(), out.numpy(), None, 4, 512, 256, 1)
+    with pytest.raises(ValueError, match="disagree"):
+        cpu_matmul._cpu_matmul.matmul(x.numpy(), weight.numpy(), torch.empty(4, 512).numpy(),
+                                      torch.zeros(511).numpy(), 4, 512, 256, 1)
     with pytest.raises(ValueError, match="unsupported shape"):
-        cpu_matmul._cpu_matmul.matmul(x.numpy(), weight.numpy(), out.numpy(), 17, 512, 256, 1)
+        cpu_matmul._cpu_matmul.matmul(x.numpy(), weight.numpy(), out.numpy(), None, 17, 512, 256, 1)
