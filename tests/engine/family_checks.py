@@ -109,3 +109,25 @@ def save_per_expert(directory: Path, published: Path) -> None:
             tensors[key] = tensor
     save_file(tensors, str(published / "model.safetensors"), metadata={"format": "pt"})
     (published / "config.json").write_text((directory / "config.json").read_text())
+
+
+def sharp_logits_check(variant, threshold: float, after=None):
+    """An engine on the variant's checkpoint, its prompt logits checked equal to transformers' (PROMPT), and
+    far_after(change): whether they land farther than `threshold` from transformers' while change(patch) holds (patch: a
+    MonkeyPatch, undone after it; `after()`, if given, then rebuilds what a change left behind). A family's test that
+    its distinguishing features are what matches transformers asserts far_after of each feature dropped."""
+    _name, directory, reference = variant
+    engine = LLMEngine(directory, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, block_size=8))
+    with torch.no_grad():
+        theirs = reference(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(engine.prompt_logits(PROMPT), theirs, rtol=1e-4, atol=1e-4)
+
+    def far_after(change) -> bool:
+        with pytest.MonkeyPatch.context() as patch:
+            change(patch)
+            distance = (engine.prompt_logits(PROMPT) - theirs).abs().max()
+        if after is not None:
+            after()
+        return bool(distance > threshold)
+
+    return engine, far_after

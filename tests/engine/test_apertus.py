@@ -22,13 +22,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import APERTUS_ROPE, parse_config
-from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
 from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, variant_fixture)
+                                        parallel_engines_fixture, sharp_logits_check, variant_fixture)
 from tests.engine.test_mechanics import make_engine
-from tests.engine.test_parallel import PROMPT, assert_prompt_logits
+from tests.engine.test_parallel import assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,17 +120,8 @@ def test_the_published_config_is_read_as_transformers_reads_it():
 def test_what_sets_apertus_apart_moves_the_logits_far_from_transformers(variant):
     # the logits check is sharp: without the q/k norms, with the layers' xIELU parameters swapped or reset to
     # transformers' initial ones, or with another ungated activation, the same weights are far from transformers' logits
-    name, directory, reference = variant
-    engine = LLMEngine(directory, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, block_size=8))
+    engine, far_after = sharp_logits_check(variant, 0.1)
     layers = engine.model.weights.layers
-    with torch.no_grad():
-        theirs = reference(torch.tensor([PROMPT])).logits[0].float()
-    torch.testing.assert_close(engine.prompt_logits(PROMPT), theirs, rtol=1e-4, atol=1e-4)
-
-    def far_after(change) -> bool:
-        with pytest.MonkeyPatch.context() as patch:
-            change(patch)
-            return (engine.prompt_logits(PROMPT) - theirs).abs().max() > 0.1
 
     def drop_qk_norms(patch):
         for layer in layers:

@@ -20,11 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import parse_config
-from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
 from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, save_per_expert, variant_fixture)
+                                        parallel_engines_fixture, sharp_logits_check, save_per_expert, variant_fixture)
 from tests.engine.test_mechanics import make_engine
 from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
@@ -134,17 +133,8 @@ def test_what_sets_flex_olmo_apart_moves_the_logits_far_from_transformers(varian
     # the logits check is sharp: without either norm of the outputs (OLMoE's layer norms neither), or with the q/k norms
     # over each head, the same weights are far from transformers' logits. (Renormalizing the top-k or not scales each
     # token's experts' sum alone, which the norm of the MLP's output undoes.)
-    name, directory, reference = variant
-    engine = LLMEngine(directory, EngineConfig(kv_cache_bytes=4 << 20, show_progress=False, block_size=8))
+    engine, far_after = sharp_logits_check(variant, 0.1)
     layers, cfg = engine.model.weights.layers, engine.model.config
-    with torch.no_grad():
-        theirs = reference(torch.tensor([PROMPT])).logits[0].float()
-    torch.testing.assert_close(engine.prompt_logits(PROMPT), theirs, rtol=1e-4, atol=1e-4)
-
-    def far_after(change) -> bool:
-        with pytest.MonkeyPatch.context() as patch:
-            change(patch)
-            return (engine.prompt_logits(PROMPT) - theirs).abs().max() > 0.1
 
     def per_head_qk_norms(patch):
         patch.setattr(cfg, "qk_norm_over_heads", False)
