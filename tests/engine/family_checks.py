@@ -131,3 +131,10 @@ def sharp_logits_check(variant, threshold: float, after=None):
         return bool(distance > threshold)
 
     return engine, far_after
+
+
+def assert_shape_as_transformers(cfg, their, head_dim: int) -> None:
+    """The engine's config (cfg) has the shape transformers' config (their) gives the model, with heads of head_dim."""
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim) == (their.vocab_size, their.hidden_size, their.intermediate_size, their.num_hidden_layers,
+                              their.num_attention_heads, their.num_key_value_heads, head_dim)

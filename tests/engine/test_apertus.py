@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 from engine.config import APERTUS_ROPE, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
-from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, sharp_logits_check, variant_fixture)
+from tests.engine.family_checks import (DECODE_PATHS, assert_shape_as_transformers, check_compressed_copy,
+                                        check_decode_path, parallel_engines_fixture, sharp_logits_check,
+                                        variant_fixture)
 from tests.engine.test_mechanics import make_engine
 from tests.engine.test_parallel import assert_prompt_logits
 
@@ -189,9 +190,7 @@ def test_apertus_configs_the_engine_cannot_follow_are_refused_naming_the_field(c
 
 def test_omitted_fields_default_as_transformers_defaults_them():
     cfg, their = parse_config({"model_type": "apertus"}, Path("config.json")), transformers.ApertusConfig()
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim) == (their.vocab_size, their.hidden_size, their.intermediate_size, their.num_hidden_layers,
-                              their.num_attention_heads, their.num_key_value_heads, 128)
+    assert_shape_as_transformers(cfg, their, 128)
     rope = their.rope_parameters
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor, cfg.rope.original_max_position_embeddings) == (
         rope["rope_type"], rope["rope_theta"], rope["factor"], rope["original_max_position_embeddings"])

@@ -20,8 +20,8 @@ from engine.config import parse_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
-from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, variant_fixture)
+from tests.engine.family_checks import (DECODE_PATHS, assert_shape_as_transformers, check_compressed_copy,
+                                        check_decode_path, parallel_engines_fixture, variant_fixture)
 from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -144,9 +144,7 @@ def test_arcee_configs_the_engine_cannot_follow_are_refused_naming_the_field(cha
 
 def test_omitted_fields_default_as_transformers_defaults_them():
     cfg, their = parse_config({"model_type": "arcee"}, Path("config.json")), transformers.ArceeConfig()
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim) == (their.vocab_size, their.hidden_size, their.intermediate_size, their.num_hidden_layers,
-                              their.num_attention_heads, their.num_key_value_heads, their.head_dim)
+    assert_shape_as_transformers(cfg, their, their.head_dim)
     assert (cfg.rope.theta, cfg.rope.rope_type, cfg.rms_norm_eps, cfg.max_position_embeddings) == (
         their.rope_parameters["rope_theta"], their.rope_parameters["rope_type"], their.rms_norm_eps,
         their.max_position_embeddings)

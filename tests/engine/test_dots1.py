@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from engine.config import load_config, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
-from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, variant_fixture)
+from tests.engine.family_checks import (DECODE_PATHS, assert_shape_as_transformers, check_compressed_copy,
+                                        check_decode_path, parallel_engines_fixture, variant_fixture)
 from tests.engine.test_parallel import assert_prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -178,9 +178,7 @@ def test_omitted_fields_default_as_transformers_defaults_them():
     raw = {"model_type": "dots1", "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2}
     cfg = parse_config(raw, Path("config.json"))
     their = transformers.Dots1Config(**{key: value for key, value in raw.items() if key != "model_type"})
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim) == (their.vocab_size, their.hidden_size, their.intermediate_size, their.num_hidden_layers,
-                              their.num_attention_heads, their.num_key_value_heads, 144)
+    assert_shape_as_transformers(cfg, their, 144)
     assert (cfg.rope.theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings, cfg.bos_token_id,
             cfg.eos_token_ids) == (their.rope_parameters["rope_theta"], their.rms_norm_eps,
                                    their.max_position_embeddings, False, None, [])

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from engine.config import load_config, parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
-from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, variant_fixture)
+from tests.engine.family_checks import (DECODE_PATHS, assert_shape_as_transformers, check_compressed_copy,
+                                        check_decode_path, parallel_engines_fixture, variant_fixture)
 from tests.engine.test_mechanics import make_engine
 from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
@@ -153,9 +153,7 @@ def test_configs_the_engine_cannot_follow_are_refused_naming_the_field(changes, 
 
 def test_omitted_fields_default_as_transformers_defaults_them():
     cfg, their = parse_config({"model_type": "exaone_moe"}, Path("config.json")), transformers.ExaoneMoeConfig()
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim) == (their.vocab_size, their.hidden_size, their.intermediate_size, their.num_hidden_layers,
-                              their.num_attention_heads, their.num_key_value_heads, 128)
+    assert_shape_as_transformers(cfg, their, 128)
     assert (cfg.rope.theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings, cfg.bos_token_id,
             cfg.eos_token_ids) == (their.rope_parameters["rope_theta"], their.rms_norm_eps,
                                    their.max_position_embeddings, False, their.bos_token_id, [their.eos_token_id])

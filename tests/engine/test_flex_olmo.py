@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 from engine.config import parse_config
 from engine.errors import CheckpointError, UnsupportedModelError
 from tests.engine.conftest import save_random_checkpoint
-from tests.engine.family_checks import (DECODE_PATHS, check_compressed_copy, check_decode_path,
-                                        parallel_engines_fixture, sharp_logits_check, save_per_expert, variant_fixture)
+from tests.engine.family_checks import (DECODE_PATHS, assert_shape_as_transformers, check_compressed_copy,
+                                        check_decode_path, parallel_engines_fixture, save_per_expert,
+                                        sharp_logits_check, variant_fixture)
 from tests.engine.test_mechanics import make_engine
 from tests.engine.test_parallel import PROMPT, assert_prompt_logits
 
@@ -184,9 +185,7 @@ def test_configs_the_engine_cannot_follow_are_refused_naming_the_field(changes, 
 
 def test_omitted_fields_default_as_transformers_defaults_them():
     cfg, their = parse_config({"model_type": "flex_olmo"}, Path("config.json")), transformers.FlexOlmoConfig()
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim) == (their.vocab_size, their.hidden_size, their.intermediate_size, their.num_hidden_layers,
-                              their.num_attention_heads, their.num_key_value_heads, 128)
+    assert_shape_as_transformers(cfg, their, 128)
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (
         their.rope_parameters["rope_type"], their.rope_parameters["rope_theta"], their.rms_norm_eps,
         their.max_position_embeddings)
