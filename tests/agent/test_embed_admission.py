@@ -45,15 +45,15 @@ async def test_an_input_the_free_kv_cannot_hold_now_is_refused_as_a_full_site(st
     model's context on this site is INVALID_ARGUMENT naming it."""
     agent = await start_agent(kv_cache_bytes=64 << 10)   # a pool of 8 blocks: 128 tokens
     client = connect(agent)
-    running = client.generate(agent_pb2.GenerateRequest(
+    # A prefill's KV lease holds its prompt's blocks until released (a generating request would free them when it
+    # finished, which on a busy machine could be before the embedding is admitted)
+    lease = await client.prefill(agent_pb2.PrefillRequest(
         request_id="holder", model=MODEL, prompt_ids=[5 + i for i in range(90)],
         sampling=agent_pb2.SamplingParams(max_tokens=30, ignore_eos=True)), timeout=60)
-    await running.read()   # its prompt's blocks are held while it decodes
     with pytest.raises(aio.AioRpcError) as refused:
         await client.embed(agent_pb2.EmbedRequest(request_id="long", model=MODEL, inputs=inputs(1, 90)), timeout=60)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool is full" in refused.value.details()
-    while (await running.read()) is not aio.EOF:
-        pass
+    assert await client.release_kv(lease.kv_handle)
     assert len((await client.embed(agent_pb2.EmbedRequest(request_id="later", model=MODEL, inputs=inputs(1, 90)),
                                    timeout=60)).embeddings) == 1   # once the KV is free again
     with pytest.raises(aio.AioRpcError) as too_long:
